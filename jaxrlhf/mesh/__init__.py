@@ -1,0 +1,1 @@
+"""Placement: device groups, layouts, execution plans, reallocation, cost and search."""

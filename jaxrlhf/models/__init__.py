@@ -1,0 +1,1 @@
+"""Models: math only; placement is expressed through logical axis names."""

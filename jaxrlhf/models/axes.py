@@ -1,0 +1,63 @@
+"""Logical axis names: the only thing `models/` knows about placement.
+
+Every parameter carries a `logical_axes` tuple in its metadata; activations
+are annotated with `constrain(x, names)`. The mesh layer (`jaxrlhf.mesh`)
+turns names into `PartitionSpec`s by installing a resolver with
+`activation_sharding(...)` while a call is traced. Outside such a context
+`constrain` is the identity, so models run unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
+
+import jax
+from flax import nnx
+
+# Parameter axes.
+VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+# Activation axes.
+BATCH, LENGTH = "batch", "length"
+PARAM_AXES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP)
+ACTIVATION_AXES = (BATCH, LENGTH)
+
+LogicalAxes = tuple[str | None, ...]
+Resolver = Callable[[LogicalAxes], Any]  # logical names -> jax.sharding.Sharding (or None)
+
+_resolver: contextvars.ContextVar[Resolver | None] = contextvars.ContextVar("axis_resolver", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(resolver: Resolver | None) -> Iterator[None]:
+    """Make `constrain` emit sharding constraints while tracing inside this block."""
+    token = _resolver.set(resolver)
+    try:
+        yield
+    finally:
+        _resolver.reset(token)
+
+
+def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:
+    """Annotate an activation with logical axes (identity without a resolver)."""
+    resolver = _resolver.get()
+    if resolver is None:
+        return x
+    sharding = resolver(names)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def param_logical_axes(tree: Any) -> Any:
+    """Pytree of logical-axis tuples matching `nnx.state(model)` (or a sub-state).
+
+    Variables without `logical_axes` metadata are treated as replicated.
+    """
+
+    def axes_of(v):
+        if isinstance(v, nnx.Variable):
+            meta = v.get_metadata()
+            return meta.get("logical_axes", (None,) * v.value.ndim)
+        return (None,) * getattr(v, "ndim", 0)
+
+    return jax.tree_util.tree_map(axes_of, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))

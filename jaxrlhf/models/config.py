@@ -1,0 +1,183 @@
+"""Model dimensions and named size presets.
+
+A `ModelConfig` holds only shapes and numerics, never weights, so the planner
+can reason about a 70B model on a laptop. HF `config.json` files map onto it
+(see `hf_io.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rope scaling (HF `rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions and numerics of a decoder-only (LLaMA-family) transformer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # defaults to hidden_size // num_heads
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral; None = full causal attention
+    architecture: str = "llama"
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    pad_token_id: int | None = 0
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"model.architecture={self.architecture!r} is not supported; choose one of {ARCHITECTURES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"model.{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, with_lm_head: bool = True) -> int:
+        """Parameter count of the causal LM (trunk + output embedding unless tied)."""
+        d, f, h, kv, hd = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.dim_per_head,
+        )
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
+        if self.attention_bias:
+            attn += h * hd + 2 * kv * hd
+        layer = attn + 3 * d * f + 2 * d
+        total = self.vocab_size * d + self.num_layers * layer + d
+        if with_lm_head and not self.tie_word_embeddings:
+            total += d * self.vocab_size
+        return total
+
+
+# Named presets hold only dimensions; they are usable without weights (planner, abstract plans).
+PRESETS: dict[str, ModelConfig] = {
+    # Test sizes: fast to compile on CPU with 8 simulated devices.
+    "tiny": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+    ),
+    "tiny-qwen2": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=512, rope_theta=1e6,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=True, architecture="qwen2",
+    ),
+    "tiny-mistral": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=512, sliding_window=16,
+        architecture="mistral",
+    ),
+    "small": ModelConfig(  # quickstart-scale actor (~3M parameters)
+        vocab_size=384, hidden_size=256, intermediate_size=688, num_layers=4,
+        num_heads=8, num_kv_heads=4, max_position_embeddings=1024,
+    ),
+    "llama-100m": ModelConfig(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+        num_heads=12, num_kv_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+    "llama2-7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+        num_heads=32, num_kv_heads=32, max_position_embeddings=4096, param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "llama2-13b": ModelConfig(
+        vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40,
+        num_heads=40, num_kv_heads=40, max_position_embeddings=4096, param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "llama2-34b": ModelConfig(
+        vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_layers=48,
+        num_heads=64, num_kv_heads=8, max_position_embeddings=4096, param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "llama2-70b": ModelConfig(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, max_position_embeddings=4096, param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
+    "llama3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+        pad_token_id=None,
+    ),
+    "qwen2-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=True, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "qwen2-1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=True, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "qwen2-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """Look up a named size preset, optionally replacing fields."""
+    if name not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, PRESETS, n=3)
+        hint = f" Did you mean {close}?" if close else ""
+        raise KeyError(f"unknown model preset {name!r}.{hint} Known presets: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,1 @@
+"""RL algorithms: dataflow graph, rollout, rewards, losses, advantages and the step engine."""
