@@ -1,0 +1,332 @@
+"""Decoder-only LLaMA-family transformer in Flax NNX, with a KV cache.
+
+One attention code path serves training (no cache), prefill and decode:
+queries sit at cache slots [index, index + T) and may attend to any earlier
+slot that holds a real token. Left padding therefore changes nothing for the
+unpadded tokens, as long as `positions` count only real tokens
+(`positions_from_mask`).
+
+Parameters carry `logical_axes` metadata (see `axes.py`); projections are
+stored with separate head axes ([embed, heads, head_dim]) so tensor
+parallelism can shard heads without reshapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models.config import ModelConfig
+
+_NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
+
+
+def _param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...], names: ax.LogicalAxes, dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=names)
+
+
+_normal = jax.nn.initializers.normal(stddev=0.02)
+_zeros = jax.nn.initializers.zeros
+_ones = jax.nn.initializers.ones
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys/values for `max_len` slots, which slots hold real tokens, and the next slot."""
+
+    k: tuple[Float[Array, "batch slots kv_heads head_dim"], ...]
+    v: tuple[Float[Array, "batch slots kv_heads head_dim"], ...]
+    valid: Bool[Array, "batch slots"]
+    index: Int[Array, ""]
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+        dtype = dtype or config.jnp_dtype
+        shape = (batch, max_len, config.num_kv_heads, config.dim_per_head)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            valid=jnp.zeros((batch, max_len), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+def positions_from_mask(mask: Bool[Array, "batch length"]) -> Int[Array, "batch length"]:
+    """Rotary positions that count real tokens only (0 for leading padding)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_inv_frequencies(config: ModelConfig) -> Float[Array, "half_head_dim"]:
+    """Inverse rotary frequencies, with Llama-3 style scaling when configured."""
+    dim = config.dim_per_head
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(
+    x: Float[Array, "batch length heads head_dim"],
+    positions: Int[Array, "batch length"],
+    inv_freq: Float[Array, "half_head_dim"],
+) -> Float[Array, "batch length heads head_dim"]:
+    """Rotate pairs (i, i + head_dim/2), the HF "rotate_half" convention."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = config.rms_norm_eps
+        self.weight = _param(rngs, _ones, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
+
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight.value.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.dim_per_head
+        pd = config.jnp_param_dtype
+        self.q = _param(rngs, _normal, (d, h, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), pd)
+        self.k = _param(rngs, _normal, (d, kv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), pd)
+        self.v = _param(rngs, _normal, (d, kv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), pd)
+        self.o = _param(rngs, _normal, (h, hd, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), pd)
+        if config.attention_bias:
+            self.q_bias = _param(rngs, _zeros, (h, hd), (ax.HEADS, ax.HEAD_DIM), pd)
+            self.k_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
+            self.v_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
+
+    def _project(self, x, kernel: nnx.Param, bias_name: str):
+        dt = self.config.jnp_dtype
+        y = jnp.einsum("btd,dnh->btnh", x, kernel.value.astype(dt))
+        if self.config.attention_bias:
+            y = y + getattr(self, bias_name).value.astype(dt)
+        return y
+
+    def __call__(
+        self,
+        x: Float[Array, "batch length embed"],
+        positions: Int[Array, "batch length"],
+        key_valid: Bool[Array, "batch slots"],
+        inv_freq: Float[Array, "half_head_dim"],
+        kv: tuple[jax.Array, jax.Array] | None,
+        offset: jax.Array | int,
+    ) -> tuple[Float[Array, "batch length embed"], tuple[jax.Array, jax.Array]]:
+        cfg = self.config
+        q = apply_rope(self._project(x, self.q, "q_bias"), positions, inv_freq)
+        k = apply_rope(self._project(x, self.k, "k_bias"), positions, inv_freq)
+        v = self._project(x, self.v, "v_bias")
+        q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        if kv is not None:  # write the new keys/values into their slots
+            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), offset, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), offset, axis=1)
+        b, t = x.shape[:2]
+        s = k.shape[1]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        qg = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.dim_per_head)
+        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(cfg.dim_per_head)
+        q_slot = offset + jnp.arange(t)[:, None]
+        k_slot = jnp.arange(s)[None, :]
+        allowed = (k_slot <= q_slot)[None] & key_valid[:, None, :]  # [B, T, S]
+        if cfg.sliding_window is not None:
+            allowed &= (q_slot - k_slot < cfg.sliding_window)[None]
+        allowed |= (k_slot == q_slot)[None]  # a padding query attends to itself: finite garbage, never NaN
+        scores = jnp.where(allowed[:, None, None], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
+        out = jnp.einsum("btnh,nhd->btd", out.astype(cfg.jnp_dtype), self.o.value.astype(cfg.jnp_dtype))
+        return out, (k, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.dtype = config.jnp_dtype
+        d, f, pd = config.hidden_size, config.intermediate_size, config.jnp_param_dtype
+        self.gate = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
+        self.up = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
+        self.down = _param(rngs, _normal, (f, d), (ax.MLP, ax.EMBED), pd)
+
+    def __call__(self, x: Float[Array, "batch length embed"]) -> Float[Array, "batch length embed"]:
+        dt = self.dtype
+        g = x @ self.gate.value.astype(dt)
+        u = x @ self.up.value.astype(dt)
+        h = ax.constrain(jax.nn.silu(g) * u, (ax.BATCH, ax.LENGTH, ax.MLP))
+        return h @ self.down.value.astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, key_valid, inv_freq, kv, offset):
+        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, offset)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
+
+
+class Transformer(nnx.Module):
+    """The trunk: embeddings, decoder layers, final norm. Returns hidden states."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.remat = remat
+        self.embed = _param(
+            rngs, _normal, (config.vocab_size, config.hidden_size), (ax.VOCAB, ax.EMBED), config.jnp_param_dtype
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch length"],
+        positions: Int[Array, "batch length"],
+        mask: Bool[Array, "batch length"],
+        cache: KVCache | None = None,
+    ) -> tuple[Float[Array, "batch length embed"], KVCache | None]:
+        cfg = self.config
+        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.jnp_dtype)
+        x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
+        inv_freq = rope_inv_frequencies(cfg)
+        mask = mask.astype(bool)
+        if cache is None:
+            key_valid, offset = mask, 0
+        else:
+            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.index, axis=1)
+            offset = cache.index
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            if self.remat and cache is None:
+                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, positions, key_valid, inv_freq, kv, offset)
+            else:
+                x, kv = layer(x, positions, key_valid, inv_freq, kv, offset)
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+        x = self.final_norm(x)
+        if cache is not None:
+            cache = KVCache(
+                k=tuple(new_k), v=tuple(new_v), valid=key_valid, index=cache.index + tokens.shape[1]
+            )
+        return x, cache
+
+
+class CausalLM(nnx.Module):
+    """Actor / reference model: trunk + LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.model = Transformer(config, rngs=rngs, remat=remat)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs, _normal, (config.hidden_size, config.vocab_size), (ax.EMBED, ax.VOCAB),
+                config.jnp_param_dtype,
+            )
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch length"],
+        positions: Int[Array, "batch length"],
+        mask: Bool[Array, "batch length"],
+        cache: KVCache | None = None,
+    ) -> tuple[Float[Array, "batch length vocab"], KVCache | None]:
+        h, cache = self.model(tokens, positions, mask, cache)
+        dt = self.config.jnp_dtype
+        if self.config.tie_word_embeddings:
+            w = self.model.embed.value.astype(dt).T
+        else:
+            w = self.lm_head.value.astype(dt)
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        return ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB)), cache
+
+
+class ValueModel(nnx.Module):
+    """Critic: trunk + per-token scalar value head (float32 output)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.model = Transformer(config, rngs=rngs, remat=remat)
+        self.value_head = _param(rngs, _zeros, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
+        self.value_bias = nnx.Param(jnp.zeros((), config.jnp_param_dtype), logical_axes=())
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch length"],
+        positions: Int[Array, "batch length"],
+        mask: Bool[Array, "batch length"],
+    ) -> Float[Array, "batch length"]:
+        h, _ = self.model(tokens, positions, mask)
+        v = jnp.einsum("btd,d->bt", h.astype(jnp.float32), self.value_head.value.astype(jnp.float32))
+        return v + self.value_bias.value.astype(jnp.float32)
+
+
+def last_token_index(mask: Bool[Array, "batch length"]) -> Int[Array, "batch"]:
+    """Index of the last real (non-pad) token of each row."""
+    t = mask.shape[-1]
+    idx = jnp.where(mask.astype(bool), jnp.arange(t)[None, :], -1)
+    return jnp.maximum(idx.max(axis=-1), 0)
+
+
+class RewardModel(nnx.Module):
+    """Reward model: trunk + scalar score read at the last non-pad token."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.model = Transformer(config, rngs=rngs, remat=remat)
+        self.score_head = _param(rngs, _normal, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
+        self.score_bias = nnx.Param(jnp.zeros((), config.jnp_param_dtype), logical_axes=())
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch length"],
+        positions: Int[Array, "batch length"],
+        mask: Bool[Array, "batch length"],
+    ) -> Float[Array, "batch"]:
+        h, _ = self.model(tokens, positions, mask)
+        last = jnp.take_along_axis(h, last_token_index(mask)[:, None, None], axis=1)[:, 0]
+        score = last.astype(jnp.float32) @ self.score_head.value.astype(jnp.float32)
+        return score + self.score_bias.value.astype(jnp.float32)
+
+
+HEADS: dict[str, type[nnx.Module]] = {"lm": CausalLM, "value": ValueModel, "reward": RewardModel}
+
+
+def build_model(config: ModelConfig, head: str = "lm", *, seed: int = 0, remat: bool = False) -> nnx.Module:
+    """Random-initialised model with the given head ("lm", "value" or "reward")."""
+    if head not in HEADS:
+        raise ValueError(f"unknown model head {head!r}; choose one of {sorted(HEADS)}")
+    return HEADS[head](config, rngs=nnx.Rngs(params=seed), remat=remat)
