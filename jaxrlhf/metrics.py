@@ -1,0 +1,85 @@
+"""Per-step metrics: JSON lines, TensorBoard event files, and a terminal progress display.
+
+`metrics.jsonl` gets one object per step, one per line, flushed at once so a
+killed run keeps every completed step. On resume the file is truncated to
+the checkpointed step so the log never holds a step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Mapping
+
+# Keys shown in the progress line / plain log line, in this order.
+HEADLINE = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "time/step_s")
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str, total_steps: int, resume_step: int = 0, tensorboard: bool = True):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._truncate_after(resume_step)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1)
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", dynamic_ncols=True)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (they belong to a run that died before its checkpoint)."""
+        if not os.path.exists(self.path):
+            return
+        keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        head = "  ".join(
+            f"{k.split('/')[-1] if k != 'time/step_s' else 'step_s'}={record[k]:.4g}"
+            for k in HEADLINE
+            if isinstance(record.get(k), (int, float))
+        )
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(head)
+        else:
+            print(f"step {step}: {head}", flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,71 @@
+"""Optimizers for trained roles: AdamW with warmup + decay, gradient clipping,
+and a non-finite guard that leaves parameters and optimizer state untouched."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES: dict[str, Callable[[float, int, int], optax.Schedule]] = {
+    "constant": lambda lr, warmup, total: optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr)], [max(warmup, 1)]
+    ) if warmup > 0 else optax.constant_schedule(lr),
+    "cosine": lambda lr, warmup, total: optax.warmup_cosine_decay_schedule(
+        0.0 if warmup > 0 else lr, lr, warmup, max(total, warmup + 1), end_value=0.1 * lr
+    ),
+    "linear": lambda lr, warmup, total: optax.join_schedules(
+        [optax.linear_schedule(0.0 if warmup > 0 else lr, lr, max(warmup, 1)),
+         optax.linear_schedule(lr, 0.1 * lr, max(total - warmup, 1))],
+        [max(warmup, 1)],
+    ),
+}
+
+
+def build_optimizer(
+    *,
+    lr: float,
+    total_updates: int,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    max_grad_norm: float | None = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with a learning-rate schedule over `total_updates` optimizer updates."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    sched = SCHEDULES[schedule](lr, warmup_steps, total_updates)
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True when every leaf of `tree` is finite (one fused reduction)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def guarded_update(
+    optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, loss: jax.Array
+) -> tuple[Any, Any, jax.Array]:
+    """Apply one update unless the loss or any gradient is non-finite.
+
+    Returns (params, opt_state, applied): on a non-finite step both trees are
+    returned unchanged, so the run continues from consistent state.
+    """
+    ok = jnp.isfinite(loss) & all_finite(grads)
+    safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+    updates, new_opt_state = optimizer.update(safe_grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    return (
+        jax.tree_util.tree_map(keep, new_params, params),
+        jax.tree_util.tree_map(keep, new_opt_state, opt_state),
+        ok,
+    )
