@@ -1,0 +1,210 @@
+"""Advantage estimators, selected by name from a registry.
+
+Every estimator has the same signature
+
+    fn(batch: AdvantageBatch, **hparams) -> (advantages [B, T], returns [B, T])
+
+and is registered with `@register_advantage("name")`. Hyper-parameters are
+plain Python values (bind them with `functools.partial` before `jax.jit`;
+`group_size` decides shapes, so it must be static).
+
+- "gae"   PPO with a critic: generalised advantage estimation over tokens.
+- "grpo"  no critic: (r - mean_group) / (std_group + eps) over G samples per prompt.
+- "rloo"  no critic: r minus the mean reward of the other G - 1 samples.
+- "remax" no critic: r minus the reward of the greedy response to the same prompt.
+
+The critic-free estimators work on the sequence reward
+`sum_t rewards[b, t]` (the shaped score, plus the KL penalty if the caller
+put one into the token rewards), broadcast it to every response token, and
+return `returns == advantages` (there is no value target).
+
+Masks are assumed contiguous from the first response token (right padding):
+that is what generation produces. Advantages and returns are 0 outside the mask.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float
+
+from jaxrlhf.ppo.stats import last_token_onehot, masked_sum
+
+TokenArray = Float[Array, "batch time"]
+
+
+@struct.dataclass
+class AdvantageBatch:
+    """Inputs of every advantage estimator (a pytree, so it passes through jit).
+
+    rewards:          token-level rewards, e.g. `kl.token_level_rewards(...)`.
+    mask:             1 on response tokens.
+    values:           critic value V(s_t) of the state *before* response token t
+                      (in reward units, i.e. denormalised). Needed by "gae".
+    bootstrap_values: V of the state *after* the last response token (the
+                      critic's output at the last response token). "gae" uses
+                      it only for truncated rows; None = no bootstrapping.
+    ended_with_eos:   True where the sequence stopped on EOS (terminal), False
+                      where it was cut at the length limit (truncated).
+                      Required with bootstrap_values.
+    baseline_rewards: per-sequence reward of the greedy response to the same
+                      prompt. Needed by "remax".
+    """
+
+    rewards: TokenArray
+    mask: TokenArray | Bool[Array, "batch time"]
+    values: TokenArray | None = None
+    bootstrap_values: Float[Array, "batch"] | None = None
+    ended_with_eos: Bool[Array, "batch"] | None = None
+    baseline_rewards: Float[Array, "batch"] | None = None
+
+
+class AdvantageFn(Protocol):
+    def __call__(self, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]: ...
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator adding an estimator to the registry under `name`."""
+
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """The estimator registered as `name`; a clear error naming the known ones otherwise."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        known = sorted(ADVANTAGE_ESTIMATORS)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown advantage estimator {name!r}.{hint} Known: {known}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def compute_advantages(name: str, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]:
+    """Look up `name` and run it: (advantages, returns), both [B, T]."""
+    return get_advantage(name)(batch, **hparams)
+
+
+def _float_mask(batch: AdvantageBatch) -> TokenArray:
+    return jnp.asarray(batch.mask).astype(jnp.float32)
+
+
+@register_advantage("gae")
+def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[TokenArray, TokenArray]:
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},
+    returns_t = A_t + V_t. After the last response token V is 0 for sequences
+    that ended with EOS (the episode is over) and `bootstrap_values` for
+    truncated ones (the episode would have gone on; DESIGN §4). The recursion
+    runs backwards with `lax.scan`, so it compiles to one loop for any T.
+    """
+    if batch.values is None:
+        raise ValueError("advantage estimator 'gae' needs batch.values from the critic")
+    mask = _float_mask(batch)
+    rewards = batch.rewards.astype(jnp.float32) * mask
+    values = batch.values.astype(jnp.float32) * mask
+
+    # V of the next state for every token: the next token's value inside the
+    # response, and after the last token the bootstrap value (truncated rows only).
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    if batch.bootstrap_values is not None:
+        if batch.ended_with_eos is None:
+            raise ValueError("'gae' got bootstrap_values without ended_with_eos; it cannot tell truncated rows")
+        truncated = 1.0 - jnp.asarray(batch.ended_with_eos).astype(jnp.float32)
+        bootstrap = batch.bootstrap_values.astype(jnp.float32) * truncated
+        next_values = next_values + last_token_onehot(mask) * bootstrap[:, None]
+    deltas = (rewards + gamma * next_values - values) * mask
+
+    def step(next_adv: Float[Array, "batch"], xs):
+        delta_t, mask_t = xs
+        adv_t = (delta_t + gamma * lam * next_adv) * mask_t
+        return adv_t, adv_t
+
+    _, adv_time_major = jax.lax.scan(
+        step, jnp.zeros(mask.shape[0], jnp.float32), (deltas.T, mask.T), reverse=True
+    )
+    advantages = adv_time_major.T
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def _sequence_rewards(batch: AdvantageBatch) -> Float[Array, "batch"]:
+    return masked_sum(batch.rewards.astype(jnp.float32), _float_mask(batch), axis=-1)
+
+
+def _grouped(x: Float[Array, "batch"], group_size: int) -> Float[Array, "prompts group"]:
+    if group_size < 1 or x.shape[0] % group_size:
+        raise ValueError(
+            f"batch of {x.shape[0]} sequences is not a whole number of groups of group_size={group_size}; "
+            "the G samples of a prompt must be adjacent"
+        )
+    return x.reshape(-1, group_size)
+
+
+def _broadcast(seq_adv: Float[Array, "batch"], batch: AdvantageBatch) -> tuple[TokenArray, TokenArray]:
+    adv = seq_adv[:, None] * _float_mask(batch)
+    return adv, adv
+
+
+@register_advantage("grpo")
+def grpo(
+    batch: AdvantageBatch, *, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
+) -> tuple[TokenArray, TokenArray]:
+    """Group-normalised outcome advantage (Shao et al. 2024, GRPO).
+
+    The G = `group_size` samples of one prompt must be adjacent in the batch.
+    A = (r - mean_group) / (std_group + eps), with the unbiased (G - 1) std as
+    TRL/verl. `scale_by_std=False` keeps only the mean baseline (Dr. GRPO).
+    Groups with identical rewards get exactly 0.
+    """
+    r = _grouped(_sequence_rewards(batch), group_size)
+    adv = r - jnp.sum(r, axis=1, keepdims=True) / group_size
+    if scale_by_std:
+        std = jnp.std(r, axis=1, keepdims=True, ddof=1) if group_size > 1 else jnp.zeros_like(r)
+        adv = adv / (std + eps)
+    # A group whose rewards are all equal (all right / all wrong) carries no
+    # signal. Make its advantage exactly 0: float32 rounding in the mean
+    # (~1e-7) divided by std + eps (~1e-6) would otherwise give |A| ~ 0.1.
+    constant = jnp.all(r == r[:, :1], axis=1, keepdims=True)
+    adv = jnp.where(constant, 0.0, adv)
+    return _broadcast(adv.reshape(-1), batch)
+
+
+@register_advantage("rloo")
+def rloo(batch: AdvantageBatch, *, group_size: int) -> tuple[TokenArray, TokenArray]:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
+
+    Each sample's baseline is the mean reward of the other G - 1 samples of
+    its prompt, so the baseline does not depend on the sample itself (unbiased).
+    """
+    if group_size < 2:
+        raise ValueError(f"'rloo' needs group_size >= 2 samples per prompt, got {group_size}")
+    r = _grouped(_sequence_rewards(batch), group_size)
+    baseline = (jnp.sum(r, axis=1, keepdims=True) - r) / (group_size - 1)
+    return _broadcast((r - baseline).reshape(-1), batch)
+
+
+@register_advantage("remax")
+def remax(batch: AdvantageBatch) -> tuple[TokenArray, TokenArray]:
+    """ReMax (Li et al. 2023): the greedy response's reward is the baseline.
+
+    `batch.baseline_rewards[b]` is the (shaped) reward of the greedy decode of
+    sequence b's prompt; it lowers variance without a critic.
+    """
+    if batch.baseline_rewards is None:
+        raise ValueError("advantage estimator 'remax' needs batch.baseline_rewards (greedy-sample rewards)")
+    seq_adv = _sequence_rewards(batch) - batch.baseline_rewards.astype(jnp.float32)
+    return _broadcast(seq_adv, batch)
