@@ -1,0 +1,243 @@
+"""Policy losses (selected by name from a registry), the clipped value loss, and the early-stop check.
+
+Every policy loss has the same signature
+
+    fn(logp, old_logp, advantages, mask, *, ref_logp=None, entropy=None, **hparams)
+        -> (loss scalar, stats dict of scalars)
+
+and is registered with `@register_loss("name")`. `logp` are the log-probs of
+the sampled tokens under the current parameters (recomputed with the same
+logits processing as sampling), `old_logp` those from the rollout.
+
+Aggregation over tokens (`agg`):
+- "token-mean" (default for PPO): mean over every response token of the
+  batch; long sequences weigh more. Matches ReaLHF/TRL PPO.
+- "seq-mean-token-mean" (default for GRPO, as in the paper): mean over each
+  sequence's tokens, then over sequences; every sequence weighs the same.
+Under jit on a sharded batch both are global means (see `stats`). With
+gradient accumulation over micro-batches, token-mean must be divided by the
+token count of the whole minibatch, not of each micro-batch.
+
+Stats are wrapped in `stop_gradient`; they are for logging only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jaxrlhf.ppo.kl import kl_per_token
+from jaxrlhf.ppo.stats import masked_max, masked_mean
+
+TokenArray = Float[Array, "batch time"]
+Mask = Float[Array, "batch time"] | Bool[Array, "batch time"]
+Stats = dict[str, Float[Array, ""]]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def aggregate(loss_per_token: TokenArray, mask: Mask, agg: str = "token-mean") -> Float[Array, ""]:
+    """Reduce a per-token loss to a scalar over the masked-in tokens (see module docstring)."""
+    if agg == "token-mean":
+        return masked_mean(loss_per_token, mask)
+    if agg == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_per_token, mask, axis=-1)
+        has_tokens = (jnp.sum(jnp.asarray(mask).astype(jnp.float32), axis=-1) > 0).astype(jnp.float32)
+        return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+
+
+class PolicyLossFn(Protocol):
+    def __call__(
+        self,
+        logp: TokenArray,
+        old_logp: TokenArray,
+        advantages: TokenArray,
+        mask: Mask,
+        *,
+        ref_logp: TokenArray | None = None,
+        entropy: TokenArray | None = None,
+        **hparams,
+    ) -> tuple[Float[Array, ""], Stats]: ...
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator adding a policy loss to the registry under `name`."""
+
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered as `name`; a clear error naming the known ones otherwise."""
+    if name not in POLICY_LOSSES:
+        known = sorted(POLICY_LOSSES)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown policy loss {name!r}.{hint} Known: {known}")
+    return POLICY_LOSSES[name]
+
+
+def _clipped_surrogate(
+    logp: TokenArray,
+    old_logp: TokenArray,
+    advantages: TokenArray,
+    mask: Mask,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    dual_clip: float | None,
+) -> tuple[TokenArray, Stats]:
+    """Per-token clipped surrogate loss -min(r A, clip(r) A) (optionally dual-clipped) and its stats."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = (logp - old_logp).astype(jnp.float32)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = jnp.maximum(unclipped, clipped)
+    stats: Stats = {
+        "clipfrac": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        # k3 estimate of KL(old || new) from the sampled tokens: >= 0 and low variance.
+        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
+        "ratio/mean": masked_mean(ratio, mask),
+        "ratio/max": masked_max(ratio, mask),
+    }
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3), got {dual_clip}")
+        # For negative advantages a huge ratio makes the clipped loss unbounded;
+        # cap it at -A * c so one stale token cannot dominate the update.
+        capped = -advantages * dual_clip
+        dual_active = (advantages < 0) & (loss > capped)
+        loss = jnp.where(advantages < 0, jnp.minimum(loss, capped), loss)
+        stats["dual_clipfrac"] = masked_mean(dual_active.astype(jnp.float32), mask)
+    return loss, stats
+
+
+def _entropy_term(entropy: TokenArray | None, mask: Mask, agg: str, coef: float, stats: Stats) -> Float[Array, ""]:
+    if entropy is None:
+        if coef:
+            raise ValueError("entropy_coef is set but no entropy was given")
+        return jnp.zeros((), jnp.float32)
+    mean_entropy = aggregate(entropy, mask, agg)
+    stats["entropy"] = masked_mean(entropy, mask)
+    return -coef * mean_entropy
+
+
+@register_loss("ppo")
+def ppo_policy_loss(
+    logp: TokenArray,
+    old_logp: TokenArray,
+    advantages: TokenArray,
+    mask: Mask,
+    *,
+    ref_logp: TokenArray | None = None,
+    entropy: TokenArray | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+) -> tuple[Float[Array, ""], Stats]:
+    """Clipped PPO surrogate (Schulman et al. 2017), eps 0.2.
+
+    Clipping the importance ratio to [1 - eps, 1 + eps_high] removes the
+    incentive to move the policy far from the rollout policy within one
+    batch. `dual_clip` (e.g. 3) bounds the loss for negative advantages
+    (Ye et al. 2020). `ref_logp` is ignored: PPO puts the KL into the reward.
+    """
+    del ref_logp
+    loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, dual_clip)
+    loss = aggregate(loss_tok, mask, agg)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats)
+    stats["loss/policy"] = loss
+    return loss, jax.lax.stop_gradient(stats)
+
+
+@register_loss("grpo")
+def grpo_policy_loss(
+    logp: TokenArray,
+    old_logp: TokenArray,
+    advantages: TokenArray,
+    mask: Mask,
+    *,
+    ref_logp: TokenArray | None = None,
+    entropy: TokenArray | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "seq-mean-token-mean",
+) -> tuple[Float[Array, ""], Stats]:
+    """GRPO loss (Shao et al. 2024): the clipped surrogate plus an optional KL-to-reference term.
+
+    GRPO has no per-token KL reward; with `kl_coef > 0` it adds
+    `kl_coef * k3(logp, ref_logp)` to every token's loss instead (the paper
+    uses 0.04), which needs `ref_logp`. Sequences are averaged per sequence
+    first by default, as in the paper.
+    """
+    loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, None)
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("grpo loss with kl_coef > 0 needs ref_logp")
+        kl = kl_per_token(logp, ref_logp, mask, kind=kl_kind)
+        loss_tok = loss_tok + kl_coef * kl
+        stats["kl/loss"] = masked_mean(kl, mask)
+    loss = aggregate(loss_tok, mask, agg)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats)
+    stats["loss/policy"] = loss
+    return loss, jax.lax.stop_gradient(stats)
+
+
+def value_loss(
+    values: TokenArray,
+    old_values: TokenArray,
+    returns: TokenArray,
+    mask: Mask,
+    *,
+    clip_eps: float | None = 0.2,
+    agg: str = "token-mean",
+) -> tuple[Float[Array, ""], Stats]:
+    """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, ±eps).
+
+    Like the policy clip, it keeps the critic from moving far from the
+    rollout-time values in one batch. All inputs in the critic's units (with
+    value normalisation, `returns` normalised). `clip_eps=None` disables clipping.
+    """
+    values = values.astype(jnp.float32)
+    unclipped = jnp.square(values - returns)
+    if clip_eps is None:
+        loss_tok = unclipped
+        clipfrac = jnp.zeros((), jnp.float32)
+    else:
+        clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+        clipped = jnp.square(clipped_values - returns)
+        loss_tok = jnp.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).astype(jnp.float32), mask)
+    loss = 0.5 * aggregate(loss_tok, mask, agg)
+    stats = {"loss/value": loss, "value/clipfrac": clipfrac, "value/mean": masked_mean(values, mask)}
+    return loss, jax.lax.stop_gradient(stats)
+
+
+def importance_ratio_exploded(
+    logp: TokenArray, old_logp: TokenArray, mask: Mask, threshold: float = 5.0
+) -> Bool[Array, ""]:
+    """True when any response token's ratio exp(logp - old_logp) exceeds `threshold`.
+
+    ReaLHF skips the update of a minibatch whose importance ratio exploded
+    (default 5): the samples are too off-policy for the clipped objective to
+    be trustworthy. The losses report the same number as `stats["ratio/max"]`.
+    """
+    return masked_max(jnp.exp((logp - old_logp).astype(jnp.float32)), mask) > threshold
