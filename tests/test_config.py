@@ -1,0 +1,188 @@
+"""Config: YAML + overrides, printing, and the specific message of each mistake."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from jaxrlhf.config import (
+    Config,
+    ConfigError,
+    RewardRule,
+    config_keys,
+    format_config,
+    from_dict,
+    load_config,
+    parse_cli,
+    validate,
+    with_overrides,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text: str) -> pathlib.Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert config == Config()
+    assert config.algorithm.name == "ppo"
+    assert config.model.critic.init_from == "actor"
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = _write(tmp_path, "run:\n  steps: 7\n  output_dir: /tmp/x\nalgorithm:\n  kl_coef: 0.3\n")
+    config = load_config(path, ["run.steps=9", "optimizer.actor.lr=1e-4", "plan.strategy=interleaved"])
+    assert config.run.steps == 9  # override wins over the file
+    assert config.run.output_dir == "/tmp/x"
+    assert config.algorithm.kl_coef == 0.3
+    assert config.optimizer.actor.lr == pytest.approx(1e-4)  # YAML 1.1 reads 1e-4 as a string
+    assert config.plan.strategy == "interleaved"
+
+
+def test_partial_section_keeps_enclosing_defaults():
+    config = load_config(None, ["model.actor.dtype=bfloat16"])
+    assert config.model.actor.preset == "tiny"
+    assert config.model.actor.dtype == "bfloat16"
+    # Setting one weight source drops the default of the others.
+    config = load_config(None, ["model.critic.preset=small"])
+    assert config.model.critic.preset == "small" and config.model.critic.init_from is None
+
+
+def test_structured_overrides():
+    config = load_config(None, ["rewards.rules=[exact_match, {name: length, weight: -0.1, args: {max: 8}}]",
+                                "plan.axis_rules={embed: fsdp, mlp: [fsdp, tensor]}", "data.answer_key=null"])
+    assert config.rewards.rules == (RewardRule("exact_match"), RewardRule("length", -0.1, {"max": 8}))
+    assert config.plan.axis_rules == {"embed": "fsdp", "mlp": ["fsdp", "tensor"]}
+    assert config.data.answer_key is None
+
+
+def test_print_config_round_trips():
+    config = load_config(REPO / "configs" / "quickstart.yaml", ["run.steps=3"])
+    text = format_config(config)
+    assert "steps: 3" in text
+    assert from_dict(yaml.safe_load(text)) == config
+
+
+def test_parse_cli():
+    args = parse_cli(["--config", str(REPO / "configs" / "quickstart.yaml"), "--print-config", "run.seed=4"])
+    assert args.print_config and args.config.run.seed == 4
+
+
+def test_quickstart_loads():
+    config = load_config(REPO / "configs" / "quickstart.yaml")
+    assert config.run.platform == "cpu" and config.run.devices == 8
+    assert config.model.actor.preset in ("tiny", "small")
+    assert config.model.tokenizer == "byte"
+    assert config.data.source == "arithmetic"
+
+
+def test_key_list_is_dotted_leaves():
+    keys = config_keys()
+    for key in ("run.output_dir", "run.resume", "plan.strategy", "plan.file", "algorithm.name",
+                "optimizer.actor.lr", "model.critic.init_from", "rewards.rules"):
+        assert key in keys
+    assert "model.actor" not in keys
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("ppo.kl_cof=0.1", "unknown config key 'ppo.kl_cof'; did you mean 'algorithm.kl_coef'?"),
+        ("algorithm.gama=1", "unknown config key 'algorithm.gama'; did you mean 'algorithm.gamma'?"),
+        ("optimiser.actor.lr=1", "did you mean 'optimizer.actor.lr'"),
+        ("nonsense=1", "unknown config key 'nonsense'; sections are algorithm, data"),
+        ("rewards.rules=[{name: a, wieght: 2}]", "unknown config key 'rewards.rules[0].wieght'; did you mean 'rewards.rules[0].weight'?"),
+    ],
+)
+def test_unknown_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = _write(tmp_path, "ppo:\n  kl_cof: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'ppo.kl_cof'; did you mean 'algorithm.kl_coef'\?"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("run.steps=ten", "config key 'run.steps' expects int, got 'ten' (str)"),
+        ("run.devices=2.5", "config key 'run.devices' expects int or null, got 2.5 (float)"),
+        ("run.resume=3", "config key 'run.resume' expects bool, got 3 (int)"),
+        ("algorithm.kl_coef=high", "config key 'algorithm.kl_coef' expects float, got 'high' (str)"),
+        ("data.source=[a, b]", "config key 'data.source' expects str, got ['a', 'b'] (list)"),
+        ("run=5", "config key 'run' expects a mapping with keys output_dir"),
+    ],
+)
+def test_wrong_type(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
+                                     "disaggregated, reallocated, auto; got 'colocatd'; did you mean 'colocated'?"),
+        (["algorithm.name=trpo"], "config key 'algorithm.name' must be one of ppo, grpo; got 'trpo'"),
+        (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
+        (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
+        (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
+                                      "data.batch_size x algorithm.group_size = 32 x 1 = 32"),
+        (["algorithm.name=grpo"], "algorithm.name=grpo has no critic"),
+        (["algorithm.advantage=grpo"], "algorithm.group_size must be >= 2, got 1"),
+        (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
+        (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor: set only one of"),
+        (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
+        (["model.actor.overrides={num_layer: 3}"], "'num_layer' is not a model field; did you mean 'num_layers'?"),
+        (["rewards.model=true"], "model.reward is needed (rewards.model=true) but has no weights"),
+        (["rewards.rules=[]"], "no reward: set rewards.model=true"),
+        (["data.max_prompt_len=600"], "exceeds the actor's max_position_embeddings 512"),
+        (["data.source=/nonexistent/prompts.jsonl"], "data.source: file or folder not found"),
+        (["data.answer_extract=gsm9k"], "data.answer_extract must be one of none, gsm8k"),
+        (["data.prompt_template=Question"], "data.prompt_template must contain '{prompt}'"),
+        (["plan.offpolicy=true"], "use plan.strategy=disaggregated"),
+        (["plan.file=/nonexistent/plan.yaml"], "plan.file: plan file not found"),
+        (["run.platform=gpu", "run.devices=8"], "run.devices simulates CPU devices"),
+    ],
+)
+def test_bad_value(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_registries_checked_when_given():
+    config = load_config(None, ["plan.hardware=h10"])
+    validate(config)  # without registries: names owned elsewhere are not checked
+    with pytest.raises(ConfigError, match="plan.hardware 'h10' is not a known hardware profile; did you mean 'h100'"):
+        validate(config, hardware_profiles=["h100", "tpu-v5e"])
+    with pytest.raises(ConfigError, match=r"rewards.rules\[0\].name 'exact_match' is not a known rule"):
+        validate(config, reward_rules=["format"])
+
+
+def test_file_and_override_syntax_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(_write(tmp_path, "run: [unclosed\n"))
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_config(None, ["run.steps"])
+
+
+def test_with_overrides_and_frozen():
+    config = with_overrides(Config(), ["run.steps=2"])
+    assert config.run.steps == 2
+    with pytest.raises(AttributeError):
+        config.run.steps = 3  # type: ignore[misc]
