@@ -1,0 +1,48 @@
+"""Data: row sources (JSONL, Parquet, TFDS, bundled tasks) and resumable,
+per-process sharded batches of prompts, demonstrations and preference pairs.
+
+The bundled tasks' TFDS builders live in `jaxrlhf.data.tasks`, imported on
+first use so that importing this package does not pull in TFDS.
+"""
+
+from jaxrlhf.data.answers import ANSWER_EXTRACTORS
+from jaxrlhf.data.dataset import (
+    PreferenceBatch,
+    PreferenceDataset,
+    PromptBatch,
+    PromptDataset,
+    SFTBatch,
+    SFTDataset,
+    bucket_length,
+    left_pad,
+)
+from jaxrlhf.data.sources import (
+    SOURCE_KINDS,
+    DataError,
+    JsonlSource,
+    ParquetSource,
+    RowError,
+    RowSource,
+    TfdsSource,
+    open_source,
+)
+
+__all__ = [
+    "ANSWER_EXTRACTORS",
+    "SOURCE_KINDS",
+    "DataError",
+    "JsonlSource",
+    "ParquetSource",
+    "PreferenceBatch",
+    "PreferenceDataset",
+    "PromptBatch",
+    "PromptDataset",
+    "RowError",
+    "RowSource",
+    "SFTBatch",
+    "SFTDataset",
+    "TfdsSource",
+    "bucket_length",
+    "left_pad",
+    "open_source",
+]

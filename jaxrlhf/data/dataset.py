@@ -1,0 +1,507 @@
+"""Batches for RLHF: prompts (rollouts), demonstrations (SFT warm-up) and
+preference pairs (reward modelling).
+
+All three share one stream over a row source:
+- the order is a seeded permutation per epoch, so a position (epoch, index)
+  plus the seed fully determines what comes next: checkpoints store
+  `state_dict()` and resume exactly;
+- every process walks the same global order and builds the same global batch,
+  then keeps its own contiguous slice (`process_index`), so the per-process
+  shards always agree on padding length and position with no communication;
+- malformed rows (missing key, wrong type, empty, too long, unreadable) are
+  skipped and counted by reason; `metrics()` exposes the counters. Only a
+  source where a whole epoch holds no valid row is an error.
+
+Sequences are left-padded (generation appends on the right) to a length bucket:
+the longest row of the global batch rounded up to a multiple of `pad_multiple`,
+capped at the maximum, which bounds the number of compiled shapes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from jaxrlhf.data.answers import ANSWER_EXTRACTORS
+from jaxrlhf.data.sources import DataError, RowError, RowSource, open_source
+from jaxrlhf.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxrlhf.config import Config
+
+
+def bucket_length(longest: int, multiple: int, cap: int) -> int:
+    """Padded length for a batch whose longest sequence is `longest`."""
+    return min(cap, max(multiple, math.ceil(longest / multiple) * multiple))
+
+
+def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-aligned int32 tokens [batch, length] and their bool validity mask."""
+    tokens = np.full((len(seqs), length), pad_id, dtype=np.int32)
+    mask = np.zeros((len(seqs), length), dtype=bool)
+    for row, seq in enumerate(seqs):
+        if seq:
+            tokens[row, length - len(seq):] = seq
+            mask[row, length - len(seq):] = True
+    return tokens, mask
+
+
+def _text_field(row: Any, key: str, *, numbers_ok: bool = False) -> str:
+    """The text under `key`, or a RowError naming what is wrong with it."""
+    if not isinstance(row, Mapping):
+        raise RowError("not_a_mapping", type(row).__name__)
+    value = row.get(key)
+    if value is None:
+        raise RowError("missing_key", key)
+    if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise RowError("wrong_type", f"{key} is {type(value).__name__}")
+    if not value.strip():
+        raise RowError("empty", key)
+    return value
+
+
+def _render(template: str, prompt: str) -> str:
+    """Insert the prompt into the template (plain replace: templates may contain braces)."""
+    return template.replace("{prompt}", prompt)
+
+
+class _BatchStream:
+    """Deterministic, resumable, per-process sharded batches over a row source."""
+
+    def __init__(
+        self,
+        source: RowSource,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        pad_multiple: int = 16,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        if len(source) == 0:
+            raise DataError(f"data source {source!r} has no rows")
+        if batch_size < 1 or batch_size % process_count:
+            raise DataError(
+                f"batch size {batch_size} must be positive and divisible by the number of processes {process_count}"
+            )
+        if not 0 <= process_index < process_count:
+            raise DataError(f"process_index {process_index} is outside [0, {process_count})")
+        self.source = source
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.pad_multiple = pad_multiple
+        self.process_index = process_index
+        self.process_count = process_count
+        self.epoch = 0
+        self.index = 0
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    # -- subclasses -------------------------------------------------------------
+    def _encode(self, row: Any) -> Any:
+        raise NotImplementedError
+
+    def _length(self, item: Any) -> int:
+        raise NotImplementedError
+
+    def _collate(self, row_ids: np.ndarray, items: list[Any], length: int) -> Any:
+        raise NotImplementedError
+
+    def _max_len(self) -> int:
+        raise NotImplementedError
+
+    # -- order and position -----------------------------------------------------
+    @property
+    def local_batch_size(self) -> int:
+        return self.batch_size // self.process_count
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, len(self.source) // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            n = len(self.source)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def _take(self, count: int) -> tuple[list[int], list[Any]]:
+        """The next `count` valid rows of the global order, advancing the position."""
+        n = len(self.source)
+        row_ids: list[int] = []
+        items: list[Any] = []
+        invalid_in_a_row = 0
+        while len(items) < count:
+            if self.index >= n:
+                self.epoch, self.index = self.epoch + 1, 0
+            row_id = int(self._order(self.epoch)[self.index])
+            self.index += 1
+            try:
+                item = self._encode(self.source[row_id])
+            except RowError as e:
+                self.skipped[e.reason] += 1
+                invalid_in_a_row += 1
+                if invalid_in_a_row >= n:
+                    raise DataError(
+                        f"no valid row in a whole pass over {self.source!r}; skipped: {dict(self.skipped)}"
+                    ) from None
+                continue
+            invalid_in_a_row = 0
+            row_ids.append(row_id)
+            items.append(item)
+        return row_ids, items
+
+    def next_batch(self) -> Any:
+        """This process's shard of the next global batch."""
+        row_ids, items = self._take(self.batch_size)
+        length = bucket_length(max(self._length(item) for item in items), self.pad_multiple, self._max_len())
+        lo = self.process_index * self.local_batch_size
+        hi = lo + self.local_batch_size
+        return self._collate(np.asarray(row_ids[lo:hi], dtype=np.int64), items[lo:hi], length)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return self.next_batch()
+
+    # -- checkpointing and metrics ----------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python position for checkpoints: epoch, index and the skip counters."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "num_rows": len(self.source),
+            "seed": self.seed,
+            "skipped": dict(self.skipped),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly where `state_dict()` was taken (same source and seed required)."""
+        if int(state["num_rows"]) != len(self.source) or int(state["seed"]) != self.seed:
+            raise DataError(
+                f"cannot resume data position: checkpoint has {state['num_rows']} rows and seed {state['seed']}, "
+                f"this data set has {len(self.source)} rows and seed {self.seed}"
+            )
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self.skipped = collections.Counter({str(k): int(v) for k, v in state.get("skipped", {}).items()})
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the metrics line: fractional epoch and skipped rows by reason."""
+        out = {
+            "data/epoch": self.epoch + self.index / len(self.source),
+            "data/skipped": float(sum(self.skipped.values())),
+        }
+        out.update({f"data/skipped/{reason}": float(n) for reason, n in sorted(self.skipped.items())})
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts for rollouts
+
+
+@dataclasses.dataclass(frozen=True)
+class _PromptItem:
+    ids: list[int]
+    prompt: str
+    answer: str | None
+    meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """One process's shard of a prompt batch, left-padded to a length bucket."""
+
+    input_ids: np.ndarray  # int32 [local_batch, length]
+    attention_mask: np.ndarray  # bool [local_batch, length]
+    prompt_lens: np.ndarray  # int32 [local_batch]
+    prompts: tuple[str, ...]  # rendered prompt text (after the template)
+    answers: tuple[str | None, ...]  # reference answers for rule rewards (after extraction)
+    meta: tuple[dict[str, Any], ...]  # the row's other fields
+    row_ids: np.ndarray  # int64 [local_batch], index of each row in the source
+    global_batch_size: int
+
+
+class PromptDataset(_BatchStream):
+    """Tokenized prompts with their reference answers, for generation and rule rewards."""
+
+    def __init__(
+        self,
+        source: RowSource,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        max_prompt_len: int,
+        prompt_key: str = "prompt",
+        answer_key: str | None = "answer",
+        answer_extract: str = "none",
+        template: str = "{prompt}",
+        add_bos: bool = True,
+        pad_multiple: int = 16,
+        shuffle: bool = True,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        super().__init__(
+            source, batch_size=batch_size, seed=seed, shuffle=shuffle, pad_multiple=pad_multiple,
+            process_index=process_index, process_count=process_count,
+        )
+        if answer_extract not in ANSWER_EXTRACTORS:
+            raise DataError(f"unknown answer extractor {answer_extract!r}; known: {', '.join(ANSWER_EXTRACTORS)}")
+        self.tokenizer = tokenizer
+        self.max_prompt_len = max_prompt_len
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.extract = ANSWER_EXTRACTORS[answer_extract]
+        self.template = template
+        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+
+    @classmethod
+    def from_config(
+        cls,
+        config: "Config",
+        tokenizer: Tokenizer,
+        *,
+        split: str | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> "PromptDataset":
+        """The rollout prompt stream described by `config.data` (seed defaults to run.seed)."""
+        data = config.data
+        split = split or data.split
+        return cls(
+            open_source(data.source, split, data.data_dir),
+            tokenizer,
+            batch_size=data.batch_size,
+            max_prompt_len=data.max_prompt_len,
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            answer_extract=data.answer_extract,
+            template=data.prompt_template,
+            add_bos=data.add_bos,
+            pad_multiple=data.pad_multiple,
+            shuffle=data.shuffle,
+            seed=config.run.seed if data.seed is None else data.seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
+    def _max_len(self) -> int:
+        return self.max_prompt_len
+
+    def _length(self, item: _PromptItem) -> int:
+        return len(item.ids)
+
+    def _encode(self, row: Any) -> _PromptItem:
+        prompt = _render(self.template, _text_field(row, self.prompt_key))
+        answer = None
+        if self.answer_key is not None:
+            answer = self.extract(_text_field(row, self.answer_key, numbers_ok=True))
+            if answer is None:
+                raise RowError("bad_answer", self.answer_key)
+        ids = self.prefix + self.tokenizer.encode(prompt)
+        if len(ids) > self.max_prompt_len:
+            raise RowError("too_long", f"{len(ids)} > {self.max_prompt_len} tokens")
+        meta = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
+        return _PromptItem(ids, prompt, answer, meta)
+
+    def _collate(self, row_ids: np.ndarray, items: list[_PromptItem], length: int) -> PromptBatch:
+        tokens, mask = left_pad([item.ids for item in items], length, self.tokenizer.pad_id)
+        return PromptBatch(
+            input_ids=tokens,
+            attention_mask=mask,
+            prompt_lens=np.asarray([len(item.ids) for item in items], dtype=np.int32),
+            prompts=tuple(item.prompt for item in items),
+            answers=tuple(item.answer for item in items),
+            meta=tuple(item.meta for item in items),
+            row_ids=row_ids,
+            global_batch_size=self.batch_size,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Demonstrations for an SFT warm-up
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTBatch:
+    """Prompt + completion + EOS, left-padded; the loss covers completion and EOS only."""
+
+    input_ids: np.ndarray  # int32 [local_batch, length]
+    attention_mask: np.ndarray  # bool [local_batch, length]
+    loss_mask: np.ndarray  # bool [local_batch, length]; True where the token is a target
+    row_ids: np.ndarray
+    global_batch_size: int
+
+
+class SFTDataset(_BatchStream):
+    """Supervised demonstrations (prompt, completion) for warming up the actor."""
+
+    def __init__(
+        self,
+        source: RowSource,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        max_len: int,
+        prompt_key: str = "prompt",
+        completion_key: str = "answer",
+        template: str = "{prompt}",
+        add_bos: bool = True,
+        pad_multiple: int = 16,
+        shuffle: bool = True,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        super().__init__(
+            source, batch_size=batch_size, seed=seed, shuffle=shuffle, pad_multiple=pad_multiple,
+            process_index=process_index, process_count=process_count,
+        )
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.prompt_key = prompt_key
+        self.completion_key = completion_key
+        self.template = template
+        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+
+    @classmethod
+    def from_config(
+        cls,
+        config: "Config",
+        tokenizer: Tokenizer,
+        *,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> "SFTDataset":
+        """The warm-up stream of `config.sft` (source defaults to data.source)."""
+        data, sft = config.data, config.sft
+        return cls(
+            open_source(sft.source or data.source, sft.split, data.data_dir),
+            tokenizer,
+            batch_size=sft.batch_size,
+            max_len=data.max_prompt_len + config.generation.max_new_tokens,
+            prompt_key=data.prompt_key,
+            completion_key=sft.completion_key or data.answer_key or "answer",
+            template=data.prompt_template,
+            add_bos=data.add_bos,
+            pad_multiple=data.pad_multiple,
+            shuffle=data.shuffle,
+            seed=config.run.seed if data.seed is None else data.seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
+    def _max_len(self) -> int:
+        return self.max_len
+
+    def _length(self, item: tuple[list[int], int]) -> int:
+        return len(item[0])
+
+    def _encode(self, row: Any) -> tuple[list[int], int]:
+        prompt = _render(self.template, _text_field(row, self.prompt_key))
+        completion = _text_field(row, self.completion_key, numbers_ok=True)
+        prompt_ids = self.prefix + self.tokenizer.encode(prompt)
+        ids = prompt_ids + self.tokenizer.encode(completion) + [self.tokenizer.eos_id]
+        if len(ids) > self.max_len:
+            raise RowError("too_long", f"{len(ids)} > {self.max_len} tokens")
+        return ids, len(prompt_ids)
+
+    def _collate(self, row_ids: np.ndarray, items: list[tuple[list[int], int]], length: int) -> SFTBatch:
+        tokens, mask = left_pad([ids for ids, _ in items], length, self.tokenizer.pad_id)
+        loss_mask = np.zeros_like(mask)
+        for row, (ids, prompt_len) in enumerate(items):
+            loss_mask[row, length - len(ids) + prompt_len:] = True
+        return SFTBatch(tokens, mask, loss_mask, row_ids, self.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference pairs for reward modelling
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceBatch:
+    """Chosen and rejected sequences (prompt + response + EOS), padded to one length
+    so both can go through the reward model in a single forward."""
+
+    chosen_ids: np.ndarray  # int32 [local_batch, length]
+    chosen_mask: np.ndarray  # bool [local_batch, length]
+    rejected_ids: np.ndarray
+    rejected_mask: np.ndarray
+    row_ids: np.ndarray
+    global_batch_size: int
+
+
+class PreferenceDataset(_BatchStream):
+    """(prompt, chosen, rejected) rows; `prompt_key=None` for data sets such as
+    hh-rlhf whose chosen/rejected texts already contain the conversation."""
+
+    def __init__(
+        self,
+        source: RowSource,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        max_len: int,
+        prompt_key: str | None = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        template: str = "{prompt}",
+        add_bos: bool = True,
+        pad_multiple: int = 16,
+        shuffle: bool = True,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        super().__init__(
+            source, batch_size=batch_size, seed=seed, shuffle=shuffle, pad_multiple=pad_multiple,
+            process_index=process_index, process_count=process_count,
+        )
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.prompt_key = prompt_key
+        self.chosen_key = chosen_key
+        self.rejected_key = rejected_key
+        self.template = template
+        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+
+    def _max_len(self) -> int:
+        return self.max_len
+
+    def _length(self, item: tuple[list[int], list[int]]) -> int:
+        return max(len(item[0]), len(item[1]))
+
+    def _encode(self, row: Any) -> tuple[list[int], list[int]]:
+        prompt_ids = list(self.prefix)
+        if self.prompt_key is not None:
+            prompt_ids += self.tokenizer.encode(_render(self.template, _text_field(row, self.prompt_key)))
+        pair = []
+        for key in (self.chosen_key, self.rejected_key):
+            ids = prompt_ids + self.tokenizer.encode(_text_field(row, key, numbers_ok=True)) + [self.tokenizer.eos_id]
+            if len(ids) > self.max_len:
+                raise RowError("too_long", f"{key}: {len(ids)} > {self.max_len} tokens")
+            pair.append(ids)
+        return pair[0], pair[1]
+
+    def _collate(self, row_ids: np.ndarray, items: list[tuple[list[int], list[int]]], length: int) -> PreferenceBatch:
+        pad = self.tokenizer.pad_id
+        chosen, chosen_mask = left_pad([c for c, _ in items], length, pad)
+        rejected, rejected_mask = left_pad([r for _, r in items], length, pad)
+        return PreferenceBatch(chosen, chosen_mask, rejected, rejected_mask, row_ids, self.batch_size)
