@@ -1,0 +1,365 @@
+"""Analytic time of one model call under a placement, in seconds.
+
+Every phase is a roofline (max of matmul time and memory-traffic time) plus
+the layout's collectives and a per-kernel dispatch cost:
+
+- generate: prefill is a forward over the prompts; each of the `gen_len`
+  decode steps reads the weight shard and the KV cache filled so far, so a
+  decode step's time grows with the KV length and shrinks with tensor
+  parallelism (fewer bytes per device), while FSDP would all-gather the
+  weights on every step.
+- inference: one forward over prompt + response.
+- train: forward + backward (+ a recomputed forward with remat) for every
+  minibatch of every PPO epoch, the AdamW update, FSDP all-gathers /
+  reduce-scatters per micro-batch and the data-parallel gradient all-reduce
+  per optimizer step.
+- reallocation / shadow sync: the receiving devices' shard bytes over the
+  link between the two groups (NVLink inside a host, the NICs across).
+- host offload / reload: shard bytes over the device <-> host link.
+
+Device order inside a group follows the mesh (data, fsdp, tensor): tensor
+neighbours are adjacent devices, so tensor collectives stay inside a host
+whenever the tensor size fits in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Mapping
+
+import numpy as np
+
+from jaxrlhf.mesh.graph import CallSpec
+from jaxrlhf.mesh.hardware import HardwareProfile
+from jaxrlhf.mesh.plan import DeviceGroup, Layout
+from jaxrlhf.models.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
+TP_ALLREDUCES_PER_LAYER = 2  # attention output and MLP output
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one RLHF step processes. `batch_size` counts sequences (prompt + response)."""
+
+    batch_size: int = 512
+    prompt_len: int = 128
+    gen_len: int = 128
+    minibatches: int = 4  # optimizer steps per train call and PPO epoch
+    ppo_epochs: int = 1
+    remat: bool = True  # recompute each layer's activations in the backward pass
+    micro_tokens: int = 16384  # most tokens one device feeds through a forward/backward at once
+    adam_master_fp32: bool = True  # keep an fp32 master copy for low-precision params (mixed precision)
+
+    def __post_init__(self):
+        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs", "micro_tokens"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.batch_size % self.minibatches:
+            raise ValueError(
+                f"workload.batch_size={self.batch_size} must divide into minibatches={self.minibatches}"
+            )
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.minibatches
+
+    @classmethod
+    def from_tokens(cls, tokens_per_batch: int, prompt_len: int, gen_len: int, **kw) -> "Workload":
+        """The ReaLHF convention: a fixed token budget per batch of prompt + response sequences."""
+        return cls(batch_size=max(tokens_per_batch // (prompt_len + gen_len), 1), prompt_len=prompt_len,
+                   gen_len=gen_len, **kw)
+
+    def call_batch(self, kind: str) -> int:
+        """Sequences one call step feeds at once (train: one minibatch)."""
+        return self.minibatch_size if kind == "train" else self.batch_size
+
+
+# Which output head each role carries; the LM head costs vocab x hidden per token.
+ROLE_HEADS: dict[str, str] = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward"}
+
+
+def head_of(role: str) -> str:
+    return ROLE_HEADS.get(role, "lm")
+
+
+def matmul_params(cfg: ModelConfig, head: str) -> int:
+    """Weights that take part in a matmul per token (embedding lookup excluded)."""
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head, cfg.intermediate_size
+    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * f
+    out = d * cfg.vocab_size if head == "lm" else d
+    return cfg.num_layers * layer + out
+
+
+def param_count(cfg: ModelConfig, head: str) -> int:
+    """All parameters of the model with the given head."""
+    if head == "lm":
+        return cfg.num_params()
+    return cfg.num_params(with_lm_head=False) + cfg.hidden_size + 1
+
+
+def param_bytes(cfg: ModelConfig, head: str) -> float:
+    return param_count(cfg, head) * DTYPE_BYTES[cfg.param_dtype]
+
+
+def attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
+    """Scores + weighted values for `queries` tokens attending to `keys` slots each."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * queries * keys
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> float:
+    return 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * DTYPE_BYTES[cfg.dtype]
+
+
+# ---- device geometry -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=65536)
+def _geometry(start: int, size: int, layout: Layout, devices_per_host: int) -> tuple[tuple[bool, bool, bool], int, int]:
+    """(axis crosses hosts for data/fsdp/tensor, devices per host used, hosts used)."""
+    hosts = (np.arange(start, start + size) // devices_per_host).reshape(layout.data, layout.fsdp, layout.tensor)
+    crosses = tuple(bool(np.any(np.diff(hosts, axis=a) != 0)) for a in range(3))
+    _, counts = np.unique(hosts, return_counts=True)
+    return crosses, int(counts.max()), len(counts)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """How a layout over a group sits on hosts: what each mesh axis' collectives cross."""
+
+    crosses: Mapping[str, bool]
+    devices_on_host: int
+    hosts: int
+
+    @classmethod
+    def of(cls, group: DeviceGroup, layout: Layout, hw: HardwareProfile) -> "Geometry":
+        if layout.num_devices != group.size:
+            raise ValueError(f"layout {layout} has {layout.num_devices} devices but group {group.name!r} has {group.size}")
+        crosses, per_host, hosts = _geometry(group.start, group.size, layout, hw.devices_per_host)
+        return cls(dict(zip(("data", "fsdp", "tensor"), crosses)), per_host, hosts)
+
+
+def _ring_allreduce(nbytes: float, k: int, bw: float, hw: HardwareProfile, count: float = 1) -> float:
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (k - 1) / k * nbytes / bw + count * hw.collective_latency
+
+
+def _ring_gather(nbytes: float, k: int, bw: float, hw: HardwareProfile, count: float = 1) -> float:
+    """All-gather (or reduce-scatter) of a tensor whose full size is `nbytes`."""
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    return (k - 1) / k * nbytes / bw + count * hw.collective_latency
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """Seconds of one call and where they go; byte and FLOP counts are per device."""
+
+    seconds: float
+    flops: float
+    hbm_bytes: float
+    collective_bytes: float
+    parts: Mapping[str, float]  # seconds: compute / memory-bound phases, collectives, overhead
+
+
+class _Ctx:
+    """Per-(call, placement) quantities shared by the phase formulas."""
+
+    def __init__(self, cfg: ModelConfig, head: str, layout: Layout, geo: Geometry, hw: HardwareProfile):
+        self.cfg, self.head, self.layout, self.geo, self.hw = cfg, head, layout, geo, hw
+        self.t = layout.tensor
+        self.shards = layout.fsdp * layout.tensor  # a parameter's shards
+        self.batch_ways = layout.data * layout.fsdp  # the batch's shards
+        self.flops_s = hw.matmul_flops(cfg.dtype, geo.devices_on_host)
+        self.mem_bw = hw.memory_bandwidth(geo.devices_on_host)
+        self.bw = {a: hw.link_bandwidth(geo.crosses[a], geo.devices_on_host) for a in ("data", "fsdp", "tensor")}
+        self.w_full = param_bytes(cfg, head)  # whole model, param dtype
+        self.w_tensor = self.w_full / self.t  # one device's weights when FSDP is gathered
+        self.act_bytes = DTYPE_BYTES[cfg.dtype]
+        self.mm = matmul_params(cfg, head)
+
+    def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
+        """One forward over `tokens_dev` tokens per device in `micro` micro-batches."""
+        cfg = self.cfg
+        flops = (2 * self.mm * tokens_dev + attention_flops(cfg, tokens_dev, keys)) / self.t
+        hbm = micro * self.w_tensor + tokens_dev * cfg.hidden_size * self.act_bytes * cfg.num_layers * 4
+        tp = _ring_allreduce(
+            TP_ALLREDUCES_PER_LAYER * cfg.num_layers * tokens_dev * cfg.hidden_size * self.act_bytes,
+            self.t, self.bw["tensor"], self.hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * micro,
+        )
+        fsdp = _ring_gather(micro * self.w_tensor, self.layout.fsdp, self.bw["fsdp"], self.hw,
+                            count=cfg.num_layers * micro)
+        return {
+            "flops": flops, "hbm": hbm,
+            "compute": max(flops / self.flops_s, hbm / self.mem_bw),
+            "tensor_comm": tp, "fsdp_comm": fsdp,
+            "overhead": micro * cfg.num_layers * OPS_PER_LAYER * self.hw.kernel_latency,
+            "tp_bytes": 2 * (self.t - 1) / self.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * tokens_dev
+            * cfg.hidden_size * self.act_bytes if self.t > 1 else 0.0,
+            "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * micro * self.w_tensor,
+        }
+
+
+def _micro(tokens_dev: float, wl: Workload) -> int:
+    return max(1, math.ceil(tokens_dev / wl.micro_tokens))
+
+
+def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float) -> CallCost:
+    return CallCost(sum(parts.values()), flops, hbm, comm_bytes, parts)
+
+
+def generate_cost(c: _Ctx, wl: Workload) -> CallCost:
+    cfg, hw = c.cfg, c.hw
+    seqs = wl.batch_size / c.batch_ways
+    pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, _micro(seqs * wl.prompt_len, wl))
+    # Decode: step s attends to prompt_len + s cached tokens.
+    ctx_len = wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64)
+    kv_heads_ways = min(c.t, cfg.num_kv_heads)
+    flops_steps = (2 * c.mm * seqs + attention_flops(cfg, seqs, ctx_len)) / c.t
+    kv = seqs * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
+    hbm_steps = c.w_tensor + kv
+    decode = float(np.maximum(flops_steps / c.flops_s, hbm_steps / c.mem_bw).sum())
+    n = wl.gen_len
+    tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n,
+                         c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
+    fsdp = _ring_gather(n * c.w_tensor, c.layout.fsdp, c.bw["fsdp"], hw, count=cfg.num_layers * n)
+    parts = {
+        "prefill": pre["compute"],
+        "decode": decode,
+        "tensor_comm": pre["tensor_comm"] + tp,
+        "fsdp_comm": pre["fsdp_comm"] + fsdp,
+        "overhead": pre["overhead"] + n * cfg.num_layers * OPS_PER_LAYER * hw.kernel_latency,
+    }
+    comm = pre["tp_bytes"] + pre["fsdp_bytes"] + (
+        2 * (c.t - 1) / c.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n
+    ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * c.w_tensor
+    return _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
+
+
+def inference_cost(c: _Ctx, wl: Workload) -> CallCost:
+    seqs = wl.batch_size / c.batch_ways
+    tokens = seqs * wl.seq_len
+    f = c.forward(tokens, wl.seq_len, seqs, _micro(tokens, wl))
+    parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
+             "overhead": f["overhead"]}
+    return _finish(parts, f["flops"], f["hbm"], f["tp_bytes"] + f["fsdp_bytes"])
+
+
+def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload) -> float:
+    """AdamW state per parameter: m and v in the param dtype, plus an fp32 master copy if asked."""
+    pb = DTYPE_BYTES[cfg.param_dtype]
+    master = 4 if wl.adam_master_fp32 and pb < 4 else 0
+    return 2 * pb + master
+
+
+def train_cost(c: _Ctx, wl: Workload) -> CallCost:
+    cfg, hw, lay = c.cfg, c.hw, c.layout
+    steps = wl.minibatches * wl.ppo_epochs
+    seqs = wl.minibatch_size / c.batch_ways
+    tokens = seqs * wl.seq_len
+    micro = _micro(tokens, wl)
+    f = c.forward(tokens, wl.seq_len, seqs, micro)
+    passes = 3 + (1 if wl.remat else 0)  # forward, backward = 2 forwards, recomputed forward
+    tp_passes = 2 + (1 if wl.remat else 0)  # forward, backward, recomputed forward all-reduce activations
+    # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch.
+    fsdp = 2 * f["fsdp_comm"] + _ring_gather(micro * c.w_tensor, lay.fsdp, c.bw["fsdp"], hw,
+                                              count=cfg.num_layers * micro)
+    grad_shard = param_bytes(cfg, c.head) / c.shards
+    dp = _ring_allreduce(grad_shard, lay.data, c.bw["data"], hw)
+    n_params_dev = param_count(cfg, c.head) / c.shards
+    opt_bytes = n_params_dev * (3 * DTYPE_BYTES[cfg.param_dtype] + 2 * optimizer_bytes_per_param(cfg, wl))
+    per_step = {
+        "compute": passes * f["compute"],
+        "tensor_comm": tp_passes * f["tensor_comm"],
+        "fsdp_comm": fsdp,
+        "grad_allreduce": dp,
+        "optimizer": opt_bytes / c.mem_bw + hw.kernel_latency * OPS_PER_LAYER,
+        "overhead": passes * f["overhead"],
+    }
+    parts = {k: v * steps for k, v in per_step.items()}
+    comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"]
+                    + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0))
+    return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
+
+
+CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": train_cost}
+
+
+def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+              hw: HardwareProfile) -> CallCost:
+    """Seconds of `call` (one RLHF step's worth of it) with its role's model `cfg` on `group` x `layout`."""
+    ctx = _Ctx(cfg, head_of(call.role), layout, Geometry.of(group, layout, hw), hw)
+    return CALL_COSTS[call.kind](ctx, wl)
+
+
+# ---- moving parameters -----------------------------------------------------------------------
+
+def _hosts(group: DeviceGroup, hw: HardwareProfile) -> set[int]:
+    return set(range(group.start // hw.devices_per_host, (group.stop - 1) // hw.devices_per_host + 1))
+
+
+def transfer_bytes(cfg: ModelConfig, head: str, dst_layout: Layout) -> float:
+    """Bytes each destination device receives: its shard of the (data-replicated) parameters."""
+    return param_bytes(cfg, head) / (dst_layout.fsdp * dst_layout.tensor)
+
+
+def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
+                 dst_layout: Layout, hw: HardwareProfile) -> float:
+    """Seconds to reshard a role's parameters from one placement to another (0 if identical).
+
+    Receivers pull their shard over NVLink/ICI when their host also holds source
+    devices, else over the host's NICs shared by its receiving devices; senders
+    are bounded by their own link. A congruent reshard on the source (one read
+    and write of its shard) precedes the move.
+    """
+    if (src.start, src.size, src_layout) == (dst.start, dst.size, dst_layout):
+        return 0.0
+    recv = transfer_bytes(cfg, head, dst_layout)
+    total = recv * dst.size
+    crosses = not _hosts(dst, hw) <= _hosts(src, hw)
+    dst_on_host = min(dst.size, hw.devices_per_host)
+    bw_recv = hw.link_bandwidth(crosses, dst_on_host)
+    bw_send = hw.link_bandwidth(crosses, min(src.size, hw.devices_per_host))
+    src_shard = param_bytes(cfg, head) / (src_layout.fsdp * src_layout.tensor)
+    reshard = 2 * src_shard / hw.memory_bandwidth(min(src.size, hw.devices_per_host))
+    if src.start == dst.start and src.size == dst.size:
+        # Same devices, other layout: a reshuffle among the group's own devices.
+        move = recv / hw.link_bandwidth(len(_hosts(dst, hw)) > 1, dst_on_host)
+    else:
+        move = max(recv / bw_recv, total / (src.size * bw_send))
+    return reshard + move + cfg.num_layers * hw.collective_latency
+
+
+def offload_cost(cfg: ModelConfig, head: str, layout: Layout, hw: HardwareProfile) -> float:
+    """Seconds to bring a device's shard back from host memory (the host copy stays, so offload is free)."""
+    return param_bytes(cfg, head) / (layout.fsdp * layout.tensor) / hw.host_bandwidth
+
+
+class CostCache:
+    """Memoised call and move costs for one (models, workload, hardware): the search asks for the
+    same placements many times."""
+
+    def __init__(self, models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile):
+        self.models, self.wl, self.hw = models, wl, hw
+        self._calls: dict[tuple, CallCost] = {}
+        self._moves: dict[tuple, float] = {}
+
+    def call(self, call: CallSpec, group: DeviceGroup, layout: Layout) -> CallCost:
+        key = (call.name, call.role, call.kind, group.start, group.size, layout)
+        if key not in self._calls:
+            self._calls[key] = call_cost(call, self.models[call.role], group, layout, self.wl, self.hw)
+        return self._calls[key]
+
+    def move(self, role: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup, dst_layout: Layout) -> float:
+        key = (role, src.start, src.size, src_layout, dst.start, dst.size, dst_layout)
+        if key not in self._moves:
+            self._moves[key] = realloc_cost(self.models[role], head_of(role), src, src_layout, dst, dst_layout,
+                                            self.hw)
+        return self._moves[key]

@@ -1,0 +1,277 @@
+"""Hardware profiles: the few numbers the cost model needs about a device kind.
+
+Peak numbers come from vendor datasheets; the `*_efficiency` factors turn
+them into what large, well-shaped kernels reach in practice, so that one
+profile serves both compute-bound training and memory-bound decoding. The
+local CPU profile is a placeholder until `calibrate()` measures the machine
+(matmul FLOP/s, copy GB/s, collective GB/s, dispatch latency) and writes a
+profile file that `get_profile(path)` loads back.
+
+Simulated CPU devices share the host's cores and memory bus, which no
+accelerator does; `host_flops` / `host_memory_bandwidth` cap what all the
+devices of one host reach together so the cost model stays honest there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import yaml
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """Per-device peak numbers and efficiencies; bandwidths in bytes/s, capacity in bytes."""
+
+    name: str
+    flops: Mapping[str, float]  # dtype name -> peak dense matmul FLOP/s per device
+    hbm_bandwidth: float  # device memory bytes/s
+    hbm_capacity: float  # device memory bytes
+    intra_host_bandwidth: float  # per device, one direction, to a device of the same host
+    inter_host_bandwidth: float  # per host (NICs together), one direction
+    devices_per_host: int
+    host_bandwidth: float = 25 * GB  # device <-> host memory (PCIe / DMA), per device
+    matmul_efficiency: float = 0.6  # fraction of peak FLOP/s large matmuls reach
+    memory_efficiency: float = 0.8  # fraction of peak HBM bandwidth streaming kernels reach
+    link_efficiency: float = 0.8  # fraction of link bandwidth collectives reach
+    collective_latency: float = 10e-6  # seconds per collective (launch + sync)
+    kernel_latency: float = 5e-6  # seconds per dispatched kernel / layer op
+    memory_reserve: float = 0.1  # fraction of capacity kept free (allocator, fragmentation)
+    host_flops: float | None = None  # all devices of a host together (shared cores), if capped
+    host_memory_bandwidth: float | None = None  # likewise for memory bandwidth
+    notes: str = ""
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise KeyError(f"hardware {self.name!r} has no FLOP/s for dtype {dtype!r}; known: {sorted(self.flops)}")
+        return self.flops[dtype]
+
+    def matmul_flops(self, dtype: str, devices_on_host: int = 1) -> float:
+        """FLOP/s one device reaches while `devices_on_host` devices of its host compute at once."""
+        f = self.peak_flops(dtype) * self.matmul_efficiency
+        if self.host_flops is not None:
+            f = min(f, self.host_flops * self.matmul_efficiency / max(devices_on_host, 1))
+        return f
+
+    def memory_bandwidth(self, devices_on_host: int = 1) -> float:
+        bw = self.hbm_bandwidth * self.memory_efficiency
+        if self.host_memory_bandwidth is not None:
+            bw = min(bw, self.host_memory_bandwidth * self.memory_efficiency / max(devices_on_host, 1))
+        return bw
+
+    def link_bandwidth(self, crosses_hosts: bool, devices_on_host: int = 1) -> float:
+        """Bytes/s one device sends while `devices_on_host` of its host's devices send at once."""
+        if not crosses_hosts:
+            return self.intra_host_bandwidth * self.link_efficiency
+        share = self.inter_host_bandwidth / max(min(devices_on_host, self.devices_per_host), 1)
+        return min(share, self.intra_host_bandwidth) * self.link_efficiency
+
+    @property
+    def usable_memory(self) -> float:
+        return self.hbm_capacity * (1.0 - self.memory_reserve)
+
+    # ---- files -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["flops"] = dict(self.flops)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "hardware profile") -> "HardwareProfile":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
+        try:
+            return cls(**{**d, "flops": {str(k): float(v) for k, v in dict(d["flops"]).items()}})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{where}: incomplete profile ({e})") from None
+
+    def save(self, path: str) -> None:
+        """Write as JSON (`.json`) or YAML (anything else)."""
+        with open(path, "w") as f:
+            if path.endswith(".json"):
+                json.dump(self.to_dict(), f, indent=2)
+            else:
+                yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        with open(path) as f:
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a mapping of profile fields")
+        return cls.from_dict(data, where=path)
+
+
+def _gpu(name: str, bf16: float, tf32: float, hbm_bw: float, hbm_gb: float, nvlink: float,
+         inter_host: float, **kw: Any) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, hbm_bandwidth=hbm_bw,
+        hbm_capacity=hbm_gb * GB, intra_host_bandwidth=nvlink, inter_host_bandwidth=inter_host,
+        devices_per_host=8, **kw,
+    )
+
+
+def _tpu(name: str, bf16: float, hbm_bw: float, hbm_gb: float, ici: float, per_host: int, **kw: Any) -> HardwareProfile:
+    # Inside a pod slice hosts talk over the same ICI torus, so inter-host ~ ICI x chips per host.
+    return HardwareProfile(
+        name=name, flops={"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2}, hbm_bandwidth=hbm_bw,
+        hbm_capacity=hbm_gb * GB, intra_host_bandwidth=ici, inter_host_bandwidth=ici * per_host,
+        devices_per_host=per_host, host_bandwidth=16 * GB, collective_latency=5e-6, kernel_latency=2e-6, **kw,
+    )
+
+
+# Link numbers for the GPUs follow the ReaLHF cluster of DESIGN.md §5: ~1800 Gb/s
+# NVLink inside a node and ~200 Gb/s per node across (bytes/s below).
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": _gpu("h100", 989e12, 495e12, 3.35e12, 80, 225 * GB, 25 * GB,
+                 notes="H100 SXM; links as in the ReaLHF cluster (1800 Gb/s NVLink, 200 Gb/s per node)"),
+    "h200": _gpu("h200", 989e12, 495e12, 4.8e12, 141, 450 * GB, 400 * GB,
+                 notes="H200 SXM; NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s per node"),
+    "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 25 * GB,
+                     notes="A100 SXM 80 GB; links as in the ReaLHF cluster"),
+    "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, notes="TPU v4; 6 ICI links"),
+    "tpu-v5e": _tpu("tpu-v5e", 197e12, 0.82e12, 16, 100 * GB, 4, notes="TPU v5e; 4 ICI links"),
+    "tpu-v5p": _tpu("tpu-v5p", 459e12, 2.76e12, 95, 300 * GB, 4, notes="TPU v5p; 6 ICI links"),
+    # Uncalibrated guess for one simulated CPU device; run `calibrate()` for real numbers.
+    "cpu": HardwareProfile(
+        name="cpu", flops={"float32": 50e9, "bfloat16": 10e9, "float16": 5e9}, hbm_bandwidth=10 * GB,
+        hbm_capacity=4 * GB, intra_host_bandwidth=5 * GB, inter_host_bandwidth=1 * GB, devices_per_host=8,
+        host_bandwidth=5 * GB, matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
+        collective_latency=50e-6, kernel_latency=20e-6, memory_reserve=0.0, host_flops=50e9,
+        host_memory_bandwidth=10 * GB, notes="uncalibrated; see jaxrlhf.mesh.hardware.calibrate",
+    ),
+}
+ALIASES = {"h100-80g": "h100", "a100": "a100-80g", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "local": "cpu"}
+
+
+def known_profiles() -> list[str]:
+    return sorted(PROFILES)
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A profile by registry name (case-insensitive, a few aliases) or from a .json/.yaml file."""
+    if os.path.isfile(name):
+        return HardwareProfile.load(name)
+    key = name.lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    if key not in PROFILES:
+        raise KeyError(
+            f"unknown hardware {name!r}; known profiles: {known_profiles()} "
+            f"(aliases {sorted(ALIASES)}), or a path to a profile file"
+        )
+    return PROFILES[key]
+
+
+# ---- calibration on the local devices -------------------------------------------------------
+
+def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of `repeats` runs of `fn` (which must block), after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _host_memory_bytes() -> float:
+    """Physical memory of this machine (CPU devices share it)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, repeats: int = 5,
+              name: str | None = None) -> HardwareProfile:
+    """Measure the local JAX devices and return `base` with measured numbers.
+
+    Measures: matmul FLOP/s on one device and on all local devices at once
+    (the latter bounds `host_flops` when devices share cores), copy bytes/s
+    (read + write) likewise, a device-to-device transfer, an all-reduce over
+    all local devices (reported as ring bus bandwidth), host -> device bytes/s
+    and the dispatch latency of a tiny kernel. Efficiencies are set to 1
+    because the numbers are what kernels actually reach.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    base_profile = get_profile(base)
+    devices = jax.local_devices()
+    n = len(devices)
+    dtype = "float32"
+
+    # Matmul: one device, then one per device concurrently (sharded over a 1-D mesh).
+    a = jax.device_put(jnp.ones((matmul_size, matmul_size), dtype), devices[0])
+    mm = jax.jit(lambda x: x @ x)
+    t1 = _best_time(lambda: mm(a).block_until_ready(), repeats)
+    flops_one = 2 * matmul_size**3 / t1
+    mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    stacked = jax.device_put(jnp.ones((n, matmul_size, matmul_size), dtype), NamedSharding(mesh, P("d")))
+    bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+    tn = _best_time(lambda: bmm(stacked).block_until_ready(), repeats)
+    flops_all = n * 2 * matmul_size**3 / tn
+
+    # Streaming copy: read + write of `copy_mb` per device.
+    elems = copy_mb * 2**20 // 4
+    v = jax.device_put(jnp.ones((elems,), dtype), devices[0])
+    inc = jax.jit(lambda x: x * 1.0001 + 1.0)
+    bw_one = 2 * elems * 4 / _best_time(lambda: inc(v).block_until_ready(), repeats)
+    vs = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(mesh, P("d")))
+    bw_all = 2 * (elems // n) * 4 * n / _best_time(lambda: inc(vs).block_until_ready(), repeats)
+
+    # Device-to-device copy between two local devices.
+    if n > 1:
+        link = elems * 4 / _best_time(lambda: jax.device_put(v, devices[1]).block_until_ready(), repeats)
+    else:
+        link = bw_one
+
+    # All-reduce over all local devices: ring bus bandwidth 2 (n-1)/n * bytes / t.
+    if n > 1:
+        reduce_mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+        part = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(reduce_mesh, P("d")))
+        allreduce = jax.jit(lambda x: jnp.sum(x, axis=0, keepdims=True),
+                            out_shardings=NamedSharding(reduce_mesh, P()))
+        t_ar = _best_time(lambda: allreduce(part).block_until_ready(), repeats)
+        collective = 2 * (n - 1) / n * (elems // n) * 4 / t_ar
+    else:
+        collective = link
+
+    host = np.ones((elems,), np.float32)
+    h2d = elems * 4 / _best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
+
+    tiny = jax.device_put(jnp.ones((8,), dtype), devices[0])
+    add = jax.jit(lambda x: x + 1)
+    latency = _best_time(lambda: add(tiny).block_until_ready(), max(repeats, 20))
+
+    # Other dtypes: measured where cheap (bfloat16), else scaled from the base profile's ratios.
+    flops = {k: flops_one * v / base_profile.flops["float32"] for k, v in base_profile.flops.items()}
+    b = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.bfloat16), devices[0])
+    flops["bfloat16"] = 2 * matmul_size**3 / _best_time(lambda: mm(b).block_until_ready(), repeats)
+    return dataclasses.replace(
+        base_profile,
+        name=name or f"{base_profile.name}-calibrated",
+        flops=flops,
+        hbm_bandwidth=bw_one,
+        intra_host_bandwidth=min(link, collective),
+        inter_host_bandwidth=min(link, collective),
+        devices_per_host=n,
+        hbm_capacity=_host_memory_bytes() / n if devices[0].platform == "cpu" else base_profile.hbm_capacity,
+        host_bandwidth=h2d,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        link_efficiency=1.0,
+        collective_latency=latency,
+        kernel_latency=latency,
+        host_flops=flops_all if base_profile.host_flops is not None else None,
+        host_memory_bandwidth=bw_all if base_profile.host_memory_bandwidth is not None else None,
+        notes=f"calibrated on {n} local {devices[0].platform} devices ({time.strftime('%Y-%m-%d')})",
+    )

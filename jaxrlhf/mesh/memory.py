@@ -1,0 +1,195 @@
+"""Per-device memory of a plan: what stays resident and what each call adds.
+
+Resident on a device between calls: the parameter shards of every role whose
+home placement covers it, the AdamW state of trained roles (sharded like the
+parameters, ZeRO style) and persistent shadow copies. While a call runs it
+adds its working set: gradients and saved activations (train), one layer's
+activations and the logits (inference), the KV cache (generate), and a
+reallocated parameter copy when the call runs away from its role's home.
+A device's peak is its resident bytes plus the largest working set of the
+calls that run on it. When that exceeds the usable capacity, frozen roles
+(no train call: reference, reward) are offloaded to host memory and
+reloaded for their own calls; if it still does not fit the plan is
+infeasible, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import numpy as np
+
+from jaxrlhf.mesh.cost import (
+    DTYPE_BYTES, Workload, head_of, kv_bytes_per_token, optimizer_bytes_per_param, param_bytes, param_count,
+)
+from jaxrlhf.mesh.graph import CallGraph, CallSpec
+from jaxrlhf.mesh.hardware import HardwareProfile
+from jaxrlhf.mesh.plan import ExecutionPlan, Layout
+from jaxrlhf.models.config import ModelConfig
+
+GiB = 2**30
+LOGIT_COPIES_INFER = 2  # float32 logits and their log-softmax
+LOGIT_COPIES_TRAIN = 3  # plus their gradient
+
+
+def _tokens_per_micro(seqs_dev: float, seq_len: int, wl: Workload) -> float:
+    tokens = seqs_dev * seq_len
+    micro = max(1, math.ceil(tokens / wl.micro_tokens))
+    return tokens / micro
+
+
+def _layer_activation_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
+    """Live bytes inside one decoder layer's forward for `tokens` tokens (attention scores in float32)."""
+    ab = DTYPE_BYTES[cfg.dtype]
+    q = cfg.num_heads * cfg.dim_per_head / t
+    kv = 2 * cfg.num_kv_heads * cfg.dim_per_head / max(min(t, cfg.num_kv_heads), 1)
+    hidden = tokens * ab * (4 * cfg.hidden_size + 2 * q + kv + 3 * cfg.intermediate_size / t)
+    scores = tokens * keys * cfg.num_heads / t * 4 * 2  # scores and probabilities
+    return hidden + scores
+
+
+def _logit_bytes(cfg: ModelConfig, head: str, tokens: float, t: int, copies: int) -> float:
+    return tokens * cfg.vocab_size / t * 4 * copies if head == "lm" else 0.0
+
+
+def params_per_device(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    return param_bytes(cfg, head) / (layout.fsdp * layout.tensor)
+
+
+def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload) -> float:
+    return param_count(cfg, head) * optimizer_bytes_per_param(cfg, wl) / (layout.fsdp * layout.tensor)
+
+
+def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) -> dict[str, float]:
+    """Bytes one device needs on top of resident parameters while `call` runs."""
+    head = head_of(call.role)
+    t = layout.tensor
+    batch_ways = layout.data * layout.fsdp
+    ab = DTYPE_BYTES[cfg.dtype]
+    gathered = param_bytes(cfg, head) / t / cfg.num_layers * 2 if layout.fsdp > 1 else 0.0  # FSDP layer buffers
+    if call.kind == "generate":
+        seqs = wl.batch_size / batch_ways
+        kv = seqs * wl.seq_len * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
+        tok = _tokens_per_micro(seqs, wl.prompt_len, wl)
+        prefill = _layer_activation_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(cfg, head, tok, t, 1)
+        return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered}
+    if call.kind == "inference":
+        seqs = wl.batch_size / batch_ways
+        tok = _tokens_per_micro(seqs, wl.seq_len, wl)
+        act = _layer_activation_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_INFER)
+        return {"activations": act, "fsdp_buffers": gathered}
+    seqs = wl.minibatch_size / batch_ways
+    tok = _tokens_per_micro(seqs, wl.seq_len, wl)
+    layer = _layer_activation_bytes(cfg, tok, wl.seq_len, t)
+    if wl.remat:  # layer inputs kept, one layer recomputed at a time
+        saved = cfg.num_layers * tok * cfg.hidden_size * ab + 2 * layer
+    else:
+        saved = cfg.num_layers * layer
+    act = saved + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_TRAIN)
+    grads = params_per_device(cfg, head, layout)
+    return {"gradients": grads, "activations": act, "fsdp_buffers": gathered}
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Peak bytes per device (indexed by global device), what was offloaded, and why a plan fails."""
+
+    peak: np.ndarray
+    resident: np.ndarray
+    capacity: float
+    offloaded: tuple[str, ...]
+    call_bytes: dict[str, float]  # per-device peak while each call runs (on its busiest device)
+    reason: str | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.reason is None
+
+    @property
+    def max_peak(self) -> float:
+        return float(self.peak.max()) if self.peak.size else 0.0
+
+
+def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
+                hw: HardwareProfile) -> MemoryReport:
+    """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit."""
+    n = plan.num_devices
+    cap = hw.usable_memory
+    trained = {c.role for c in graph.calls if c.kind == "train"}
+    roles = [r for r in graph.roles if any(c.role == r for c in graph.calls if c.name in plan.calls)]
+
+    def span(call_name: str) -> slice:
+        g = plan.group_of(call_name)
+        return slice(g.start, g.stop)
+
+    # Resident contributions per role (home params + optimizer state + persistent shadows).
+    resident_by_role: dict[str, np.ndarray] = {}
+    for role in roles:
+        cfg, head = models[role], head_of(role)
+        home_call = plan.home_call(role)
+        home = plan.calls[home_call]
+        arr = np.zeros(n)
+        per = params_per_device(cfg, head, home.layout)
+        if role in trained:
+            per += optimizer_per_device(cfg, head, home.layout, wl)
+        arr[span(home_call)] += per
+        if role in plan.shadow_roles:
+            seen = {(plan.group_of(home_call).start, plan.group_of(home_call).size, home.layout)}
+            for c in graph.calls:
+                if c.role != role or c.name not in plan.calls:
+                    continue
+                g, lay = plan.group_of(c.name), plan.calls[c.name].layout
+                if (g.start, g.size, lay) not in seen:
+                    seen.add((g.start, g.size, lay))
+                    arr[g.start:g.stop] += params_per_device(cfg, head, lay)
+        resident_by_role[role] = arr
+
+    # Working sets per call; a call away from home without a shadow holds a temporary copy.
+    work: dict[str, float] = {}
+    for c in graph.calls:
+        if c.name not in plan.calls:
+            continue
+        cfg, lay = models[c.role], plan.calls[c.name].layout
+        w = sum(working_set(c, cfg, lay, wl).values())
+        home_call = plan.home_call(c.role)
+        home = plan.calls[home_call]
+        moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
+        if moved and c.role not in plan.shadow_roles:
+            w += params_per_device(cfg, head_of(c.role), lay)
+        work[c.name] = w
+
+    offloaded: list[str] = []
+    frozen = [r for r in roles if r not in trained]
+    while True:
+        resident = sum(resident_by_role.values(), np.zeros(n))
+        peak = resident.copy()
+        call_bytes: dict[str, float] = {}
+        for name, w in work.items():
+            s = span(name)
+            role = graph[name].role
+            extra = w
+            if role in offloaded:  # reloaded for its own call
+                extra += params_per_device(models[role], head_of(role), plan.calls[name].layout)
+            peak[s] = np.maximum(peak[s], resident[s] + extra)
+            call_bytes[name] = float((resident[s] + extra).max())
+        over = peak > cap
+        if not over.any():
+            return MemoryReport(peak, resident, cap, tuple(offloaded), call_bytes)
+        candidates = [r for r in frozen if r not in offloaded and resident_by_role[r][over].any()]
+        if not candidates:
+            dev = int(np.argmax(peak))
+            worst = max((nm for nm in work if span(nm).start <= dev < span(nm).stop),
+                        key=lambda nm: call_bytes[nm], default=None)
+            reason = (
+                f"out of memory on device {dev}: needs {peak[dev] / GiB:.1f} GiB of {cap / GiB:.1f} GiB usable "
+                f"(resident {resident[dev] / GiB:.1f} GiB"
+                + (f"; largest call {worst} adds {(call_bytes[worst] - resident[dev]) / GiB:.1f} GiB" if worst else "")
+                + (f"; offloaded {offloaded}" if offloaded else "")
+                + ")"
+            )
+            return MemoryReport(peak, resident, cap, tuple(offloaded), call_bytes, reason)
+        largest = max(candidates, key=lambda r: resident_by_role[r][over].max())
+        offloaded.append(largest)
+        resident_by_role[largest] = np.zeros(n)

@@ -1,0 +1,321 @@
+"""Plan search: simulated annealing over per-call placements, seeded from every preset.
+
+The search space gives each call a device group and a layout:
+- groups respect hosts: sizes that are powers of two up to a host, aligned so
+  they never straddle one, and whole hosts (powers of two of them, or all);
+- layouts divide the model: tensor size divides heads, kv heads, the MLP and
+  the vocabulary and stays inside a host; data x fsdp divides the call's
+  batch (a minibatch for train); generation uses no FSDP (it would gather all
+  weights for every token).
+Moves: re-place one call, change its layout, copy another call's placement,
+move a role's home together with the calls that share it, toggle a shadow
+copy for a trained role. The energy is the simulated steady-state step time;
+infeasible plans (over memory) get a large energy that still shrinks as they
+approach fitting, so chains walk out of them, but they are never returned.
+
+Deterministic for a seed: the schedule is driven by iteration counts and the
+time budget only cuts a run short (reported in `SearchResult.budget_hit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from typing import Mapping
+
+from jaxrlhf.mesh.cost import CostCache, Workload, head_of
+from jaxrlhf.mesh.graph import CallGraph, CallSpec
+from jaxrlhf.mesh.hardware import HardwareProfile
+from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+from jaxrlhf.mesh.simulator import PlanEstimate, estimate_plan
+from jaxrlhf.models.config import ModelConfig
+
+Slot = tuple[int, int, Layout]  # (group start, group size, layout)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_groups(num_devices: int, devices_per_host: int) -> list[tuple[int, int]]:
+    """(start, size) of every group a call may use; none straddles a host unless it spans whole hosts."""
+    per_host = min(devices_per_host, num_devices)
+    sizes = [1 << i for i in range(per_host.bit_length()) if (1 << i) <= per_host and per_host % (1 << i) == 0]
+    if per_host not in sizes:
+        sizes.append(per_host)
+    hosts = num_devices // per_host
+    sizes += [per_host * k for k in range(2, hosts + 1) if (k & (k - 1)) == 0 or k == hosts]
+    out = [(0, num_devices)]
+    for size in sizes:
+        k = size // per_host
+        step = size if size <= per_host or k & (k - 1) == 0 else per_host
+        out += [(s, size) for s in range(0, num_devices - size + 1, step)]
+    return sorted(set(out), key=lambda g: (g[1], g[0]))
+
+
+def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, devices_per_host: int) -> list[Layout]:
+    """Layouts of `size` devices under which `call` can run with model `cfg`."""
+    batch = wl.call_batch(call.kind)
+    out = []
+    for t in _divisors(size):
+        if t > devices_per_host or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
+            continue
+        if head_of(call.role) == "lm" and cfg.vocab_size % t:
+            continue
+        rest = size // t
+        for f in _divisors(rest):
+            d = rest // f
+            if batch % (d * f) or cfg.hidden_size % f:
+                continue
+            if call.kind == "generate" and f > 1:
+                continue
+            out.append(Layout(d, f, t))
+    return out
+
+
+@dataclasses.dataclass
+class SearchSpace:
+    """Candidate (group, layout) slots per call."""
+
+    graph: CallGraph
+    num_devices: int
+    devices_per_host: int
+    groups: list[tuple[int, int]]
+    layouts: dict[tuple[str, int], list[Layout]]  # (call, group size) -> layouts
+
+    @classmethod
+    def build(cls, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, num_devices: int,
+              hw: HardwareProfile) -> "SearchSpace":
+        groups = candidate_groups(num_devices, hw.devices_per_host)
+        layouts = {
+            (c.name, size): valid_layouts(c, models[c.role], size, wl, hw.devices_per_host)
+            for c in graph.calls for size in {s for _, s in groups}
+        }
+        return cls(graph, num_devices, hw.devices_per_host, groups, layouts)
+
+    def slots(self, call: str) -> list[Slot]:
+        return [(s, n, lay) for s, n in self.groups for lay in self.layouts[(call, n)]]
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    slots: tuple[tuple[str, Slot], ...]  # in graph order
+    shadow: frozenset[str] = frozenset()
+    offpolicy: bool = False
+
+    def get(self, call: str) -> Slot:
+        return dict(self.slots)[call]
+
+    def with_slot(self, call: str, slot: Slot) -> "State":
+        return dataclasses.replace(self, slots=tuple((c, slot if c == call else s) for c, s in self.slots))
+
+
+def _group_name(start: int, size: int, num_devices: int) -> str:
+    return "all" if (start, size) == (0, num_devices) else f"dev{start}-{start + size - 1}"
+
+
+def state_to_plan(state: State, num_devices: int, strategy: str = "searched", notes: str = "") -> ExecutionPlan:
+    groups: dict[str, DeviceGroup] = {}
+    calls: dict[str, Placement] = {}
+    for call, (start, size, layout) in state.slots:
+        name = _group_name(start, size, num_devices)
+        groups[name] = DeviceGroup(name, start, size)
+        calls[call] = Placement(name, layout)
+    return ExecutionPlan(strategy, num_devices, groups, calls, tuple(sorted(state.shadow)), state.offpolicy, notes)
+
+
+def plan_to_state(plan: ExecutionPlan, graph: CallGraph) -> State:
+    slots = tuple((c.name, (plan.group_of(c.name).start, plan.group_of(c.name).size, plan.calls[c.name].layout))
+                  for c in graph.calls)
+    return State(slots, frozenset(plan.shadow_roles), plan.offpolicy)
+
+
+# ---- preset seeds ---------------------------------------------------------------------------------
+
+def preset_plans(num_devices: int, models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload,
+                 hw: HardwareProfile) -> dict[str, ExecutionPlan | str]:
+    """Every registered strategy preset's plan, or the reason it does not apply."""
+    from jaxrlhf.mesh import presets  # the placement layer's registry
+
+    out: dict[str, ExecutionPlan | str] = {}
+    for name in presets.STRATEGIES:
+        try:
+            out[name] = presets.build_plan(name, num_devices, models, graph, batch_size=wl.batch_size,
+                                           devices_per_host=hw.devices_per_host)
+        except (PlanError, ValueError) as e:
+            out[name] = str(e)
+    return out
+
+
+def greedy_seed(space: SearchSpace, cache: CostCache) -> State:
+    """Every call on all devices in its own fastest layout: a sensible start when no preset fits."""
+    slots = []
+    for c in space.graph.calls:
+        cands = [s for s in space.slots(c.name) if s[1] == space.num_devices] or space.slots(c.name)
+        if not cands:
+            raise PlanError(f"no valid layout for {c.name} on {space.num_devices} devices with this model and batch")
+        best = min(cands, key=lambda s: cache.call(c, DeviceGroup("g", s[0], s[1]), s[2]).seconds)
+        slots.append((c.name, best))
+    return State(tuple(slots))
+
+
+# ---- annealing ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SearchResult:
+    best: PlanEstimate
+    runners_up: list[PlanEstimate]
+    presets: dict[str, PlanEstimate | str]  # estimate, or why the preset does not apply
+    seconds: float
+    evaluations: int
+    budget_hit: bool
+
+
+class _Annealer:
+    def __init__(self, space: SearchSpace, models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
+                 steps: int, allow_offpolicy: bool):
+        self.space, self.models, self.wl, self.hw = space, models, wl, hw
+        self.steps, self.allow_offpolicy = steps, allow_offpolicy
+        self.cache = CostCache(models, wl, hw)
+        self.seen: dict[State, tuple[float, PlanEstimate]] = {}
+        self.slots = {c.name: space.slots(c.name) for c in space.graph.calls}
+        self.trained = [c.role for c in space.graph.calls if c.kind == "train"]
+
+    def energy(self, state: State) -> tuple[float, PlanEstimate]:
+        if state not in self.seen:
+            plan = state_to_plan(state, self.space.num_devices)
+            est = estimate_plan(plan, self.space.graph, self.models, self.wl, self.hw, self.steps, self.cache)
+            if est.feasible:
+                e = float(est.step_s)
+            elif est.memory is not None:  # over memory: penalise by how far over
+                e = 1e6 * (1.0 + est.memory.max_peak / est.memory.capacity)
+            else:
+                e = 1e9
+            self.seen[state] = (e, est)
+        return self.seen[state]
+
+    def propose(self, st: State, rng: random.Random) -> State:
+        calls = [c for c, _ in st.slots]
+        call = rng.choice(calls)
+        start, size, layout = st.get(call)
+        r = rng.random()
+        if r < 0.3:  # another layout on the same group
+            lays = self.space.layouts[(call, size)]
+            if lays:
+                return st.with_slot(call, (start, size, rng.choice(lays)))
+        if r < 0.6:  # anywhere
+            return st.with_slot(call, rng.choice(self.slots[call]))
+        if r < 0.75:  # share another call's placement
+            other = st.get(rng.choice(calls))
+            if other[2] in self.space.layouts[(call, other[1])]:
+                return st.with_slot(call, other)
+            return st.with_slot(call, rng.choice(self.slots[call]))
+        if r < 0.92:  # move a role's home and the calls that share it
+            role = call.split(".")[0]
+            plan = state_to_plan(st, self.space.num_devices)
+            home = plan.home_call(role)
+            old = st.get(home)
+            new = rng.choice(self.slots[home])
+            for c, s in st.slots:
+                if c.split(".")[0] == role and s == old and (new[2] in self.space.layouts[(c, new[1])]):
+                    st = st.with_slot(c, new)
+            return st
+        if self.trained:  # shadow copies / off-policy
+            role = rng.choice(self.trained)
+            if self.allow_offpolicy and role in st.shadow and rng.random() < 0.5:
+                return dataclasses.replace(st, offpolicy=not st.offpolicy)
+            return dataclasses.replace(st, shadow=st.shadow ^ {role},
+                                       offpolicy=st.offpolicy and bool(st.shadow ^ {role}))
+        return st.with_slot(call, rng.choice(self.slots[call]))
+
+    def chain(self, start: State, iterations: int, rng: random.Random, deadline: float,
+              t0: float = 0.05, t1: float = 0.0005) -> bool:
+        """One annealing chain; returns True if the deadline cut it short."""
+        cur = start
+        e_cur, _ = self.energy(cur)
+        for i in range(iterations):
+            if time.perf_counter() > deadline:
+                return True
+            temp = t0 * (t1 / t0) ** (i / max(iterations - 1, 1))
+            cand = self.propose(cur, rng)
+            e_new, _ = self.energy(cand)
+            if e_new <= e_cur or rng.random() < math.exp(-(e_new / e_cur - 1.0) / temp):
+                cur, e_cur = cand, e_new
+        return False
+
+
+def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
+           graph: CallGraph | None = None, *, seed: int = 0, iterations: int = 4000, time_budget_s: float = 60.0,
+           top_k: int = 4, steps: int = 3, allow_offpolicy: bool = False,
+           seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
+    """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
+
+    `iterations` is split over one annealing chain per seed plan (every preset
+    that applies, plus a greedy one). `seeds` replaces the presets, e.g. for
+    tests. One-step off-policy plans are explored only with `allow_offpolicy`,
+    because they change the algorithm, not just its speed.
+    """
+    if graph is None:
+        from jaxrlhf.ppo.graph import PPO_GRAPH
+
+        graph = PPO_GRAPH
+    missing = [c.role for c in graph.calls if c.role not in models]
+    if missing:
+        raise PlanError(f"no model config for roles {sorted(set(missing))}")
+    t_start = time.perf_counter()
+    space = SearchSpace.build(graph, models, wl, num_devices, hw)
+    ann = _Annealer(space, models, wl, hw, steps, allow_offpolicy)
+
+    raw = dict(seeds) if seeds is not None else preset_plans(num_devices, models, graph, wl, hw)
+    presets: dict[str, PlanEstimate | str] = {}
+    starts: list[State] = []
+    for name, plan in raw.items():
+        if isinstance(plan, str):
+            presets[name] = plan
+            continue
+        est = estimate_plan(plan, graph, models, wl, hw, steps, ann.cache)
+        presets[name] = est
+        if est.reason is None or est.memory is not None:  # structurally sound: a usable start
+            state = plan_to_state(plan, graph)
+            ann.seen[state] = (est.step_s if est.feasible else 1e6 * (1 + est.memory.max_peak / est.memory.capacity),
+                               est)
+            if allow_offpolicy or not state.offpolicy:
+                starts.append(state)
+    try:
+        starts.append(greedy_seed(space, ann.cache))
+    except PlanError:
+        if not starts:
+            raise
+
+    rng_root = random.Random(seed)
+    deadline = t_start + time_budget_s
+    per_chain = max(1, iterations // len(starts))
+    budget_hit = False
+    for s in starts:
+        budget_hit |= ann.chain(s, per_chain, random.Random(rng_root.getrandbits(64)), deadline)
+        if budget_hit:
+            break
+
+    feasible = sorted(((e, est) for e, est in ann.seen.values() if est.feasible), key=lambda x: x[0])
+    if not feasible:
+        reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
+        raise PlanError(
+            f"no plan fits: every candidate ran out of memory or was invalid on {num_devices} x {hw.name} "
+            f"(presets: {reasons}); use more devices, smaller models or a smaller batch"
+        )
+    best = feasible[0][1]
+    origin = best.plan.strategy
+    best = dataclasses.replace(best, plan=dataclasses.replace(
+        best.plan, strategy="searched",
+        notes=f"searched (seed {seed}, {len(ann.seen)} plans evaluated; best found from {origin!r})"))
+    runners: list[PlanEstimate] = []
+    seen_times = {round(feasible[0][0], 9)}
+    for e, est in feasible[1:]:  # distinct step times, so near-copies of the best do not crowd the list
+        if len(runners) >= top_k:
+            break
+        if round(e, 9) not in seen_times:
+            seen_times.add(round(e, 9))
+            runners.append(est)
+    return SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit)
