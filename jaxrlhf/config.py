@@ -440,20 +440,47 @@ def _leaf_paths(data: Mapping[str, Any]) -> list[str]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b.c=value` -> ("a.b.c", value parsed as a YAML scalar/flow value)."""
+    """`a.b.c=value` -> ("a.b.c", value parsed as YAML).
+
+    For a key whose type is a string, text that YAML reads as something else
+    (or cannot read: `prompt_template=Q: {prompt} A:`) is kept as typed.
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {text!r} must look like key=value (e.g. run.steps=10)")
+    wants_str = _accepts_str(_schema_type(key))
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
+        if wants_str:
+            return key, raw
         raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e.problem})") from None
+    if wants_str and value is not None and not isinstance(value, str):
+        return key, raw
     return key, value
 
 
+def _schema_type(key: str) -> Any:
+    """The annotated type of a dotted key, or None if the schema has no such key."""
+    tp: Any = Config
+    for part in key.split("."):
+        if not _is_dataclass_type(tp) or part not in _hints(tp):
+            return None
+        tp = _hints(tp)[part]
+    return tp
+
+
+def _accepts_str(tp: Any) -> bool:
+    args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return str in args
+
+
 def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A copy of the nested mapping `data` with each `key=value` override set."""
+    """A copy of the nested mapping `data` with each `key=value` override set.
+
+    Values are parsed as YAML (see `parse_override`).
+    """
     out = _deep_copy(data)
     for text in overrides:
         key, value = parse_override(text)

@@ -61,6 +61,13 @@ def test_structured_overrides():
     assert config.data.answer_key is None
 
 
+def test_string_keys_keep_override_text():
+    config = load_config(None, ["data.prompt_template=Question: {prompt} Answer:", "data.split=1",
+                                "run.output_dir=[x]"])
+    assert config.data.prompt_template == "Question: {prompt} Answer:"  # not YAML: a mapping / parse error
+    assert config.data.split == "1" and config.run.output_dir == "[x]"
+
+
 def test_print_config_round_trips():
     config = load_config(REPO / "configs" / "quickstart.yaml", ["run.steps=3"])
     text = format_config(config)
@@ -118,7 +125,7 @@ def test_unknown_key_in_yaml(tmp_path):
         ("run.devices=2.5", "config key 'run.devices' expects int or null, got 2.5 (float)"),
         ("run.resume=3", "config key 'run.resume' expects bool, got 3 (int)"),
         ("algorithm.kl_coef=high", "config key 'algorithm.kl_coef' expects float, got 'high' (str)"),
-        ("data.source=[a, b]", "config key 'data.source' expects str, got ['a', 'b'] (list)"),
+        ("data.batch_size=[8]", "config key 'data.batch_size' expects int, got [8] (list)"),
         ("run=5", "config key 'run' expects a mapping with keys output_dir"),
     ],
 )
