@@ -16,9 +16,15 @@ before the call and dropped after (reallocated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxrlhf.mesh.graph import CallGraph
+    from jaxrlhf.models.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -196,3 +202,104 @@ class ExecutionPlan:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+# ---- validation -----------------------------------------------------------------------
+def validate(
+    plan: ExecutionPlan,
+    graph: "CallGraph",
+    models: Mapping[str, "ModelConfig"] | None = None,
+    *,
+    devices: "int | Sequence[jax.Device] | None" = None,
+    batch_size: int | None = None,
+    devices_per_host: int | None = None,
+    rules: Any = None,
+) -> None:
+    """Raise PlanError naming the first problem that would stop `plan` from running.
+
+    Checks, in order: device count against what is available; groups (inside
+    the plan's devices, respecting hosts); every call of `graph` placed and no
+    unknown call; each placement's group exists and its layout uses exactly the
+    group's devices; the layout divides the model (`models`: role -> config)
+    and the batch; shadow roles and off-policy generation, which must not share
+    devices with any train call because the two run at the same time.
+    """
+    from jaxrlhf.mesh.groups import check_group
+    from jaxrlhf.mesh.layout import layout_misfit
+
+    if plan.num_devices < 1:
+        raise PlanError(f"plan.num_devices={plan.num_devices}; a plan needs at least one device")
+    if devices is not None:
+        available = devices if isinstance(devices, int) else len(devices)
+        if plan.num_devices > available:
+            raise PlanError(
+                f"plan needs {plan.num_devices} devices but only {available} are available; "
+                f"build a plan for {available} devices"
+            )
+    if not plan.groups:
+        raise PlanError("plan defines no device groups")
+    for name, g in plan.groups.items():
+        if g.name != name:
+            raise PlanError(f"group key {name!r} does not match its name {g.name!r}")
+        check_group(g, plan.num_devices, devices_per_host)
+
+    missing = [c for c in graph.names if c not in plan.calls]
+    if missing:
+        raise PlanError(f"plan has no placement for call(s) {missing}; every call of the graph needs one")
+    extra = [c for c in plan.calls if c not in graph.names]
+    if extra:
+        raise PlanError(f"plan places unknown call(s) {extra}; the graph's calls are {list(graph.names)}")
+
+    for call, p in plan.calls.items():
+        if p.group not in plan.groups:
+            raise PlanError(
+                f"call {call!r} uses group {p.group!r}, which the plan does not define; "
+                f"defined groups: {sorted(plan.groups)}"
+            )
+        g = plan.groups[p.group]
+        for axis, size in p.layout.axis_sizes.items():
+            if size < 1:
+                raise PlanError(f"call {call!r}: mesh axis {axis}={size}; every axis needs size >= 1")
+        if p.layout.num_devices != g.size:
+            raise PlanError(
+                f"call {call!r}: layout data={p.layout.data} x fsdp={p.layout.fsdp} x tensor={p.layout.tensor} "
+                f"uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
+                f"make data*fsdp*tensor = {g.size}"
+            )
+        role = graph[call].role
+        cfg = None
+        if models is not None:
+            if role not in models:
+                raise PlanError(f"no model config for role {role!r} (call {call!r}); given: {sorted(models)}")
+            cfg = models[role]
+        reason = layout_misfit(p.layout, cfg, batch_size, rules)
+        if reason:
+            raise PlanError(f"call {call!r} on group {p.group!r} (role {role!r}): {reason}")
+
+    for role in plan.shadow_roles:
+        if role not in graph.roles:
+            raise PlanError(f"shadow role {role!r} is not a role of the graph {list(graph.roles)}")
+        home = plan.home(role)
+        if all(plan.calls[c] == home for c in plan.calls if c.split(".")[0] == role):
+            raise PlanError(
+                f"shadow role {role!r} has no call placed away from its home {home.group}:{home.layout}; "
+                "a shadow copy would be identical, so drop it from shadow_roles"
+            )
+    if plan.offpolicy:
+        gens = [c.name for c in graph.calls if c.kind == "generate"]
+        if not gens:
+            raise PlanError("offpolicy=true but the graph has no generate call")
+        for gen in gens:
+            role = graph[gen].role
+            if role not in plan.shadow_roles:
+                raise PlanError(
+                    f"offpolicy=true needs a shadow {role!r} for {gen!r} (add {role!r} to shadow_roles): "
+                    "generation of the next step cannot read weights that training is updating"
+                )
+            for c in graph.calls:
+                if c.kind == "train" and plan.group_of(gen).overlaps(plan.group_of(c.name)):
+                    raise PlanError(
+                        f"offpolicy=true runs {gen!r} and {c.name!r} at the same time, but their groups "
+                        f"{plan.calls[gen].group!r} and {plan.calls[c.name].group!r} share devices; "
+                        "put generation on devices no train call uses"
+                    )

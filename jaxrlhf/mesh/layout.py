@@ -1,0 +1,254 @@
+"""Layouts become meshes; logical axis names become PartitionSpecs.
+
+A `Layout` (data x fsdp x tensor) over a `DeviceGroup` is a
+`jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), tensor innermost
+so tensor-parallel peers are neighbouring devices (same host). Meshes are
+always built with explicit `axis_types` (Auto: the compiler propagates
+shardings from parameters and `constrain` hints), because the defaults of
+`Mesh` and `jax.make_mesh` differ between JAX versions.
+
+`AxisRules` holds two tables, one for parameters and one for activations
+(the same name may map differently: "embed" is FSDP-sharded in a weight but
+replicated in an activation whose batch is already split over fsdp). A rule
+skips mesh axes of size 1 and never shards a dimension that the axes' size
+does not divide; that dimension stays replicated (validation reports the
+cases that matter: tensor vs heads / kv_heads / mlp, batch vs data x fsdp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxrlhf.mesh.groups import Device, group_devices
+from jaxrlhf.mesh.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models.config import ModelConfig
+
+MeshAxes = tuple[str, ...]
+RuleTable = Mapping[str, MeshAxes]
+
+
+def _as_axes(value: Any, where: str) -> MeshAxes:
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for n in names:
+        if n not in MESH_AXES:
+            raise PlanError(f"{where}: {n!r} is not a mesh axis; use one of {list(MESH_AXES)} or null")
+    if len(set(names)) != len(names):
+        raise PlanError(f"{where}: mesh axis repeated in {list(names)}")
+    return names
+
+
+def _table(d: Mapping[str, Any], where: str) -> RuleTable:
+    return MappingProxyType({str(k): _as_axes(v, f"{where}.{k}") for k, v in d.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Logical axis name -> mesh axes, separately for parameters and activations."""
+
+    params: RuleTable
+    activations: RuleTable
+
+    def with_overrides(
+        self, params: Mapping[str, Any] | None = None, activations: Mapping[str, Any] | None = None
+    ) -> "AxisRules":
+        return AxisRules(
+            _table({**self.params, **(params or {})}, "rules.params"),
+            _table({**self.activations, **(activations or {})}, "rules.activations"),
+        )
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None, base: "AxisRules | None" = None) -> "AxisRules":
+        """Overrides from config: {"params": {...}, "activations": {...}} or one flat
+        {name: axis | [axes] | null} table applied to both."""
+        base = base or DEFAULT_RULES
+        if not cfg:
+            return base
+        if set(cfg) <= {"params", "activations"}:
+            return base.with_overrides(cfg.get("params"), cfg.get("activations"))
+        return base.with_overrides(cfg, cfg)
+
+    def to_dict(self) -> dict[str, dict[str, list[str] | None]]:
+        conv = lambda t: {k: (list(v) if v else None) for k, v in t.items()}  # noqa: E731
+        return {"params": conv(self.params), "activations": conv(self.activations)}
+
+
+DEFAULT_RULES = AxisRules(
+    params=_table(
+        {
+            ax.VOCAB: "tensor",
+            ax.EMBED: "fsdp",
+            ax.HEADS: "tensor",
+            ax.KV_HEADS: "tensor",
+            ax.HEAD_DIM: None,
+            ax.MLP: "tensor",
+        },
+        "rules.params",
+    ),
+    activations=_table(
+        {
+            ax.BATCH: ("data", "fsdp"),
+            ax.LENGTH: None,
+            ax.EMBED: None,
+            ax.VOCAB: "tensor",
+            ax.HEADS: "tensor",
+            ax.KV_HEADS: "tensor",
+            ax.HEAD_DIM: None,
+            ax.MLP: "tensor",
+        },
+        "rules.activations",
+    ),
+)
+
+
+# ---- meshes ---------------------------------------------------------------------------
+def make_mesh(group: DeviceGroup, layout: Layout, devices: Sequence[Device] | None = None) -> Mesh:
+    """Mesh ("data", "fsdp", "tensor") over the group's devices, tensor innermost."""
+    if layout.num_devices != group.size:
+        raise PlanError(
+            f"layout {layout} uses {layout.num_devices} devices but group {group.name!r} has {group.size}; "
+            f"make data*fsdp*tensor = {group.size}"
+        )
+    devs = np.array(group_devices(group, devices), dtype=object)
+    shape = (layout.data, layout.fsdp, layout.tensor)
+    return Mesh(devs.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def plan_mesh(plan: ExecutionPlan, call: str, devices: Sequence[Device] | None = None) -> Mesh:
+    """The mesh a call of `plan` runs on."""
+    p = plan.calls[call]
+    if p.group not in plan.groups:
+        raise PlanError(f"call {call!r} uses undefined group {p.group!r}; defined: {sorted(plan.groups)}")
+    return make_mesh(plan.groups[p.group], p.layout, devices)
+
+
+def _axis_sizes(mesh_or_layout: Mesh | Layout) -> Mapping[str, int]:
+    if isinstance(mesh_or_layout, Layout):
+        return mesh_or_layout.axis_sizes
+    return dict(mesh_or_layout.shape)
+
+
+# ---- logical axes -> PartitionSpec ----------------------------------------------------
+def logical_to_spec(
+    names: ax.LogicalAxes,
+    shape: Sequence[int] | None,
+    mesh_or_layout: Mesh | Layout,
+    table: RuleTable,
+) -> PartitionSpec:
+    """PartitionSpec for one array: skip size-1 axes, never reuse an axis, never shard
+    a dimension the axes do not divide (it stays replicated instead)."""
+    sizes = _axis_sizes(mesh_or_layout)
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for i, name in enumerate(names):
+        chosen: list[str] = []
+        for a in table.get(name, ()) if name is not None else ():
+            if sizes.get(a, 1) > 1 and a not in used:
+                chosen.append(a)
+        if shape is not None:
+            while chosen and shape[i] % math.prod(sizes[a] for a in chosen):
+                chosen.pop()
+        used.update(chosen)
+        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _leaves_with_axes(tree: Any) -> tuple[list[Any], list[ax.LogicalAxes], Any]:
+    """Array-like leaves of `tree`, their logical axes, and the full tree structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    logical = jax.tree_util.tree_leaves(ax.param_logical_axes(tree), is_leaf=lambda x: isinstance(x, tuple))
+    if len(logical) != len(leaves):
+        raise ValueError(
+            f"tree has {len(leaves)} array leaves but {len(logical)} logical-axis entries; "
+            "every nnx.Variable must hold exactly one array"
+        )
+    for leaf, names in zip(leaves, logical):
+        if len(names) != len(np.shape(leaf)):
+            raise ValueError(f"logical axes {names} do not match an array of shape {np.shape(leaf)}")
+    return leaves, logical, treedef
+
+
+def param_specs(tree: Any, layout: Layout | Mesh, rules: AxisRules | None = None) -> Any:
+    """PartitionSpec per parameter (same structure as `tree`); works on abstract trees too."""
+    rules = rules or DEFAULT_RULES
+    leaves, logical, treedef = _leaves_with_axes(tree)
+    specs = [logical_to_spec(n, np.shape(x), layout, rules.params) for x, n in zip(leaves, logical)]
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def param_shardings(tree: Any, mesh: Mesh, rules: AxisRules | None = None, memory_kind: str | None = None) -> Any:
+    """NamedSharding per parameter of an nnx State (or any pytree; leaves without
+    `logical_axes` metadata are replicated), with the structure of `tree`."""
+    specs = param_specs(tree, mesh, rules)
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+        specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+
+
+def activation_resolver(mesh: Mesh, rules: AxisRules | None = None) -> Callable[[ax.LogicalAxes], NamedSharding]:
+    """Resolver for `axes.activation_sharding`: logical names -> NamedSharding on `mesh`."""
+    table = (rules or DEFAULT_RULES).activations
+    cache: dict[ax.LogicalAxes, NamedSharding] = {}
+
+    def resolve(names: ax.LogicalAxes) -> NamedSharding:
+        if names not in cache:
+            cache[names] = NamedSharding(mesh, logical_to_spec(names, None, mesh, table))
+        return cache[names]
+
+    return resolve
+
+
+def batch_spec(ndim: int, mesh_or_layout: Mesh | Layout, rules: AxisRules | None = None) -> PartitionSpec:
+    """Spec for a batch-major input/output: leading dim "batch", the rest replicated."""
+    names = (ax.BATCH,) + (None,) * (ndim - 1) if ndim else ()
+    return logical_to_spec(names, None, mesh_or_layout, (rules or DEFAULT_RULES).activations)
+
+
+# ---- fit checks -----------------------------------------------------------------------
+def layout_misfit(
+    layout: Layout,
+    config: ModelConfig | None = None,
+    batch_size: int | None = None,
+    rules: AxisRules | None = None,
+) -> str | None:
+    """Why `layout` cannot run `config` at `batch_size`, or None when it fits."""
+    for a, size in layout.axis_sizes.items():
+        if size < 1:
+            return f"mesh axis {a}={size}; every axis needs size >= 1"
+    if config is not None and layout.tensor > 1:
+        dims = {
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "intermediate_size (mlp)": config.intermediate_size,
+        }
+        for what, n in dims.items():
+            if n % layout.tensor:
+                ok = [t for t in range(1, layout.num_devices + 1) if all(v % t == 0 for v in dims.values())]
+                return f"tensor={layout.tensor} does not divide {what}={n}; tensor sizes that fit: {ok}"
+    if batch_size is not None:
+        split = math.prod(
+            layout.axis_sizes[a] for a in (rules or DEFAULT_RULES).activations.get(ax.BATCH, ())
+        )
+        if batch_size % split:
+            return (
+                f"batch size {batch_size} is not divisible by data*fsdp = {split}; "
+                f"use a batch that is a multiple of {split} or a layout with fewer data/fsdp devices"
+            )
+    return None
+
+
+def placement_str(p: Placement) -> str:
+    return f"{p.group}:{p.layout}"

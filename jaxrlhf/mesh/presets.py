@@ -1,0 +1,271 @@
+"""Strategy presets: families of execution plans built from device count and model sizes.
+
+Each preset builds a plan or raises PlanError saying why it cannot apply.
+They are heuristics (the planner's search starts from them and improves):
+
+- generation is memory-bound, so it gets tensor parallelism inside a host
+  (each decode step reads every weight once, split over the tensor group);
+- training and inference get FSDP over the group (ZeRO-3 style: params,
+  grads and optimizer state all sharded), falling back to tensor parallelism
+  only for the part of the group the batch cannot be split over;
+- group sizes follow a rough FLOP share per call: train 3 units per
+  parameter, generate 3 (memory-bound decoding is slow per FLOP), inference 1.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from jaxrlhf.mesh.graph import CallGraph
+from jaxrlhf.mesh.groups import valid_group_sizes, host_rule_violation
+from jaxrlhf.mesh.layout import layout_misfit
+from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.ppo.graph import PPO_GRAPH
+
+Builder = Callable[..., ExecutionPlan]
+STRATEGIES: dict[str, Builder] = {}
+
+KIND_WEIGHT = {"train": 3.0, "generate": 3.0, "inference": 1.0}
+
+
+def register_strategy(name: str) -> Callable[[Builder], Builder]:
+    """Register `fn(num_devices, models, graph, *, batch_size, devices_per_host, offpolicy)`."""
+
+    def deco(fn: Builder) -> Builder:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is already registered")
+        STRATEGIES[name] = fn
+        return fn
+
+    return deco
+
+
+def build_plan(
+    strategy: str,
+    num_devices: int,
+    models: Mapping[str, ModelConfig],
+    graph: CallGraph = PPO_GRAPH,
+    *,
+    batch_size: int | None = None,
+    devices_per_host: int | None = None,
+    offpolicy: bool = False,
+) -> ExecutionPlan:
+    """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply."""
+    if strategy not in STRATEGIES:
+        import difflib
+
+        close = difflib.get_close_matches(strategy, STRATEGIES, n=2)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise PlanError(f"unknown strategy {strategy!r}.{hint} Known strategies: {sorted(STRATEGIES)}")
+    if num_devices < 1:
+        raise PlanError(f"{strategy}: num_devices={num_devices}; need at least one device")
+    if devices_per_host is not None and devices_per_host < 1:
+        raise PlanError(f"{strategy}: devices_per_host={devices_per_host}; need at least one")
+    missing = [r for r in graph.roles if r not in models]
+    if missing:
+        raise PlanError(f"{strategy}: no model config for role(s) {missing}; given {sorted(models)}")
+    if offpolicy and strategy != "disaggregated":
+        raise PlanError(
+            f"{strategy}: offpolicy=true needs a shadow actor on its own devices; use strategy 'disaggregated'"
+        )
+    kwargs = dict(batch_size=batch_size, devices_per_host=devices_per_host)
+    if strategy == "disaggregated":
+        kwargs["offpolicy"] = offpolicy
+    plan = STRATEGIES[strategy](num_devices, models, graph, **kwargs)
+    validate(plan, graph, models, batch_size=batch_size, devices_per_host=devices_per_host)
+    return plan
+
+
+# ---- layout choices ---------------------------------------------------------------------
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def generation_layout(cfg: ModelConfig, n: int, batch_size: int | None, devices_per_host: int | None) -> Layout | None:
+    """Widest tensor parallelism that fits the model and stays inside a host; data parallel for the rest."""
+    cap = min(n, devices_per_host or n)
+    for t in _divisors_desc(n):
+        if t > cap:
+            continue
+        layout = Layout(data=n // t, tensor=t)
+        if layout_misfit(layout, cfg, batch_size) is None:
+            return layout
+    return None
+
+
+def sharded_layout(cfg: ModelConfig, n: int, batch_size: int | None) -> Layout | None:
+    """FSDP over as much of the group as the batch and hidden size allow; tensor for the rest."""
+    for f in _divisors_desc(n):
+        if cfg.hidden_size % f:
+            continue
+        layout = Layout(fsdp=f, tensor=n // f)
+        if layout_misfit(layout, cfg, batch_size) is None:
+            return layout
+    return None
+
+
+def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, dph: int | None) -> Layout | None:
+    return generation_layout(cfg, n, batch_size, dph) if kind == "generate" else sharded_layout(cfg, n, batch_size)
+
+
+def _require(layout: Layout | None, strategy: str, what: str, cfg: ModelConfig, n: int, batch_size: int | None) -> Layout:
+    if layout is None:
+        raise PlanError(
+            f"{strategy}: no layout of {n} devices fits {what} (heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, "
+            f"mlp={cfg.intermediate_size}, hidden={cfg.hidden_size}, batch={batch_size}); "
+            "try another device count or batch size"
+        )
+    return layout
+
+
+def _load(graph: CallGraph, models: Mapping[str, ModelConfig], calls: list[str]) -> float:
+    return sum(KIND_WEIGHT[graph[c].kind] * models[graph[c].role].num_params() for c in calls)
+
+
+def _two_way_split(
+    strategy: str,
+    n: int,
+    dph: int | None,
+    share: float,
+    fits: Callable[[int, int], bool],
+) -> int:
+    """Size of the first of two side-by-side groups: the feasible one closest to `share` * n."""
+    if n < 2:
+        raise PlanError(f"{strategy}: needs at least 2 devices to give models their own groups, got {n}")
+    sizes = set(valid_group_sizes(n, dph))
+    candidates = []
+    for s in range(1, n):
+        if s not in sizes or (n - s) not in sizes:
+            continue
+        if host_rule_violation(DeviceGroup("b", s, n - s), dph) or host_rule_violation(DeviceGroup("a", 0, s), dph):
+            continue
+        if fits(s, n - s):
+            candidates.append(s)
+    if not candidates:
+        raise PlanError(
+            f"{strategy}: no split of {n} devices into two host-respecting groups fits both sides' models "
+            f"and batch (devices per host: {dph or n}); try colocated or another batch size"
+        )
+    return min(candidates, key=lambda s: (abs(s - share * n), -s))
+
+
+def _trainers(graph: CallGraph) -> list[str]:
+    return [r for r in graph.roles if graph.train_call(r) is not None]
+
+
+# ---- presets ----------------------------------------------------------------------------
+@register_strategy("colocated")
+def colocated(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
+    """Every call on all devices; one FSDP layout per role (the DeepSpeed-Chat baseline)."""
+    group = DeviceGroup("all", 0, n)
+    layouts = {
+        r: _require(sharded_layout(models[r], n, batch_size), "colocated", f"role {r!r}", models[r], n, batch_size)
+        for r in graph.roles
+    }
+    calls = {c.name: Placement("all", layouts[c.role]) for c in graph.calls}
+    return ExecutionPlan("colocated", n, {"all": group}, calls, notes="every call on all devices")
+
+
+@register_strategy("interleaved")
+def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
+    """Trained models on exclusive groups (their train calls run concurrently); frozen
+    models share the first trainer's group, apart from the other trainer, so inference
+    calls overlap too. With one trainer, the frozen models get the second group."""
+    trainers = _trainers(graph)
+    if not trainers:
+        raise PlanError("interleaved: the graph has no train call, nothing to interleave")
+    first = trainers[0]
+    second_roles = trainers[1:2] or [r for r in graph.roles if r != first]
+    if not second_roles:
+        raise PlanError("interleaved: the graph has a single role; use colocated")
+    side = {r: (1 if r in second_roles else 0) for r in graph.roles}
+    if len(trainers) > 2:
+        for r in trainers[2:]:
+            side[r] = 1
+    calls_of = {i: [c.name for c in graph.calls if side[c.role] == i] for i in (0, 1)}
+    l0, l1 = _load(graph, models, calls_of[0]), _load(graph, models, calls_of[1])
+
+    def fits(a: int, b: int) -> bool:
+        return all(sharded_layout(models[r], a if side[r] == 0 else b, batch_size) for r in graph.roles)
+
+    s = _two_way_split("interleaved", n, devices_per_host, l0 / (l0 + l1), fits)
+    names = (first, second_roles[0] if len(trainers) > 1 else "frozen")
+    groups = {names[0]: DeviceGroup(names[0], 0, s), names[1]: DeviceGroup(names[1], s, n - s)}
+    sizes = (s, n - s)
+    calls = {
+        c.name: Placement(names[side[c.role]], sharded_layout(models[c.role], sizes[side[c.role]], batch_size))
+        for c in graph.calls
+    }
+    return ExecutionPlan(
+        "interleaved", n, groups, calls,
+        notes=f"{'+'.join(r for r in graph.roles if side[r] == 0)} | {'+'.join(r for r in graph.roles if side[r] == 1)}",
+    )
+
+
+@register_strategy("disaggregated")
+def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, offpolicy=False) -> ExecutionPlan:
+    """Generation on its own group with a shadow copy of the generating model in a
+    tensor-parallel layout (refreshed after each train call); everything else on the rest."""
+    gens = [c for c in graph.calls if c.kind == "generate"]
+    if not gens:
+        raise PlanError("disaggregated: the graph has no generate call to give its own devices")
+    gen_roles = {c.role for c in gens}
+    rest = [c.name for c in graph.calls if c.kind != "generate"]
+    if not rest:
+        raise PlanError("disaggregated: the graph has only generate calls; use colocated")
+    lg = _load(graph, models, [c.name for c in gens])
+    lr = _load(graph, models, rest)
+
+    def fits(a: int, b: int) -> bool:
+        return all(generation_layout(models[c.role], a, batch_size, devices_per_host) for c in gens) and all(
+            sharded_layout(models[r], b, batch_size) for r in graph.roles
+        )
+
+    s = _two_way_split("disaggregated", n, devices_per_host, lg / (lg + lr), fits)
+    groups = {"gen": DeviceGroup("gen", 0, s), "train": DeviceGroup("train", s, n - s)}
+    calls = {}
+    for c in graph.calls:
+        if c.kind == "generate":
+            calls[c.name] = Placement("gen", generation_layout(models[c.role], s, batch_size, devices_per_host))
+        else:
+            calls[c.name] = Placement("train", sharded_layout(models[c.role], n - s, batch_size))
+    shadows = tuple(r for r in graph.roles if r in gen_roles and graph.train_call(r) is not None)
+    return ExecutionPlan(
+        "disaggregated", n, groups, calls, shadow_roles=shadows, offpolicy=offpolicy,
+        notes="generation on its own devices" + ("; one step off-policy" if offpolicy else ""),
+    )
+
+
+@register_strategy("reallocated")
+def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
+    """Each call its own layout (ReaLHF): generation tensor-parallel and train calls FSDP,
+    both on all devices (parameters resharded before generation, copy dropped after);
+    frozen models' inference calls on two disjoint halves so they run concurrently."""
+    if n < 2:
+        raise PlanError("reallocated: with 1 device every call has the same layout; use colocated")
+    groups = {"all": DeviceGroup("all", 0, n)}
+    frozen_calls = [c for c in graph.calls if graph.train_call(c.role) is None]
+    halves: dict[str, str] = {}
+    h = n // 2
+    if len(frozen_calls) >= 2 and n % 2 == 0:
+        lo, hi = DeviceGroup("lo", 0, h), DeviceGroup("hi", h, h)
+        ok = not host_rule_violation(lo, devices_per_host) and not host_rule_violation(hi, devices_per_host)
+        ok = ok and all(sharded_layout(models[c.role], h, batch_size) for c in frozen_calls)
+        if ok:
+            groups.update(lo=lo, hi=hi)
+            halves = {c.name: ("lo", "hi")[i % 2] for i, c in enumerate(frozen_calls)}
+    calls = {}
+    for c in graph.calls:
+        where = halves.get(c.name, "all")
+        size = groups[where].size
+        layout = _layout_for(c.kind, models[c.role], size, batch_size, devices_per_host)
+        calls[c.name] = Placement(
+            where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, batch_size)
+        )
+    return ExecutionPlan("reallocated", n, groups, calls, notes="per-call layouts; parameters resharded between calls")
+
+
+def preset_names() -> list[str]:
+    return sorted(STRATEGIES)
+

@@ -1,0 +1,111 @@
+"""Device groups, meshes and logical-axis rules."""
+
+import jax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxrlhf.mesh import groups, layout
+from jaxrlhf.mesh.plan import DeviceGroup, Layout, PlanError
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model
+
+
+def test_global_devices_sorted_by_process_then_id(devices):
+    devs = groups.global_devices(list(reversed(devices)))
+    assert [d.id for d in devs] == sorted(d.id for d in devices)
+    assert groups.devices_per_host() == 8
+
+
+def test_carve_is_contiguous_and_checks_bounds():
+    g = groups.carve({"gen": 2, "train": 6}, 8)
+    assert (g["gen"].start, g["gen"].size, g["train"].start, g["train"].size) == (0, 2, 2, 6)
+    with pytest.raises(PlanError, match="covers devices 6-9 but only devices 0-7 exist"):
+        groups.carve({"a": 6, "b": 4}, 8)
+
+
+@pytest.mark.parametrize(
+    "start,size,ok",
+    [(0, 4, True), (4, 4, True), (2, 2, True), (3, 2, False), (0, 8, True), (4, 8, True), (2, 8, False), (0, 6, False)],
+)
+def test_host_rule(start, size, ok):
+    reason = groups.host_rule_violation(DeviceGroup("g", start, size), devices_per_host=4)
+    assert (reason is None) == ok, reason
+
+
+def test_valid_group_sizes():
+    assert groups.valid_group_sizes(16, 4) == [1, 2, 3, 4, 8, 12, 16]
+    assert groups.valid_group_sizes(4) == [1, 2, 3, 4]
+
+
+def test_make_mesh_axes_and_device_order(devices):
+    mesh = layout.make_mesh(DeviceGroup("g", 2, 4), Layout(data=2, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert [d.id for d in mesh.devices.flat] == [2, 3, 4, 5]  # tensor peers are neighbours
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 3
+    with pytest.raises(PlanError, match="uses 8 devices but group 'g' has 4"):
+        layout.make_mesh(DeviceGroup("g", 0, 4), Layout(fsdp=8))
+
+
+def test_logical_to_spec_rules():
+    rules = layout.DEFAULT_RULES
+    lay = Layout(data=2, fsdp=2, tensor=2)
+    # q kernel [embed, heads, head_dim]
+    assert layout.logical_to_spec(("embed", "heads", "head_dim"), (64, 4, 16), lay, rules.params) == P("fsdp", "tensor")
+    # a mesh axis of size 1 is skipped
+    assert layout.logical_to_spec(("embed", "heads"), (64, 4), Layout(fsdp=4), rules.params) == P("fsdp")
+    # a dim the axis does not divide stays replicated
+    assert layout.logical_to_spec(("embed", "kv_heads"), (64, 1), lay, rules.params) == P("fsdp")
+    # activations: batch over data x fsdp, dropping what does not divide
+    assert layout.logical_to_spec(("batch", "length", "embed"), (8, 5, 64), lay, rules.activations) == P(("data", "fsdp"))
+    assert layout.logical_to_spec(("batch",), (2,), lay, rules.activations) == P("data")
+    # an axis is never used twice in one spec
+    table = {"a": ("tensor",), "b": ("tensor",)}
+    assert layout.logical_to_spec(("a", "b"), (4, 4), lay, table) == P("tensor")
+
+
+def test_rules_from_config_and_errors():
+    r = layout.AxisRules.from_config({"params": {"embed": None}, "activations": {"batch": "data"}})
+    assert r.params["embed"] == () and r.activations["batch"] == ("data",)
+    flat = layout.AxisRules.from_config({"mlp": ["fsdp", "tensor"]})
+    assert flat.params["mlp"] == ("fsdp", "tensor") == flat.activations["mlp"]
+    assert layout.AxisRules.from_config(r.to_dict()) == r
+    with pytest.raises(PlanError, match="'model' is not a mesh axis"):
+        layout.AxisRules.from_config({"embed": "model"})
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    from flax import nnx
+
+    return nnx.state(build_model(preset("tiny")), nnx.Param)
+
+
+def test_param_shardings_follow_metadata(tiny_state):
+    mesh = layout.make_mesh(DeviceGroup("g", 0, 8), Layout(fsdp=4, tensor=2))
+    sh = layout.param_shardings(tiny_state, mesh)
+    layer = sh["model"]["layers"][0]
+    assert layer["attn"]["q"].value.spec == P("fsdp", "tensor")
+    assert layer["attn"]["o"].value.spec == P("tensor", None, "fsdp")
+    assert layer["mlp"]["down"].value.spec == P("tensor", "fsdp")
+    assert sh["model"]["embed"].value.spec == P("tensor", "fsdp")
+    # structure matches the state, so it can drive device_put / jit directly
+    assert jax.tree_util.tree_structure(sh) == jax.tree_util.tree_structure(tiny_state)
+    specs = layout.param_specs(tiny_state, Layout(tensor=8))
+    assert specs["model"]["layers"][0]["attn"]["k"].value == P()  # kv_heads=2 not divisible by 8
+
+
+def test_activation_resolver_inside_constrain(devices):
+    mesh = layout.make_mesh(DeviceGroup("g", 0, 4), Layout(data=2, tensor=2))
+    resolve = layout.activation_resolver(mesh)
+    assert resolve(("batch", "length", "mlp")).spec == P("data", None, "tensor")
+    with ax.activation_sharding(resolve):
+        out = jax.jit(lambda x: ax.constrain(x * 2, ("batch", "length", "mlp")))(jax.numpy.ones((4, 3, 8)))
+    assert out.sharding.spec == P("data", None, "tensor")
+
+
+def test_layout_misfit_messages():
+    cfg = preset("tiny")  # heads 4, kv 2, mlp 128
+    assert layout.layout_misfit(Layout(tensor=2, fsdp=4), cfg, 8) is None
+    assert "tensor=4 does not divide num_kv_heads=2" in layout.layout_misfit(Layout(tensor=4), cfg)
+    assert "batch size 6 is not divisible by data*fsdp = 4" in layout.layout_misfit(Layout(fsdp=4), cfg, 6)

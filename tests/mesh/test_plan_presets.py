@@ -1,0 +1,154 @@
+"""Execution plans: presets, YAML round trip, validation messages."""
+
+import dataclasses
+
+import pytest
+
+from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
+from jaxrlhf.mesh.presets import STRATEGIES, build_plan, generation_layout, sharded_layout
+from jaxrlhf.models.config import preset
+from jaxrlhf.ppo.graph import PPO_GRAPH, ROLES
+
+TINY = {r: preset("tiny") for r in ROLES}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_presets_on_eight_devices_validate_and_round_trip(strategy, tmp_path):
+    plan = build_plan(strategy, 8, TINY, batch_size=8)
+    validate(plan, PPO_GRAPH, TINY, devices=8, batch_size=8)
+    assert set(plan.calls) == set(PPO_GRAPH.names)
+    path = tmp_path / "plan.yaml"
+    plan.save(str(path))
+    again = ExecutionPlan.load(str(path))
+    assert again == plan
+    assert ExecutionPlan.from_yaml(plan.to_yaml()) == plan
+    assert strategy in plan.table() and "actor.generate" in plan.table()
+
+
+def test_preset_shapes():
+    inter = build_plan("interleaved", 8, TINY, batch_size=8)
+    actor, critic = inter.group_of("actor.train"), inter.group_of("critic.train")
+    assert not actor.overlaps(critic)  # the two train calls run concurrently
+    assert inter.group_of("ref.inference") == inter.group_of("reward.inference") == actor
+
+    dis = build_plan("disaggregated", 8, TINY, batch_size=8, offpolicy=True)
+    assert dis.shadow_roles == ("actor",) and dis.offpolicy
+    assert not dis.group_of("actor.generate").overlaps(dis.group_of("actor.train"))
+    assert dis.calls["actor.generate"].layout.tensor == 2  # tiny has 2 kv heads
+
+    re = build_plan("reallocated", 8, TINY, batch_size=8)
+    assert re.calls["actor.generate"].layout != re.calls["actor.train"].layout
+    assert re.group_of("actor.generate") == re.group_of("actor.train")
+    assert not re.group_of("ref.inference").overlaps(re.group_of("reward.inference"))
+
+
+def test_presets_at_cluster_scale_respect_hosts():
+    big = {r: preset("llama2-70b") for r in ROLES}
+    for s in STRATEGIES:
+        plan = build_plan(s, 128, big, batch_size=512, devices_per_host=8)
+        for p in plan.calls.values():
+            assert p.layout.tensor <= 8
+    gen = build_plan("disaggregated", 128, big, batch_size=512, devices_per_host=8).calls["actor.generate"]
+    assert gen.layout.tensor == 8
+
+
+def test_layout_choices():
+    cfg = preset("llama2-7b")
+    assert generation_layout(cfg, 8, 64, 8) == Layout(tensor=8)
+    assert generation_layout(cfg, 16, 64, 8) == Layout(data=2, tensor=8)
+    assert sharded_layout(cfg, 8, 64) == Layout(fsdp=8)
+    assert sharded_layout(cfg, 8, 4) == Layout(fsdp=4, tensor=2)  # batch 4 cannot split 8 ways
+
+
+@pytest.mark.parametrize(
+    "strategy,n,kwargs,message",
+    [
+        ("interleaved", 1, {}, "needs at least 2 devices"),
+        ("disaggregated", 1, {}, "needs at least 2 devices"),
+        ("reallocated", 1, {}, "use colocated"),
+        ("colocated", 8, {"offpolicy": True}, "use strategy 'disaggregated'"),
+        ("colocted", 8, {}, "Did you mean 'colocated'"),
+        ("colocated", 8, {"batch_size": 3}, "no layout of 8 devices fits"),
+        ("interleaved", 8, {"batch_size": 1, "devices_per_host": 8}, "no split of 8 devices"),
+    ],
+)
+def test_presets_refuse_with_reason(strategy, n, kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        build_plan(strategy, n, TINY, **kwargs)
+
+
+def test_missing_model_config():
+    with pytest.raises(PlanError, match=r"no model config for role\(s\) \['critic'\]"):
+        build_plan("colocated", 8, {r: preset("tiny") for r in ROLES if r != "critic"})
+
+
+# ---- invalid plans, each with its own message -----------------------------------------------
+def _base() -> ExecutionPlan:
+    return build_plan("disaggregated", 8, TINY, batch_size=8)
+
+
+def _with_call(plan, call, **changes):
+    p = plan.calls[call]
+    layout = dataclasses.replace(p.layout, **{k: v for k, v in changes.items() if k != "group"})
+    plan.calls[call] = Placement(changes.get("group", p.group), layout)
+    return plan
+
+
+def _drop_call(plan):
+    del plan.calls["critic.train"]
+    return plan
+
+
+def _extra_call(plan):
+    plan.calls["actor.sing"] = plan.calls["actor.train"]
+    return plan
+
+
+def _group(plan, name, start, size):
+    plan.groups[name] = DeviceGroup(name, start, size)
+    return plan
+
+
+INVALID = [
+    ("too many devices", lambda p: dataclasses.replace(p, num_devices=16), {"devices": 8},
+     "plan needs 16 devices but only 8 are available"),
+    ("group outside", lambda p: _group(p, "train", 4, 8), {},
+     "group 'train' covers devices 4-11 but only devices 0-7 exist"),
+    ("group splits a host", lambda p: _group(p, "train", 2, 6), {"devices_per_host": 4},
+     "splits a host"),
+    ("missing call", _drop_call, {}, r"no placement for call\(s\) \['critic.train'\]"),
+    ("unknown call", _extra_call, {}, r"unknown call\(s\) \['actor.sing'\]"),
+    ("unknown group", lambda p: _with_call(p, "critic.train", group="trian"), {},
+     "uses group 'trian', which the plan does not define"),
+    ("layout size", lambda p: _with_call(p, "actor.train", fsdp=8), {},
+     "uses 8 devices but group 'train' has 4"),
+    ("zero axis", lambda p: _with_call(p, "actor.train", data=0, fsdp=4), {}, "mesh axis data=0"),
+    ("tensor vs kv heads", lambda p: _with_call(p, "actor.generate", data=1, tensor=4), {},
+     "tensor=4 does not divide num_kv_heads=2"),
+    ("batch", lambda p: p, {"batch_size": 6}, "batch size 6 is not divisible by data\\*fsdp = 4"),
+    ("shadow without off-home call", lambda p: dataclasses.replace(p, shadow_roles=("critic",)), {},
+     "shadow role 'critic' has no call placed away from its home"),
+    ("unknown shadow role", lambda p: dataclasses.replace(p, shadow_roles=("policy",)), {},
+     "shadow role 'policy' is not a role"),
+    ("offpolicy without shadow", lambda p: dataclasses.replace(p, offpolicy=True, shadow_roles=()), {},
+     "needs a shadow 'actor'"),
+    ("offpolicy sharing devices", lambda p: dataclasses.replace(
+        _with_call(p, "actor.generate", group="train"), offpolicy=True), {},
+     "share devices; put generation on devices no train call uses"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,kwargs,message", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_plans_rejected_with_specific_message(name, mutate, kwargs, message):
+    plan = mutate(_base())
+    with pytest.raises(PlanError, match=message):
+        validate(plan, PPO_GRAPH, TINY, **{"batch_size": 8, **kwargs})
+
+
+def test_invalid_yaml_messages():
+    with pytest.raises(PlanError, match="unknown keys \\['stratgy'\\]"):
+        ExecutionPlan.from_yaml("stratgy: x\nnum_devices: 8\ngroups: {}\ncalls: {}\n")
+    with pytest.raises(PlanError, match="needs 'group'"):
+        ExecutionPlan.from_yaml("num_devices: 8\ngroups: {a: {start: 0, size: 8}}\ncalls: {x: {fsdp: 8}}\n")
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        ExecutionPlan.load("/nonexistent/plan.yaml")
