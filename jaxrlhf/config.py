@@ -617,7 +617,7 @@ def _check_role(config: Config, role: str, needed_for: str) -> None:
             f"model.{role}.path or model.{role}.init_from"
         )
     if len(ways) > 1:
-        raise ConfigError(f"model.{role}: set only one of {', '.join(f'{role}.{w}' for w in ways)}")
+        raise ConfigError(f"model.{role}: set only one of {', '.join(f'model.{role}.{w}' for w in ways)}")
     if spec.preset is not None and spec.preset not in _model_presets():
         close = difflib.get_close_matches(spec.preset, list(_model_presets()), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

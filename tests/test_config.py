@@ -148,7 +148,7 @@ def test_wrong_type(override, message):
         (["algorithm.name=grpo"], "algorithm.name=grpo has no critic"),
         (["algorithm.advantage=grpo"], "algorithm.group_size must be >= 2, got 1"),
         (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
-        (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor: set only one of"),
+        (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor: set only one of model.actor.preset, model.actor.path"),
         (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
         (["model.actor.overrides={num_layer: 3}"], "'num_layer' is not a model field; did you mean 'num_layers'?"),
         (["rewards.model=true"], "model.reward is needed (rewards.model=true) but has no weights"),
