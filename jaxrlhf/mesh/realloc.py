@@ -1,0 +1,307 @@
+"""Move parameter pytrees between placements with no bytes through host.
+
+`jax.device_put` to a sharding with different shard shapes copies the whole
+array through host memory (DESIGN.md §3, fact 3); across processes it is not
+supported at all (fact 6). Only a move between shardings with the same
+number of devices and the same shard at every position is a pure
+device-to-device copy. So every leaf moves in two steps:
+
+(a) on the *source* devices, one jitted reshard (`out_shardings`, donating
+    the source when its buffers can be reused) produces an intermediate whose
+    per-device shards are exactly the target's shards. The intermediate mesh
+    is the source devices, in the same order, reshaped to the target's block
+    grid (replicated over what is left). When the source has fewer devices
+    than the target has distinct blocks, the array is moved in *rounds*: each
+    round reshards one rectangular region of blocks;
+(b) the intermediate's shards, viewed as an array over the source devices
+    that hold them (no copy), are `device_put` to a congruent sharding over
+    the target devices: same device count, same shard per position, so the
+    runtime copies device to device. Targets that replicate a block get one
+    such copy per replica;
+(c) the target array is assembled from the received shards (no copy) and the
+    intermediates are dropped.
+
+Leaves are processed in chunks of about `chunk_bytes`, waiting for each chunk
+before dispatching the next, so peak extra memory stays near one chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding, Sharding
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass
+class ReallocStats:
+    """What one reallocation did. `bytes` counts each leaf once (its global size);
+    `bytes_copied` counts shard bytes that crossed from one device to another."""
+
+    bytes: int = 0
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    leaves: int = 0
+    chunks: int = 0
+    rounds: int = 0
+
+    def __iadd__(self, other: "ReallocStats") -> "ReallocStats":
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+# ---- helpers ----------------------------------------------------------------------------
+def _device_order(sharding: Sharding) -> list[jax.Device]:
+    """Devices of a sharding in its flat order (what jit compares)."""
+    if isinstance(sharding, NamedSharding):
+        return list(sharding.mesh.devices.flat)
+    if isinstance(sharding, SingleDeviceSharding):
+        return list(sharding.device_set)
+    raise TypeError(
+        f"cannot reallocate an array with {type(sharding).__name__}; place it with a NamedSharding first"
+    )
+
+
+def _auto_mesh(devices: Sequence[jax.Device], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _block_grid(shape: tuple[int, ...], target: NamedSharding) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shard shape, number of blocks per dimension) of `target` for an array of `shape`."""
+    shard = tuple(target.shard_shape(shape))
+    return shard, tuple(s // b if b else 1 for s, b in zip(shape, shard))
+
+
+def _block_of(index: tuple[slice, ...], shard: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple((sl.start or 0) // b if b else 0 for sl, b in zip(index, shard))
+
+
+@functools.lru_cache(maxsize=None)
+def _reshard_fn(
+    region: tuple[tuple[int, int], ...] | None, mid: NamedSharding | None, out: NamedSharding, donate: bool
+):
+    """Jitted `x[region]` (or a copy of x) laid out as `out` on the source devices.
+
+    `mid`, when given, is a fully partitioned stop on the way: the target's blocks
+    with the replica axis still splitting the dimension the source splits. XLA then
+    lowers the reshard as all-to-all + all-gather instead of gathering the whole
+    array on every device and slicing it.
+    """
+
+    def f(x):
+        if region is not None:
+            x = x[tuple(slice(a, b) for a, b in region)]
+        if mid is not None:
+            x = jax.lax.with_sharding_constraint(x, mid)
+        return jnp.copy(x)  # a fresh buffer: the result never aliases a source that is kept
+
+    return jax.jit(f, out_shardings=out, donate_argnums=(0,) if donate else ())
+
+
+def _mid_sharding(
+    src_grid: tuple[int, ...], region_shape: tuple[int, ...], sub: tuple[int, ...], rep: int,
+    mesh: Mesh, names: tuple[str, ...],
+) -> NamedSharding | None:
+    """The target blocks, further split over the replica axis along the source's most split dim."""
+    if rep == 1:
+        return None
+    dims = [k for k in range(len(sub)) if src_grid[k] > 1 and region_shape[k] % (sub[k] * rep) == 0]
+    if not dims:
+        return None
+    k = max(dims, key=lambda i: src_grid[i])
+    spec = [n for n in names]
+    spec[k] = (names[k], "rep")
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_fn(out: NamedSharding, donate: bool):
+    return jax.jit(jnp.copy, out_shardings=out, donate_argnums=(0,) if donate else ())
+
+
+# ---- one leaf ---------------------------------------------------------------------------
+def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple[list, ReallocStats]:
+    """Dispatch the moves of one leaf; returns the received target shards and stats."""
+    stats = ReallocStats(bytes=x.nbytes, leaves=1)
+    shape = tuple(x.shape)
+    if x.sharding.is_equivalent_to(target, x.ndim) and x.sharding.memory_kind == target.memory_kind:
+        if free_source:
+            return [s.data for s in x.addressable_shards], stats
+        y = _copy_fn(target, False)(x)
+        return [s.data for s in y.addressable_shards], stats
+
+    src = _device_order(x.sharding)
+    n_src = len(src)
+    shard, grid = _block_grid(shape, target)
+    # Sub-grid of blocks handled per round: as many as the source devices can hold.
+    sub, left = [], n_src
+    for t in grid:
+        g = math.gcd(t, left)
+        sub.append(g)
+        left //= g
+    sub, rep = tuple(sub), left
+    names = tuple(f"b{i}" for i in range(len(shape)))
+    inter_mesh = _auto_mesh(src, sub + (rep,), names + ("rep",))
+    inter = NamedSharding(inter_mesh, PartitionSpec(*names))
+    region_shape = tuple(g * b for g, b in zip(sub, shard))
+    src_shard_shape = tuple(x.sharding.shard_shape(shape))
+
+    # Which target devices want which block, in the target's device order.
+    wanted: dict[tuple[int, ...], list[jax.Device]] = {}
+    for d, idx in target.devices_indices_map(shape).items():
+        wanted.setdefault(_block_of(idx, shard), []).append(d)
+    order = {d: i for i, d in enumerate(_device_order(target))}
+    for devs in wanted.values():
+        devs.sort(key=order.__getitem__)
+
+    src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard_shape))
+    mid = _mid_sharding(src_grid, region_shape, sub, rep, inter_mesh, names)
+    rounds = list(itertools.product(*(range(t // g) for t, g in zip(grid, sub))))
+    received = []
+    for r, offset in enumerate(rounds):
+        last = r == len(rounds) - 1
+        region = None
+        if len(rounds) > 1:
+            region = tuple((o * g * b, (o + 1) * g * b) for o, g, b in zip(offset, sub, shard))
+        # Donate only when the source buffers can become the intermediate's (same shard shape).
+        donate = free_source and last and region is None and src_shard_shape == tuple(inter.shard_shape(shape))
+        y = _reshard_fn(region, mid, inter, donate)(x)
+        if free_source and last and not x.is_deleted():
+            x.delete()  # safe: y is a fresh copy; pending reads keep the buffers until done
+        stats.rounds += 1
+
+        # Source devices holding each block of this round, in the intermediate's order.
+        holders: dict[tuple[int, ...], list[jax.Device]] = {}
+        for pos, d in zip(itertools.product(*(range(g) for g in sub), range(rep)), src):
+            blk = tuple(o * g + p for o, g, p in zip(offset, sub, pos[:-1]))
+            holders.setdefault(blk, []).append(d)
+        local = {s.device: s.data for s in y.addressable_shards}
+        blocks = list(itertools.product(*(range(o * g, (o + 1) * g) for o, g in zip(offset, sub))))
+        replicas = len(wanted[blocks[0]])
+        views, dests = [], []
+        for j in range(replicas):
+            s_devs, t_devs = [], []
+            for blk in blocks:
+                t_dev = wanted[blk][j]
+                cands = holders[blk]
+                s_dev = t_dev if t_dev in cands else cands[j % len(cands)]
+                s_devs.append(s_dev)
+                t_devs.append(t_dev)
+                if s_dev != t_dev:
+                    stats.bytes_copied += math.prod(shard) * x.dtype.itemsize
+            # Congruent by construction: same grid, same spec, same block at every position.
+            view_sharding = NamedSharding(_auto_mesh(s_devs, sub + (1,), names + ("rep",)), PartitionSpec(*names))
+            dest_sharding = NamedSharding(
+                _auto_mesh(t_devs, sub + (1,), names + ("rep",)), PartitionSpec(*names),
+                memory_kind=target.memory_kind,
+            )
+            pieces = [local[d] for d in s_devs if d in local]
+            views.append(jax.make_array_from_single_device_arrays(region_shape, view_sharding, pieces))
+            dests.append(dest_sharding)
+        moved = jax.device_put(views, dests)
+        for arr in moved:
+            received.extend(s.data for s in arr.addressable_shards)
+        del y, local, views, moved
+    return received, stats
+
+
+# ---- public API -------------------------------------------------------------------------
+def reallocate(
+    tree: Any,
+    target: Any,
+    *,
+    free_source: bool = False,
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+) -> tuple[Any, ReallocStats]:
+    """Move every array of `tree` to the matching NamedSharding of `target`, device to device.
+
+    `target` has the structure of `tree` (e.g. from `layout.param_shardings`) or
+    is one NamedSharding for all leaves. With `free_source` the source arrays are
+    deleted (donated where possible), so a move never holds two full copies.
+    Without it the result never shares buffers with the source. Blocks until
+    the result is ready; `stats.seconds` is the wall time.
+    """
+    t0 = time.perf_counter()
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if isinstance(target, Sharding):
+        targets = [target] * len(leaves)
+    else:
+        targets = jax.tree_util.tree_leaves(target, is_leaf=lambda s: isinstance(s, Sharding))
+    if len(targets) != len(leaves):
+        raise ValueError(f"target has {len(targets)} shardings for {len(leaves)} arrays; build it from the same tree")
+    stats = ReallocStats()
+    out: list[jax.Array | None] = [None] * len(leaves)
+    chunk: list[int] = []
+    chunk_size = 0
+
+    def finish() -> None:
+        nonlocal chunk, chunk_size
+        if chunk:
+            jax.block_until_ready([out[i] for i in chunk])
+            stats.chunks += 1
+        chunk, chunk_size = [], 0
+
+    for i, (x, t) in enumerate(zip(leaves, targets)):
+        if not isinstance(x, jax.Array):
+            raise TypeError(f"leaf {i} is {type(x).__name__}, not a jax.Array; place the tree on devices first")
+        if not isinstance(t, NamedSharding):
+            raise TypeError(f"target {i} is {type(t).__name__}; reallocation targets must be NamedShardings")
+        shards, s = _start_leaf(x, t, free_source)
+        stats += s
+        out[i] = jax.make_array_from_single_device_arrays(x.shape, t, shards)
+        del shards
+        chunk.append(i)
+        chunk_size += s.bytes
+        if chunk_bytes is not None and chunk_size >= chunk_bytes:
+            finish()
+    finish()
+    stats.leaves = len(leaves)
+    stats.seconds = time.perf_counter() - t0
+    return jax.tree_util.tree_unflatten(treedef, out), stats
+
+
+def with_memory_kind(shardings: Any, memory_kind: str) -> Any:
+    """The same shardings in another memory space ("device" or "pinned_host")."""
+    return jax.tree_util.tree_map(
+        lambda s: s.with_memory_kind(memory_kind), shardings, is_leaf=lambda s: isinstance(s, Sharding)
+    )
+
+
+def _move_memory(tree: Any, memory_kind: str, free_source: bool) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    targets = [x.sharding.with_memory_kind(memory_kind) for x in leaves]
+    moved = jax.device_put(leaves, targets)
+    if free_source:
+        jax.block_until_ready(moved)
+        for x in leaves:
+            if not x.is_deleted():
+                x.delete()
+    return jax.tree_util.tree_unflatten(treedef, moved)
+
+
+def offload(tree: Any, *, free_source: bool = True) -> Any:
+    """Move an idle frozen model to pinned host memory, same sharding, freeing device memory."""
+    return _move_memory(tree, "pinned_host", free_source)
+
+
+def reload(tree: Any, *, free_source: bool = True) -> Any:
+    """Bring an offloaded tree back to device memory, same sharding."""
+    return _move_memory(tree, "device", free_source)
+
+
+def tree_bytes(tree: Any) -> int:
+    """Global bytes of the arrays of `tree` (each leaf counted once)."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
