@@ -1,0 +1,166 @@
+"""Model calls bound to their placement: meshes, shardings and compiled functions.
+
+`CallCache(plan)` turns each call's placement into a `Placed` (mesh plus
+sharding helpers) and hands out `PlacedFunction`s: a function jitted with
+in/out shardings on that placement, traced with the placement's activation
+rules installed, and compiled once per shape bucket (the abstract signature
+of its arguments). Pad variable lengths with `bucket()` so a run compiles a
+handful of shapes, not one per batch.
+
+Calling a `PlacedFunction` only dispatches: nothing waits for the result, so
+calls on disjoint device groups issued one after another run at the same
+time. Synchronise (e.g. `jax.block_until_ready`) only where a value is needed
+on host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrlhf.mesh.groups import Device
+from jaxrlhf.mesh.layout import AxisRules, DEFAULT_RULES, activation_resolver, batch_spec, make_mesh, param_shardings
+from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
+from jaxrlhf.models import axes as ax
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Smallest power of two >= max(n, minimum): a padded length with few distinct values."""
+    size = max(int(n), minimum, 1)
+    return 1 << (size - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """One call's placement made concrete: its mesh and how things are laid out on it."""
+
+    call: str
+    placement: Placement
+    group: DeviceGroup
+    mesh: Mesh
+    rules: AxisRules = DEFAULT_RULES
+
+    def param_shardings(self, tree: Any) -> Any:
+        """NamedSharding per parameter, from its logical axes."""
+        return param_shardings(tree, self.mesh, self.rules)
+
+    def opt_state_shardings(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
+        """Optimizer state laid out like the parameters it mirrors; counters replicated."""
+        shapes = jax.eval_shape(optimizer.init, params)
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            shapes,
+            self.param_shardings(params),
+            transform_non_params=lambda t: jax.tree_util.tree_map(lambda _: self.replicated(), t),
+        )
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        """Batch-major arrays: leading dim split over data x fsdp, the rest replicated."""
+        return NamedSharding(self.mesh, batch_spec(ndim, self.mesh, self.rules))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def resolver(self) -> ax.Resolver:
+        return activation_resolver(self.mesh, self.rules)
+
+
+class PlacedFunction:
+    """`fn` jitted for one placement, compiled once per argument signature."""
+
+    def __init__(
+        self,
+        placed: Placed,
+        fn: Callable,
+        in_shardings: Any,
+        out_shardings: Any,
+        donate_argnums: Sequence[int] = (),
+    ):
+        self.placed = placed
+        self.fn = fn
+        self._jitted = jax.jit(
+            fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums)
+        )
+        self._compiled: dict[Any, jax.stages.Compiled] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def signature(args: tuple) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        return treedef, tuple(
+            (tuple(getattr(x, "shape", ())), str(jax.numpy.result_type(x)), bool(getattr(x, "weak_type", False)))
+            for x in leaves
+        )
+
+    def compiled(self, *args: Any) -> jax.stages.Compiled:
+        """The executable for these arguments' shapes (lowered with the placement's activation rules)."""
+        key = self.signature(args)
+        with self._lock:
+            if key not in self._compiled:
+                with ax.activation_sharding(self.placed.resolver()):
+                    self._compiled[key] = self._jitted.lower(*args).compile()
+            return self._compiled[key]
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+    def __call__(self, *args: Any) -> Any:
+        """Dispatch (asynchronously) on the placement's devices."""
+        return self.compiled(*args)(*args)
+
+
+class CallCache:
+    """Placements and compiled functions of a plan, created on first use and reused."""
+
+    def __init__(
+        self,
+        plan: ExecutionPlan,
+        *,
+        devices: Sequence[Device] | None = None,
+        rules: AxisRules | None = None,
+    ):
+        self.plan = plan
+        self.devices = devices
+        self.rules = rules or DEFAULT_RULES
+        self._meshes: dict[tuple[DeviceGroup, Any], Mesh] = {}
+        self._functions: dict[tuple[str, Placement, Callable], PlacedFunction] = {}
+
+    def placed(self, call: str) -> Placed:
+        if call not in self.plan.calls:
+            raise PlanError(f"call {call!r} is not in the plan; planned calls: {list(self.plan.calls)}")
+        p = self.plan.calls[call]
+        if p.group not in self.plan.groups:
+            raise PlanError(f"call {call!r} uses undefined group {p.group!r}; defined: {sorted(self.plan.groups)}")
+        group = self.plan.groups[p.group]
+        key = (group, p.layout)
+        if key not in self._meshes:
+            self._meshes[key] = make_mesh(group, p.layout, self.devices)
+        return Placed(call, p, group, self._meshes[key], self.rules)
+
+    def function(
+        self,
+        call: str,
+        fn: Callable,
+        *,
+        in_shardings: Any,
+        out_shardings: Any,
+        donate_argnums: Sequence[int] = (),
+    ) -> PlacedFunction:
+        """`fn` bound to `call`'s placement; the same (call, placement, fn) returns the cached one,
+        whose shardings were fixed when it was first made."""
+        placed = self.placed(call)
+        key = (call, placed.placement, fn)
+        if key not in self._functions:
+            self._functions[key] = PlacedFunction(placed, fn, in_shardings, out_shardings, donate_argnums)
+        return self._functions[key]
+
+    @property
+    def num_compiled(self) -> int:
+        return sum(f.num_compiled for f in self._functions.values())
