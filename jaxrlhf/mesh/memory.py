@@ -40,14 +40,29 @@ def _tokens_per_micro(seqs_dev: float, seq_len: int, wl: Workload) -> float:
     return tokens / micro
 
 
-def _layer_activation_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
-    """Live bytes inside one decoder layer's forward for `tokens` tokens (attention scores in float32)."""
-    ab = DTYPE_BYTES[cfg.dtype]
+def _per_token_widths(cfg: ModelConfig, t: int) -> tuple[float, float, float, float]:
+    """(hidden, query, key+value, mlp) widths one device holds per token under tensor size `t`."""
     q = cfg.num_heads * cfg.dim_per_head / t
     kv = 2 * cfg.num_kv_heads * cfg.dim_per_head / max(min(t, cfg.num_kv_heads), 1)
-    hidden = tokens * ab * (4 * cfg.hidden_size + 2 * q + kv + 3 * cfg.intermediate_size / t)
-    scores = tokens * keys * cfg.num_heads / t * 4 * 2  # scores and probabilities
-    return hidden + scores
+    return cfg.hidden_size, q, kv, cfg.intermediate_size / t
+
+
+def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
+    """Bytes live at the peak of one layer's forward when nothing is kept for a backward pass:
+    the residual stream, its norm and the attention output, q/k/v, the MLP's gate and up
+    projections, and one float32 score matrix (XLA fuses the softmax into it)."""
+    d, q, kv, f = _per_token_widths(cfg, t)
+    ab = DTYPE_BYTES[cfg.dtype]
+    return tokens * (ab * (3 * d + q + kv + 2 * f) + keys * cfg.num_heads / t * 4)
+
+
+def layer_saved_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
+    """Bytes one layer keeps for its backward pass: every projection input and output (norms,
+    q/k/v, attention output, residuals, the MLP's gate, up, activation and product) and the
+    float32 attention scores and probabilities."""
+    d, q, kv, f = _per_token_widths(cfg, t)
+    ab = DTYPE_BYTES[cfg.dtype]
+    return tokens * (ab * (8 * d + 2 * q + kv + 5 * f) + keys * cfg.num_heads / t * 4 * 2)
 
 
 def _logit_bytes(cfg: ModelConfig, head: str, tokens: float, t: int, copies: int) -> float:
@@ -73,18 +88,18 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         seqs = wl.batch_size / batch_ways
         kv = seqs * wl.seq_len * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
         tok = _tokens_per_micro(seqs, wl.prompt_len, wl)
-        prefill = _layer_activation_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(cfg, head, tok, t, 1)
+        prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(cfg, head, tok, t, 1)
         return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered}
     if call.kind == "inference":
         seqs = wl.batch_size / batch_ways
         tok = _tokens_per_micro(seqs, wl.seq_len, wl)
-        act = _layer_activation_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_INFER)
+        act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_INFER)
         return {"activations": act, "fsdp_buffers": gathered}
     seqs = wl.minibatch_size / batch_ways
     tok = _tokens_per_micro(seqs, wl.seq_len, wl)
-    layer = _layer_activation_bytes(cfg, tok, wl.seq_len, t)
+    layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
     if wl.remat:  # layer inputs kept, one layer recomputed at a time
-        saved = cfg.num_layers * tok * cfg.hidden_size * ab + 2 * layer
+        saved = cfg.num_layers * tok * cfg.hidden_size * ab + layer
     else:
         saved = cfg.num_layers * layer
     act = saved + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_TRAIN)

@@ -137,8 +137,10 @@ def plan_to_state(plan: ExecutionPlan, graph: CallGraph) -> State:
 def preset_plans(num_devices: int, models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload,
                  hw: HardwareProfile) -> dict[str, ExecutionPlan | str]:
     """Every registered strategy preset's plan, or the reason it does not apply."""
-    from jaxrlhf.mesh import presets  # the placement layer's registry
-
+    try:
+        from jaxrlhf.mesh import presets  # the placement layer's registry
+    except ImportError as e:
+        return {"presets": f"strategy presets unavailable ({e})"}
     out: dict[str, ExecutionPlan | str] = {}
     for name in presets.STRATEGIES:
         try:

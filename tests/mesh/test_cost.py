@@ -1,0 +1,99 @@
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxrlhf.mesh.cost import (
+    DTYPE_BYTES, TP_ALLREDUCES_PER_LAYER, Workload, attention_flops, call_cost, matmul_params, realloc_cost,
+)
+from jaxrlhf.mesh.graph import CallSpec
+from jaxrlhf.mesh.hardware import get_profile
+from jaxrlhf.mesh.plan import DeviceGroup, Layout
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model
+
+H100 = get_profile("h100")
+CFG = preset("llama2-7b")
+WL = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4)
+GEN = CallSpec("actor.generate", "actor", "generate")
+INF = CallSpec("ref.inference", "ref", "inference")
+TRAIN = CallSpec("actor.train", "actor", "train")
+
+
+def cost(call, n, layout, wl=WL, start=0, cfg=CFG, hw=H100):
+    return call_cost(call, cfg, DeviceGroup("g", start, n), layout, wl, hw)
+
+
+@pytest.mark.parametrize("call", [INF, TRAIN, GEN])
+def test_doubling_tensor_halves_flops_and_adds_allreduce_bytes(call):
+    t2, t4 = cost(call, 2, Layout(tensor=2)), cost(call, 4, Layout(tensor=4))
+    assert t4.flops == pytest.approx(t2.flops / 2, rel=1e-9)
+    if call.kind == "inference":
+        # Two activation all-reduces per layer over every token: ring bytes 2 (t-1)/t each.
+        act = TP_ALLREDUCES_PER_LAYER * CFG.num_layers * WL.batch_size * WL.seq_len * CFG.hidden_size * DTYPE_BYTES[CFG.dtype]
+        assert t2.collective_bytes == pytest.approx(2 * (1 / 2) * act)
+        assert t4.collective_bytes == pytest.approx(2 * (3 / 4) * act)
+    assert t4.collective_bytes > t2.collective_bytes > 0
+    assert cost(call, 1, Layout()).collective_bytes == 0
+
+
+def test_data_parallel_train_pays_a_gradient_allreduce_fsdp_pays_gathers():
+    dp = cost(TRAIN, 4, Layout(data=4))
+    fsdp = cost(TRAIN, 4, Layout(fsdp=4))
+    assert dp.parts["grad_allreduce"] > 0 and dp.parts["fsdp_comm"] == 0
+    assert fsdp.parts["fsdp_comm"] > 0 and fsdp.parts["grad_allreduce"] == 0
+    assert dp.flops == pytest.approx(fsdp.flops)
+
+
+def test_decode_time_grows_with_kv_length():
+    short = cost(GEN, 8, Layout(data=2, tensor=4), Workload(batch_size=64, prompt_len=128, gen_len=128))
+    long = cost(GEN, 8, Layout(data=2, tensor=4), Workload(batch_size=64, prompt_len=2048, gen_len=128))
+    assert long.parts["decode"] > short.parts["decode"]
+    # Per decode step: 128 more tokens cost more than the first 128 (the cache is longer).
+    g128 = cost(GEN, 8, Layout(data=2, tensor=4), Workload(batch_size=64, prompt_len=128, gen_len=128))
+    g256 = cost(GEN, 8, Layout(data=2, tensor=4), Workload(batch_size=64, prompt_len=128, gen_len=256))
+    assert g256.parts["decode"] - g128.parts["decode"] > g128.parts["decode"]
+
+
+def test_generation_is_memory_bound_and_fsdp_generation_is_slow():
+    g = cost(GEN, 8, Layout(data=8), Workload(batch_size=8, prompt_len=16, gen_len=256))
+    weights_read = 256 * CFG.num_params() * 2 / H100.memory_bandwidth()
+    assert g.parts["decode"] == pytest.approx(weights_read, rel=0.05)
+    assert cost(GEN, 8, Layout(fsdp=8)).seconds > 5 * cost(GEN, 8, Layout(data=2, tensor=4)).seconds
+
+
+def test_tensor_across_hosts_is_slower_than_inside_a_host():
+    hw4 = H100.__class__(**{**H100.to_dict(), "devices_per_host": 4})
+    inside = cost(INF, 8, Layout(data=2, tensor=4), hw=hw4)
+    across = cost(INF, 8, Layout(data=1, tensor=8), hw=hw4)
+    assert across.parts["tensor_comm"] > 2 * inside.parts["tensor_comm"]
+
+
+def test_reallocation_costs():
+    g8, lo, hi = DeviceGroup("a", 0, 8), DeviceGroup("lo", 0, 4), DeviceGroup("hi", 4, 4)
+    same = realloc_cost(CFG, "lm", g8, Layout(fsdp=8), g8, Layout(fsdp=8), H100)
+    assert same == 0.0
+    relayout = realloc_cost(CFG, "lm", g8, Layout(fsdp=8), g8, Layout(data=2, tensor=4), H100)
+    disjoint = realloc_cost(CFG, "lm", lo, Layout(fsdp=4), hi, Layout(tensor=4), H100)
+    assert relayout > 0 and disjoint > 0
+    # Across hosts (over the NICs) is slower than inside a host.
+    far = realloc_cost(CFG, "lm", DeviceGroup("a", 0, 8), Layout(fsdp=8), DeviceGroup("b", 8, 8), Layout(fsdp=8), H100)
+    near = realloc_cost(CFG, "lm", lo, Layout(fsdp=4), hi, Layout(fsdp=4), H100)
+    assert far > near
+
+
+def test_analytic_flops_match_xla_cost_analysis():
+    cfg = preset("small")
+    model = build_model(cfg, "lm")
+    graphdef, params = nnx.split(model, nnx.Param)
+    b, t = 4, 64
+    tok = jnp.zeros((b, t), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = jnp.ones((b, t), bool)
+
+    def fwd(params, tok, pos, mask):
+        return nnx.merge(graphdef, params)(tok, pos, mask)[0]
+
+    xla = jax.jit(fwd).lower(params, tok, pos, mask).cost_analysis()["flops"]
+    analytic = 2 * matmul_params(cfg, "lm") * b * t + attention_flops(cfg, b * t, t)
+    assert analytic == pytest.approx(xla, rel=0.05)

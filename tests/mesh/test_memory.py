@@ -1,0 +1,109 @@
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from jaxrlhf.mesh.cost import Workload
+from jaxrlhf.mesh.graph import CallSpec
+from jaxrlhf.mesh.hardware import get_profile
+from jaxrlhf.mesh.memory import optimizer_per_device, params_per_device, plan_memory, working_set
+from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+from jaxrlhf.mesh.simulator import estimate_plan
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model
+from jaxrlhf.ppo.graph import PPO_GRAPH
+
+SMALL = preset("small")
+
+
+def _compiled_peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    graphdef, params = nnx.split(build_model(SMALL, "lm"), nnx.Param)
+
+    def fwd(params, tok, pos, mask):
+        return nnx.merge(graphdef, params)(tok, pos, mask)[0]
+
+    return params, fwd
+
+
+def _batch(b: int, t: int):
+    return jnp.zeros((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), bool)
+
+
+@pytest.mark.parametrize("batch", [8])
+def test_train_step_memory_within_20_percent_of_xla(small_model, batch):
+    params, fwd = small_model
+    opt = optax.adamw(1e-4)
+
+    def step(params, state, tok, pos, mask):
+        grads = jax.grad(lambda p: -jax.nn.log_softmax(fwd(p, tok, pos, mask)).mean())(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    args = (params, opt.init(params), *_batch(batch, 128))
+    measured = _compiled_peak(jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile())
+    wl = Workload(batch_size=batch, prompt_len=64, gen_len=64, minibatches=1, remat=False, adam_master_fp32=False)
+    call = CallSpec("actor.train", "actor", "train")
+    estimate = (params_per_device(SMALL, "lm", Layout()) + optimizer_per_device(SMALL, "lm", Layout(), wl)
+                + sum(working_set(call, SMALL, Layout(), wl).values()))
+    assert estimate == pytest.approx(measured, rel=0.2)
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_forward_memory_within_20_percent_of_xla(small_model, batch):
+    params, fwd = small_model
+    measured = _compiled_peak(jax.jit(fwd).lower(params, *_batch(batch, 128)).compile())
+    wl = Workload(batch_size=batch, prompt_len=64, gen_len=64, minibatches=1)
+    call = CallSpec("ref.inference", "ref", "inference")
+    estimate = params_per_device(SMALL, "lm", Layout()) + sum(working_set(call, SMALL, Layout(), wl).values())
+    assert estimate == pytest.approx(measured, rel=0.2)
+
+
+def test_sharding_divides_parameter_and_optimizer_bytes():
+    wl = Workload()
+    cfg = preset("llama2-7b")
+    assert params_per_device(cfg, "lm", Layout(fsdp=8)) == pytest.approx(params_per_device(cfg, "lm", Layout()) / 8)
+    assert params_per_device(cfg, "lm", Layout(data=8)) == params_per_device(cfg, "lm", Layout())
+    # bf16 params with an fp32 master: m + v (2 x 2 bytes) + master (4 bytes) per parameter.
+    assert optimizer_per_device(cfg, "lm", Layout(), wl) == 8 * cfg.num_params()
+
+
+def test_remat_saves_activation_memory():
+    cfg = preset("llama2-7b")
+    call = CallSpec("actor.train", "actor", "train")
+    full = working_set(call, cfg, Layout(fsdp=8), Workload(batch_size=64, remat=False))["activations"]
+    remat = working_set(call, cfg, Layout(fsdp=8), Workload(batch_size=64, remat=True))["activations"]
+    assert remat < full / 4
+
+
+def _colocated(n: int, layout: Layout) -> ExecutionPlan:
+    return ExecutionPlan("colocated", n, {"all": DeviceGroup("all", 0, n)},
+                         {c: Placement("all", layout) for c in PPO_GRAPH.names})
+
+
+def test_over_capacity_plan_is_infeasible_with_reason():
+    models = {r: preset("llama2-70b") for r in ("actor", "critic", "ref", "reward")}
+    est = estimate_plan(_colocated(8, Layout(fsdp=8)), PPO_GRAPH, models, Workload(), get_profile("h100"))
+    assert not est.feasible and est.step_s is None
+    assert "out of memory on device" in est.reason and "GiB" in est.reason
+
+
+def test_frozen_models_are_offloaded_when_that_makes_a_plan_fit():
+    hw = get_profile("h100")
+    models = {r: preset("llama2-13b") for r in ("actor", "critic", "ref", "reward")}
+    wl = Workload(batch_size=128, gen_len=128)
+    mem = plan_memory(_colocated(16, Layout(fsdp=16)), PPO_GRAPH, models, wl, hw)
+    roomy = plan_memory(_colocated(16, Layout(fsdp=16)), PPO_GRAPH, models, wl,
+                        hw.__class__(**{**hw.to_dict(), "hbm_capacity": 10 * hw.hbm_capacity}))
+    assert roomy.offloaded == ()
+    tight = hw.__class__(**{**hw.to_dict(), "hbm_capacity": roomy.max_peak / 0.9 * 0.97})
+    mem = plan_memory(_colocated(16, Layout(fsdp=16)), PPO_GRAPH, models, wl, tight)
+    assert mem.feasible and set(mem.offloaded) <= {"ref", "reward"} and mem.offloaded
+    est = estimate_plan(_colocated(16, Layout(fsdp=16)), PPO_GRAPH, models, wl, tight)
+    assert est.reloads and all(c.split(".")[0] in mem.offloaded for c in est.reloads)

@@ -1,0 +1,90 @@
+import dataclasses
+import itertools
+
+import pytest
+
+from jaxrlhf.mesh.cost import CostCache, Workload
+from jaxrlhf.mesh.graph import CallGraph, CallSpec
+from jaxrlhf.mesh.hardware import get_profile
+from jaxrlhf.mesh.plan import PlanError
+from jaxrlhf.mesh.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
+from jaxrlhf.mesh.simulator import estimate_plan
+from jaxrlhf.models.config import preset
+
+H100 = get_profile("h100")
+GRAPH = CallGraph((
+    CallSpec("actor.generate", "actor", "generate"),
+    CallSpec("critic.inference", "critic", "inference", deps=("actor.generate",)),
+    CallSpec("actor.train", "actor", "train", deps=("actor.generate", "critic.inference")),
+))
+
+
+def test_groups_respect_hosts():
+    groups = candidate_groups(32, 8)
+    for start, size in groups:
+        if size <= 8:
+            assert start // 8 == (start + size - 1) // 8, (start, size)
+        else:
+            assert start % 8 == 0 and size % 8 == 0
+    assert (0, 32) in groups and (8, 8) in groups and (6, 2) in groups and (4, 8) not in groups
+
+
+def test_layouts_divide_the_model_and_batch():
+    cfg = preset("llama2-34b")  # 64 heads, 8 kv heads
+    wl = Workload(batch_size=64, minibatches=4)
+    for kind in ("generate", "inference", "train"):
+        call = CallSpec(f"actor.{kind}", "actor", kind)
+        lays = valid_layouts(call, cfg, 16, wl, 8)
+        assert lays
+        for lay in lays:
+            assert lay.num_devices == 16 and lay.tensor <= 8 and cfg.num_kv_heads % lay.tensor == 0
+            assert wl.call_batch(kind) % (lay.data * lay.fsdp) == 0
+            assert kind != "generate" or lay.fsdp == 1
+
+
+def _small_instance():
+    hw = dataclasses.replace(H100, devices_per_host=4)
+    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    wl = Workload(batch_size=16, prompt_len=64, gen_len=64, minibatches=2)
+    return hw, models, wl
+
+
+def test_search_finds_the_exhaustive_optimum():
+    hw, models, wl = _small_instance()
+    space = SearchSpace.build(GRAPH, models, wl, 4, hw)
+    cache = CostCache(models, wl, hw)
+    best = float("inf")
+    names = [c.name for c in GRAPH.calls]
+    for combo in itertools.product(*(space.slots(n) for n in names)):
+        for shadow in (frozenset(), frozenset({"actor"})):
+            est = estimate_plan(state_to_plan(State(tuple(zip(names, combo)), shadow), 4), GRAPH, models, wl, hw,
+                                cache=cache)
+            if est.feasible:
+                best = min(best, est.step_s)
+    res = search(models, wl, hw, 4, GRAPH, seeds={}, iterations=3000, seed=1)
+    assert res.best.step_s == pytest.approx(best, rel=1e-9)
+
+
+def test_search_is_deterministic_for_a_seed():
+    hw, models, wl = _small_instance()
+    a = search(models, wl, hw, 4, GRAPH, seeds={}, iterations=400, seed=7)
+    b = search(models, wl, hw, 4, GRAPH, seeds={}, iterations=400, seed=7)
+    assert a.best.plan.to_dict() == b.best.plan.to_dict() and a.evaluations == b.evaluations
+
+
+def test_search_never_returns_an_over_memory_plan():
+    models = {r: preset("llama2-13b") for r in ("actor", "critic", "ref", "reward")}
+    wl = Workload(batch_size=128, gen_len=384)
+    res = search(models, wl, H100, 8, iterations=600, seed=0)
+    for est in [res.best, *res.runners_up]:
+        assert est.feasible and est.memory.max_peak <= H100.usable_memory
+    # never worse than any preset that fits
+    for name, p in res.presets.items():
+        if not isinstance(p, str) and p.feasible and not p.plan.offpolicy:
+            assert res.best.step_s <= p.step_s + 1e-9, name
+
+
+def test_impossible_instance_says_why():
+    models = {r: preset("llama2-70b") for r in ("actor", "critic", "ref", "reward")}
+    with pytest.raises(PlanError, match="no plan fits"):
+        search(models, Workload(), H100, 2, iterations=100)
