@@ -1,0 +1,516 @@
+"""Hugging Face checkpoints in and out: `config.json` + `*.safetensors`.
+
+Users start from pretrained Llama / Qwen2 / Mistral checkpoints and hand
+trained actors back to `transformers`, so both directions must be exact
+(float32 logits within 1e-4 relative, import -> export -> import bitwise).
+
+HF stores `nn.Linear` weights as [out, in] with heads flattened; our layout
+keeps separate head axes ([embed, heads, head_dim]) for tensor parallelism.
+`_tensor_specs` is the single table that maps one onto the other.
+
+Critic and reward models reuse the trunk layout and add their head as extra
+tensors (`value_head.weight`/`.bias`, `score_head.weight`/`.bias`) in the same
+safetensors files; `transformers` ignores them, and loading an actor
+checkpoint with `head="value"` or `"reward"` creates a fresh head instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrlhf.models.config import ModelConfig, RopeScaling
+from jaxrlhf.models.transformer import build_model
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# HF `architectures` entry <-> our `ModelConfig.architecture`.
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# config.json key that records which head (value / reward) a checkpoint of ours carries.
+HEAD_KEY = "jaxrlhf_head"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be read: names the file and the tensor or key at fault."""
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _supported() -> str:
+    return ", ".join(sorted(HF_ARCHITECTURES))
+
+
+def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """rope theta and scaling from either the transformers 5 `rope_parameters` or legacy keys."""
+    params = hf.get("rope_parameters") or {}
+    if "rope_layer" in params or any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{where}: per-layer rope_parameters are not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise CheckpointError(
+            f"{where}: rope type {kind!r} is not supported; only the default rope and 'llama3' scaling are"
+        )
+    defaults = RopeScaling()
+    return theta, RopeScaling(
+        factor=float(scaling.get("factor", defaults.factor)),
+        low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            scaling.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+        ),
+    )
+
+
+def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where: str) -> int | None:
+    """Mistral: `sliding_window` as is. Qwen2: only if every layer slides (we have one mask for all layers)."""
+    if arch == "mistral":
+        return hf.get("sliding_window")
+    if arch == "llama" or not hf.get("use_sliding_window", False) or hf.get("sliding_window") is None:
+        return None
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
+    ]
+    if all(t == "sliding_attention" for t in layer_types):
+        return int(hf["sliding_window"])
+    if all(t == "full_attention" for t in layer_types):
+        return None
+    raise CheckpointError(
+        f"{where}: Qwen2 with sliding window on only some layers (layer_types={layer_types}) is not supported"
+    )
+
+
+def _first_id(value: Any) -> int | None:
+    """Token ids may be lists in HF configs (Llama 3.1 has several EOS ids); we keep the first."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
+    """Translate a HF `config.json` dict into a `ModelConfig`.
+
+    `source` only names the file in error messages.
+    """
+    where = str(source)
+    archs = hf.get("architectures") or []
+    found = [a for a in archs if a in HF_ARCHITECTURES]
+    if not found:
+        raise CheckpointError(
+            f"{where}: architectures={archs!r} is not supported; supported architectures: {_supported()}"
+        )
+    arch = HF_ARCHITECTURES[found[0]]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+    if hf.get("mlp_bias", False):
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported")
+    if arch == "llama" and hf.get("attention_bias", False):
+        raise CheckpointError(f"{where}: Llama attention_bias=true (bias on o_proj too) is not supported")
+    try:
+        hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+        theta, scaling = _rope_from_hf(hf, where)
+        head_dim = hf.get("head_dim")
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{where}: dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            attention_bias=arch == "qwen2",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window_from_hf(hf, arch, layers, where),
+            param_dtype=dtype,
+            dtype=dtype,
+            bos_token_id=_first_id(hf.get("bos_token_id")),
+            eos_token_id=_first_id(hf.get("eos_token_id")),
+            pad_token_id=_first_id(hf.get("pad_token_id")),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: required key {e.args[0]!r} is missing") from None
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A `config.json` dict that transformers 5 (and 4.x, via the legacy rope keys) loads."""
+    arch = config.architecture
+    if arch == "qwen2" and not config.attention_bias:
+        raise ValueError("Qwen2 checkpoints always have q/k/v biases; set attention_bias=True")
+    if arch != "qwen2" and config.attention_bias:
+        raise ValueError(f"{arch} checkpoints cannot hold q/k/v biases without an o_proj bias; use qwen2")
+    if arch == "llama" and config.sliding_window is not None:
+        raise ValueError("LlamaForCausalLM has no sliding window; use architecture='mistral'")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    hf: dict[str, Any] = {
+        "architectures": [_HF_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.dim_per_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "dtype": config.param_dtype,
+        "torch_dtype": config.param_dtype,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if config.rope_scaling is not None:
+        s = dataclasses.asdict(config.rope_scaling)
+        hf["rope_scaling"] = {"rope_type": "llama3", **s}
+        rope_parameters = {"rope_type": "llama3", "rope_theta": config.rope_theta, **s}
+    hf["rope_parameters"] = rope_parameters
+    if arch == "llama":
+        hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif arch == "mistral":
+        hf["sliding_window"] = config.sliding_window
+    else:
+        sliding = config.sliding_window is not None
+        hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, max_window_layers=0)
+        hf["layer_types"] = ["sliding_attention" if sliding else "full_attention"] * config.num_layers
+    return hf
+
+
+# ---------------------------------------------------------------- tensor layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSpec:
+    """One parameter: its NNX path, its HF key and shape, and the two layout conversions."""
+
+    path: tuple[str | int, ...]
+    key: str
+    shape: tuple[int, ...]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    from_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(path, key, ours: tuple[int, ...], n_in: int) -> _TensorSpec:
+    """`ours` = [in..., out...] with the first `n_in` axes the input; HF = [prod(out), prod(in)]."""
+    d_in, d_out = int(np.prod(ours[:n_in])), int(np.prod(ours[n_in:]))
+    return _TensorSpec(
+        path, key, (d_out, d_in),
+        to_hf=lambda x: x.reshape(d_in, d_out).T,
+        from_hf=lambda w: w.T.reshape(ours),
+    )
+
+
+def _flat(path, key, ours: tuple[int, ...]) -> _TensorSpec:
+    n = int(np.prod(ours))
+    return _TensorSpec(path, key, (n,), to_hf=lambda x: x.reshape(n), from_hf=lambda w: w.reshape(ours))
+
+
+def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    h, kv, hd = config.num_heads, config.num_kv_heads, config.dim_per_head
+    specs = [
+        _TensorSpec(("model", "embed"), "model.embed_tokens.weight", (v, d), _same, _same),
+        _TensorSpec(("model", "final_norm", "weight"), "model.norm.weight", (d,), _same, _same),
+    ]
+    for i in range(config.num_layers):
+        p, k = ("model", "layers", i), f"model.layers.{i}."
+        specs += [
+            _linear(p + ("attn", "q"), k + "self_attn.q_proj.weight", (d, h, hd), 1),
+            _linear(p + ("attn", "k"), k + "self_attn.k_proj.weight", (d, kv, hd), 1),
+            _linear(p + ("attn", "v"), k + "self_attn.v_proj.weight", (d, kv, hd), 1),
+            _linear(p + ("attn", "o"), k + "self_attn.o_proj.weight", (h, hd, d), 2),
+            _linear(p + ("mlp", "gate"), k + "mlp.gate_proj.weight", (d, f), 1),
+            _linear(p + ("mlp", "up"), k + "mlp.up_proj.weight", (d, f), 1),
+            _linear(p + ("mlp", "down"), k + "mlp.down_proj.weight", (f, d), 1),
+            _TensorSpec(p + ("input_norm", "weight"), k + "input_layernorm.weight", (d,), _same, _same),
+            _TensorSpec(p + ("post_attn_norm", "weight"), k + "post_attention_layernorm.weight", (d,), _same, _same),
+        ]
+        if config.attention_bias:
+            specs += [
+                _flat(p + ("attn", "q_bias"), k + "self_attn.q_proj.bias", (h, hd)),
+                _flat(p + ("attn", "k_bias"), k + "self_attn.k_proj.bias", (kv, hd)),
+                _flat(p + ("attn", "v_bias"), k + "self_attn.v_proj.bias", (kv, hd)),
+            ]
+    return specs
+
+
+def _head_specs(config: ModelConfig, head: str) -> list[_TensorSpec]:
+    """Tensors that belong to the head: the LM output embedding, or our value / score head."""
+    d = config.hidden_size
+    if head == "lm":
+        if config.tie_word_embeddings:
+            return []
+        return [_linear(("lm_head",), "lm_head.weight", (d, config.vocab_size), 1)]
+    name = {"value": "value", "reward": "score"}[head]
+    return [
+        _TensorSpec((f"{name}_head",), f"{name}_head.weight", (d,), _same, _same),
+        _flat((f"{name}_bias",), f"{name}_head.bias", ()),
+    ]
+
+
+HEADS = ("lm", "value", "reward")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"unknown model head {head!r}; choose one of {HEADS}")
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Weights:
+    """Lazy access to the tensors of one checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        index = path / INDEX_FILE
+        single = path / WEIGHTS_FILE
+        if index.is_file():
+            self.source = index
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+            self.files = {key: path / name for key, name in weight_map.items()}
+        elif single.is_file():
+            self.source = single
+            with safe_open(single, framework="np") as f:
+                self.files = {key: single for key in f.keys()}
+        else:
+            raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {INDEX_FILE} found")
+        self._open: dict[Path, Any] = {}
+
+    def file_of(self, key: str) -> Path:
+        return self.files[key]
+
+    def _handle(self, key: str):
+        file = self.files[key]
+        if file not in self._open:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: shard file listed in {self.source} for tensor {key!r} is missing")
+            self._open[file] = safe_open(file, framework="np")
+        return self._open[file]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        try:
+            return tuple(self._handle(key).get_slice(key).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for a key absent from a shard
+            raise CheckpointError(f"{self.files[key]}: cannot read tensor {key!r} ({e})") from None
+
+    def get(self, key: str) -> np.ndarray:
+        return self._handle(key).get_tensor(key)
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: int) -> None:
+    """Every expected tensor present with its shape, no layers beyond num_layers: else one error listing all."""
+    problems = []
+    for s in specs:
+        if s.key not in weights.files:
+            problems.append(f"{weights.source}: tensor {s.key!r} is missing (expected shape {list(s.shape)})")
+            continue
+        found = weights.shape(s.key)
+        if found != s.shape:
+            problems.append(
+                f"{weights.file_of(s.key)}: tensor {s.key!r} has shape {list(found)}, expected {list(s.shape)}"
+            )
+    extra = sorted(
+        {int(m.group(1)) for k in weights.files if (m := _LAYER_KEY.match(k)) and int(m.group(1)) >= num_layers}
+    )
+    if extra:
+        key = next(k for k in weights.files if k.startswith(f"model.layers.{extra[0]}."))
+        problems.append(
+            f"{weights.file_of(key)}: tensor {key!r} belongs to layer {extra[0]}, but config.json has "
+            f"num_hidden_layers={num_layers} (layers {extra} found)"
+        )
+    if problems:
+        more = f"\n(and {len(problems) - 1} more problem(s):\n  " + "\n  ".join(problems[1:6]) + ")" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + more)
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw `config.json` dict of a checkpoint directory."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not found (is {path} a Hugging Face checkpoint directory?)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def _fresh_head(path: tuple, shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
+    """New critic heads start at zero (values start unbiased); reward heads small random, as in build_model."""
+    if path == ("score_head",):
+        return (0.02 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+    return jnp.zeros(shape, dtype)
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    head: str | None = None,
+    *,
+    param_dtype: str | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    remat: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> tuple[nnx.Module, ModelConfig]:
+    """Load a HF Llama/Qwen2/Mistral checkpoint (or one of ours) as an NNX model.
+
+    head: "lm", "value" or "reward"; default: the head recorded in config.json by
+    `save_hf_checkpoint`, else "lm". A value/reward head missing from the
+    checkpoint (an actor checkpoint) is created fresh and `lm_head` ignored.
+    param_dtype / dtype override the checkpoint's dtype (params) and compute dtype.
+    Raises `CheckpointError` naming the file and key for any missing or misshapen input.
+    """
+    path = Path(path)
+    hf = read_hf_config(path)
+    head = head or hf.get(HEAD_KEY, "lm")
+    _check_head(head)
+    overrides = dict(config_overrides or {})
+    if param_dtype is not None:
+        overrides["param_dtype"] = param_dtype
+        overrides.setdefault("dtype", param_dtype)
+    if dtype is not None:
+        overrides["dtype"] = dtype
+    config = config_from_hf(hf, source=path / CONFIG_FILE).replace(**overrides)
+
+    weights = _Weights(path)
+    trunk = _trunk_specs(config)
+    head_specs = _head_specs(config, head)
+    fresh_head = head != "lm" and not any(s.key in weights.files for s in head_specs)
+    _check_tensors(weights, trunk + ([] if fresh_head else head_specs), config.num_layers)
+
+    abstract = nnx.eval_shape(lambda: build_model(config, head, seed=seed, remat=remat))
+    graphdef, state = nnx.split(abstract)
+    by_path = {s.path: s for s in trunk + head_specs}
+    target = np.dtype(config.jnp_param_dtype)
+    leaves = []
+    for p, var in nnx.to_flat_state(state):
+        struct = var.get_value()
+        spec = by_path.get(tuple(p))
+        if spec is None:
+            raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
+        if fresh_head and spec in head_specs:
+            value = _fresh_head(spec.path, struct.shape, struct.dtype, seed)
+        else:
+            value = jnp.asarray(np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target, order="C"))
+        leaves.append((p, var.replace(value=value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves)), config
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _head_of(model: nnx.Module) -> str:
+    for head, attr in (("value", "value_head"), ("reward", "score_head")):
+        if hasattr(model, attr):
+            return head
+    return "lm"
+
+
+def _generation_config(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+    }
+
+
+def save_hf_checkpoint(
+    model: nnx.Module,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write `model` as a HF checkpoint that `transformers.AutoModelForCausalLM` loads.
+
+    Parameters keep their dtype (bfloat16 stays bf16). Files larger than
+    `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` with an
+    index. Value/reward models add their head tensors and record the head in
+    config.json so `load_hf_checkpoint` restores the same model.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    head = _head_of(model)
+    hf = config_to_hf(config)
+    if head != "lm":
+        hf[HEAD_KEY] = head
+    params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    tensors: dict[str, np.ndarray] = {}
+    for spec in _trunk_specs(config) + _head_specs(config, head):
+        tensors[spec.key] = np.ascontiguousarray(spec.to_hf(np.asarray(jax.device_get(params[spec.path]))))
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = arr
+        size += arr.nbytes
+    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_FILE]:
+        stale.unlink(missing_ok=True)  # a previous save with another shard count must not linger
+    if len(shards) == 1:
+        save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    (path / GENERATION_CONFIG_FILE).write_text(json.dumps(_generation_config(config), indent=2) + "\n")
+    return path

@@ -1,0 +1,159 @@
+"""Tiny random models and HF checkpoints for tests.
+
+torch and transformers are test-only dependencies, so they are imported
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from jaxrlhf.models.config import PRESETS, ModelConfig
+from jaxrlhf.models.transformer import build_model
+
+_TINY = {"llama": "tiny", "qwen2": "tiny-qwen2", "mistral": "tiny-mistral"}
+
+
+def tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
+    """The tiny test preset of an architecture ("llama", "qwen2", "mistral"), with fields replaced."""
+    if arch not in _TINY:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(_TINY)}")
+    return PRESETS[_TINY[arch]].replace(**overrides)
+
+
+def random_model(config: ModelConfig, head: str = "lm", seed: int = 0) -> nnx.Module:
+    """A random model filled from numpy (no per-shape JAX compiles, so tests stay fast).
+
+    Unlike `build_model`, norms and biases (including value / reward heads) are
+    perturbed away from their 1 / 0 init, so layout mistakes cannot hide.
+    """
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(config, head, seed=seed)))
+    leaves = []
+    for path, var in nnx.to_flat_state(state):
+        struct = var.get_value()
+        noise = rng.standard_normal(struct.shape, dtype=np.float32)
+        name = path[-1]
+        if name == "weight":  # RMSNorm scales
+            value = 1.0 + 0.1 * noise
+        elif str(name).endswith("_bias"):
+            value = 0.1 * noise
+        else:
+            value = 0.02 * noise
+        leaves.append((path, var.replace(value=jnp.asarray(value, struct.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def hf_config(config: ModelConfig):
+    """The transformers config of `config`, built with transformers' own classes (independent of hf_io)."""
+    import dataclasses
+
+    import transformers
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, **dataclasses.asdict(config.rope_scaling)}
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=rope, tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+    if config.architecture == "llama":
+        return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **common)
+    if config.architecture == "mistral":
+        return transformers.MistralConfig(
+            architectures=["MistralForCausalLM"], sliding_window=config.sliding_window, **common
+        )
+    return transformers.Qwen2Config(
+        architectures=["Qwen2ForCausalLM"], use_sliding_window=config.sliding_window is not None,
+        sliding_window=config.sliding_window, max_window_layers=0, **common,
+    )
+
+
+def hf_model(config: ModelConfig, seed: int = 0):
+    """A random float32 transformers model (eager attention) with `config`'s shapes."""
+    import torch
+    import transformers
+
+    hf = hf_config(config)
+    torch.manual_seed(seed)
+    cls = getattr(transformers, hf.architectures[0])
+    model = cls._from_config(hf, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():  # default init leaves norms at 1 and biases at 0: perturb them so the mapping is tested
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_hf_checkpoint(
+    tmp_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
+    """Build a tiny random transformers model of `arch`, `save_pretrained` it (safetensors), return the directory."""
+    config = tiny_config(arch, **overrides)
+    path = Path(tmp_dir) / f"{arch}-{seed}"
+    hf_model(config, seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def left_padded_batch(
+    vocab_size: int, length: int, pads: tuple[int, ...] = (0, 5, 17), seed: int = 0, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random tokens [len(pads), length], row i left-padded with pads[i] pad tokens; and the bool mask."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(3, vocab_size, size=(len(pads), length))
+    mask = np.arange(length)[None, :] >= np.asarray(pads)[:, None]
+    return np.where(mask, tokens, pad_id), mask
+
+
+def jax_logits(model: nnx.Module, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Full-forward float logits of our model, positions counting real tokens only.
+
+    Eager on purpose: op-by-op compiles are shared between the many tiny configs tests use.
+    """
+    import jax.numpy as jnp
+
+    from jaxrlhf.models.transformer import positions_from_mask
+
+    m = jnp.asarray(mask, bool)
+    logits, _ = model(jnp.asarray(tokens), positions_from_mask(m), m)
+    return np.asarray(logits, np.float32)
+
+
+def torch_logits(hf, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Logits of a transformers model for a left-padded batch (attention_mask and matching position_ids)."""
+    import torch
+
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.as_tensor(tokens, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            position_ids=torch.as_tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def max_relative_error(ours: np.ndarray, ref: np.ndarray, mask: np.ndarray) -> float:
+    """max |Δlogit| / max |logit| over real (unpadded) positions."""
+    return float(np.abs(ours - ref)[mask].max() / np.abs(ref[mask]).max())
+
+
+def load_transformers_model(path: str | os.PathLike, dtype: str = "float32"):
+    """`AutoModelForCausalLM.from_pretrained` with eager attention (honours Mistral's sliding window)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=getattr(torch, dtype)
+    ).eval()

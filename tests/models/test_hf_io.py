@@ -1,0 +1,269 @@
+"""HF checkpoint import/export: round trips, sharding, dtypes, heads, and one clear error per bad input."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from jaxrlhf.models.config import PRESETS, RopeScaling
+from jaxrlhf.models.hf_io import (
+    CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from jaxrlhf.models.transformer import positions_from_mask
+from jaxrlhf.testing.models import (
+    jax_logits,
+    left_padded_batch,
+    load_transformers_model,
+    max_relative_error,
+    random_model,
+    save_tiny_hf_checkpoint,
+    tiny_config,
+    torch_logits,
+)
+
+TOL = 1e-4
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: save_tiny_hf_checkpoint(root, arch, seed=3) for arch in ARCHS}
+
+
+def params(model: nnx.Module) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+# ---------------------------------------------------------------- config.json
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-mistral", "llama3-8b", "qwen2-7b", "llama2-70b"])
+def test_config_round_trip(name):
+    config = PRESETS[name]
+    if name == "llama3-8b":
+        config = config.replace(rope_scaling=RopeScaling())
+    assert config_from_hf(config_to_hf(config)) == config
+
+
+def test_config_from_legacy_keys():
+    """transformers 4.x configs: top-level rope_theta / rope_scaling ("type"), torch_dtype, eos list."""
+    hf = config_to_hf(PRESETS["llama3-8b"])
+    del hf["rope_parameters"], hf["dtype"]
+    hf.update(
+        rope_theta=500000.0, torch_dtype="bfloat16", eos_token_id=[128001, 128009], head_dim=None,
+        rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )
+    config = config_from_hf(hf)
+    assert config.rope_scaling == RopeScaling() and config.rope_theta == 500000.0
+    assert config.param_dtype == "bfloat16" and config.eos_token_id == 128001 and config.head_dim is None
+
+
+def test_qwen2_sliding_window_config():
+    hf = config_to_hf(PRESETS["tiny-qwen2"])
+    assert hf["use_sliding_window"] is False and config_from_hf(hf).sliding_window is None
+    hf.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    del hf["layer_types"]
+    assert config_from_hf(hf).sliding_window == 8
+    hf["max_window_layers"] = 1  # layer 0 full, layer 1 sliding: one mask for all layers cannot express it
+    with pytest.raises(CheckpointError, match="some layers"):
+        config_from_hf(hf)
+
+
+# ---------------------------------------------------------------- export / import
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_then_transformers_load_gives_same_logits(tmp_path, arch):
+    config = tiny_config(arch)
+    model = random_model(config, seed=4)
+    save_hf_checkpoint(model, config, tmp_path)
+    hf = load_transformers_model(tmp_path)
+    tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17))
+    assert max_relative_error(jax_logits(model, tokens, mask), torch_logits(hf, tokens, mask), mask) <= TOL
+    if arch == "qwen2":  # tied: no lm_head tensor written
+        with safe_open(tmp_path / "model.safetensors", "np") as f:
+            assert "lm_head.weight" not in f.keys()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_export_import_is_bitwise_identity(checkpoints, tmp_path, arch):
+    first, config = load_hf_checkpoint(checkpoints[arch])
+    save_hf_checkpoint(first, config, tmp_path)
+    second, config2 = load_hf_checkpoint(tmp_path)
+    assert config2 == config
+    assert_bitwise_equal(params(first), params(second))
+    # and the written tensors equal transformers' own file, key for key (except a tied lm_head copy)
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(checkpoints[arch] / "model.safetensors")
+    if config.tie_word_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert_bitwise_equal(ours, theirs)
+
+
+def test_sharded_round_trip(checkpoints, tmp_path):
+    model, config = load_hf_checkpoint(checkpoints["llama"])
+    save_hf_checkpoint(model, config, tmp_path, max_shard_bytes=40_000)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    again, _ = load_hf_checkpoint(tmp_path)
+    assert_bitwise_equal(params(model), params(again))
+    tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17))
+    ref = torch_logits(load_transformers_model(tmp_path), tokens, mask)
+    assert max_relative_error(jax_logits(model, tokens, mask), ref, mask) <= TOL
+    # saving again unsharded removes the old shards and index
+    save_hf_checkpoint(model, config, tmp_path)
+    assert not list(tmp_path.glob("model-*")) and not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_bfloat16_saved_as_bf16(tmp_path):
+    config = tiny_config("llama", param_dtype="bfloat16", dtype="bfloat16")
+    model = random_model(config, seed=5)
+    save_hf_checkpoint(model, config, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = load_transformers_model(tmp_path, dtype="bfloat16")
+    assert next(hf.parameters()).dtype.__repr__() == "torch.bfloat16"
+    again, config2 = load_hf_checkpoint(tmp_path)
+    assert config2.param_dtype == "bfloat16"
+    assert_bitwise_equal(params(model), params(again))
+    upcast, config3 = load_hf_checkpoint(tmp_path, param_dtype="float32")
+    assert config3.param_dtype == config3.dtype == "float32"
+    assert params(upcast)[("model", "embed")].dtype == np.float32
+
+
+# ---------------------------------------------------------------- critic and reward heads
+
+
+def test_value_and_reward_heads_from_actor_checkpoint(checkpoints):
+    actor, _ = load_hf_checkpoint(checkpoints["llama"])
+    trunk = {p: v for p, v in params(actor).items() if p[0] == "model"}
+    critic, _ = load_hf_checkpoint(checkpoints["llama"], head="value")
+    reward, config = load_hf_checkpoint(checkpoints["llama"], head="reward", seed=7)
+    for model in (critic, reward):
+        assert not hasattr(model, "lm_head")
+        assert_bitwise_equal(trunk, {p: v for p, v in params(model).items() if p[0] == "model"})
+    assert not np.asarray(critic.value_head[...]).any() and float(critic.value_bias[...]) == 0.0
+    score = np.asarray(reward.score_head[...])
+    assert score.any() and np.abs(score).max() < 0.2
+    tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17))
+    m = jnp.asarray(mask)
+    values = critic(jnp.asarray(tokens), positions_from_mask(m), m)
+    assert values.shape == tokens.shape and not np.asarray(values).any()
+    assert reward(jnp.asarray(tokens), positions_from_mask(m), m).shape == (3,)
+
+
+@pytest.mark.parametrize("head", ["value", "reward"])
+def test_trained_head_round_trips(tmp_path, head):
+    config = tiny_config("llama")
+    model = random_model(config, head, seed=6)
+    save_hf_checkpoint(model, config, tmp_path)
+    again, _ = load_hf_checkpoint(tmp_path)  # head recorded in config.json
+    assert type(again) is type(model)
+    assert_bitwise_equal(params(model), params(again))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*'lm_head\.weight' is missing"):
+        load_hf_checkpoint(tmp_path, head="lm")
+
+
+# ---------------------------------------------------------------- bad input: one error naming file and key
+
+
+@pytest.fixture
+def broken(checkpoints, tmp_path):
+    """A writable copy of the tiny Llama checkpoint."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["llama"], path)
+    return path
+
+
+def rewrite(path, change) -> None:
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_config_json(broken):
+    (broken / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"{broken}/config\.json: not found"):
+        load_hf_checkpoint(broken)
+
+
+def test_missing_safetensors(broken):
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+        load_hf_checkpoint(broken)
+
+
+def test_missing_shard_file(checkpoints, tmp_path):
+    model, config = load_hf_checkpoint(checkpoints["llama"])
+    save_hf_checkpoint(model, config, tmp_path, max_shard_bytes=40_000)
+    key = "model.layers.1.mlp.down_proj.weight"
+    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][key]
+    (tmp_path / shard).unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard}: shard file listed in .*index\.json for tensor '{key}' is missing"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_unsupported_architecture(broken):
+    hf = json.loads((broken / "config.json").read_text())
+    hf["architectures"] = ["GPT2LMHeadModel"]
+    (broken / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(broken)
+    msg = str(e.value)
+    assert str(broken / "config.json") in msg and "GPT2LMHeadModel" in msg
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in msg
+
+
+def test_wrong_shape(broken):
+    key = "model.layers.1.mlp.up_proj.weight"
+    rewrite(broken, lambda t: t.__setitem__(key, t[key][:-1]))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(broken)
+    assert str(e.value) == (
+        f"{broken}/model.safetensors: tensor '{key}' has shape [127, 64], expected [128, 64]"
+    )
+
+
+def test_missing_tensor(broken):
+    key = "model.layers.0.self_attn.k_proj.weight"
+    rewrite(broken, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(broken)
+    assert str(e.value) == f"{broken}/model.safetensors: tensor '{key}' is missing (expected shape [32, 64])"
+
+
+def test_extra_tensors(broken):
+    rewrite(broken, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}))
+    load_hf_checkpoint(broken)  # buffers are ignored
+    key = "model.layers.2.mlp.up_proj.weight"
+    rewrite(broken, lambda t: t.update({key: np.ones((128, 64), np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{key}' belongs to layer 2.*num_hidden_layers=2"):
+        load_hf_checkpoint(broken)
+
+
+def test_unsupported_export():
+    with pytest.raises(ValueError, match="sliding window"):
+        config_to_hf(tiny_config("llama", sliding_window=8))
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_to_hf(tiny_config("qwen2", attention_bias=False))
