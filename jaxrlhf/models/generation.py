@@ -1,0 +1,303 @@
+"""KV-cache generation: one jitted prefill, one jitted on-device decode loop.
+
+Design choices:
+- Prompts are LEFT-padded to a bucket length (a power of two, at least
+  `min_bucket`), so every prompt ends at the same slot and the number of
+  compiled programs is bounded by the number of buckets. Rotary positions
+  count real tokens only, so padding changes nothing for the real tokens.
+- The decode loop is a `lax.while_loop` that stops when every row has hit
+  EOS or `max_new_tokens` is reached; nothing is synced to host per token.
+- The model enters the jitted functions as `(graphdef, state)`: the graphdef
+  is static, the state an ordinary argument, so parameters may be sharded on
+  any mesh and a trained state can be swapped in without recompiling.
+- Every recorded log-prob is that of the processed distribution
+  (`sampling.process_logits`), the same one `sampling.token_logprobs`
+  recomputes during training.
+
+The compile cache is jax.jit's own, keyed by (graphdef, bucket, batch,
+max_new_tokens, sampling params, eos/pad ids). `trace_count()` counts traces
+(one per compile) so tests can check recompilation is bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jaxrlhf.models.sampling import SamplingParams, sample, token_logprobs
+from jaxrlhf.models.transformer import KVCache, positions_from_mask
+
+_TRACES: collections.Counter[str] = collections.Counter()
+
+
+def trace_count(name: str | None = None) -> int:
+    """How many times the jitted prefill/decode functions were traced (each trace is a compile)."""
+    return sum(_TRACES.values()) if name is None else _TRACES[name]
+
+
+def bucket_length(length: int, min_bucket: int = 16) -> int:
+    """Smallest power of two >= length (and >= min_bucket): bounds recompiles to log2(max_len)."""
+    bucket = max(int(min_bucket), 1)
+    while bucket < length:
+        bucket *= 2
+    return bucket
+
+
+@struct.dataclass
+class GenerationOutput:
+    """Result of `generate`. P = bucketed prompt length, N = max_new_tokens.
+
+    Response slots after EOS (or after an early exit) hold `pad_id`, log-prob 0
+    and mask False. `tokens`/`mask`/`positions` are ready for a training forward.
+    """
+
+    tokens: Int[Array, "batch total"]  # left-padded prompt + response, total = P + N
+    prompt_tokens: Int[Array, "batch prompt"]
+    prompt_mask: Bool[Array, "batch prompt"]
+    response_tokens: Int[Array, "batch new"]
+    response_mask: Bool[Array, "batch new"]
+    logprobs: Float[Array, "batch new"]  # of the processed distribution, 0 where masked
+    lengths: Int[Array, "batch"]  # response lengths (EOS included)
+    ended_with_eos: Bool[Array, "batch"]
+
+    @property
+    def mask(self) -> Bool[Array, "batch total"]:
+        return jnp.concatenate([self.prompt_mask, self.response_mask], axis=1)
+
+    @property
+    def positions(self) -> Int[Array, "batch total"]:
+        return positions_from_mask(self.mask)
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_tokens.shape[1]
+
+
+def _left_align(
+    tokens: Int[Array, "batch length"], mask: Bool[Array, "batch length"], pad_id: int, bucket: int
+) -> tuple[Int[Array, "batch bucket"], Bool[Array, "batch bucket"]]:
+    """Move each row's real tokens to the right end (order kept) and left-pad to `bucket`."""
+    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)  # pads first, then real tokens in order
+    mask = jnp.take_along_axis(mask, order, axis=1)
+    tokens = jnp.where(mask, jnp.take_along_axis(tokens, order, axis=1), pad_id)
+    extra = bucket - tokens.shape[1]
+    tokens = jnp.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+    mask = jnp.pad(mask, ((0, 0), (extra, 0)), constant_values=False)
+    return tokens.astype(jnp.int32), mask
+
+
+def _prefill(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: Int[Array, "batch length"],
+    mask: Bool[Array, "batch length"],
+    *,
+    bucket: int,
+    max_new_tokens: int,
+    pad_id: int,
+) -> tuple[Int[Array, "batch bucket"], Bool[Array, "batch bucket"], Float[Array, "batch vocab"], KVCache]:
+    """Left-align and bucket the prompt, run it through the model, return last logits and the cache."""
+    _TRACES["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    tokens, mask = _left_align(tokens, mask.astype(bool), pad_id, bucket)
+    cache = KVCache.init(model.config, tokens.shape[0], bucket + max_new_tokens)
+    logits, cache = model(tokens, positions_from_mask(mask), mask, cache)
+    return tokens, mask, logits[:, -1], cache
+
+
+def _decode(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_tokens: Int[Array, "batch prompt"],
+    prompt_mask: Bool[Array, "batch prompt"],
+    last_logits: Float[Array, "batch vocab"],
+    cache: KVCache,
+    rng: PRNGKeyArray,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_id: int | None,
+    pad_id: int,
+) -> GenerationOutput:
+    """Sample up to `max_new_tokens` tokens on device, stopping early when every row has ended."""
+    _TRACES["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    batch, n = prompt_tokens.shape[0], max_new_tokens
+
+    def emit(i, logits, done, out_tokens, out_logp):
+        token, logp = sample(jax.random.fold_in(rng, i), logits, sampling)
+        token = jnp.where(done, pad_id, token)
+        logp = jnp.where(done, 0.0, logp)
+        out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, token[:, None], i, axis=1)
+        out_logp = jax.lax.dynamic_update_slice_in_dim(out_logp, logp[:, None], i, axis=1)
+        valid = ~done
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        return token, valid, done, out_tokens, out_logp
+
+    out_tokens = jnp.full((batch, n), pad_id, jnp.int32)
+    out_logp = jnp.zeros((batch, n), jnp.float32)
+    out_valid = jnp.zeros((batch, n), bool)
+    done = jnp.zeros((batch,), bool)
+    token, valid, done, out_tokens, out_logp = emit(0, last_logits, done, out_tokens, out_logp)
+    out_valid = out_valid.at[:, 0].set(valid)
+    position = prompt_mask.sum(axis=1).astype(jnp.int32)  # rotary position of the first response token
+
+    def cond(carry):
+        i, _, _, _, done, _, _, _, _ = carry
+        return (i < n) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, token, valid, done, position, out_tokens, out_logp, out_valid = carry
+        logits, cache = model(token[:, None], position[:, None], valid[:, None], cache)
+        token, valid, done, out_tokens, out_logp = emit(i, logits[:, 0], done, out_tokens, out_logp)
+        out_valid = jax.lax.dynamic_update_slice_in_dim(out_valid, valid[:, None], i, axis=1)
+        return i + 1, cache, token, valid, done, position + 1, out_tokens, out_logp, out_valid
+
+    carry = (jnp.int32(1), cache, token, valid, done, position, out_tokens, out_logp, out_valid)
+    _, _, _, _, done, _, out_tokens, out_logp, out_valid = jax.lax.while_loop(cond, body, carry)
+    return GenerationOutput(
+        tokens=jnp.concatenate([prompt_tokens, out_tokens], axis=1),
+        prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask,
+        response_tokens=out_tokens,
+        response_mask=out_valid,
+        logprobs=out_logp,
+        lengths=out_valid.sum(axis=1).astype(jnp.int32),
+        ended_with_eos=done,
+    )
+
+
+prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max_new_tokens", "pad_id"))
+decode_fn = jax.jit(
+    _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id")
+)
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], pad_id: int, min_bucket: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists into a bucket-length [batch, bucket] array and mask (host side)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    bucket = bucket_length(max(len(p) for p in prompts), min_bucket)
+    tokens = np.full((len(prompts), bucket), pad_id, np.int32)
+    mask = np.zeros((len(prompts), bucket), bool)
+    for row, p in enumerate(prompts):
+        tokens[row, bucket - len(p):] = p
+        mask[row, bucket - len(p):] = True
+    return tokens, mask
+
+
+class Generator:
+    """Generation bound to a model structure (graphdef) and special tokens; the state is passed per call.
+
+    For the PPO rollout: build once from the actor's graphdef, call with the
+    current (possibly sharded) actor state each step. Same shapes and
+    settings never recompile.
+    """
+
+    def __init__(
+        self, graphdef: nnx.GraphDef, *, eos_id: int | None, pad_id: int, min_bucket: int = 16
+    ):
+        self.graphdef = graphdef
+        self.eos_id = None if eos_id is None else int(eos_id)
+        self.pad_id = int(pad_id)
+        self.min_bucket = min_bucket
+
+    @classmethod
+    def for_model(cls, model: nnx.Module, **kwargs: Any) -> tuple["Generator", nnx.State]:
+        """Split a model; eos/pad default to its config's ids (pad falls back to 0)."""
+        graphdef, state = nnx.split(model)
+        cfg = model.config
+        kwargs.setdefault("eos_id", cfg.eos_token_id)
+        kwargs.setdefault("pad_id", cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        return cls(graphdef, **kwargs), state
+
+    def __call__(
+        self,
+        state: nnx.State,
+        prompt_tokens: Sequence[Sequence[int]] | Int[Array, "batch length"] | np.ndarray,
+        prompt_mask: Bool[Array, "batch length"] | np.ndarray | None = None,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        rng: PRNGKeyArray | int = 0,
+    ) -> GenerationOutput:
+        """Generate for a batch of prompts: token lists, or a [batch, length] array plus mask.
+
+        An array may be padded on either side (its mask says which tokens are
+        real); it is left-aligned on device and padded to the bucket of its width.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prompt_mask is None:
+            if isinstance(prompt_tokens, (np.ndarray, jax.Array)):
+                raise ValueError("pass prompt_mask with an array of prompt tokens")
+            prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, self.pad_id, self.min_bucket)
+        if isinstance(rng, int):
+            rng = jax.random.key(rng)
+        bucket = bucket_length(prompt_tokens.shape[1], self.min_bucket)
+        tokens, mask, last_logits, cache = prefill_fn(
+            self.graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
+            bucket=bucket, max_new_tokens=max_new_tokens, pad_id=self.pad_id,
+        )
+        return decode_fn(
+            self.graphdef, state, tokens, mask, last_logits, cache, rng,
+            max_new_tokens=max_new_tokens, sampling=sampling, eos_id=self.eos_id, pad_id=self.pad_id,
+        )
+
+
+def generate(
+    model: nnx.Module | tuple[nnx.GraphDef, nnx.State],
+    prompt_tokens: Sequence[Sequence[int]] | Int[Array, "batch length"] | np.ndarray,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    rng: PRNGKeyArray | int = 0,
+    *,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    prompt_mask: Bool[Array, "batch length"] | np.ndarray | None = None,
+    min_bucket: int = 16,
+) -> GenerationOutput:
+    """One-call generation from an nnx model or a (graphdef, state) pair.
+
+    eos_id/pad_id default to the model config's ids (pad falls back to 0).
+    Pass eos_id=-1 to never stop early.
+    """
+    if isinstance(model, tuple):
+        graphdef, state = model
+        config = nnx.merge(graphdef, state).config if eos_id is None or pad_id is None else None
+    else:
+        graphdef, state = nnx.split(model)
+        config = model.config
+    if eos_id is None:
+        eos_id = config.eos_token_id
+    if pad_id is None:
+        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    gen = Generator(graphdef, eos_id=None if eos_id is not None and eos_id < 0 else eos_id,
+                    pad_id=pad_id, min_bucket=min_bucket)
+    return gen(state, prompt_tokens, prompt_mask, max_new_tokens=max_new_tokens, sampling=sampling, rng=rng)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _recompute(graphdef: nnx.GraphDef, state: nnx.State, out: GenerationOutput, sampling: SamplingParams):
+    logits, _ = nnx.merge(graphdef, state)(out.tokens, out.positions, out.mask)
+    p = out.prompt_length
+    lp = token_logprobs(logits[:, p - 1 : -1], out.response_tokens, sampling)
+    return jnp.where(out.response_mask, lp, 0.0)
+
+
+def recompute_logprobs(
+    model: nnx.Module, out: GenerationOutput, sampling: SamplingParams
+) -> Float[Array, "batch new"]:
+    """Training-style log-probs of the response: one full forward, same logits processing, 0 where masked."""
+    graphdef, state = nnx.split(model)
+    return _recompute(graphdef, state, out, sampling)
