@@ -302,6 +302,13 @@ def _check_head(head: str) -> None:
 # ---------------------------------------------------------------- reading
 
 
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(file, framework="np")
+    except Exception as e:  # SafetensorError for truncated or foreign files
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
 class _Weights:
     """Lazy access to the tensors of one checkpoint directory (single file or sharded index)."""
 
@@ -318,7 +325,7 @@ class _Weights:
             self.files = {key: path / name for key, name in weight_map.items()}
         elif single.is_file():
             self.source = single
-            with safe_open(single, framework="np") as f:
+            with _open_safetensors(single) as f:
                 self.files = {key: single for key in f.keys()}
         else:
             raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {INDEX_FILE} found")
@@ -332,7 +339,7 @@ class _Weights:
         if file not in self._open:
             if not file.is_file():
                 raise CheckpointError(f"{file}: shard file listed in {self.source} for tensor {key!r} is missing")
-            self._open[file] = safe_open(file, framework="np")
+            self._open[file] = _open_safetensors(file)
         return self._open[file]
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -372,7 +379,9 @@ def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: 
             f"num_hidden_layers={num_layers} (layers {extra} found)"
         )
     if problems:
-        more = f"\n(and {len(problems) - 1} more problem(s):\n  " + "\n  ".join(problems[1:6]) + ")" if len(problems) > 1 else ""
+        more = ""
+        if len(problems) > 1:
+            more = f"\n(and {len(problems) - 1} more problem(s):\n  " + "\n  ".join(problems[1:6]) + ")"
         raise CheckpointError(problems[0] + more)
 
 

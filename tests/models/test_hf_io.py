@@ -3,7 +3,6 @@
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,6 +98,7 @@ def test_export_then_transformers_load_gives_same_logits(tmp_path, arch):
     hf = load_transformers_model(tmp_path)
     tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17))
     assert max_relative_error(jax_logits(model, tokens, mask), torch_logits(hf, tokens, mask), mask) <= TOL
+    assert hf.generation_config.eos_token_id == config.eos_token_id
     if arch == "qwen2":  # tied: no lm_head tensor written
         with safe_open(tmp_path / "model.safetensors", "np") as f:
             assert "lm_head.weight" not in f.keys()
@@ -220,7 +220,8 @@ def test_missing_shard_file(checkpoints, tmp_path):
     key = "model.layers.1.mlp.down_proj.weight"
     shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][key]
     (tmp_path / shard).unlink()
-    with pytest.raises(CheckpointError, match=rf"{shard}: shard file listed in .*index\.json for tensor '{key}' is missing"):
+    message = rf"{shard}: shard file listed in .*index\.json for tensor '{key}' is missing"
+    with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(tmp_path)
 
 
@@ -258,7 +259,8 @@ def test_extra_tensors(broken):
     load_hf_checkpoint(broken)  # buffers are ignored
     key = "model.layers.2.mlp.up_proj.weight"
     rewrite(broken, lambda t: t.update({key: np.ones((128, 64), np.float32)}))
-    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{key}' belongs to layer 2.*num_hidden_layers=2"):
+    message = rf"model\.safetensors: tensor '{key}' belongs to layer 2.*num_hidden_layers=2"
+    with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(broken)
 
 
@@ -267,3 +269,9 @@ def test_unsupported_export():
         config_to_hf(tiny_config("llama", sliding_window=8))
     with pytest.raises(ValueError, match="attention_bias"):
         config_to_hf(tiny_config("qwen2", attention_bias=False))
+
+
+def test_corrupt_safetensors(broken):
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=rf"{broken}/model\.safetensors: not a readable safetensors file"):
+        load_hf_checkpoint(broken)

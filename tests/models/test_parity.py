@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models.config import RopeScaling
-from jaxrlhf.models.hf_io import load_hf_checkpoint
+from jaxrlhf.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.testing.models import (
     jax_logits,
     left_padded_batch,
@@ -66,3 +66,17 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     assert max_relative_error(jax_logits(model, tokens, mask), ref, mask) <= TOL
     unscaled, _ = load_hf_checkpoint(path, config_overrides={"rope_scaling": None})
     assert max_relative_error(jax_logits(unscaled, tokens, mask), ref, mask) > 10 * TOL
+    # our config.json (legacy rope_scaling + rope_parameters) gives transformers the same rope
+    save_hf_checkpoint(model, config, tmp_path / "export")
+    exported = torch_logits(load_transformers_model(tmp_path / "export"), tokens, mask)
+    assert max_relative_error(exported, ref, mask) <= TOL
+
+
+def test_explicit_head_dim_and_tied_llama(tmp_path):
+    """head_dim != hidden_size / num_heads (Gemma-style widths) and a tied Llama."""
+    path = save_tiny_hf_checkpoint(tmp_path, "llama", seed=3, head_dim=32, tie_word_embeddings=True)
+    model, config = load_hf_checkpoint(path)
+    assert config.dim_per_head == 32 and config.tie_word_embeddings
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5, 17))
+    ref = torch_logits(load_transformers_model(path), tokens, mask)
+    assert max_relative_error(jax_logits(model, tokens, mask), ref, mask) <= TOL
