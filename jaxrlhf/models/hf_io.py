@@ -449,7 +449,7 @@ def load_hf_checkpoint(
         spec = by_path.get(tuple(p))
         if spec is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
-        if fresh_head and spec in head_specs:
+        if fresh_head and spec.path[0] != "model":
             value = _fresh_head(spec.path, struct.shape, struct.dtype, seed)
         else:
             value = jnp.asarray(np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target, order="C"))
