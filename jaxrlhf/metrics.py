@@ -13,8 +13,14 @@ import os
 import sys
 from typing import Any, Mapping
 
-# Keys shown in the progress line / plain log line, in this order.
-HEADLINE = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "time/step_s")
+# Keys shown in the progress line / plain log line, in this order, with their short names.
+HEADLINE = {
+    "reward/mean": "reward",
+    "kl/mean": "kl",
+    "loss/policy": "pg_loss",
+    "loss/value": "v_loss",
+    "time/step_s": "step_s",
+}
 
 
 def _jsonable(v: Any) -> Any:
@@ -67,9 +73,7 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
         head = "  ".join(
-            f"{k.split('/')[-1] if k != 'time/step_s' else 'step_s'}={record[k]:.4g}"
-            for k in HEADLINE
-            if isinstance(record.get(k), (int, float))
+            f"{short}={record[k]:.4g}" for k, short in HEADLINE.items() if isinstance(record.get(k), (int, float))
         )
         if self._bar is not None:
             self._bar.update(1)

@@ -52,14 +52,20 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def guarded_update(
-    optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, loss: jax.Array
+    optimizer: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    loss: jax.Array,
+    enabled: jax.Array | bool = True,
 ) -> tuple[Any, Any, jax.Array]:
-    """Apply one update unless the loss or any gradient is non-finite.
+    """Apply one update unless the loss or any gradient is non-finite (or `enabled` is False).
 
-    Returns (params, opt_state, applied): on a non-finite step both trees are
-    returned unchanged, so the run continues from consistent state.
+    Returns (params, opt_state, finite): when the update is not applied both
+    trees come back unchanged, so the run continues from consistent state.
     """
-    ok = jnp.isfinite(loss) & all_finite(grads)
+    finite = jnp.isfinite(loss) & all_finite(grads)
+    ok = finite & enabled
     safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
     updates, new_opt_state = optimizer.update(safe_grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -67,5 +73,5 @@ def guarded_update(
     return (
         jax.tree_util.tree_map(keep, new_params, params),
         jax.tree_util.tree_map(keep, new_opt_state, opt_state),
-        ok,
+        finite,
     )
