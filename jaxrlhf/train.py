@@ -106,6 +106,85 @@ def copy_trunk(src_params, dst_params):
     return type(dst_params)(out)
 
 
+# --------------------------------------------------------------------------- graph and plan
+
+
+def graph_for(cfg: cfglib.Config):
+    """The algorithm's dataflow graph: critic-free estimators drop the critic's calls,
+    rule-only rewards drop the reward model's."""
+    from jaxrlhf.mesh.graph import CallGraph
+    from jaxrlhf.ppo.graph import PPO_GRAPH
+
+    drop = set()
+    if cfg.algorithm.advantage != "gae":
+        drop |= {"critic.inference", "critic.train"}
+    if not cfg.rewards.model:
+        drop |= {"reward.inference"}
+    return CallGraph(
+        tuple(
+            dataclasses.replace(c, deps=tuple(d for d in c.deps if d not in drop))
+            for c in PPO_GRAPH.calls
+            if c.name not in drop
+        )
+    )
+
+
+def plan_for(cfg: cfglib.Config, graph, model_configs, num_devices: int, devices_per_host: int | None = None):
+    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
+
+    Needs only model dimensions, so realistic configs can be planned without weights or devices.
+    """
+    from jaxrlhf.mesh.plan import ExecutionPlan, validate as validate_plan
+    from jaxrlhf.mesh.presets import build_plan
+
+    batch = cfg.data.batch_size * cfg.algorithm.group_size
+    if cfg.plan.file:
+        plan = ExecutionPlan.load(cfg.plan.file)
+        validate_plan(plan, graph, model_configs, devices=num_devices, batch_size=batch,
+                      devices_per_host=devices_per_host)
+        return plan
+    if cfg.plan.strategy == "auto":
+        return search_plan(cfg, graph, model_configs, num_devices, batch, devices_per_host)
+    return build_plan(
+        cfg.plan.strategy, num_devices, model_configs, graph, batch_size=batch,
+        devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy,
+    )
+
+
+DEFAULT_HARDWARE = {"cpu": "cpu", "gpu": "h100", "cuda": "h100", "tpu": "tpu-v5e"}
+
+
+def search_plan(cfg: cfglib.Config, graph, model_configs, num_devices: int, batch_size: int,
+                devices_per_host: int | None = None):
+    """`plan.strategy=auto`: the planner's best plan for these devices, models and workload."""
+    import dataclasses as dc
+
+    from jaxrlhf.mesh.cost import Workload
+    from jaxrlhf.mesh.hardware import get_profile
+    from jaxrlhf.mesh.search import search
+
+    if cfg.plan.hardware:
+        hw = get_profile(cfg.plan.hardware)
+    else:
+        import jax
+
+        hw = get_profile(DEFAULT_HARDWARE.get(jax.devices()[0].platform, "cpu"))
+    if devices_per_host:
+        hw = dc.replace(hw, devices_per_host=devices_per_host)
+    wl = Workload(
+        batch_size=batch_size, prompt_len=cfg.data.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
+        minibatches=cfg.algorithm.minibatches, ppo_epochs=cfg.algorithm.epochs,
+    )
+    result = search(
+        model_configs, wl, hw, num_devices, graph, seed=cfg.run.seed, time_budget_s=30.0,
+        allow_offpolicy=cfg.plan.offpolicy,
+    )
+    plan = result.best.plan
+    print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
+          f"(estimated step {result.best.step_s:.3g} s on {hw.name})", flush=True)
+    return plan
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -117,10 +196,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.checkpoint import CheckpointManager
     from jaxrlhf.data import PromptDataset, SFTDataset
     from jaxrlhf.mesh.calls import CallCache
-    from jaxrlhf.mesh.graph import CallGraph
     from jaxrlhf.mesh.layout import AxisRules
-    from jaxrlhf.mesh.plan import ExecutionPlan, validate as validate_plan
-    from jaxrlhf.mesh.presets import build_plan
     from jaxrlhf.mesh.realloc import reallocate
     from jaxrlhf.metrics import MetricsWriter
     from jaxrlhf.models.hf_io import save_hf_checkpoint
@@ -128,7 +204,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.ppo import calls
     from jaxrlhf.ppo.engine import PPOEngine, RewardSettings, Role
-    from jaxrlhf.ppo.graph import PPO_GRAPH
     from jaxrlhf.ppo.kl import build_kl_controller, kl_controller_from_state
     from jaxrlhf.ppo.optim import build_optimizer
     from jaxrlhf.ppo.rewards import REWARD_FUNCTIONS, CombinedReward
@@ -137,19 +212,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     alg = cfg.algorithm
     tokenizer = load_tokenizer(cfg.model.tokenizer)
 
-    # The dataflow graph: GRPO-style estimators need no critic; rule-only rewards need no reward model.
-    drop = set()
-    if alg.advantage != "gae":
-        drop |= {"critic.inference", "critic.train"}
-    if not cfg.rewards.model:
-        drop |= {"reward.inference"}
-    graph = CallGraph(
-        tuple(
-            dataclasses.replace(c, deps=tuple(d for d in c.deps if d not in drop))
-            for c in PPO_GRAPH.calls
-            if c.name not in drop
-        )
-    )
+    graph = graph_for(cfg)
     roles_needed = graph.roles
     model_configs = _role_configs(cfg, roles_needed)
     for role, mc in model_configs.items():
@@ -157,21 +220,8 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             raise cfglib.ConfigError(
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
-
-    # Plan.
     rollout_batch = cfg.data.batch_size * alg.group_size
-    n_dev = jax.device_count()
-    if cfg.plan.file:
-        plan = ExecutionPlan.load(cfg.plan.file)
-        validate_plan(plan, graph, model_configs, devices=n_dev, batch_size=rollout_batch)
-    elif cfg.plan.strategy == "auto":
-        from jaxrlhf.mesh.search import search_for_training
-
-        plan = search_for_training(cfg, graph, model_configs, n_dev)
-    else:
-        plan = build_plan(
-            cfg.plan.strategy, n_dev, model_configs, graph, batch_size=rollout_batch, offpolicy=cfg.plan.offpolicy
-        )
+    plan = plan_for(cfg, graph, model_configs, jax.device_count())
     print(plan.table(), flush=True)
     rules = AxisRules.from_config(cfg.plan.axis_rules)
     cache = CallCache(plan, rules=rules)
@@ -290,21 +340,26 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
         start = int(meta["step"])
         print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
-    def save(step: int) -> None:
+    def save(step: int, data_state: dict) -> None:
         arrays = engine.array_state()
         if "ref" in roles:
             arrays["ref"] = {"params": roles["ref"].params}
-        ckpt.save(step, arrays, {"step": step, "data": data.state_dict(), "kl": engine.kl.state_dict()})
+        ckpt.save(step, arrays, {"step": step, "data": data_state, "kl": engine.kl.state_dict()})
 
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard)
     base_rng = jax.random.key(seed)
     metrics: dict[str, Any] = {}
+    offpolicy = plan.offpolicy
+    batch = None
     try:
         for step in range(start + 1, steps + 1):
-            batch = data.next_batch()
-            if alg.group_size > 1:
-                batch = _repeat_prompts(batch, alg.group_size)
-            metrics = engine.step(batch, jax.random.fold_in(base_rng, step))
+            batch = batch if (offpolicy and batch is not None) else _draw(data, alg.group_size)
+            data_state = data.state_dict()
+            nxt = _draw(data, alg.group_size) if offpolicy and step < steps else None
+            metrics = engine.step(
+                batch, jax.random.fold_in(base_rng, step), nxt, jax.random.fold_in(base_rng, step + 1)
+            )
+            batch = nxt
             metrics.update(data.metrics())
             if step == 1:
                 metrics.update(sft_metrics)
@@ -312,7 +367,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             if step % cfg.run.log_every == 0 or step == steps:
                 writer.write(step, metrics)
             if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
-                save(step)
+                save(step, data_state)
     finally:
         writer.close()
         ckpt.close()
@@ -329,6 +384,12 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             shutil.copy(src, os.path.join(out, "tokenizer.json"))
         print(f"final actor exported to {out}", flush=True)
     return metrics
+
+
+def _draw(data, group_size: int):
+    """The next prompt batch, each prompt repeated `group_size` times."""
+    batch = data.next_batch()
+    return _repeat_prompts(batch, group_size) if group_size > 1 else batch
 
 
 def _repeat_prompts(batch, g: int):

@@ -65,6 +65,17 @@ class RewardSettings:
     eos_only: bool = True
 
 
+@dataclasses.dataclass
+class Collected:
+    """One batch of rollouts with everything the train calls need (arrays still on device)."""
+
+    exp: Experience
+    rule_scores: np.ndarray
+    scores_model: jax.Array | None
+    texts: list[str]
+    timer: "CallTimer"
+
+
 class CallTimer:
     """Wall time from dispatch to completion of each call, measured without blocking dispatch.
 
@@ -124,8 +135,9 @@ class PPOEngine:
         self.moments = RunningMoments.create()
         actor = roles["actor"]
         self.generator = Generator(actor.graphdef, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-        self.realloc_seconds = 0.0
-        self.realloc_bytes = 0
+        self.realloc_seconds = self.transfer_seconds = 0.0
+        self.realloc_bytes = self.transfer_bytes = 0
+        self._pending: Collected | None = None  # next step's rollout, off-policy plans only
         # Bound once: the call cache keys compiled functions by identity.
         g = {name: role.graphdef for name, role in roles.items()}
         self._fns: dict[str, Callable] = {
@@ -147,8 +159,11 @@ class PPOEngine:
     def _home_placed(self, role: str) -> Placed:
         return self.placed(self.plan.home_call(role))
 
-    def move(self, tree: Any, shardings: Any, *, free_source: bool = False) -> Any:
-        """Reshard `tree` device to device (no host round trip); no-op where already in place."""
+    def move(self, tree: Any, shardings: Any, *, free_source: bool = False, params: bool = True) -> Any:
+        """Reshard `tree` device to device (no host round trip); no-op where already in place.
+
+        Parameter moves count as reallocation, batch moves as transfers (separate metrics).
+        """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         targets = jax.tree_util.tree_leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
         todo = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not x.sharding.is_equivalent_to(s, x.ndim)]
@@ -157,15 +172,19 @@ class PPOEngine:
         moved, stats = reallocate([leaves[i] for i in todo], [targets[i] for i in todo], free_source=free_source)
         for i, x in zip(todo, moved):
             leaves[i] = x
-        self.realloc_seconds += stats.seconds
-        self.realloc_bytes += stats.bytes
+        if params:
+            self.realloc_seconds += stats.seconds
+            self.realloc_bytes += stats.bytes
+        else:
+            self.transfer_seconds += stats.seconds
+            self.transfer_bytes += stats.bytes
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def move_batch(self, tree: Any, call: str) -> Any:
         """Batch-major arrays (inputs and outputs of calls) onto `call`'s placement."""
         placed = self.placed(call)
         shardings = jax.tree_util.tree_map(lambda x: placed.batch_sharding(x.ndim), tree)
-        return self.move(tree, shardings)
+        return self.move(tree, shardings, params=False)
 
     def put_batch(self, array: np.ndarray, call: str) -> jax.Array:
         """Host data (prompts, rule scores) straight onto `call`'s placement."""
@@ -174,7 +193,7 @@ class PPOEngine:
     def replicated_on(self, tree: Any, call: str) -> Any:
         """Small replicated state (value moments) onto `call`'s placement."""
         placed = self.placed(call)
-        return self.move(tree, jax.tree_util.tree_map(lambda _: placed.replicated(), tree))
+        return self.move(tree, jax.tree_util.tree_map(lambda _: placed.replicated(), tree), params=False)
 
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
         """The role's parameters on `call`'s placement, and whether that copy is temporary."""
@@ -241,24 +260,23 @@ class PPOEngine:
             _leaves_delete(params)
         return out
 
-    def step(self, prompts, rng: jax.Array) -> dict[str, float]:
-        """One PPO step on a batch of prompts; returns host-side metrics."""
-        t_start = time.perf_counter()
-        self.realloc_seconds, self.realloc_bytes = 0.0, 0
-        timer = CallTimer()
-        gen_rng, actor_rng, critic_rng = jax.random.split(rng, 3)
-        out, rule_scores, info = self.rollout(prompts, gen_rng, timer)
+    def collect(self, prompts, rng: jax.Array) -> "Collected":
+        """actor.generate, rule scores, and the inference calls: everything actor.train needs.
 
+        The inference calls are only dispatched; their results stay on device.
+        """
+        timer = CallTimer()
+        gen_rng = jax.random.split(rng, 3)[0]
+        out, rule_scores, info = self.rollout(prompts, gen_rng, timer)
         seq = (out.tokens, out.mask, out.positions)
         resp = (out.response_tokens, out.response_mask)
-        graph_calls = set(self.plan.calls)
 
         # Independent inference calls: dispatched back to back, they overlap on disjoint groups.
         scores_model = None
         if self.rewards.use_model:
             scores_model = self._run_inference("reward", "reward.inference", seq, timer)
         ref_logp = self._run_inference("ref", "ref.inference", seq + resp, timer)
-        if "critic.inference" in graph_calls:
+        if "critic.inference" in self.plan.calls:
             values, bootstrap = self._run_inference("critic", "critic.inference", seq + (out.response_mask,), timer)
         else:
             values = jnp.zeros(out.response_mask.shape, jnp.float32)
@@ -278,6 +296,24 @@ class PPOEngine:
             behaviour_logp=out.logprobs, ref_logp=ref_logp, values=values, bootstrap_values=bootstrap,
             scores=shaped, ended_with_eos=out.ended_with_eos,
         )
+        return Collected(exp, rule_scores, scores_model, info["texts"], timer)
+
+    def step(self, prompts, rng: jax.Array, next_prompts=None, next_rng: jax.Array | None = None) -> dict[str, float]:
+        """One PPO step; returns host-side metrics.
+
+        With a one-step off-policy plan (`plan.offpolicy`), pass the next
+        step's prompts and rng: its rollout is generated on the shadow actor
+        (still holding the previous weights) while this step trains, and used
+        by the next call of `step`, which then ignores its own `prompts`.
+        """
+        t_start = time.perf_counter()
+        self.realloc_seconds = self.transfer_seconds = 0.0
+        self.realloc_bytes = self.transfer_bytes = 0
+        collected = self._pending if self._pending is not None else self.collect(prompts, rng)
+        self._pending = None
+        exp = collected.exp
+        timer = CallTimer()
+        _, actor_rng, critic_rng = jax.random.split(rng, 3)
         kl_coef = jnp.asarray(self.kl.value, jnp.float32)
 
         # Train calls: both dispatched before either is waited on.
@@ -290,7 +326,7 @@ class PPOEngine:
             actor_rng,
         )
         timer.track("actor.train", t0, actor.params)
-        if "critic.train" in graph_calls:
+        if "critic.train" in self.plan.calls:
             critic = self.roles["critic"]
             critic_exp = self.move_batch(exp, "critic.train")
             t0 = time.perf_counter()
@@ -300,35 +336,40 @@ class PPOEngine:
             )
             timer.track("critic.train", t0, critic.params)
             metrics.update(critic_stats)
+        if self.plan.offpolicy and next_prompts is not None:
+            # Overlaps the train calls above: the shadow is synced only after this dispatch.
+            self._pending = self.collect(next_prompts, next_rng)
         if "actor" in self.plan.shadow_roles:
             self.sync_shadow("actor")
         metrics.update(actor_stats)
 
         # Host-side metrics (the step's only other sync).
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        self.kl = self.kl.update(metrics["kl/mean"], n_steps=int(out.tokens.shape[0]))
-        call_seconds = timer.join()
-        rmask = np.asarray(jax.device_get(out.response_mask))
-        shaped_host = np.asarray(jax.device_get(shaped))
-        n_tokens = int(np.asarray(jax.device_get(out.mask)).sum())
+        self.kl = self.kl.update(metrics["kl/mean"], n_steps=int(exp.tokens.shape[0]))
+        call_seconds = collected.timer.join()
+        for c, sec in timer.join().items():
+            call_seconds[c] = call_seconds.get(c, 0.0) + sec
+        rmask, shaped, ended, mask = jax.device_get((exp.response_mask, exp.scores, exp.ended_with_eos, exp.mask))
         step_s = time.perf_counter() - t_start
         metrics.update(
             {
-                "reward/mean": float(shaped_host.mean()),
-                "reward/rule_mean": float(rule_scores.mean()),
-                "response/length_mean": float(rmask.sum(axis=1).mean()),
-                "response/eos_frac": float(np.asarray(jax.device_get(out.ended_with_eos)).mean()),
+                "reward/mean": float(np.mean(shaped)),
+                "reward/rule_mean": float(collected.rule_scores.mean()),
+                "response/length_mean": float(np.sum(rmask, axis=1).mean()),
+                "response/eos_frac": float(np.mean(ended)),
                 "kl/coef": float(kl_coef),
                 "time/step_s": step_s,
                 "time/realloc_s": self.realloc_seconds,
                 "realloc/bytes": float(self.realloc_bytes),
-                "throughput/tokens_per_s": n_tokens / max(step_s, 1e-9),
-                **{f"time/{c}_s": s for c, s in call_seconds.items()},
+                "time/transfer_s": self.transfer_seconds,
+                "transfer/bytes": float(self.transfer_bytes),
+                "throughput/tokens_per_s": int(np.sum(mask)) / max(step_s, 1e-9),
+                **{f"time/{c}_s": sec for c, sec in call_seconds.items()},
             }
         )
-        if scores_model is not None:
-            metrics["reward/model_mean"] = float(np.asarray(jax.device_get(scores_model)).mean())
-        self.last_texts = info["texts"]
+        if collected.scores_model is not None:
+            metrics["reward/model_mean"] = float(np.mean(jax.device_get(collected.scores_model)))
+        self.last_texts = collected.texts
         return metrics
 
     # ---------------------------------------------------------------- checkpoint state
