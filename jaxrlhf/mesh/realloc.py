@@ -17,12 +17,15 @@ device-to-device copy. So every leaf moves in two steps:
     that hold them (no copy), are `device_put` to a congruent sharding over
     the target devices: same device count, same shard per position, so the
     runtime copies device to device. Targets that replicate a block get one
-    such copy per replica;
+    such copy per replica. When the source already has the target's shard
+    shape (same layout on other devices), step (a) is skipped;
 (c) the target array is assembled from the received shards (no copy) and the
     intermediates are dropped.
 
-Leaves are processed in chunks of about `chunk_bytes`, waiting for each chunk
-before dispatching the next, so peak extra memory stays near one chunk.
+Leaves are processed in chunks of about `chunk_bytes`: step (a) of every leaf
+is dispatched, step (b) of the whole chunk is one batched `device_put`, and
+the chunk is waited for before the next starts, so peak extra memory stays
+near one chunk.
 """
 
 from __future__ import annotations
@@ -133,21 +136,84 @@ def _copy_fn(out: NamedSharding, donate: bool):
 
 
 # ---- one leaf ---------------------------------------------------------------------------
-def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple[list, ReallocStats]:
-    """Dispatch the moves of one leaf; returns the received target shards and stats."""
+@dataclasses.dataclass
+class _LeafMove:
+    """The dispatched first step of one leaf and the device_put (step b) still to issue."""
+
+    views: list[jax.Array] = dataclasses.field(default_factory=list)
+    dests: list[NamedSharding] = dataclasses.field(default_factory=list)
+    may_alias: bool = True
+    shards: list[jax.Array] | None = None  # final shards when nothing needs a device_put
+    delete: jax.Array | None = None  # source to delete once the chunk is done
+
+
+def _views(
+    blocks: list[tuple[int, ...]],
+    wanted: dict[tuple[int, ...], list[jax.Device]],
+    holders: dict[tuple[int, ...], list[jax.Device]],
+    local: dict[jax.Device, jax.Array],
+    grid: tuple[int, ...],
+    region_shape: tuple[int, ...],
+    memory_kind: str | None,
+    shard_bytes: int,
+    move: _LeafMove,
+    stats: ReallocStats,
+) -> None:
+    """Congruent (view, destination) pairs: one per replica of the target's blocks."""
+    names = tuple(f"b{i}" for i in range(len(grid)))
+    spec = PartitionSpec(*names)
+    for j in range(len(wanted[blocks[0]])):
+        s_devs, t_devs = [], []
+        for blk in blocks:
+            t_dev = wanted[blk][j]
+            cands = holders[blk]
+            s_dev = t_dev if t_dev in cands else cands[j % len(cands)]
+            s_devs.append(s_dev)
+            t_devs.append(t_dev)
+            stats.bytes_copied += shard_bytes if s_dev != t_dev else 0
+        # Same grid, same spec, same block at every position: the runtime copies device to device.
+        view = NamedSharding(_auto_mesh(s_devs, grid + (1,), names + ("rep",)), spec)
+        dest = NamedSharding(_auto_mesh(t_devs, grid + (1,), names + ("rep",)), spec, memory_kind=memory_kind)
+        pieces = [local[d] for d in s_devs if d in local]
+        move.views.append(jax.make_array_from_single_device_arrays(region_shape, view, pieces))
+        move.dests.append(dest)
+
+
+def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple[_LeafMove, ReallocStats]:
+    """Step (a) for one leaf, dispatched; returns what step (b) must copy."""
     stats = ReallocStats(bytes=x.nbytes, leaves=1)
     shape = tuple(x.shape)
-    if x.sharding.is_equivalent_to(target, x.ndim) and x.sharding.memory_kind == target.memory_kind:
-        if free_source:
-            return [s.data for s in x.addressable_shards], stats
+    same_memory = x.sharding.memory_kind == target.memory_kind
+    if same_memory and x.sharding.is_equivalent_to(target, x.ndim):
+        if free_source:  # hand the buffers over
+            return _LeafMove(shards=[s.data for s in x.addressable_shards]), stats
         y = _copy_fn(target, False)(x)
-        return [s.data for s in y.addressable_shards], stats
+        return _LeafMove(shards=[s.data for s in y.addressable_shards]), stats
 
     src = _device_order(x.sharding)
-    n_src = len(src)
     shard, grid = _block_grid(shape, target)
-    # Sub-grid of blocks handled per round: as many as the source devices can hold.
-    sub, left = [], n_src
+    shard_bytes = math.prod(shard) * x.dtype.itemsize
+    wanted: dict[tuple[int, ...], list[jax.Device]] = {}
+    for d, idx in target.devices_indices_map(shape).items():
+        wanted.setdefault(_block_of(idx, shard), []).append(d)
+    order = {d: i for i, d in enumerate(_device_order(target))}
+    for devs in wanted.values():
+        devs.sort(key=order.__getitem__)
+    all_blocks = list(itertools.product(*(range(t) for t in grid)))
+    src_shard_shape = tuple(x.sharding.shard_shape(shape))
+
+    if same_memory and src_shard_shape == shard:
+        # The source already holds every target block as a whole shard: skip step (a).
+        holders: dict[tuple[int, ...], list[jax.Device]] = {}
+        for d, idx in x.sharding.devices_indices_map(shape).items():
+            holders.setdefault(_block_of(idx, shard), []).append(d)
+        local = {s.device: s.data for s in x.addressable_shards}
+        move = _LeafMove(may_alias=False, delete=x if free_source else None)
+        _views(all_blocks, wanted, holders, local, grid, shape, target.memory_kind, shard_bytes, move, stats)
+        return move, stats
+
+    # Sub-grid of blocks per round: as many as the source devices can hold at once.
+    sub, left = [], len(src)
     for t in grid:
         g = math.gcd(t, left)
         sub.append(g)
@@ -157,65 +223,31 @@ def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple
     inter_mesh = _auto_mesh(src, sub + (rep,), names + ("rep",))
     inter = NamedSharding(inter_mesh, PartitionSpec(*names))
     region_shape = tuple(g * b for g, b in zip(sub, shard))
-    src_shard_shape = tuple(x.sharding.shard_shape(shape))
-
-    # Which target devices want which block, in the target's device order.
-    wanted: dict[tuple[int, ...], list[jax.Device]] = {}
-    for d, idx in target.devices_indices_map(shape).items():
-        wanted.setdefault(_block_of(idx, shard), []).append(d)
-    order = {d: i for i, d in enumerate(_device_order(target))}
-    for devs in wanted.values():
-        devs.sort(key=order.__getitem__)
-
     src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard_shape))
     mid = _mid_sharding(src_grid, region_shape, sub, rep, inter_mesh, names)
     rounds = list(itertools.product(*(range(t // g) for t, g in zip(grid, sub))))
-    received = []
+    move = _LeafMove()
     for r, offset in enumerate(rounds):
-        last = r == len(rounds) - 1
         region = None
         if len(rounds) > 1:
             region = tuple((o * g * b, (o + 1) * g * b) for o, g, b in zip(offset, sub, shard))
-        # Donate only when the source buffers can become the intermediate's (same shard shape).
-        donate = free_source and last and region is None and src_shard_shape == tuple(inter.shard_shape(shape))
+        # Donate when the source buffers can become the intermediate's (same shard shape).
+        donate = free_source and region is None and src_shard_shape == tuple(inter.shard_shape(shape))
         y = _reshard_fn(region, mid, inter, donate)(x)
-        if free_source and last and not x.is_deleted():
-            x.delete()  # safe: y is a fresh copy; pending reads keep the buffers until done
+        if len(src) > 1 and src[0].platform == "cpu":
+            # XLA:CPU runs collectives of programs in flight on one shared thread pool;
+            # several multi-device programs at once can starve each other's rendezvous.
+            y.block_until_ready()
         stats.rounds += 1
-
-        # Source devices holding each block of this round, in the intermediate's order.
-        holders: dict[tuple[int, ...], list[jax.Device]] = {}
+        holders = {}
         for pos, d in zip(itertools.product(*(range(g) for g in sub), range(rep)), src):
-            blk = tuple(o * g + p for o, g, p in zip(offset, sub, pos[:-1]))
-            holders.setdefault(blk, []).append(d)
-        local = {s.device: s.data for s in y.addressable_shards}
+            holders.setdefault(tuple(o * g + p for o, g, p in zip(offset, sub, pos[:-1])), []).append(d)
         blocks = list(itertools.product(*(range(o * g, (o + 1) * g) for o, g in zip(offset, sub))))
-        replicas = len(wanted[blocks[0]])
-        views, dests = [], []
-        for j in range(replicas):
-            s_devs, t_devs = [], []
-            for blk in blocks:
-                t_dev = wanted[blk][j]
-                cands = holders[blk]
-                s_dev = t_dev if t_dev in cands else cands[j % len(cands)]
-                s_devs.append(s_dev)
-                t_devs.append(t_dev)
-                if s_dev != t_dev:
-                    stats.bytes_copied += math.prod(shard) * x.dtype.itemsize
-            # Congruent by construction: same grid, same spec, same block at every position.
-            view_sharding = NamedSharding(_auto_mesh(s_devs, sub + (1,), names + ("rep",)), PartitionSpec(*names))
-            dest_sharding = NamedSharding(
-                _auto_mesh(t_devs, sub + (1,), names + ("rep",)), PartitionSpec(*names),
-                memory_kind=target.memory_kind,
-            )
-            pieces = [local[d] for d in s_devs if d in local]
-            views.append(jax.make_array_from_single_device_arrays(region_shape, view_sharding, pieces))
-            dests.append(dest_sharding)
-        moved = jax.device_put(views, dests)
-        for arr in moved:
-            received.extend(s.data for s in arr.addressable_shards)
-        del y, local, views, moved
-    return received, stats
+        local = {s.device: s.data for s in y.addressable_shards}
+        _views(blocks, wanted, holders, local, sub, region_shape, target.memory_kind, shard_bytes, move, stats)
+    if free_source and not x.is_deleted():
+        move.delete = x  # y never aliases x unless donated, so deleting it later is safe
+    return move, stats
 
 
 # ---- public API -------------------------------------------------------------------------
@@ -230,7 +262,8 @@ def reallocate(
 
     `target` has the structure of `tree` (e.g. from `layout.param_shardings`) or
     is one NamedSharding for all leaves. With `free_source` the source arrays are
-    deleted (donated where possible), so a move never holds two full copies.
+    deleted (donated where possible; when source and target are identical the
+    buffers are handed over instead), so a move never holds two full copies.
     Without it the result never shares buffers with the source. Blocks until
     the result is ready; `stats.seconds` is the wall time.
     """
@@ -242,33 +275,47 @@ def reallocate(
         targets = jax.tree_util.tree_leaves(target, is_leaf=lambda s: isinstance(s, Sharding))
     if len(targets) != len(leaves):
         raise ValueError(f"target has {len(targets)} shardings for {len(leaves)} arrays; build it from the same tree")
-    stats = ReallocStats()
-    out: list[jax.Array | None] = [None] * len(leaves)
-    chunk: list[int] = []
-    chunk_size = 0
-
-    def finish() -> None:
-        nonlocal chunk, chunk_size
-        if chunk:
-            jax.block_until_ready([out[i] for i in chunk])
-            stats.chunks += 1
-        chunk, chunk_size = [], 0
-
     for i, (x, t) in enumerate(zip(leaves, targets)):
         if not isinstance(x, jax.Array):
             raise TypeError(f"leaf {i} is {type(x).__name__}, not a jax.Array; place the tree on devices first")
         if not isinstance(t, NamedSharding):
             raise TypeError(f"target {i} is {type(t).__name__}; reallocation targets must be NamedShardings")
-        shards, s = _start_leaf(x, t, free_source)
+
+    stats = ReallocStats()
+    out: list[jax.Array | None] = [None] * len(leaves)
+    pending: list[tuple[int, _LeafMove]] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        """Step (b) for the chunk in one batched device_put, then assemble, wait, free."""
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        views = [v for _, m in pending for v in m.views]
+        dests = [d for _, m in pending for d in m.dests]
+        alias = [m.may_alias for _, m in pending for _ in m.views]
+        received = iter(jax.device_put(views, dests, may_alias=alias) if views else [])
+        for i, m in pending:
+            shards = m.shards
+            if shards is None:
+                shards = [s.data for _ in m.views for s in next(received).addressable_shards]
+            out[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, targets[i], shards)
+        jax.block_until_ready([out[i] for i, _ in pending])
+        for _, m in pending:
+            if m.delete is not None and not m.delete.is_deleted():
+                m.delete.delete()
+        stats.chunks += 1
+        pending, pending_bytes = [], 0
+
+    for i, (x, t) in enumerate(zip(leaves, targets)):
+        move, s = _start_leaf(x, t, free_source)
         stats += s
-        out[i] = jax.make_array_from_single_device_arrays(x.shape, t, shards)
-        del shards
-        chunk.append(i)
-        chunk_size += s.bytes
-        if chunk_bytes is not None and chunk_size >= chunk_bytes:
-            finish()
-    finish()
-    stats.leaves = len(leaves)
+        pending.append((i, move))
+        pending_bytes += s.bytes
+        if chunk_bytes is not None and pending_bytes >= chunk_bytes:
+            flush()
+    flush()
+    stats.leaves = len(out)
     stats.seconds = time.perf_counter() - t0
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
