@@ -15,7 +15,7 @@ Design choices:
   recomputes during training.
 
 The compile cache is jax.jit's own, keyed by (graphdef, bucket, batch,
-max_new_tokens, sampling params, eos/pad ids). `trace_count()` counts traces
+max_new_tokens, sampling params, eos/pad ids, tag). `trace_count()` counts traces
 (one per compile) so tests can check recompilation is bounded.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +102,7 @@ def _prefill(
     bucket: int,
     max_new_tokens: int,
     pad_id: int,
+    tag: Hashable = None,
 ) -> tuple[Int[Array, "batch bucket"], Bool[Array, "batch bucket"], Float[Array, "batch vocab"], KVCache]:
     """Left-align and bucket the prompt, run it through the model, return last logits and the cache."""
     _TRACES["prefill"] += 1
@@ -125,44 +126,46 @@ def _decode(
     sampling: SamplingParams,
     eos_id: int | None,
     pad_id: int,
+    tag: Hashable = None,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` tokens on device, stopping early when every row has ended."""
     _TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
     batch, n = prompt_tokens.shape[0], max_new_tokens
 
-    def emit(i, logits, done, out_tokens, out_logp):
+    def emit(i, logits, done, outs):
+        """Sample response token i; rows already done get pad, log-prob 0 and mask False."""
         token, logp = sample(jax.random.fold_in(rng, i), logits, sampling)
         token = jnp.where(done, pad_id, token)
-        logp = jnp.where(done, 0.0, logp)
-        out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, token[:, None], i, axis=1)
-        out_logp = jax.lax.dynamic_update_slice_in_dim(out_logp, logp[:, None], i, axis=1)
         valid = ~done
+        logp = jnp.where(done, 0.0, logp)
+        outs = tuple(
+            jax.lax.dynamic_update_slice_in_dim(o, x[:, None], i, axis=1) for o, x in zip(outs, (token, logp, valid))
+        )
         if eos_id is not None:
             done = done | (token == eos_id)
-        return token, valid, done, out_tokens, out_logp
+        return token, valid, done, outs
 
-    out_tokens = jnp.full((batch, n), pad_id, jnp.int32)
-    out_logp = jnp.zeros((batch, n), jnp.float32)
-    out_valid = jnp.zeros((batch, n), bool)
-    done = jnp.zeros((batch,), bool)
-    token, valid, done, out_tokens, out_logp = emit(0, last_logits, done, out_tokens, out_logp)
-    out_valid = out_valid.at[:, 0].set(valid)
+    outs = (
+        jnp.full((batch, n), pad_id, jnp.int32),  # tokens
+        jnp.zeros((batch, n), jnp.float32),  # log-probs
+        jnp.zeros((batch, n), bool),  # mask
+    )
+    token, valid, done, outs = emit(0, last_logits, jnp.zeros((batch,), bool), outs)
     position = prompt_mask.sum(axis=1).astype(jnp.int32)  # rotary position of the first response token
 
     def cond(carry):
-        i, _, _, _, done, _, _, _, _ = carry
+        i, _, _, _, done, _, _ = carry
         return (i < n) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, token, valid, done, position, out_tokens, out_logp, out_valid = carry
+        i, cache, token, valid, done, position, outs = carry
         logits, cache = model(token[:, None], position[:, None], valid[:, None], cache)
-        token, valid, done, out_tokens, out_logp = emit(i, logits[:, 0], done, out_tokens, out_logp)
-        out_valid = jax.lax.dynamic_update_slice_in_dim(out_valid, valid[:, None], i, axis=1)
-        return i + 1, cache, token, valid, done, position + 1, out_tokens, out_logp, out_valid
+        token, valid, done, outs = emit(i, logits[:, 0], done, outs)
+        return i + 1, cache, token, valid, done, position + 1, outs
 
-    carry = (jnp.int32(1), cache, token, valid, done, position, out_tokens, out_logp, out_valid)
-    _, _, _, _, done, _, out_tokens, out_logp, out_valid = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), cache, token, valid, done, position, outs)
+    *_, done, _, (out_tokens, out_logp, out_valid) = jax.lax.while_loop(cond, body, carry)
     return GenerationOutput(
         tokens=jnp.concatenate([prompt_tokens, out_tokens], axis=1),
         prompt_tokens=prompt_tokens,
@@ -175,9 +178,11 @@ def _decode(
     )
 
 
-prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max_new_tokens", "pad_id"))
+# `tag` only separates compile caches: `axes.constrain` reads its resolver while tracing, so generation
+# under different `activation_sharding` resolvers needs a distinct tag per resolver.
+prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max_new_tokens", "pad_id", "tag"))
 decode_fn = jax.jit(
-    _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id")
+    _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id", "tag")
 )
 
 
@@ -201,13 +206,22 @@ class Generator:
 
     For the PPO rollout: build once from the actor's graphdef, call with the
     current (possibly sharded) actor state each step. Same shapes and
-    settings never recompile.
+    settings never recompile. `tag` (any hashable) keeps separate compiled
+    programs per tag: use one per placement when tracing under different
+    `axes.activation_sharding` resolvers.
     """
 
     def __init__(
-        self, graphdef: nnx.GraphDef, *, eos_id: int | None, pad_id: int, min_bucket: int = 16
+        self,
+        graphdef: nnx.GraphDef,
+        *,
+        eos_id: int | None,
+        pad_id: int,
+        min_bucket: int = 16,
+        tag: Hashable = None,
     ):
         self.graphdef = graphdef
+        self.tag = tag
         self.eos_id = None if eos_id is None else int(eos_id)
         self.pad_id = int(pad_id)
         self.min_bucket = min_bucket
@@ -235,6 +249,7 @@ class Generator:
 
         An array may be padded on either side (its mask says which tokens are
         real); it is left-aligned on device and padded to the bucket of its width.
+        Every row needs at least one real token.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -247,11 +262,12 @@ class Generator:
         bucket = bucket_length(prompt_tokens.shape[1], self.min_bucket)
         tokens, mask, last_logits, cache = prefill_fn(
             self.graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
-            bucket=bucket, max_new_tokens=max_new_tokens, pad_id=self.pad_id,
+            bucket=bucket, max_new_tokens=max_new_tokens, pad_id=self.pad_id, tag=self.tag,
         )
         return decode_fn(
             self.graphdef, state, tokens, mask, last_logits, cache, rng,
             max_new_tokens=max_new_tokens, sampling=sampling, eos_id=self.eos_id, pad_id=self.pad_id,
+            tag=self.tag,
         )
 
 
