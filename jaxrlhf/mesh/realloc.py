@@ -114,25 +114,38 @@ def _reshard_fn(
     return jax.jit(f, out_shardings=out, donate_argnums=(0,) if donate else ())
 
 
-def _mid_sharding(
-    src_grid: tuple[int, ...], region_shape: tuple[int, ...], sub: tuple[int, ...], rep: int,
-    mesh: Mesh, names: tuple[str, ...],
-) -> NamedSharding | None:
-    """The target blocks, further split over the replica axis along the source's most split dim."""
-    if rep == 1:
+def _mid_sharding(out: NamedSharding, shape: tuple[int, ...], src_grid: tuple[int, ...]) -> NamedSharding | None:
+    """`out`'s blocks, further split over the mesh axes `out` replicates over, along the
+    dimension the source splits most (when it divides); None when there is nothing to add."""
+    mesh = out.mesh
+    spec = list(out.spec) + [None] * (len(shape) - len(out.spec))
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    used = {a for e in entries for a in e}
+    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    if not free:
         return None
-    dims = [k for k in range(len(sub)) if src_grid[k] > 1 and region_shape[k] % (sub[k] * rep) == 0]
+    extra = math.prod(mesh.shape[a] for a in free)
+    out_shard = out.shard_shape(shape)
+    dims = [k for k in range(len(shape)) if src_grid[k] > 1 and out_shard[k] % extra == 0]
     if not dims:
         return None
     k = max(dims, key=lambda i: src_grid[i])
-    spec = [n for n in names]
-    spec[k] = (names[k], "rep")
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    entries[k] = entries[k] + free
+    return NamedSharding(mesh, PartitionSpec(*(e or None for e in entries)))
 
 
 @functools.lru_cache(maxsize=None)
 def _copy_fn(out: NamedSharding, donate: bool):
     return jax.jit(jnp.copy, out_shardings=out, donate_argnums=(0,) if donate else ())
+
+
+def _serialised(y: jax.Array, src: list[jax.Device]) -> jax.Array:
+    """On CPU, wait for a multi-device reshard before the next: XLA:CPU runs the collectives
+    of all programs in flight on one shared thread pool, and several multi-device
+    programs at once can starve each other's rendezvous."""
+    if len(src) > 1 and src[0].platform == "cpu":
+        y.block_until_ready()
+    return y
 
 
 # ---- one leaf ---------------------------------------------------------------------------
@@ -212,7 +225,32 @@ def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple
         _views(all_blocks, wanted, holders, local, grid, shape, target.memory_kind, shard_bytes, move, stats)
         return move, stats
 
-    # Sub-grid of blocks per round: as many as the source devices can hold at once.
+    src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard_shape))
+    tgt = _device_order(target)
+    if len(src) == len(tgt):
+        # Same device count: the intermediate is the target's layout over the source devices,
+        # so position i of the intermediate holds what position i of the target needs.
+        if src == tgt and same_memory:
+            inter = target
+        else:
+            tm = target.mesh
+            mesh = Mesh(np.array(src, dtype=object).reshape(tm.devices.shape), tm.axis_names, axis_types=tm.axis_types)
+            inter = NamedSharding(mesh, target.spec)
+        donate = free_source and src_shard_shape == shard
+        y = _reshard_fn(None, _mid_sharding(inter, shape, src_grid), inter, donate)
+        y = _serialised(y(x), src)
+        stats.rounds += 1
+        if inter is target:
+            move = _LeafMove(shards=[s.data for s in y.addressable_shards])
+        else:
+            move = _LeafMove(views=[y], dests=[target])
+            stats.bytes_copied += shard_bytes * sum(a != b for a, b in zip(src, tgt))
+        if free_source and not x.is_deleted():
+            move.delete = x
+        return move, stats
+
+    # Otherwise reshard to the target's block grid over the source devices, in rounds of
+    # as many blocks as the source devices can hold at once.
     sub, left = [], len(src)
     for t in grid:
         g = math.gcd(t, left)
@@ -223,21 +261,16 @@ def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple
     inter_mesh = _auto_mesh(src, sub + (rep,), names + ("rep",))
     inter = NamedSharding(inter_mesh, PartitionSpec(*names))
     region_shape = tuple(g * b for g, b in zip(sub, shard))
-    src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard_shape))
-    mid = _mid_sharding(src_grid, region_shape, sub, rep, inter_mesh, names)
+    mid = _mid_sharding(inter, region_shape, src_grid)
     rounds = list(itertools.product(*(range(t // g) for t, g in zip(grid, sub))))
     move = _LeafMove()
-    for r, offset in enumerate(rounds):
+    for offset in rounds:
         region = None
         if len(rounds) > 1:
             region = tuple((o * g * b, (o + 1) * g * b) for o, g, b in zip(offset, sub, shard))
         # Donate when the source buffers can become the intermediate's (same shard shape).
         donate = free_source and region is None and src_shard_shape == tuple(inter.shard_shape(shape))
-        y = _reshard_fn(region, mid, inter, donate)(x)
-        if len(src) > 1 and src[0].platform == "cpu":
-            # XLA:CPU runs collectives of programs in flight on one shared thread pool;
-            # several multi-device programs at once can starve each other's rendezvous.
-            y.block_until_ready()
+        y = _serialised(_reshard_fn(region, mid, inter, donate)(x), src)
         stats.rounds += 1
         holders = {}
         for pos, d in zip(itertools.product(*(range(g) for g in sub), range(rep)), src):
