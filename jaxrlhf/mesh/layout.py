@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.mesh.groups import Device, group_devices
-from jaxrlhf.mesh.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+from jaxrlhf.mesh.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, PlanError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models.config import ModelConfig
 
@@ -249,6 +249,3 @@ def layout_misfit(
             )
     return None
 
-
-def placement_str(p: Placement) -> str:
-    return f"{p.group}:{p.layout}"

@@ -353,13 +353,6 @@ def reallocate(
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
-def with_memory_kind(shardings: Any, memory_kind: str) -> Any:
-    """The same shardings in another memory space ("device" or "pinned_host")."""
-    return jax.tree_util.tree_map(
-        lambda s: s.with_memory_kind(memory_kind), shardings, is_leaf=lambda s: isinstance(s, Sharding)
-    )
-
-
 def _move_memory(tree: Any, memory_kind: str, free_source: bool) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     targets = [x.sharding.with_memory_kind(memory_kind) for x in leaves]
