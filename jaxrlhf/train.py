@@ -299,8 +299,11 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             opt = optimizer_for(role, steps * updates_per_step)
         roles[role] = Role(role, graphdef, state, opt)
     for role in roles.values():
-        if role.trainable:
-            role.opt_state = jax.jit(role.optimizer.init)(role.params)
+        if role.trainable:  # laid out like the params, counters replicated: checkpoints restore onto this
+            placed = cache.placed(plan.home_call(role.name))
+            role.opt_state = jax.jit(
+                role.optimizer.init, out_shardings=placed.opt_state_shardings(role.optimizer, role.params)
+            )(role.params)
 
     gen = cfg.generation
     sampling = SamplingParams(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=gen.greedy)

@@ -22,6 +22,7 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
 
 # A small, fast PPO run: tiny model, 8 prompts per step, 4 new tokens.
 BASE = [
+    "model.actor.preset=tiny",
     "run.steps=3",
     "run.checkpoint_every=0",
     "run.tensorboard=false",
@@ -34,6 +35,9 @@ BASE = [
     "optimizer.actor.lr=1e-3",
     "optimizer.critic.lr=1e-3",
     "rewards.eos_only=false",
+    # A dense rule reward (about a third of random responses hold a lowercase letter or digit), so
+    # gradients carry signal: Adam would turn float-noise-sized gradients into full-size steps.
+    'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
 ]
 COMPARED = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "entropy", "clipfrac", "approx_kl")
 
@@ -154,7 +158,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
         ("algorithm.kl_cof=0.1", "unknown config key 'algorithm.kl_cof'; did you mean 'algorithm.kl_coef'?"),
         ("run.steps=ten", "config key 'run.steps' expects int"),
         ("plan.strategy=collocated", "plan.strategy"),
-        ("data.batch_size=6", "batch size 6 is not divisible"),
+        ("data.batch_size=6", "plan error: colocated: no layout of 8 devices fits role 'actor'"),
     ],
 )
 def test_cli_errors_are_specific(override, message, tmp_path):
@@ -179,3 +183,18 @@ def test_quickstart_config_plans_abstractly():
     cfg = cfglib.load_config(QUICKSTART)
     assert cfg.run.devices == 8 and cfg.run.platform == "cpu"
     json.dumps(cfglib.to_dict(cfg))
+
+
+@pytest.mark.slow
+def test_plan_cli_output_trains(tmp_path):
+    """`python -m jaxrlhf.plan` writes a plan.yaml that training runs as `plan.file=`."""
+    from jaxrlhf import plan as plan_cli
+
+    out = tmp_path / "planned"
+    assert plan_cli.main([
+        "--config", QUICKSTART, "--model-preset", "tiny", "--hardware", "cpu", "--devices", "8", "--batch", "8", "--out", str(out),
+        "--iterations", "300", "--time-budget", "20",
+    ]) == 0
+    records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(np.isfinite(r["loss/policy"]) for r in records)

@@ -132,9 +132,14 @@ class PPOEngine:
         self.kl = kl
         self.max_new_tokens = max_new_tokens
         self.cache = cache
-        self.moments = RunningMoments.create()
+        # Committed (replicated on the actor's train placement) so a checkpoint restores it as such.
+        self.moments = jax.device_put(RunningMoments.create(), self.placed("actor.train").replicated())
         actor = roles["actor"]
-        self.generator = Generator(actor.graphdef, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+        # The tag keeps generation compiled per placement: activation constraints are read at trace time.
+        gen = self.placed("actor.generate")
+        self.generator = Generator(
+            actor.graphdef, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, tag=(gen.group, gen.placement)
+        )
         self.realloc_seconds = self.transfer_seconds = 0.0
         self.realloc_bytes = self.transfer_bytes = 0
         self._pending: Collected | None = None  # next step's rollout, off-policy plans only
