@@ -346,7 +346,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return float(value)
             except ValueError:
-                pass
+                raise ConfigError(f"config key '{key}' expects float, got {_describe(value)}") from None
     elif tp is str:
         if isinstance(value, str):
             return value

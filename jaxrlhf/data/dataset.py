@@ -19,6 +19,7 @@ capped at the maximum, which bounds the number of compiled shapes.
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import math
@@ -71,7 +72,7 @@ def _render(template: str, prompt: str) -> str:
     return template.replace("{prompt}", prompt)
 
 
-class _BatchStream:
+class _BatchStream(abc.ABC):
     """Deterministic, resumable, per-process sharded batches over a row source."""
 
     def __init__(
@@ -111,17 +112,21 @@ class _BatchStream:
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     # -- subclasses -------------------------------------------------------------
+    @abc.abstractmethod
     def _encode(self, row: Any) -> Any:
-        raise NotImplementedError
+        """One source row -> an encoded item; raises RowError for a malformed row."""
 
+    @abc.abstractmethod
     def _length(self, item: Any) -> int:
-        raise NotImplementedError
+        """Token length of an encoded item (decides the padding bucket)."""
 
+    @abc.abstractmethod
     def _collate(self, row_ids: np.ndarray, items: list[Any], length: int) -> Any:
-        raise NotImplementedError
+        """Encoded items -> one padded batch of `length` tokens."""
 
+    @abc.abstractmethod
     def _max_len(self) -> int:
-        raise NotImplementedError
+        """Longest item accepted; longer rows are skipped and counted."""
 
     # -- order and position -----------------------------------------------------
     @property
