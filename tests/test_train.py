@@ -198,3 +198,12 @@ def test_plan_cli_output_trains(tmp_path):
     records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2")
     assert [r["step"] for r in records] == [1, 2]
     assert all(np.isfinite(r["loss/policy"]) for r in records)
+
+
+@pytest.mark.slow
+def test_resume_onto_a_different_plan(colocated, tmp_path):
+    """A colocated checkpoint restores under the interleaved plan and continues the same run."""
+    _run(tmp_path, "run", "plan.strategy=colocated", "run.steps=2")
+    records = _run(tmp_path, "run", "plan.strategy=interleaved", "run.steps=3", "run.resume=true")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    _assert_same_metrics(colocated, records, "colocated -> interleaved resume")
