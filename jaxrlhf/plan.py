@@ -124,8 +124,8 @@ def resolve_settings(args: argparse.Namespace) -> PlanSettings:
         s = PlanSettings(models={})
     else:
         raise ValueError("give --config FILE or --model-preset NAME")
-    if args.model_preset:
-        s.models = {r: args.model_preset for r in ("actor", "critic", "ref", "reward")}
+    if args.model_preset:  # every role the config uses (all four without a config) gets this size
+        s.models = {r: args.model_preset for r in (s.models or ("actor", "critic", "ref", "reward"))}
     for flag, field in (("hardware", "hardware"), ("devices", "devices"), ("gen_len", "gen_len"),
                         ("prompt_len", "prompt_len"), ("batch", "batch_size"), ("minibatches", "minibatches")):
         if getattr(args, flag) is not None:

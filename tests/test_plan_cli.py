@@ -37,9 +37,14 @@ def test_config_mapping():
     import yaml
 
     with open(QUICKSTART) as f:
-        s = settings_from_config(yaml.safe_load(f))
+        raw = yaml.safe_load(f)
+    s = settings_from_config(raw)
     assert s.models == {"actor": "tiny", "critic": "tiny", "ref": "tiny"}  # rule-based reward: no model
-    assert (s.batch_size, s.prompt_len, s.gen_len, s.devices, s.minibatches) == (32, 16, 4, 8, 2)
+    expected = (
+        raw["data"]["batch_size"], raw["data"]["max_prompt_len"], raw["generation"]["max_new_tokens"],
+        raw["run"]["devices"], raw["algorithm"]["minibatches"],
+    )
+    assert (s.batch_size, s.prompt_len, s.gen_len, s.devices, s.minibatches) == expected
     assert "reward.inference" not in graph_for(list(s.models)).names
 
 
