@@ -23,9 +23,8 @@ import yaml
 from jaxrlhf.mesh.cost import Workload
 from jaxrlhf.mesh.graph import CallGraph
 from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.plan import PlanError
 from jaxrlhf.mesh.search import SearchResult, search
-from jaxrlhf.mesh.simulator import PlanEstimate, Timeline
+from jaxrlhf.mesh.simulator import Timeline
 from jaxrlhf.models.config import ModelConfig, preset
 from jaxrlhf.ppo.graph import PPO_GRAPH
 

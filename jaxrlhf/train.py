@@ -9,6 +9,7 @@ export the final actor as an HF checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -220,7 +221,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             raise cfglib.ConfigError(
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
-    rollout_batch = cfg.data.batch_size * alg.group_size
     plan = plan_for(cfg, graph, model_configs, jax.device_count())
     print(plan.table(), flush=True)
     rules = AxisRules.from_config(cfg.plan.axis_rules)
@@ -259,8 +259,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
         placed = cache.placed("actor.train")
         sft_state, _ = reallocate(actor_params, placed.param_shardings(actor_params))
         sft_opt_state = jax.jit(sft_opt.init)(sft_state)
-        import functools
-
         sft_fn = cache.function(
             "actor.train", functools.partial(calls.sft_train, actor_graphdef, sft_opt),
             in_shardings=None, out_shardings=None, donate_argnums=(0, 1),

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
