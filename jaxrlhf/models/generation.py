@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jaxrlhf.models.sampling import SamplingParams, sample, token_logprobs
+from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
 from jaxrlhf.models.transformer import KVCache, positions_from_mask
 
 _TRACES: collections.Counter[str] = collections.Counter()
@@ -306,9 +306,7 @@ def generate(
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _recompute(graphdef: nnx.GraphDef, state: nnx.State, out: GenerationOutput, sampling: SamplingParams):
     logits, _ = nnx.merge(graphdef, state)(out.tokens, out.positions, out.mask)
-    p = out.prompt_length
-    lp = token_logprobs(logits[:, p - 1 : -1], out.response_tokens, sampling)
-    return jnp.where(out.response_mask, lp, 0.0)
+    return response_logprobs(logits, out.response_tokens, out.response_mask, sampling)
 
 
 def recompute_logprobs(

@@ -108,6 +108,19 @@ def token_logprobs(
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
+def response_logprobs(
+    logits: Float[Array, "batch total vocab"],
+    response_tokens: Int[Array, "batch new"],
+    response_mask: Bool[Array, "batch new"],
+    params: SamplingParams,
+) -> Float[Array, "batch new"]:
+    """Log-probs of the response from a full-sequence forward (prompt then response): the
+    logits at position P-1+t predict response token t. 0 where the response is masked."""
+    p = logits.shape[1] - response_tokens.shape[1]
+    lp = token_logprobs(logits[:, p - 1 : -1], response_tokens, params)
+    return jnp.where(response_mask, lp, 0.0)
+
+
 def entropy(logits: Float[Array, "... vocab"], params: SamplingParams) -> Float[Array, "..."]:
     """Entropy of the processed distribution; filtered tokens contribute 0 (and no NaN gradients)."""
     logp = process_logits(logits, params)

@@ -22,7 +22,7 @@ import optax
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
+from jaxrlhf.models.sampling import SamplingParams, entropy, response_logprobs, token_logprobs
 from jaxrlhf.ppo.advantages import AdvantageBatch, compute_advantages
 from jaxrlhf.ppo.kl import kl_per_token, token_level_rewards
 from jaxrlhf.ppo.losses import get_loss, importance_ratio_exploded, value_loss
@@ -93,9 +93,7 @@ def policy_logprobs(
 ) -> Float[Array, "batch new"]:
     """Log-probs of the response under a policy (reference model), same logits processing as sampling."""
     logits, _ = nnx.merge(graphdef, state)(tokens, positions, mask)
-    p = tokens.shape[1] - response_tokens.shape[1]
-    lp = token_logprobs(_response_slice(logits, p), response_tokens, sampling)
-    return jnp.where(response_mask, lp, 0.0)
+    return response_logprobs(logits, response_tokens, response_mask, sampling)
 
 
 def critic_values(
