@@ -38,7 +38,6 @@ def main() -> None:
 
     import json
     import statistics
-    import time
 
     import jax
     import jax.numpy as jnp
@@ -48,7 +47,7 @@ def main() -> None:
 
     from jaxrlhf.mesh.cost import Workload, call_cost
     from jaxrlhf.mesh.graph import CallSpec
-    from jaxrlhf.mesh.hardware import calibrate, get_profile
+    from jaxrlhf.mesh.hardware import best_time, calibrate, get_profile
     from jaxrlhf.mesh.layout import activation_resolver, batch_spec, make_mesh, param_shardings
     from jaxrlhf.mesh.plan import DeviceGroup, Layout
     from jaxrlhf.models import axes as ax
@@ -78,15 +77,6 @@ def main() -> None:
     graphdef, params0 = nnx.split(model, nnx.Param)
     opt = optax.adamw(1e-4)
 
-    def timed(fn, repeats: int) -> float:
-        fn()  # compile + warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     rows = []
     for size, layout in placements:
         group = DeviceGroup("g", 0, size)
@@ -108,7 +98,7 @@ def main() -> None:
         # inference: one forward over the whole batch
         tok, pos, mask = data(wl.batch_size, wl.seq_len)
         infer = jax.jit(lambda p, t, q, m: fwd(p, t, q, m)[0])
-        t_inf = timed(lambda: infer(params, tok, pos, mask).block_until_ready(), args.repeats)
+        t_inf = best_time(lambda: infer(params, tok, pos, mask).block_until_ready(), args.repeats)
 
         # train: grad + AdamW per minibatch
         mtok, mpos, mmask = data(wl.minibatch_size, wl.seq_len)
@@ -120,7 +110,7 @@ def main() -> None:
 
         train = jax.jit(step)
         state = opt.init(params)
-        t_train = timed(lambda: jax.block_until_ready(train(params, state, mtok, mpos, mmask)), args.repeats)
+        t_train = best_time(lambda: jax.block_until_ready(train(params, state, mtok, mpos, mmask)), args.repeats)
         t_train *= wl.minibatches * wl.ppo_epochs
 
         # generate: prefill, then one jitted decode step per new token
@@ -136,7 +126,7 @@ def main() -> None:
                 logits, cache = decode(params, dtok, dpos, dmask, cache)
             logits.block_until_ready()
 
-        t_gen = timed(generate, args.repeats)
+        t_gen = best_time(generate, args.repeats)
 
         for kind, measured in (("generate", t_gen), ("inference", t_inf), ("train", t_train)):
             est = call_cost(CallSpec(f"actor.{kind}", "actor", kind), cfg, group, layout, wl, hw).seconds

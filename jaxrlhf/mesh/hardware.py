@@ -172,7 +172,7 @@ def get_profile(name: str) -> HardwareProfile:
 
 # ---- calibration on the local devices -------------------------------------------------------
 
-def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+def best_time(fn: Callable[[], Any], repeats: int) -> float:
     """Fastest of `repeats` runs of `fn` (which must block), after one warm-up."""
     fn()
     best = float("inf")
@@ -212,25 +212,25 @@ def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, 
     # Matmul: one device, then one per device concurrently (sharded over a 1-D mesh).
     a = jax.device_put(jnp.ones((matmul_size, matmul_size), dtype), devices[0])
     mm = jax.jit(lambda x: x @ x)
-    t1 = _best_time(lambda: mm(a).block_until_ready(), repeats)
+    t1 = best_time(lambda: mm(a).block_until_ready(), repeats)
     flops_one = 2 * matmul_size**3 / t1
     mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     stacked = jax.device_put(jnp.ones((n, matmul_size, matmul_size), dtype), NamedSharding(mesh, P("d")))
     bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
-    tn = _best_time(lambda: bmm(stacked).block_until_ready(), repeats)
+    tn = best_time(lambda: bmm(stacked).block_until_ready(), repeats)
     flops_all = n * 2 * matmul_size**3 / tn
 
     # Streaming copy: read + write of `copy_mb` per device.
     elems = copy_mb * 2**20 // 4
     v = jax.device_put(jnp.ones((elems,), dtype), devices[0])
     inc = jax.jit(lambda x: x * 1.0001 + 1.0)
-    bw_one = 2 * elems * 4 / _best_time(lambda: inc(v).block_until_ready(), repeats)
+    bw_one = 2 * elems * 4 / best_time(lambda: inc(v).block_until_ready(), repeats)
     vs = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(mesh, P("d")))
-    bw_all = 2 * (elems // n) * 4 * n / _best_time(lambda: inc(vs).block_until_ready(), repeats)
+    bw_all = 2 * (elems // n) * 4 * n / best_time(lambda: inc(vs).block_until_ready(), repeats)
 
     # Device-to-device copy between two local devices.
     if n > 1:
-        link = elems * 4 / _best_time(lambda: jax.device_put(v, devices[1]).block_until_ready(), repeats)
+        link = elems * 4 / best_time(lambda: jax.device_put(v, devices[1]).block_until_ready(), repeats)
     else:
         link = bw_one
 
@@ -240,22 +240,22 @@ def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, 
         part = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(reduce_mesh, P("d")))
         allreduce = jax.jit(lambda x: jnp.sum(x, axis=0, keepdims=True),
                             out_shardings=NamedSharding(reduce_mesh, P()))
-        t_ar = _best_time(lambda: allreduce(part).block_until_ready(), repeats)
+        t_ar = best_time(lambda: allreduce(part).block_until_ready(), repeats)
         collective = 2 * (n - 1) / n * (elems // n) * 4 / t_ar
     else:
         collective = link
 
     host = np.ones((elems,), np.float32)
-    h2d = elems * 4 / _best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
+    h2d = elems * 4 / best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
 
     tiny = jax.device_put(jnp.ones((8,), dtype), devices[0])
     add = jax.jit(lambda x: x + 1)
-    latency = _best_time(lambda: add(tiny).block_until_ready(), max(repeats, 20))
+    latency = best_time(lambda: add(tiny).block_until_ready(), max(repeats, 20))
 
     # Other dtypes: measured where cheap (bfloat16), else scaled from the base profile's ratios.
     flops = {k: flops_one * v / base_profile.flops["float32"] for k, v in base_profile.flops.items()}
     b = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.bfloat16), devices[0])
-    flops["bfloat16"] = 2 * matmul_size**3 / _best_time(lambda: mm(b).block_until_ready(), repeats)
+    flops["bfloat16"] = 2 * matmul_size**3 / best_time(lambda: mm(b).block_until_ready(), repeats)
     return dataclasses.replace(
         base_profile,
         name=name or f"{base_profile.name}-calibrated",
