@@ -8,10 +8,14 @@ HF stores `nn.Linear` weights as [out, in] with heads flattened; our layout
 keeps separate head axes ([embed, heads, head_dim]) for tensor parallelism.
 `_tensor_specs` is the single table that maps one onto the other.
 
-Critic and reward models reuse the trunk layout and add their head as extra
-tensors (`value_head.weight`/`.bias`, `score_head.weight`/`.bias`) in the same
-safetensors files; `transformers` ignores them, and loading an actor
-checkpoint with `head="value"` or `"reward"` creates a fresh head instead.
+Reward models use transformers' own sequence-classification layout
+(`<Arch>ForSequenceClassification`, num_labels=1: the trunk plus
+`score.weight` [1, hidden], no bias), so an exported reward model scores the
+same in `transformers` and standard HF reward models load here; our older
+`score_head.weight`/`.bias` layout still loads. Critics have no HF
+counterpart: they keep the trunk layout plus `value_head.weight`/`.bias`,
+which `transformers` ignores. Loading an actor checkpoint with
+`head="value"` or `"reward"` creates a fresh head instead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -46,6 +51,11 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+# Reward models: transformers' sequence-classification classes (num_labels=1).
+HF_REWARD_ARCHITECTURES: dict[str, str] = {
+    cls.removesuffix("ForCausalLM") + "ForSequenceClassification": arch for cls, arch in HF_ARCHITECTURES.items()
+}
+_HF_REWARD_CLASS = {arch: cls for cls, arch in HF_REWARD_ARCHITECTURES.items()}
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # config.json key that records which head (value / reward) a checkpoint of ours carries.
 HEAD_KEY = "jaxrlhf_head"
@@ -59,7 +69,7 @@ class CheckpointError(ValueError):
 
 
 def _supported() -> str:
-    return ", ".join(sorted(HF_ARCHITECTURES))
+    return ", ".join(sorted(HF_ARCHITECTURES)) + " (and their ...ForSequenceClassification reward models)"
 
 
 def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
@@ -119,12 +129,13 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
     """
     where = str(source)
     archs = hf.get("architectures") or []
-    found = [a for a in archs if a in HF_ARCHITECTURES]
+    known = {**HF_ARCHITECTURES, **HF_REWARD_ARCHITECTURES}
+    found = [a for a in archs if a in known]
     if not found:
         raise CheckpointError(
             f"{where}: architectures={archs!r} is not supported; supported architectures: {_supported()}"
         )
-    arch = HF_ARCHITECTURES[found[0]]
+    arch = known[found[0]]
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
@@ -277,18 +288,33 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
     return specs
 
 
-def _head_specs(config: ModelConfig, head: str) -> list[_TensorSpec]:
-    """Tensors that belong to the head: the LM output embedding, or our value / score head."""
+def _head_layouts(config: ModelConfig, head: str) -> list[list[_TensorSpec]]:
+    """The head's tensors, one list per accepted layout; the first is the one we write.
+
+    reward: HF's `score.weight` [1, hidden] (no bias: `score_bias` reads as 0),
+    else our pre-HF `score_head.weight`/`.bias`, so old checkpoints still load.
+    """
     d = config.hidden_size
     if head == "lm":
         if config.tie_word_embeddings:
-            return []
-        return [_linear(("lm_head",), "lm_head.weight", (d, config.vocab_size), 1)]
-    name = {"value": "value", "reward": "score"}[head]
+            return [[]]
+        return [[_linear(("lm_head",), "lm_head.weight", (d, config.vocab_size), 1)]]
+    if head == "value":
+        return [[
+            _TensorSpec(("value_head",), "value_head.weight", (d,), _same, _same),
+            _flat(("value_bias",), "value_head.bias", ()),
+        ]]
     return [
-        _TensorSpec((f"{name}_head",), f"{name}_head.weight", (d,), _same, _same),
-        _flat((f"{name}_bias",), f"{name}_head.bias", ()),
+        [_TensorSpec(("score_head",), "score.weight", (1, d), lambda x: x.reshape(1, d), lambda w: w.reshape(d))],
+        [
+            _TensorSpec(("score_head",), "score_head.weight", (d,), _same, _same),
+            _flat(("score_bias",), "score_head.bias", ()),
+        ],
     ]
+
+
+# Parameters a layout may lack, which then load as zero (HF's `score` Linear has no bias).
+_ZERO_IF_ABSENT = {("score_bias",)}
 
 
 HEADS = ("lm", "value", "reward")
@@ -416,14 +442,15 @@ def load_hf_checkpoint(
     """Load a HF Llama/Qwen2/Mistral checkpoint (or one of ours) as an NNX model.
 
     head: "lm", "value" or "reward"; default: the head recorded in config.json by
-    `save_hf_checkpoint`, else "lm". A value/reward head missing from the
-    checkpoint (an actor checkpoint) is created fresh and `lm_head` ignored.
+    `save_hf_checkpoint`, else "reward" for a `...ForSequenceClassification`
+    checkpoint, else "lm". A value/reward head missing from the checkpoint (an
+    actor checkpoint) is created fresh and `lm_head` ignored.
     param_dtype / dtype override the checkpoint's dtype (params) and compute dtype.
     Raises `CheckpointError` naming the file and key for any missing or misshapen input.
     """
     path = Path(path)
     hf = read_hf_config(path)
-    head = head or hf.get(HEAD_KEY, "lm")
+    head = head or hf.get(HEAD_KEY) or _default_head(hf)
     _check_head(head)
     overrides = dict(config_overrides or {})
     if param_dtype is not None:
@@ -435,8 +462,10 @@ def load_hf_checkpoint(
 
     weights = _Weights(path)
     trunk = _trunk_specs(config)
-    head_specs = _head_specs(config, head)
-    fresh_head = head != "lm" and not any(s.key in weights.files for s in head_specs)
+    layouts = _head_layouts(config, head)
+    present = [layout for layout in layouts if any(s.key in weights.files for s in layout)]
+    head_specs = present[0] if present else layouts[0]
+    fresh_head = head != "lm" and not present
     _check_tensors(weights, trunk + ([] if fresh_head else head_specs), config.num_layers)
 
     abstract = nnx.eval_shape(lambda: build_model(config, head, seed=seed, remat=remat))
@@ -447,14 +476,22 @@ def load_hf_checkpoint(
     for p, var in nnx.to_flat_state(state):
         struct = var.get_value()
         spec = by_path.get(tuple(p))
-        if spec is None:
+        if fresh_head and p[0] != "model":
+            value = _fresh_head(tuple(p), struct.shape, struct.dtype, seed)
+        elif spec is None and tuple(p) in _ZERO_IF_ABSENT:
+            value = jnp.zeros(struct.shape, struct.dtype)
+        elif spec is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
-        if fresh_head and spec.path[0] != "model":
-            value = _fresh_head(spec.path, struct.shape, struct.dtype, seed)
         else:
             value = jnp.asarray(np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target, order="C"))
         leaves.append((p, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves)), config
+
+
+def _default_head(hf: dict[str, Any]) -> str:
+    """HF reward models (`...ForSequenceClassification`) carry no HEAD_KEY but are reward models."""
+    archs = hf.get("architectures") or []
+    return "reward" if any(a in HF_REWARD_ARCHITECTURES for a in archs) else "lm"
 
 
 # ---------------------------------------------------------------- writing
@@ -465,6 +502,27 @@ def _head_of(model: nnx.Module) -> str:
         if hasattr(model, attr):
             return head
     return "lm"
+
+
+def _reward_config(hf: dict[str, Any], config: ModelConfig, bias: float, path: Path) -> None:
+    """Make `hf` a transformers num_labels=1 sequence-classification config; refuse what it cannot hold."""
+    if bias != 0.0:
+        raise ValueError(
+            f"{path}: cannot export a reward model with score_bias={bias}: the Hugging Face "
+            f"{_HF_REWARD_CLASS[config.architecture]} head (score.weight) has no bias. A pairwise-trained "
+            "reward model never moves score_bias (the loss ignores a constant shift); set it to 0 to export"
+        )
+    pad, eos = config.pad_token_id, config.eos_token_id
+    if pad is None or pad == eos:
+        why = "is None: transformers refuses batches of more than one sequence" if pad is None else (
+            f"== eos_token_id ({eos}): transformers pools at the last token that is not pad_token_id, so it "
+            "would score the token before the final EOS, not the position we read"
+        )
+        warnings.warn(f"{path}: reward model exported with pad_token_id {why}", stacklevel=3)
+    hf.update(
+        architectures=[_HF_REWARD_CLASS[config.architecture]],
+        num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+    )
 
 
 def _generation_config(config: ModelConfig) -> dict[str, Any]:
@@ -482,22 +540,27 @@ def save_hf_checkpoint(
     *,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
-    """Write `model` as a HF checkpoint that `transformers.AutoModelForCausalLM` loads.
+    """Write `model` as a HF checkpoint that `transformers` loads.
 
-    Parameters keep their dtype (bfloat16 stays bf16). Files larger than
-    `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` with an
-    index. Value/reward models add their head tensors and record the head in
-    config.json so `load_hf_checkpoint` restores the same model.
+    Actors load as `AutoModelForCausalLM`, reward models as
+    `AutoModelForSequenceClassification` (num_labels=1; raises ValueError if
+    `score_bias` is non-zero, which that format cannot hold). Parameters keep
+    their dtype (bfloat16 stays bf16). Files larger than `max_shard_bytes` are
+    split into `model-0000i-of-0000n.safetensors` with an index. Value/reward
+    models record the head in config.json so `load_hf_checkpoint` restores the
+    same model.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     head = _head_of(model)
     hf = config_to_hf(config)
+    params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    if head == "reward":
+        _reward_config(hf, config, float(np.asarray(jax.device_get(params[("score_bias",)]))), path)
     if head != "lm":
         hf[HEAD_KEY] = head
-    params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for spec in _trunk_specs(config) + _head_specs(config, head):
+    for spec in _trunk_specs(config) + _head_layouts(config, head)[0]:
         tensors[spec.key] = np.ascontiguousarray(spec.to_hf(np.asarray(jax.device_get(params[spec.path]))))
 
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +25,7 @@ from jaxrlhf.testing.models import (
     left_padded_batch,
     load_transformers_model,
     max_relative_error,
+    hf_config,
     random_model,
     save_tiny_hf_checkpoint,
     tiny_config,
@@ -177,12 +179,144 @@ def test_value_and_reward_heads_from_actor_checkpoint(checkpoints):
 def test_trained_head_round_trips(tmp_path, head):
     config = tiny_config("llama")
     model = random_model(config, head, seed=6)
+    if head == "reward":
+        model.score_bias[...] = 0.0  # the HF format has no score bias
     save_hf_checkpoint(model, config, tmp_path)
     again, _ = load_hf_checkpoint(tmp_path)  # head recorded in config.json
     assert type(again) is type(model)
     assert_bitwise_equal(params(model), params(again))
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*'lm_head\.weight' is missing"):
         load_hf_checkpoint(tmp_path, head="lm")
+
+
+# ---------------------------------------------------------------- reward models: HF sequence classification
+
+
+def reward_model(config, seed):
+    """A random reward model of ours with score_bias 0 (what pairwise training leaves it at)."""
+    model = random_model(config, "reward", seed=seed)
+    model.score_bias[...] = 0.0
+    return model
+
+
+def jax_scores(model, tokens, mask) -> np.ndarray:
+    m = jnp.asarray(mask)
+    return np.asarray(model(jnp.asarray(tokens), positions_from_mask(m), m), np.float32)
+
+
+def torch_scores(hf, tokens, mask) -> np.ndarray:
+    return torch_logits(hf, tokens, mask)[:, 0]  # [batch, num_labels=1]
+
+
+def assert_scores_close(ours, ref):
+    np.testing.assert_allclose(ours, ref, rtol=TOL, atol=TOL * np.abs(ref).max())
+
+
+def hf_reward_checkpoint(path, arch, seed):
+    """A random num_labels=1 `<Arch>ForSequenceClassification` written by transformers itself."""
+    import torch
+    import transformers
+
+    hfc = hf_config(tiny_config(arch))
+    hfc.num_labels = 1
+    cls = getattr(transformers, hfc.architectures[0].replace("ForCausalLM", "ForSequenceClassification"))
+    torch.manual_seed(seed)
+    model = cls._from_config(hfc, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1 and biases at 0 would hide layout mistakes
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reward_export_scores_match_transformers(tmp_path, arch):
+    import torch
+    import transformers
+
+    config = tiny_config(arch)
+    assert config.pad_token_id != config.eos_token_id
+    model = reward_model(config, seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pad != eos: no pooling warning
+        save_hf_checkpoint(model, config, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert f.get_slice("score.weight").get_shape() == [1, config.hidden_size]
+        assert not [k for k in f.keys() if not k.startswith("model.") and k != "score.weight"]
+    hf_json = json.loads((tmp_path / "config.json").read_text())
+    assert hf_json["architectures"] == [f"{type(hf_config(config)).__name__[:-6]}ForSequenceClassification"]
+    assert hf_json["jaxrlhf_head"] == "reward" and hf_json["num_labels"] == 1
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    assert type(hf).__name__ == hf_json["architectures"][0] and hf.config.num_labels == 1
+    tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17), pad_id=config.pad_token_id)
+    tokens[:, -1] = config.eos_token_id  # a final EOS, as reward inputs usually end
+    ours = jax_scores(model, tokens, mask)
+    assert_scores_close(ours, torch_scores(hf, tokens, mask))
+    assert np.abs(ours).min() > 0 and len(set(ours.tolist())) == 3  # a real, row-dependent score
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_reward_model_loads_with_same_scores(tmp_path, arch):
+    theirs = tmp_path / "theirs"
+    hf = hf_reward_checkpoint(theirs, arch, seed=9)
+    assert "jaxrlhf_head" not in json.loads((theirs / "config.json").read_text())
+    model, config = load_hf_checkpoint(theirs)  # ...ForSequenceClassification: reward head by default
+    assert type(model).__name__ == "RewardModel" and float(model.score_bias[...]) == 0.0
+    tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17), pad_id=config.pad_token_id)
+    assert_scores_close(jax_scores(model, tokens, mask), torch_scores(hf, tokens, mask))
+    # and exporting it writes transformers' own file back, tensor for tensor
+    save_hf_checkpoint(model, config, tmp_path / "ours")
+    assert_bitwise_equal(load_file(tmp_path / "ours" / "model.safetensors"), load_file(theirs / "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reward_export_import_is_bitwise_identity(tmp_path, arch):
+    config = tiny_config(arch)
+    model = reward_model(config, seed=10)
+    save_hf_checkpoint(model, config, tmp_path)
+    again, config2 = load_hf_checkpoint(tmp_path)
+    assert type(again) is type(model) and config2 == config
+    assert_bitwise_equal(params(model), params(again))
+
+
+def test_nonzero_score_bias_refuses_export(tmp_path):
+    config = tiny_config("llama")
+    model = random_model(config, "reward", seed=11)
+    assert float(model.score_bias[...]) != 0.0
+    with pytest.raises(ValueError, match=r"score_bias=.*LlamaForSequenceClassification.*has no bias"):
+        save_hf_checkpoint(model, config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pad_equal_to_eos_warns(tmp_path):
+    config = tiny_config("llama", pad_token_id=2, eos_token_id=2)
+    with pytest.warns(UserWarning, match=r"pad_token_id == eos_token_id \(2\).*before the final EOS"):
+        save_hf_checkpoint(reward_model(config, seed=12), config, tmp_path)
+
+
+def test_legacy_score_head_layout_still_loads(tmp_path):
+    """Reward checkpoints written before the HF layout: `score_head.weight` [hidden] + `score_head.bias` [1]."""
+    config = tiny_config("llama")
+    model = random_model(config, "reward", seed=13)  # non-zero bias: the old layout could hold it
+    model_zero = reward_model(config, seed=13)
+    save_hf_checkpoint(model_zero, config, tmp_path)
+    rewrite(tmp_path, lambda t: t.update(
+        {"score_head.weight": t.pop("score.weight")[0], "score_head.bias": np.asarray(model.score_bias[...]).reshape(1)}
+    ))
+    again, _ = load_hf_checkpoint(tmp_path)
+    assert_bitwise_equal(params(model), params(again))
+
+
+def test_reward_head_wrong_shape(tmp_path):
+    config = tiny_config("llama")
+    save_hf_checkpoint(reward_model(config, seed=14), config, tmp_path)
+    rewrite(tmp_path, lambda t: t.update({"score.weight": np.ones((2, config.hidden_size), np.float32)}))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(tmp_path)
+    assert str(e.value) == f"{tmp_path}/model.safetensors: tensor 'score.weight' has shape [2, 64], expected [1, 64]"
 
 
 # ---------------------------------------------------------------- bad input: one error naming file and key

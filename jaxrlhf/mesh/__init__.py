@@ -1,1 +1,0 @@
-"""Placement: device groups, layouts, execution plans, reallocation, cost and search."""

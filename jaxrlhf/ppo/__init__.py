@@ -1,1 +1,0 @@
-"""RL algorithms: dataflow graph, rollout, rewards, losses, advantages and the step engine."""
