@@ -80,7 +80,7 @@ class RunConfig:
     checkpoint_every: int = _field(50, check=non_negative)  # steps; 0 = only at the end
     keep_checkpoints: int = _field(3, check=positive)
     log_every: int = _field(1, check=positive)
-    eval_every: int = _field(0, check=non_negative)  # steps; 0 = no evaluation on the test split
+    eval_every: int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
     platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
     devices: int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
@@ -101,13 +101,18 @@ class PlanConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """RL algorithm and its hyperparameters (defaults follow ReaLHF's PPO)."""
+    """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
 
-    name: Literal["ppo", "grpo"] = "ppo"
-    kl_coef: float = _field(0.1, check=non_negative)
+    RL algorithms: ppo, grpo, rloo, reinforce_pp, remax (defaults follow
+    ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
+    not use are ignored by it; null means "the algorithm's own default".
+    """
+
+    name: str = _field("ppo", check=not_empty)  # a name in jaxrlhf.algorithms.ALGORITHMS
+    kl_coef: float = _field(0.1, check=non_negative)  # 0 (and no kl_target) = no reference model
     kl_target: float | None = _field(None, check=positive)  # null = fixed coefficient
     kl_horizon: int = _field(10000, check=positive)  # adaptive controller horizon (samples)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
     gamma: float = _field(1.0, check=closed_unit_interval)
     lam: float = _field(1.0, check=closed_unit_interval)
     clip_eps: float = _field(0.2, check=positive)
@@ -115,11 +120,15 @@ class AlgorithmConfig:
     minibatches: int = _field(4, check=positive)
     epochs: int = _field(1, check=positive)
     ratio_early_stop: float | None = _field(5.0, check=positive)  # null = never stop early
-    whiten_advantages: bool = True
+    whiten_advantages: bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
     normalize_values: bool = False
-    advantage: Literal["gae", "grpo", "rloo", "remax"] = "gae"
-    group_size: int = _field(1, check=positive)  # samples per prompt
+    group_size: int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
+    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false = Dr. GRPO)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     entropy_coef: float = _field(0.0, check=non_negative)
+    dpo_beta: float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
+    dpo_label_smoothing: float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +181,11 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizersConfig:
+    """One optimizer per trained role (the reward model is trained by the `rm` stage)."""
+
     actor: OptimConfig = _field(factory=OptimConfig)
     critic: OptimConfig = _field(factory=lambda: OptimConfig(lr=5e-5))
+    reward: OptimConfig = _field(factory=lambda: OptimConfig(lr=1e-5))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +194,7 @@ class DataConfig:
 
     source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
     split: str = "train"
-    eval_split: str | None = "test"
+    eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
     prompt_key: str = _field("prompt", check=not_empty)
     answer_key: str | None = "answer"  # null = no reference answers (reward model only)
     answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
@@ -194,11 +206,16 @@ class DataConfig:
     shuffle: bool = True
     seed: int | None = None  # null = run.seed
     data_dir: str | None = None  # TFDS data dir; null = $JAXRLHF_DATA_DIR or ~/.cache/jaxrlhf/tfds
+    chosen_key: str = _field("chosen", check=not_empty)  # preference pairs (rm, dpo)
+    rejected_key: str = _field("rejected", check=not_empty)
+    max_seq_len: int | None = _field(None, check=positive)  # sft/rm/dpo; null = max_prompt_len + max_new_tokens
+    packing: bool = False  # sft: several demonstrations per row
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Optional supervised warm-up of the actor on demonstrations before RL."""
+    """Optional supervised warm-up of the actor before RL: the `sft` stage run first, on the
+    actor's training placement (the reference then copies the warmed-up actor)."""
 
     steps: int = _field(0, check=non_negative)  # 0 = no warm-up
     source: str | None = None  # null = data.source
@@ -206,6 +223,7 @@ class SFTConfig:
     completion_key: str | None = None  # null = data.answer_key
     batch_size: int = _field(32, check=positive)
     lr: float = _field(1e-3, check=positive)
+    packing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +417,16 @@ def _suggest(key: str, valid: Sequence[str]) -> list[str]:
     return [candidate for _, candidate in sorted(scored, key=lambda s: -s[0])[:3]]
 
 
+# Keys that were removed, and what replaces them.
+REMOVED_KEYS = {
+    "algorithm.advantage": "the advantage estimator is part of algorithm.name now "
+    "(ppo = GAE with a critic, grpo, rloo, reinforce_pp, remax)",
+}
+
+
 def _unknown_key_message(key: str, valid: Sequence[str]) -> str:
+    if key in REMOVED_KEYS:
+        return f"config key '{key}' was removed: {REMOVED_KEYS[key]}"
     close = _suggest(key, valid)
     if not close:
         sections = sorted({k.split(".")[0] for k in valid})
@@ -656,48 +683,32 @@ def _resolved_preset(config: Config, role: str) -> Any | None:
     return preset.replace(**spec.overrides) if spec.overrides else preset
 
 
-def validate(
-    config: Config,
-    *,
-    reward_rules: Iterable[str] | None = None,
-    hardware_profiles: Iterable[str] | None = None,
-) -> None:
-    """Rules that span keys. Registries owned elsewhere (reward rules, hardware
-    profiles) are checked when passed, so this module stays import-light."""
+def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) -> None:
+    """Rules that span keys. The algorithm (`algorithm.name`) says which roles it needs and
+    checks its own keys; the hardware registry is checked when passed (the planner's)."""
     alg, data, gen = config.algorithm, config.data, config.generation
 
-    if alg.name == "grpo" and alg.advantage == "gae":
-        raise ConfigError("algorithm.name=grpo has no critic: set algorithm.advantage to grpo, rloo or remax")
-    if alg.advantage in ("grpo", "rloo") and alg.group_size < 2:
-        raise ConfigError(
-            f"algorithm.advantage={alg.advantage} compares samples of the same prompt: "
-            f"algorithm.group_size must be >= 2, got {alg.group_size}"
-        )
-    rollout = data.batch_size * alg.group_size
-    if rollout % alg.minibatches:
-        raise ConfigError(
-            f"algorithm.minibatches={alg.minibatches} must divide the rollout batch "
-            f"data.batch_size x algorithm.group_size = {data.batch_size} x {alg.group_size} = {rollout}"
-        )
+    from jaxrlhf.algorithms import ALGORITHMS, AlgorithmConfigError
 
-    needed = {"actor": "it is trained"}
-    if alg.kl_coef > 0:
-        needed["ref"] = "algorithm.kl_coef > 0"
-    if alg.advantage == "gae":
-        needed["critic"] = "algorithm.advantage=gae"
-    if config.rewards.model:
-        needed["reward"] = "rewards.model=true"
-    for role, why in needed.items():
-        _check_role(config, role, why)
-    if not config.rewards.model and not config.rewards.rules:
-        raise ConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
-    if reward_rules is not None:
-        known = list(reward_rules)
-        for i, rule in enumerate(config.rewards.rules):
-            if rule.name not in known:
-                close = difflib.get_close_matches(rule.name, known, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ConfigError(f"rewards.rules[{i}].name {rule.name!r} is not a known rule{hint}")
+    if alg.name not in ALGORITHMS:
+        close = difflib.get_close_matches(alg.name, list(ALGORITHMS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"algorithm.name {alg.name!r} is not a known algorithm{hint} (choices: {', '.join(sorted(ALGORITHMS))})"
+        )
+    algorithm = ALGORITHMS.get(alg.name)(config)
+    try:
+        algorithm.validate()
+    except AlgorithmConfigError as e:
+        raise ConfigError(str(e)) from None
+    roles = algorithm.roles()
+    for role, spec in roles.items():
+        _check_role(config, role, spec.why)
+    if config.sft.steps and (alg.name == "sft" or not ("actor" in roles and roles["actor"].trained)):
+        raise ConfigError(
+            f"sft.steps={config.sft.steps} warms up a trained actor before another algorithm; "
+            f"algorithm.name={alg.name} has none to warm up (set sft.steps=0)"
+        )
 
     actor = _resolved_preset(config, "actor")
     if actor is not None:

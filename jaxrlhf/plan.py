@@ -1,135 +1,85 @@
-"""`python -m jaxrlhf.plan`: search an execution plan for a config and explain it.
+"""`python -m jaxrlhf.plan`: search an execution plan for a training config and explain it.
 
-    python -m jaxrlhf.plan --config configs/x.yaml [--hardware h100] [--devices 64]
-    python -m jaxrlhf.plan --model-preset llama2-7b --devices 8 --gen-len 384 --json
+    python -m jaxrlhf.plan --config configs/x.yaml [--hardware h100] [--devices 64] [key=value ...]
+    python -m jaxrlhf.plan --model-preset llama2-7b --algorithm grpo --devices 8 --gen-len 384 --json
 
+The config is resolved exactly as `python -m jaxrlhf.train` resolves it (the
+same file, defaults and `key=value` overrides), and the planner plans the
+graph of the algorithm it names (`algorithm.name`: PPO, GRPO, DPO, ... each
+has its own calls) with the workload that algorithm reads from the config.
 Prints the chosen plan, each call's time and per-device memory, and every
 strategy preset's step estimate next to the searched one; writes `plan.yaml`
-(loadable with `ExecutionPlan.load`, usable as `plan.file=` in training) and
-`timeline.png` (calls per device group over two steps) into `--out`.
+(usable as `plan.file=` in training) and `timeline.png` (calls per device
+group over two steps) into `--out`. Only model dimensions are read, so a
+70B plan for 128 GPUs is searched on a laptop.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-import yaml
-
-from jaxrlhf.mesh.cost import Workload
-from jaxrlhf.mesh.graph import CallGraph
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.search import SearchResult, search
-from jaxrlhf.mesh.simulator import Timeline
-from jaxrlhf.models.config import ModelConfig, preset
-from jaxrlhf.ppo.graph import PPO_GRAPH
+from jaxrlhf import config as cfglib
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.search import SearchResult, search
+from jaxrlhf.planner.simulator import Timeline
 
 GiB = 2**30
 
-
-@dataclasses.dataclass
-class PlanSettings:
-    """What the planner needs from a training config; CLI flags override it."""
-
-    models: dict[str, str]  # role -> model preset name
-    hardware: str = "h100"
-    devices: int = 8
-    batch_size: int = 512
-    prompt_len: int = 128
-    gen_len: int = 128
-    minibatches: int = 4
-    ppo_epochs: int = 1
-
-
-def _get(d: Mapping[str, Any], dotted: str) -> Any:
-    cur: Any = d
-    for k in dotted.split("."):
-        if not isinstance(cur, Mapping) or k not in cur:
-            return None
-        cur = cur[k]
-    return cur
-
-
-# Training-config key -> PlanSettings field. The one place that knows the config layout.
-CONFIG_KEYS = {
-    "plan.hardware": "hardware",
-    "plan.devices": "devices",
-    "data.batch_size": "batch_size",
-    "data.max_prompt_len": "prompt_len",
-    "generation.max_new_tokens": "gen_len",
-    "algorithm.minibatches": "minibatches",
-    "algorithm.epochs": "ppo_epochs",
+# CLI flag -> training-config key it sets (the one place that maps flags onto the config).
+FLAG_KEYS = {
+    "hardware": "plan.hardware",
+    "algorithm": "algorithm.name",
+    "batch": "data.batch_size",
+    "prompt_len": "data.max_prompt_len",
+    "gen_len": "generation.max_new_tokens",
+    "minibatches": "algorithm.minibatches",
 }
-
-
-def settings_from_config(cfg: Mapping[str, Any]) -> PlanSettings:
-    """Read model presets per role (`model.<role>.preset`, or `init_from` another role) and sizes."""
-    models: dict[str, str] = {}
-    model_cfg = cfg.get("model") or {}
-    for role in ("actor", "critic", "ref", "reward"):
-        spec = model_cfg.get(role)
-        if isinstance(spec, Mapping) and spec.get("preset"):
-            models[role] = str(spec["preset"])
-    for role in ("critic", "ref", "reward"):
-        spec = model_cfg.get(role)
-        if role not in models and isinstance(spec, Mapping) and spec.get("init_from") in models:
-            models[role] = models[spec["init_from"]]
-    if "actor" not in models:
-        raise ValueError("config has no model.actor.preset; give one or use --model-preset")
-    values = {field: _get(cfg, key) for key, field in CONFIG_KEYS.items()}
-    if values["devices"] is None:
-        values["devices"] = _get(cfg, "run.devices")
-    return PlanSettings(models=models, **{k: v for k, v in values.items() if v is not None})
-
-
-def graph_for(roles: Sequence[str], graph: CallGraph = PPO_GRAPH) -> CallGraph:
-    """The graph without calls of roles that have no model (e.g. a rule-based reward)."""
-    keep = [c for c in graph.calls if c.role in roles]
-    names = {c.name for c in keep}
-    return CallGraph(tuple(dataclasses.replace(c, deps=tuple(d for d in c.deps if d in names)) for c in keep))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxrlhf.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="training config YAML (model presets, plan.hardware, data, generation)")
-    p.add_argument("--hardware", help="hardware profile name or profile file (default: config, else h100)")
-    p.add_argument("--devices", type=int, help="number of devices")
-    p.add_argument("--model-preset", help="one model preset for every role (no config file needed)")
-    p.add_argument("--gen-len", type=int, help="generated tokens per sequence")
-    p.add_argument("--prompt-len", type=int, help="prompt tokens per sequence")
-    p.add_argument("--batch", type=int, help="sequences per PPO step")
-    p.add_argument("--minibatches", type=int, help="optimizer steps per train call")
+    p.add_argument("--config", help="training config YAML (defaults apply to anything it leaves out)")
+    p.add_argument("--hardware", help="hardware profile name or profile file (default: plan.hardware, else h100)")
+    p.add_argument("--devices", type=int, help="number of devices (default: run.devices, else 8)")
+    p.add_argument("--model-preset", help="one model preset for every role with its own weights")
+    p.add_argument("--algorithm", help="algorithm.name: ppo, grpo, rloo, reinforce_pp, remax, sft, rm, dpo")
+    p.add_argument("--gen-len", type=int, help="generated tokens per sequence (generation.max_new_tokens)")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens per sequence (data.max_prompt_len)")
+    p.add_argument("--batch", type=int, help="prompts (or pairs) per step (data.batch_size)")
+    p.add_argument("--minibatches", type=int, help="optimizer steps per train call (algorithm.minibatches)")
     p.add_argument("--iterations", type=int, default=4000, help="annealing iterations (split over seeds)")
     p.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="directory for plan.yaml and timeline.png")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. algorithm.group_size=8")
     return p.parse_args(argv)
 
 
-def resolve_settings(args: argparse.Namespace) -> PlanSettings:
-    if args.config:
-        try:
-            with open(args.config) as f:
-                cfg = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ValueError(f"cannot read config {args.config}: {e.strerror}") from None
-        s = settings_from_config(cfg)
-    elif args.model_preset:
-        s = PlanSettings(models={})
-    else:
-        raise ValueError("give --config FILE or --model-preset NAME")
-    if args.model_preset:  # every role the config uses (all four without a config) gets this size
-        s.models = {r: args.model_preset for r in (s.models or ("actor", "critic", "ref", "reward"))}
-    for flag, field in (("hardware", "hardware"), ("devices", "devices"), ("gen_len", "gen_len"),
-                        ("prompt_len", "prompt_len"), ("batch", "batch_size"), ("minibatches", "minibatches")):
-        if getattr(args, flag) is not None:
-            setattr(s, field, getattr(args, flag))
-    return s
+def resolve_config(args: argparse.Namespace) -> cfglib.Config:
+    """The training config these flags describe: the file, then the flags, then `key=value`s."""
+    if not args.config and not args.model_preset:
+        raise cfglib.ConfigError("give --config FILE or --model-preset NAME")
+    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    data = cfglib.read_yaml(args.config) if args.config else {}
+    if args.model_preset:  # every role with its own weights; init_from roles follow their source
+        from jaxrlhf.models.config import PRESETS
+
+        if args.model_preset not in PRESETS:
+            from jaxrlhf.models.config import preset
+
+            preset(args.model_preset)  # raises KeyError naming the known presets
+        base = cfglib.from_dict(cfglib.apply_overrides(data, overrides + list(args.overrides)))
+        from jaxrlhf.algorithms import build_algorithm
+
+        for role in build_algorithm(base).roles():
+            if getattr(base.model, role).init_from is None:
+                overrides.append(f"model.{role}.preset={args.model_preset}")
+    return cfglib.from_dict(cfglib.apply_overrides(data, overrides + list(args.overrides)))
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -138,7 +88,7 @@ def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g} s"
 
 
-def report_text(res: SearchResult, settings: PlanSettings) -> str:
+def report_text(res: SearchResult, devices: int, hardware: str) -> str:
     best = res.best
     lines = [best.plan.table(), "", "per call:"]
     rows = [("call", "time", "move", "memory/device")]
@@ -149,7 +99,7 @@ def report_text(res: SearchResult, settings: PlanSettings) -> str:
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     if best.memory.offloaded:
         lines.append(f"  offloaded to host between calls: {', '.join(best.memory.offloaded)}")
-    lines += ["", f"step estimate ({settings.devices} x {settings.hardware}):"]
+    lines += ["", f"step estimate ({devices} x {hardware}):"]
     for name, p in res.presets.items():
         if isinstance(p, str):
             lines.append(f"  {name:14s} n/a   ({p})")
@@ -163,7 +113,7 @@ def report_text(res: SearchResult, settings: PlanSettings) -> str:
     return "\n".join(lines)
 
 
-def report_json(res: SearchResult) -> dict[str, Any]:
+def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
     presets: dict[str, Any] = {}
     for name, p in res.presets.items():
         if isinstance(p, str):
@@ -173,6 +123,7 @@ def report_json(res: SearchResult) -> dict[str, Any]:
         else:
             presets[name] = {"step_s": None, "reason": p.reason}
     return {
+        "algorithm": algorithm,
         "searched": {"step_s": res.best.step_s, "plan": res.best.plan.to_dict()},
         "presets": presets,
         "search_s": res.seconds,
@@ -213,25 +164,30 @@ def draw_timeline(timeline: Timeline, path: str, steps: int = 2, title: str = ""
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        s = resolve_settings(args)
-        hw = get_profile(s.hardware)
-        models: dict[str, ModelConfig] = {r: preset(name) for r, name in s.models.items()}
-        wl = Workload(batch_size=s.batch_size, prompt_len=s.prompt_len, gen_len=s.gen_len,
-                      minibatches=s.minibatches, ppo_epochs=s.ppo_epochs)
-        res = search(models, wl, hw, s.devices, graph_for(list(models)), seed=args.seed,
+        from jaxrlhf.algorithms import build_algorithm
+        from jaxrlhf.train import role_configs
+
+        cfg = resolve_config(args)
+        algorithm = build_algorithm(cfg)
+        graph = algorithm.graph()
+        hw = get_profile(cfg.plan.hardware or "h100")
+        devices = args.devices or cfg.run.devices or 8
+        models = role_configs(cfg, graph.roles)
+        res = search({r: models[r] for r in graph.roles}, algorithm.workload(), hw, devices, graph, seed=args.seed,
                      iterations=args.iterations, time_budget_s=args.time_budget)
-    except (KeyError, ValueError) as e:  # PlanError is a ValueError
+    except (KeyError, ValueError) as e:  # ConfigError and PlanError are ValueErrors
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     res.best.plan.save(os.path.join(args.out, "plan.yaml"))
     draw_timeline(res.best.timeline, os.path.join(args.out, "timeline.png"),
-                  title=f"searched plan: {res.best.step_s:.3g} s/step on {s.devices} x {hw.name}")
+                  title=f"searched plan: {res.best.step_s:.3g} s/step on {devices} x {hw.name}")
     if args.json:
-        print(json.dumps(report_json(res)))
+        print(json.dumps(report_json(res, cfg.algorithm.name)))
     else:
-        print(report_text(res, s))
+        print(f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}")
+        print(report_text(res, devices, hw.name))
         print(f"wrote {os.path.join(args.out, 'plan.yaml')} and {os.path.join(args.out, 'timeline.png')}")
     return 0
 

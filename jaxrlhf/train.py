@@ -1,19 +1,21 @@
-"""`python -m jaxrlhf.train --config FILE [key=value ...]`: the main job.
+"""`python -m jaxrlhf.train --config FILE [key=value ...]`: the main job, for every algorithm and stage.
 
-Orchestration only: resolve the config, set up devices, build the models on
-their home placements, pick or load the execution plan, optionally warm the
-actor up with SFT, then run PPO steps with metrics and checkpoints, and
-export the final actor as an HF checkpoint.
+Orchestration only: resolve the config, set up devices, ask the algorithm
+(`algorithm.name`) for its roles and step graph, pick or load the execution
+plan for that graph, build the models on their home placements, optionally
+warm the actor up with the SFT stage, then run steps on the executor with
+metrics, evaluation and checkpoints, and export the trained models as HF
+checkpoints. What a step computes is the algorithm's business; where each
+call runs is the plan's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
 
@@ -33,11 +35,21 @@ def setup_devices(run: cfglib.RunConfig) -> None:
         jax.distributed.initialize()
 
 
-# --------------------------------------------------------------------------- models
+# --------------------------------------------------------------------------- model configs
 
 
-def _role_configs(cfg: cfglib.Config, roles: Sequence[str]):
-    """ModelConfig of every role, following init_from chains; no weights touched."""
+def weight_source(cfg: cfglib.Config, role: str) -> cfglib.RoleModelConfig:
+    """The config section a role's weights come from, following init_from to its end."""
+    rc = getattr(cfg.model, role)
+    seen = {role}
+    while rc.init_from and rc.init_from not in seen:
+        seen.add(rc.init_from)
+        rc = getattr(cfg.model, rc.init_from)
+    return rc
+
+
+def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
+    """ModelConfig of every role (and of the roles they initialise from); no weights touched."""
     from jaxrlhf.models.config import preset
     from jaxrlhf.models.hf_io import config_from_hf, read_hf_config
 
@@ -65,104 +77,42 @@ def _role_configs(cfg: cfglib.Config, roles: Sequence[str]):
 
     for r in roles:
         resolve(r)
-    return {r: out[r] for r in roles}
+    return out
 
 
-HEAD_OF_ROLE = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward"}
-
-
-def _source_of(cfg: cfglib.Config, role: str) -> tuple[str | None, str | None]:
-    """(checkpoint path, preset) a role's weights come from, following init_from."""
-    rc = getattr(cfg.model, role)
-    seen = set()
-    while rc.init_from and rc.init_from not in seen:
-        seen.add(rc.init_from)
-        rc = getattr(cfg.model, rc.init_from)
-    return rc.path, rc.preset
-
-
-def build_role_model(cfg: cfglib.Config, role: str, model_config, seed: int):
-    """A host-side NNX model for `role` (random init from a preset, or an HF checkpoint)."""
-    from jaxrlhf.models.hf_io import load_hf_checkpoint
-    from jaxrlhf.models.transformer import build_model
-
-    rc = getattr(cfg.model, role)
-    path, _ = _source_of(cfg, role)
-    head = HEAD_OF_ROLE[role]
-    if path:
-        model, _ = load_hf_checkpoint(
-            path, head, param_dtype=model_config.param_dtype, dtype=model_config.dtype, seed=seed,
-            remat=rc.remat,
-        )
-        return model
-    return build_model(model_config, head, seed=seed, remat=rc.remat)
-
-
-def copy_trunk(src_params, dst_params):
-    """Copy the shared transformer trunk ("model" subtree) from one role's params into another's."""
-    import jax
-
-    out = dict(dst_params)
-    out["model"] = jax.tree_util.tree_map(lambda x: x, src_params["model"])
-    return type(dst_params)(out)
-
-
-# --------------------------------------------------------------------------- graph and plan
-
-
-def graph_for(cfg: cfglib.Config):
-    """The algorithm's dataflow graph: critic-free estimators drop the critic's calls,
-    rule-only rewards drop the reward model's."""
-    from jaxrlhf.mesh.graph import CallGraph
-    from jaxrlhf.ppo.graph import PPO_GRAPH
-
-    drop = set()
-    if cfg.algorithm.advantage != "gae":
-        drop |= {"critic.inference", "critic.train"}
-    if not cfg.rewards.model:
-        drop |= {"reward.inference"}
-    return CallGraph(
-        tuple(
-            dataclasses.replace(c, deps=tuple(d for d in c.deps if d not in drop))
-            for c in PPO_GRAPH.calls
-            if c.name not in drop
-        )
-    )
-
-
-def plan_for(cfg: cfglib.Config, graph, model_configs, num_devices: int, devices_per_host: int | None = None):
-    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
-
-    Needs only model dimensions, so realistic configs can be planned without weights or devices.
-    """
-    from jaxrlhf.mesh.plan import ExecutionPlan, validate as validate_plan
-    from jaxrlhf.mesh.presets import build_plan
-
-    batch = cfg.data.batch_size * cfg.algorithm.group_size
-    if cfg.plan.file:
-        plan = ExecutionPlan.load(cfg.plan.file)
-        validate_plan(plan, graph, model_configs, devices=num_devices, batch_size=batch,
-                      devices_per_host=devices_per_host)
-        return plan
-    if cfg.plan.strategy == "auto":
-        return search_plan(cfg, graph, model_configs, num_devices, batch, devices_per_host)
-    return build_plan(
-        cfg.plan.strategy, num_devices, model_configs, graph, batch_size=batch,
-        devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy,
-    )
+# --------------------------------------------------------------------------- plan
 
 
 DEFAULT_HARDWARE = {"cpu": "cpu", "gpu": "h100", "cuda": "h100", "tpu": "tpu-v5e"}
 
 
-def search_plan(cfg: cfglib.Config, graph, model_configs, num_devices: int, batch_size: int,
+def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], num_devices: int,
+             devices_per_host: int | None = None):
+    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
+
+    Needs only model dimensions, so realistic configs can be planned without weights or devices.
+    """
+    from jaxrlhf.planner.plan import ExecutionPlan, validate as validate_plan
+    from jaxrlhf.planner.presets import build_plan
+
+    graph = algorithm.graph()
+    models = {r: model_configs[r] for r in graph.roles}
+    batch = algorithm.batch_rows
+    if cfg.plan.file:
+        plan = ExecutionPlan.load(cfg.plan.file)
+        validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+        return plan
+    if cfg.plan.strategy == "auto":
+        return search_plan(cfg, algorithm, models, num_devices, devices_per_host)
+    return build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
+                      devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+
+
+def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int,
                 devices_per_host: int | None = None):
     """`plan.strategy=auto`: the planner's best plan for these devices, models and workload."""
-    import dataclasses as dc
-
-    from jaxrlhf.mesh.cost import Workload
-    from jaxrlhf.mesh.hardware import get_profile
-    from jaxrlhf.mesh.search import search
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.search import search
 
     if cfg.plan.hardware:
         hw = get_profile(cfg.plan.hardware)
@@ -171,19 +121,161 @@ def search_plan(cfg: cfglib.Config, graph, model_configs, num_devices: int, batc
 
         hw = get_profile(DEFAULT_HARDWARE.get(jax.devices()[0].platform, "cpu"))
     if devices_per_host:
-        hw = dc.replace(hw, devices_per_host=devices_per_host)
-    wl = Workload(
-        batch_size=batch_size, prompt_len=cfg.data.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
-        minibatches=cfg.algorithm.minibatches, ppo_epochs=cfg.algorithm.epochs,
-    )
-    result = search(
-        model_configs, wl, hw, num_devices, graph, seed=cfg.run.seed, time_budget_s=30.0,
-        allow_offpolicy=cfg.plan.offpolicy,
-    )
-    plan = result.best.plan
+        hw = dataclasses.replace(hw, devices_per_host=devices_per_host)
+    result = search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
+                    time_budget_s=30.0, allow_offpolicy=cfg.plan.offpolicy)
     print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
           f"(estimated step {result.best.step_s:.3g} s on {hw.name})", flush=True)
-    return plan
+    return result.best.plan
+
+
+def warmup_plan(plan):
+    """The actor's SFT warm-up runs where the plan trains the actor, so its weights never move."""
+    from jaxrlhf.planner.plan import ExecutionPlan
+
+    placement = plan.calls["actor.train"]
+    group = plan.groups[placement.group]
+    return ExecutionPlan("warm-up", plan.num_devices, {group.name: group}, {"actor.train": placement},
+                         notes="SFT warm-up on the actor's training placement")
+
+
+# --------------------------------------------------------------------------- roles
+
+
+@dataclasses.dataclass
+class Built:
+    """A role's model as built: structure, parameters (on device) and output head."""
+
+    graphdef: Any
+    params: Any
+    head: str
+
+
+class RoleBuilder:
+    """Builds every role's parameters directly on its home placement.
+
+    Roles with a preset are initialised on device (sharded as they will live);
+    roles with a checkpoint path are loaded; roles with `init_from` copy the
+    source role's current parameters (so after a warm-up the reference is the
+    warmed-up actor): the whole model when the heads agree, the trunk under a
+    fresh head otherwise (a critic or reward model from an actor). A source
+    the algorithm does not use itself (the actor of a reward-model stage) is
+    built where the role that copies it lives, and dropped after.
+    """
+
+    def __init__(self, cfg: cfglib.Config, specs: Mapping[str, Any], model_configs: Mapping[str, Any], cache, plan):
+        self.cfg, self.specs, self.model_configs, self.cache, self.plan = cfg, specs, model_configs, cache, plan
+        self.seed = cfg.run.seed
+
+    def shardings(self, at: str, state: Any) -> Any:
+        """Shardings of `state` on the home placement of role `at`."""
+        return self.cache.placed(self.plan.home_call(at)).param_shardings(state)
+
+    def head(self, role: str) -> str:
+        return self.specs[role].head if role in self.specs else "lm"
+
+    def direct(self, role: str, at: str) -> Built:
+        """A role whose weights come from its own preset or checkpoint, on `at`'s home."""
+        import jax
+        from flax import nnx
+
+        from jaxrlhf.models.hf_io import load_hf_checkpoint
+
+        rc, mc, head = getattr(self.cfg.model, role), self.model_configs[role], self.head(role)
+        if rc.path:
+            model, _ = load_hf_checkpoint(rc.path, head, param_dtype=mc.param_dtype, dtype=mc.dtype, seed=self.seed,
+                                          remat=rc.remat, config_overrides=dict(rc.overrides))
+            graphdef, state = nnx.split(model)
+            return Built(graphdef, jax.device_put(state, self.shardings(at, state)), head)
+        return self.fresh(role, head, self.seed + list(cfglib.ROLES).index(role), at)
+
+    def fresh(self, role: str, head: str, seed: int, at: str) -> Built:
+        """A randomly initialised model, created on device already sharded as on `at`'s home."""
+        import jax
+        from flax import nnx
+
+        from jaxrlhf.models.transformer import build_model
+
+        mc, remat = self.model_configs[role], getattr(self.cfg.model, role).remat
+        make = lambda: build_model(mc, head, seed=seed, remat=remat)  # noqa: E731
+        graphdef, abstract = nnx.split(nnx.eval_shape(make))
+        params = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.shardings(at, abstract))()
+        return Built(graphdef, params, head)
+
+    def derived(self, role: str, source: Built) -> Built:
+        """A copy of `source` laid out for `role`'s home: whole, or its trunk under a fresh head."""
+        from jaxrlhf.placement.realloc import reallocate
+
+        head = self.head(role)
+        if head == source.head:
+            copy, _ = reallocate(source.params, self.shardings(role, source.params))  # always new buffers
+            return Built(source.graphdef, copy, head)
+        fresh = self.fresh(role, head, self.seed + 1, role)
+        trunk, _ = reallocate(source.params["model"], self.shardings(role, fresh.params)["model"])
+        out = dict(fresh.params)
+        out["model"] = trunk
+        return Built(fresh.graphdef, type(fresh.params)(out), head)
+
+
+def init_depth(cfg: cfglib.Config, role: str) -> int:
+    """How many init_from links lead from `role` to a role with its own weights."""
+    depth, rc, seen = 0, getattr(cfg.model, role), {role}
+    while rc.init_from and rc.init_from not in seen:
+        seen.add(rc.init_from)
+        depth, rc = depth + 1, getattr(cfg.model, rc.init_from)
+    return depth
+
+
+def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int):
+    from jaxrlhf.algorithms.optim import build_optimizer
+
+    o = getattr(cfg.optimizer, role)
+    return build_optimizer(
+        lr=o.lr, total_updates=total_updates, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+        warmup_steps=o.warmup_steps, schedule=o.schedule, max_grad_norm=o.max_grad_norm,
+    )
+
+
+def init_opt_state(role, placed):
+    """Optimizer state laid out like the params, counters replicated: checkpoints restore onto this."""
+    import jax
+
+    return jax.jit(role.optimizer.init, out_shardings=placed.opt_state_shardings(role.optimizer, role.params))(
+        role.params
+    )
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str, float]:
+    """The SFT stage on the actor's training placement for `sft.steps` steps; updates `actor.params`."""
+    import jax
+
+    from jaxrlhf.algorithms.optim import build_optimizer
+    from jaxrlhf.algorithms.sft import SFT
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.placement.executor import Executor, Role
+
+    stage = SFT(cfg, warmup=True)
+    wplan = warmup_plan(plan)
+    wcache = CallCache(wplan, devices=cache.devices, rules=cache.rules)
+    optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps))
+    role = Role("actor", actor.graphdef, actor.params, optimizer)
+    role.opt_state = init_opt_state(role, wcache.placed("actor.train"))
+    stage.bind(tokenizer, {"actor": role})
+    executor = Executor(wplan, stage.graph(), {"actor": role}, cache=wcache, functions=stage.functions())
+    data = stage.dataset(tokenizer)
+    rng = jax.random.key(cfg.run.seed + 7919)
+    t0 = time.perf_counter()
+    loss = float("nan")
+    for i in range(cfg.sft.steps):
+        result = executor.step(stage.feed(data.next_batch(), jax.random.fold_in(rng, i)))
+        if (i + 1) % max(cfg.sft.steps // 5, 1) == 0 or i + 1 == cfg.sft.steps:
+            loss = float(jax.device_get(result.values["actor_stats"]["loss/sft"]))
+            print(f"sft warm-up step {i + 1}/{cfg.sft.steps}: loss={loss:.4f}", flush=True)
+    actor.params = role.params
+    return {"sft/final_loss": loss, "sft/seconds": time.perf_counter() - t0}
 
 
 # --------------------------------------------------------------------------- main
@@ -192,178 +284,114 @@ def search_plan(cfg: cfglib.Config, graph, model_configs, num_devices: int, batc
 def run(cfg: cfglib.Config) -> dict[str, Any]:
     """Train according to `cfg`; returns the last step's metrics."""
     import jax
-    from flax import nnx
 
+    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.checkpoint import CheckpointManager
-    from jaxrlhf.data import PromptDataset, SFTDataset
-    from jaxrlhf.mesh.calls import CallCache
-    from jaxrlhf.mesh.layout import AxisRules
-    from jaxrlhf.mesh.realloc import reallocate
     from jaxrlhf.metrics import MetricsWriter
-    from jaxrlhf.models.hf_io import save_hf_checkpoint
-    from jaxrlhf.models.sampling import SamplingParams
     from jaxrlhf.models.tokenizer import load_tokenizer
-    from jaxrlhf.ppo import calls
-    from jaxrlhf.ppo.engine import PPOEngine, RewardSettings, Role
-    from jaxrlhf.ppo.kl import build_kl_controller, kl_controller_from_state
-    from jaxrlhf.ppo.optim import build_optimizer
-    from jaxrlhf.ppo.rewards import REWARD_FUNCTIONS, CombinedReward
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.placement.executor import Executor, Role, delete_tree
+    from jaxrlhf.placement.layout import AxisRules
 
-    cfglib.validate(cfg, reward_rules=REWARD_FUNCTIONS)
-    alg = cfg.algorithm
+    cfglib.validate(cfg)
+    algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-
-    graph = graph_for(cfg)
-    roles_needed = graph.roles
-    model_configs = _role_configs(cfg, roles_needed)
+    specs = algorithm.roles()
+    model_configs = role_configs(cfg, list(specs))
     for role, mc in model_configs.items():
         if mc.vocab_size < tokenizer.vocab_size:
             raise cfglib.ConfigError(
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
-    plan = plan_for(cfg, graph, model_configs, jax.device_count())
+    graph = algorithm.graph()
+    plan = plan_for(cfg, algorithm, model_configs, jax.device_count())
     print(plan.table(), flush=True)
-    rules = AxisRules.from_config(cfg.plan.axis_rules)
-    cache = CallCache(plan, rules=rules)
-
-    # Models on their home placements.
-    steps = cfg.run.steps
-    updates_per_step = alg.minibatches * alg.epochs
-
-    def place(role: str, model) -> tuple[Any, Any]:
-        graphdef, state = nnx.split(model)
-        placed = cache.placed(plan.home_call(role))
-        return graphdef, jax.device_put(state, placed.param_shardings(state))
-
-    def optimizer_for(role: str, total: int, lr: float | None = None):
-        o = getattr(cfg.optimizer, role)
-        return build_optimizer(
-            lr=lr or o.lr, total_updates=total, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-            warmup_steps=o.warmup_steps, schedule=o.schedule, max_grad_norm=o.max_grad_norm,
-        )
-
-    seed = cfg.run.seed
-    actor_graphdef, actor_params = place("actor", build_role_model(cfg, "actor", model_configs["actor"], seed))
-    roles: dict[str, Role] = {}
-    actor_opt = optimizer_for("actor", steps * updates_per_step)
-    roles["actor"] = Role("actor", actor_graphdef, actor_params, actor_opt)
+    cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
 
     ckpt = CheckpointManager(os.path.join(cfg.run.output_dir, "checkpoints"), max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
 
-    # SFT warm-up (skipped on resume: the checkpoint holds the warmed-up actor and reference).
-    sft_metrics: dict[str, float] = {}
-    if cfg.sft.steps and resume_step is None:
-        sft_data = SFTDataset.from_config(cfg, tokenizer)
-        sft_opt = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps))
-        placed = cache.placed("actor.train")
-        sft_state, _ = reallocate(actor_params, placed.param_shardings(actor_params))
-        sft_opt_state = jax.jit(sft_opt.init)(sft_state)
-        sft_fn = cache.function(
-            "actor.train", functools.partial(calls.sft_train, actor_graphdef, sft_opt),
-            in_shardings=None, out_shardings=None, donate_argnums=(0, 1),
-        )
-        t0 = time.perf_counter()
-        for i in range(cfg.sft.steps):
-            b = sft_data.next_batch()
-            args = [jax.device_put(a, placed.batch_sharding(2)) for a in (b.input_ids, b.attention_mask, b.loss_mask)]
-            sft_state, sft_opt_state, loss = sft_fn(sft_state, sft_opt_state, *args)
-            if (i + 1) % max(cfg.sft.steps // 5, 1) == 0 or i + 1 == cfg.sft.steps:
-                print(f"sft step {i + 1}/{cfg.sft.steps}: loss={float(loss):.4f}", flush=True)
-        sft_metrics = {"sft/final_loss": float(loss), "sft/seconds": time.perf_counter() - t0}
-        roles["actor"].params = sft_state
-        del sft_opt_state
-
-    # Other roles: the reference is a frozen copy of the (warmed-up) actor, the critic shares its trunk.
-    actor_host_params = roles["actor"].params
-    for role in roles_needed:
-        if role == "actor":
-            continue
-        rc = getattr(cfg.model, role)
-        model = build_role_model(cfg, role, model_configs[role], seed + 1)
-        graphdef, state = nnx.split(model)
-        if rc.init_from == "actor" and not _source_of(cfg, role)[0]:
-            if role == "ref":
-                state = jax.tree_util.tree_map(lambda x: x, actor_host_params)
-            else:
-                state = copy_trunk(actor_host_params, state)
-        placed = cache.placed(plan.home_call(role))
-        if rc.init_from == "actor" and role == "ref" and not _source_of(cfg, role)[0]:
-            state, _ = reallocate(state, placed.param_shardings(state))  # device to device, no host copy
+    # Models on their home placements: sources first, then the roles that copy them (after a warm-up).
+    builder = RoleBuilder(cfg, specs, model_configs, cache, plan)
+    built: dict[str, Built] = {}
+    warm_metrics: dict[str, float] = {}
+    for name in sorted(specs, key=lambda r: init_depth(cfg, r)):
+        source = getattr(cfg.model, name).init_from
+        if source is None:
+            built[name] = builder.direct(name, at=name)
         else:
-            state = jax.device_put(state, placed.param_shardings(state))
-        opt = None
-        if graph.train_call(role) is not None:
-            opt = optimizer_for(role, steps * updates_per_step)
-        roles[role] = Role(role, graphdef, state, opt)
-    for role in roles.values():
-        if role.trainable:  # laid out like the params, counters replicated: checkpoints restore onto this
-            placed = cache.placed(plan.home_call(role.name))
-            role.opt_state = jax.jit(
-                role.optimizer.init, out_shardings=placed.opt_state_shardings(role.optimizer, role.params)
-            )(role.params)
+            if source not in built:  # a weight source the algorithm does not otherwise use
+                built[source] = builder.direct(source, at=name)
+            built[name] = builder.derived(name, built[source])
+        if name == "actor" and cfg.sft.steps and resume_step is None:
+            actor = Role("actor", built["actor"].graphdef, built["actor"].params)
+            warm_metrics = warm_up_actor(cfg, actor, plan, cache, tokenizer)
+            built["actor"].params = actor.params
+    total_updates = cfg.run.steps * algorithm.updates_per_step
+    roles: dict[str, Role] = {}
+    for name, spec in specs.items():
+        role = Role(name, built[name].graphdef, built[name].params)
+        if spec.trained:
+            role.optimizer = build_optimizer_for(cfg, name, total_updates)
+            role.opt_state = init_opt_state(role, cache.placed(plan.home_call(name)))
+        roles[name] = role
+    for name in [r for r in built if r not in specs]:
+        delete_tree(built[name].params)
 
-    gen = cfg.generation
-    sampling = SamplingParams(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=gen.greedy)
-    hp = calls.PPOHParams(
-        loss=alg.name, advantage=alg.advantage, gamma=alg.gamma, lam=alg.lam, group_size=alg.group_size,
-        clip_eps=alg.clip_eps, value_clip_eps=alg.value_clip_eps, kl_estimator=alg.kl_estimator,
-        kl_in_reward=alg.name == "ppo", minibatches=alg.minibatches, epochs=alg.epochs,
-        ratio_early_stop=alg.ratio_early_stop, whiten_advantages=alg.whiten_advantages,
-        normalize_values=alg.normalize_values, entropy_coef=alg.entropy_coef, sampling=sampling,
-    )
-    rules_spec = [(r.name, r.weight, dict(r.args)) for r in cfg.rewards.rules]
-    reward_settings = RewardSettings(
-        rules=CombinedReward(rules_spec) if rules_spec else None, use_model=cfg.rewards.model,
-        scale=cfg.rewards.scale, bias=cfg.rewards.bias, clip=cfg.rewards.clip, eos_only=cfg.rewards.eos_only,
-    )
-    kl = build_kl_controller(
-        "adaptive" if alg.kl_target else "fixed", alg.kl_coef, alg.kl_target or 6.0, alg.kl_horizon
-    )
-    engine = PPOEngine(
-        plan, roles, tokenizer=tokenizer, hparams=hp, rewards=reward_settings, kl=kl,
-        max_new_tokens=gen.max_new_tokens, cache=cache,
-    )
-    data = PromptDataset.from_config(cfg, tokenizer)
+    algorithm.bind(tokenizer, roles)
+    executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
+                        host_steps=algorithm.host_steps(), state=algorithm.initial_state())
+    executor.commit_state()
+    data = algorithm.dataset(tokenizer)
+    derived_frozen = [r for r, s in specs.items() if not s.trained and getattr(cfg.model, r).init_from]
 
-    # Resume.
+    def arrays() -> dict[str, Any]:
+        out: dict[str, Any] = {"state": executor.commit_state()}
+        for name, role in roles.items():
+            if role.trainable:
+                out[name] = {"params": role.params, "opt_state": role.opt_state}
+            elif name in derived_frozen:  # e.g. the reference copied from the warmed-up actor
+                out[name] = {"params": role.params}
+        return out
+
     start = 0
     if resume_step is not None:
-        arrays = engine.array_state()
-        if "ref" in roles:
-            arrays["ref"] = {"params": roles["ref"].params}
-        restored, meta = ckpt.restore(resume_step, arrays)
-        if "ref" in roles:
-            roles["ref"].params = restored.pop("ref")["params"]
-        engine.load_array_state(restored)
+        restored, meta = ckpt.restore(resume_step, arrays())
+        executor.state = dict(restored.pop("state"))
+        for name, saved in restored.items():
+            roles[name].params = saved["params"]
+            if "opt_state" in saved:
+                roles[name].opt_state = saved["opt_state"]
+        executor.sync_shadows()
         data.load_state_dict(meta["data"])
-        engine.kl = kl_controller_from_state(meta["kl"])
         start = int(meta["step"])
         print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
     def save(step: int, data_state: dict) -> None:
-        arrays = engine.array_state()
-        if "ref" in roles:
-            arrays["ref"] = {"params": roles["ref"].params}
-        ckpt.save(step, arrays, {"step": step, "data": data_state, "kl": engine.kl.state_dict()})
+        ckpt.save(step, arrays(), {"step": step, "data": data_state, "algorithm": cfg.algorithm.name})
 
+    steps = cfg.run.steps
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard)
-    base_rng = jax.random.key(seed)
+    base_rng = jax.random.key(cfg.run.seed)
     metrics: dict[str, Any] = {}
     offpolicy = plan.offpolicy
     batch = None
     try:
         for step in range(start + 1, steps + 1):
-            batch = batch if (offpolicy and batch is not None) else _draw(data, alg.group_size)
+            batch = batch if (offpolicy and batch is not None) else data.next_batch()
             data_state = data.state_dict()
-            nxt = _draw(data, alg.group_size) if offpolicy and step < steps else None
-            metrics = engine.step(
-                batch, jax.random.fold_in(base_rng, step), nxt, jax.random.fold_in(base_rng, step + 1)
-            )
-            batch = nxt
+            nxt = data.next_batch() if offpolicy and step < steps else None
+            feed = algorithm.feed(batch, jax.random.fold_in(base_rng, step))
+            next_feed = algorithm.feed(nxt, jax.random.fold_in(base_rng, step + 1)) if nxt is not None else None
+            result = executor.step(feed, next_feed)
+            metrics = algorithm.metrics(result)
+            metrics.update(_timing(result))
             metrics.update(data.metrics())
             if step == 1:
-                metrics.update(sft_metrics)
+                metrics.update(warm_metrics)
+            if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == steps):
+                metrics.update(algorithm.evaluate(executor))
+            batch = nxt
             _check_finite(metrics, step)
             if step % cfg.run.log_every == 0 or step == steps:
                 writer.write(step, metrics)
@@ -374,46 +402,38 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
         ckpt.close()
 
     if cfg.run.export_hf and jax.process_index() == 0:
-        out = os.path.join(cfg.run.output_dir, "actor_hf")
-        actor = nnx.merge(roles["actor"].graphdef, jax.device_get(roles["actor"].params))
-        save_hf_checkpoint(actor, model_configs["actor"], out)
-        tok_path = cfg.model.tokenizer
-        if tok_path != "byte" and os.path.exists(tok_path):
-            import shutil
-
-            src = tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")
-            shutil.copy(src, os.path.join(out, "tokenizer.json"))
-        print(f"final actor exported to {out}", flush=True)
+        for name in algorithm.export_roles():
+            export_role(cfg, roles[name], model_configs[name], os.path.join(cfg.run.output_dir, f"{name}_hf"))
     return metrics
 
 
-def _draw(data, group_size: int):
-    """The next prompt batch, each prompt repeated `group_size` times."""
-    batch = data.next_batch()
-    return _repeat_prompts(batch, group_size) if group_size > 1 else batch
+def _timing(result) -> dict[str, float]:
+    """Where the step's time went: per call, parameter moves, batch transfers."""
+    out = {"time/step_s": result.seconds, **result.moves.metrics()}
+    out.update({f"time/{c}_s": s for c, s in result.call_seconds.items()})
+    return out
 
 
-def _repeat_prompts(batch, g: int):
-    """G samples per prompt (GRPO / RLOO): every prompt row repeated G times, adjacent."""
-    import numpy as np
+def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
+    """Write a role as an HF checkpoint (with the tokenizer, when it is a file)."""
+    import shutil
 
-    rep = lambda xs: tuple(x for x in xs for _ in range(g))  # noqa: E731
-    return dataclasses.replace(
-        batch,
-        input_ids=np.repeat(batch.input_ids, g, axis=0),
-        attention_mask=np.repeat(batch.attention_mask, g, axis=0),
-        prompt_lens=np.repeat(batch.prompt_lens, g, axis=0),
-        prompts=rep(batch.prompts),
-        answers=rep(batch.answers),
-        meta=rep(batch.meta),
-        row_ids=np.repeat(batch.row_ids, g, axis=0),
-        global_batch_size=batch.global_batch_size * g,
-    )
+    import jax
+    from flax import nnx
+
+    from jaxrlhf.models.hf_io import save_hf_checkpoint
+
+    save_hf_checkpoint(nnx.merge(role.graphdef, jax.device_get(role.params)), model_config, out)
+    tok_path = cfg.model.tokenizer
+    if tok_path != "byte" and os.path.exists(tok_path):
+        src = tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")
+        shutil.copy(src, os.path.join(out, "tokenizer.json"))
+    print(f"{role.name} exported to {out}", flush=True)
 
 
 def _check_finite(metrics: dict[str, Any], step: int) -> None:
-    """Non-finite steps were skipped on device; say so on the console, keep going."""
-    skipped = metrics.get("skipped_nonfinite", 0.0) + metrics.get("critic/skipped_nonfinite", 0.0)
+    """Non-finite updates were skipped on device; say so on the console, keep going."""
+    skipped = sum(v for k, v in metrics.items() if k.endswith("skipped_nonfinite"))
     if skipped:
         print(
             f"step {step}: {int(skipped)} update(s) had a non-finite loss or gradient and were skipped "
@@ -425,9 +445,9 @@ def _check_finite(metrics: dict[str, Any], step: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from jaxrlhf.data.sources import DataError
-    from jaxrlhf.mesh.plan import PlanError
     from jaxrlhf.models.hf_io import CheckpointError
     from jaxrlhf.models.tokenizer import TokenizerError
+    from jaxrlhf.planner.plan import PlanError
 
     try:
         args = cfglib.parse_cli(argv)

@@ -16,15 +16,17 @@ import json
 import statistics
 import time
 
-from jaxrlhf.mesh.cost import Workload, matmul_params
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.search import search
+from jaxrlhf.planner.cost import Workload, matmul_params
+from jaxrlhf.testing.graphs import ppo_graph
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.search import search
 from jaxrlhf.models.config import preset
 
 SETUPS = [("7b", 8), ("7b", 16), ("13b", 16), ("13b", 32), ("34b", 32), ("34b", 64), ("70b", 64), ("70b", 128)]
 GEN_LENS = (128, 384, 896)
 TOKENS = 2**17
-ROLES = ("actor", "critic", "ref", "reward")
+GRAPH = ppo_graph()  # PPO with a reward model: the four models of ReaLHF's setups
+ROLES = GRAPH.roles
 
 
 def model_flops(models, wl: Workload) -> float:
@@ -53,7 +55,7 @@ def main() -> None:
             models = {r: preset(f"llama2-{size}") for r in ROLES}
             wl = Workload.from_tokens(TOKENS, 128, gen)
             t0 = time.perf_counter()
-            res = search(models, wl, hw, n, seed=args.seed, iterations=args.iterations, time_budget_s=args.time_budget)
+            res = search(models, wl, hw, n, GRAPH, seed=args.seed, iterations=args.iterations, time_budget_s=args.time_budget)
             took = time.perf_counter() - t0
             presets = {k: (v.step_s if not isinstance(v, str) and v.feasible else None) for k, v in res.presets.items()}
             reasons = {k: (v if isinstance(v, str) else v.reason) for k, v in res.presets.items() if presets[k] is None}

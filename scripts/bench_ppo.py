@@ -306,7 +306,7 @@ def _trl_classes():
 
         def __init__(self, spec: dict, by_ids: dict):
             from jaxrlhf.models.tokenizer import load_tokenizer
-            from jaxrlhf.ppo.rewards import CombinedReward
+            from jaxrlhf.algorithms.rewards import CombinedReward
 
             super().__init__()
             self.rules = CombinedReward([tuple(r) for r in spec["rules"]])
@@ -455,7 +455,7 @@ def main() -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ppo_"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    mc = train._role_configs(cfg, ["actor"])["actor"]
+    mc = train.role_configs(cfg, ["actor"])["actor"]
     alg, data, gen = cfg.algorithm, cfg.data, cfg.generation
     rows, jax_width = prompt_rows(cfg, n_steps)
     workload = {

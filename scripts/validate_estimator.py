@@ -45,11 +45,12 @@ def main() -> None:
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxrlhf.mesh.cost import Workload, call_cost
-    from jaxrlhf.mesh.graph import CallSpec
-    from jaxrlhf.mesh.hardware import best_time, calibrate, get_profile
-    from jaxrlhf.mesh.layout import activation_resolver, batch_spec, make_mesh, param_shardings
-    from jaxrlhf.mesh.plan import DeviceGroup, Layout
+    from jaxrlhf.planner.cost import Workload, call_cost
+    from jaxrlhf.graph import CallSpec
+    from jaxrlhf.placement.calibrate import best_time, calibrate
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.placement.layout import activation_resolver, batch_spec, make_mesh, param_shardings
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
     from jaxrlhf.models import axes as ax
     from jaxrlhf.models.config import preset
     from jaxrlhf.models.transformer import KVCache, build_model

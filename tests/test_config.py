@@ -54,9 +54,9 @@ def test_partial_section_keeps_enclosing_defaults():
 
 
 def test_structured_overrides():
-    config = load_config(None, ["rewards.rules=[exact_match, {name: length, weight: -0.1, args: {max: 8}}]",
+    config = load_config(None, ["rewards.rules=[exact_match, {name: length_penalty, weight: -0.1, args: {max_chars: 8}}]",
                                 "plan.axis_rules={embed: fsdp, mlp: [fsdp, tensor]}", "data.answer_key=null"])
-    assert config.rewards.rules == (RewardRule("exact_match"), RewardRule("length", -0.1, {"max": 8}))
+    assert config.rewards.rules == (RewardRule("exact_match"), RewardRule("length_penalty", -0.1, {"max_chars": 8}))
     assert config.plan.axis_rules == {"embed": "fsdp", "mlp": ["fsdp", "tensor"]}
     assert config.data.answer_key is None
 
@@ -140,13 +140,21 @@ def test_wrong_type(override, message):
     [
         (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
                                      "disaggregated, reallocated, auto; got 'colocatd'; did you mean 'colocated'?"),
-        (["algorithm.name=trpo"], "config key 'algorithm.name' must be one of ppo, grpo; got 'trpo'"),
+        (["algorithm.name=trpo"], "algorithm.name 'trpo' is not a known algorithm; did you mean 'grpo'? "
+                                  "(choices: dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
         (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
                                       "data.batch_size x algorithm.group_size = 32 x 1 = 32"),
-        (["algorithm.name=grpo"], "algorithm.name=grpo has no critic"),
-        (["algorithm.advantage=grpo"], "algorithm.group_size must be >= 2, got 1"),
+        (["algorithm.name=grpo"], "algorithm.name=grpo compares samples of the same prompt: "
+                                  "algorithm.group_size must be >= 2, got 1"),
+        (["algorithm.advantage=grpo"], "config key 'algorithm.advantage' was removed: the advantage estimator is "
+                                       "part of algorithm.name now"),
+        (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.whiten_advantages=true"],
+         "algorithm.whiten_advantages does not apply to algorithm.name=grpo: whitening would undo its normalisation"),
+        (["algorithm.name=dpo", "sft.steps=0", "model.ref.init_from=null"],
+         "model.ref is needed (DPO measures the policy against the reference) but has no weights"),
+        (["algorithm.name=rm", "model.reward.init_from=actor", "sft.steps=5"], "algorithm.name=rm has none to warm up"),
         (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
         (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor: set only one of model.actor.preset, model.actor.path"),
         (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
@@ -170,11 +178,12 @@ def test_bad_value(overrides, message):
 
 def test_registries_checked_when_given():
     config = load_config(None, ["plan.hardware=h10"])
-    validate(config)  # without registries: names owned elsewhere are not checked
+    validate(config)  # without the planner's registry hardware names are not checked
     with pytest.raises(ConfigError, match="plan.hardware 'h10' is not a known hardware profile; did you mean 'h100'"):
         validate(config, hardware_profiles=["h100", "tpu-v5e"])
-    with pytest.raises(ConfigError, match=r"rewards.rules\[0\].name 'exact_match' is not a known rule"):
-        validate(config, reward_rules=["format"])
+    with pytest.raises(ConfigError, match=r"rewards.rules\[0\].name: unknown reward function 'exact_mach'\. "
+                                          r"Did you mean 'exact_match'\?"):
+        load_config(None, ["rewards.rules=[exact_mach]"])
 
 
 def test_file_and_override_syntax_errors(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
-from jaxrlhf.mesh.cost import Workload
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.memory import plan_memory
+from jaxrlhf.algorithms import build_algorithm
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.memory import plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,17 +30,13 @@ def test_every_shipped_config_is_covered():
 def test_realistic_config_plans_without_weights(name):
     cfg = cfglib.load_config(os.path.join(ROOT, "configs", name))
     devices, per_host = CLUSTERS[name]
-    graph = train.graph_for(cfg)
-    models = train._role_configs(cfg, graph.roles)
-    plan = train.plan_for(cfg, graph, models, devices, devices_per_host=per_host)
+    algorithm = build_algorithm(cfg)
+    graph = algorithm.graph()
+    models = train.role_configs(cfg, graph.roles)
+    plan = train.plan_for(cfg, algorithm, models, devices, devices_per_host=per_host)
     assert set(plan.calls) == set(graph.names)
     assert plan.num_devices == devices
-    # The plan fits in the memory of the hardware it names.
-    hw = get_profile(cfg.plan.hardware)
-    wl = Workload(
-        batch_size=cfg.data.batch_size * cfg.algorithm.group_size, prompt_len=cfg.data.max_prompt_len,
-        gen_len=cfg.generation.max_new_tokens, minibatches=cfg.algorithm.minibatches,
-    )
-    report = plan_memory(plan, graph, models, wl, hw)
+    # The plan fits in the memory of the hardware it names, for the workload the runtime will run.
+    report = plan_memory(plan, graph, models, algorithm.workload(), get_profile(cfg.plan.hardware))
     assert report.feasible, report.reason
     assert report.peak.max() <= report.capacity

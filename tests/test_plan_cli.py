@@ -3,8 +3,9 @@ import os
 
 import pytest
 
-from jaxrlhf.mesh.plan import ExecutionPlan
-from jaxrlhf.plan import graph_for, main, settings_from_config
+from jaxrlhf.planner.plan import ExecutionPlan
+from jaxrlhf import config as cfglib
+from jaxrlhf.plan import main, parse_args, resolve_config
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
@@ -14,7 +15,7 @@ def test_json_output_and_plan_file(tmp_path, capsys):
                "--prompt-len", "16", "--iterations", "300", "--json", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"searched", "presets", "search_s"}
+    assert set(out) == {"algorithm", "searched", "presets", "search_s"} and out["algorithm"] == "ppo"
     assert out["searched"]["step_s"] > 0 and out["search_s"] > 0
     assert {"colocated", "interleaved", "disaggregated", "reallocated"} <= set(out["presets"])
     for p in out["presets"].values():
@@ -33,24 +34,36 @@ def test_text_output_with_config(tmp_path, capsys):
     assert os.path.exists(tmp_path / "plan.yaml")
 
 
-def test_config_mapping():
-    import yaml
+def test_flags_resolve_to_the_training_config():
+    """The CLI plans what training would run: the same config, flags mapped onto its keys."""
+    cfg = resolve_config(parse_args(["--config", QUICKSTART, "--batch", "16", "--gen-len", "8",
+                                     "algorithm.minibatches=4"]))
+    want = cfglib.load_config(QUICKSTART, ["data.batch_size=16", "generation.max_new_tokens=8",
+                                           "algorithm.minibatches=4"])
+    assert cfg == want
+    # --model-preset resizes the roles with their own weights; init_from roles follow them.
+    cfg = resolve_config(parse_args(["--config", QUICKSTART, "--model-preset", "small"]))
+    assert cfg.model.actor.preset == "small" and cfg.model.critic.init_from == "actor"
 
-    with open(QUICKSTART) as f:
-        raw = yaml.safe_load(f)
-    s = settings_from_config(raw)
-    assert s.models == {"actor": "tiny", "critic": "tiny", "ref": "tiny"}  # rule-based reward: no model
-    expected = (
-        raw["data"]["batch_size"], raw["data"]["max_prompt_len"], raw["generation"]["max_new_tokens"],
-        raw["run"]["devices"], raw["algorithm"]["minibatches"],
-    )
-    assert (s.batch_size, s.prompt_len, s.gen_len, s.devices, s.minibatches) == expected
-    assert "reward.inference" not in graph_for(list(s.models)).names
+
+@pytest.mark.parametrize("algorithm, calls", [
+    ("grpo", {"actor.generate", "ref.inference", "actor.train"}),
+    ("dpo", {"ref.inference", "actor.train"}),
+    ("remax", {"actor.generate", "actor.generate_greedy", "ref.inference", "actor.train"}),
+])
+def test_plans_the_graph_of_any_algorithm(algorithm, calls, tmp_path, capsys):
+    extra = ["algorithm.group_size=4"] if algorithm == "grpo" else []
+    rc = main(["--model-preset", "tiny", "--algorithm", algorithm, "--devices", "8", "--hardware", "cpu",
+               "--batch", "16", "--iterations", "200", "--json", "--out", str(tmp_path), *extra])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["algorithm"] == algorithm and set(out["searched"]["plan"]["calls"]) == calls
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--model-preset", "tiny", "--hardware", "warp9"], "known profiles"),
     (["--model-preset", "llama9"], "Known presets"),
+    (["--model-preset", "tiny", "--algorithm", "trpo"], "not a known algorithm"),
     ([], "--config"),
 ])
 def test_user_mistakes_get_clear_errors(argv, message, capsys, tmp_path):

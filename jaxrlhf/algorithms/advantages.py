@@ -4,16 +4,31 @@ Every estimator has the same signature
 
     fn(batch: AdvantageBatch, **hparams) -> (advantages [B, T], returns [B, T])
 
-and is registered with `@register_advantage("name")`. Hyper-parameters are
-plain Python values (bind them with `functools.partial` before `jax.jit`;
-`group_size` decides shapes, so it must be static).
+and is registered with `@register_advantage("name", needs_critic=..., whitening=...,
+params=(...))`; `params` names the hyper-parameters it takes from the ones every
+caller offers (gamma, lam, group_size, scale_by_std), so one call site serves
+them all. Hyper-parameters are plain Python values (`group_size` decides
+shapes, so it must be static under jit).
 
-- "gae"   PPO with a critic: generalised advantage estimation over tokens.
-- "grpo"  no critic: (r - mean_group) / (std_group + eps) over G samples per prompt.
-- "rloo"  no critic: r minus the mean reward of the other G - 1 samples.
-- "remax" no critic: r minus the reward of the greedy response to the same prompt.
+Whitening (normalising advantages over all response tokens of the global
+batch) is a property of the estimator, declared beside it:
+- "optional": the caller may whiten (GAE; on by default, as ReaLHF, TRL, verl
+  and OpenRLHF do for PPO);
+- "never":    the estimator normalises itself, and whitening would undo it
+  (GRPO's group normalisation: an all-equal group must keep advantage 0 and
+  advantages must not depend on response length), or it is not part of the
+  method (RLOO, ReMax);
+- "always":   the estimator *is* a batch normalisation (REINFORCE++), done inside.
 
-The critic-free estimators work on the sequence reward
+- "gae"          PPO with a critic: generalised advantage estimation over tokens.
+- "grpo"         (r - mean_group) / (std_group + eps) over G samples per prompt
+                 (`scale_by_std=False`: mean baseline only, Dr. GRPO).
+- "rloo"         r minus the mean reward of the other G - 1 samples.
+- "reinforce_pp" REINFORCE++: discounted return of the token rewards (KL penalty
+                 included), normalised over the whole batch.
+- "remax"        return-to-go minus the reward of the greedy response to the same prompt.
+
+The outcome estimators (grpo, rloo) work on the sequence reward
 `sum_t rewards[b, t]` (the shaped score, plus the KL penalty if the caller
 put one into the token rewards), broadcast it to every response token, and
 return `returns == advantages` (there is no value target).
@@ -24,7 +39,7 @@ that is what generation produces. Advantages and returns are 0 outside the mask.
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 from typing import Callable, Protocol
 
 import jax
@@ -32,7 +47,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float
 
-from jaxrlhf.ppo.stats import last_token_onehot, masked_sum
+from jaxrlhf.registry import Registry
+from jaxrlhf.algorithms.stats import last_token_onehot, masked_sum, masked_whiten
 
 TokenArray = Float[Array, "batch time"]
 
@@ -67,29 +83,43 @@ class AdvantageFn(Protocol):
     def __call__(self, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]: ...
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+WHITENING = ("optional", "never", "always")
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator adding an estimator to the registry under `name`."""
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """A registered estimator with what callers must know about it."""
+
+    fn: AdvantageFn
+    needs_critic: bool
+    whitening: str
+    params: tuple[str, ...]
+
+    def __call__(self, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]:
+        """Run with the hyper-parameters this estimator takes (others are ignored)."""
+        return self.fn(batch, **{k: v for k, v in hparams.items() if k in self.params})
+
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def register_advantage(
+    name: str, *, needs_critic: bool = False, whitening: str = "never", params: tuple[str, ...] = ()
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator adding an estimator (see the module docstring for `whitening`)."""
+    if whitening not in WHITENING:
+        raise ValueError(f"whitening must be one of {WHITENING}, got {whitening!r}")
 
     def wrap(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
+        ADVANTAGE_ESTIMATORS.register(name)(Estimator(fn, needs_critic, whitening, params))
         return fn
 
     return wrap
 
 
-def get_advantage(name: str) -> AdvantageFn:
+def get_advantage(name: str) -> Estimator:
     """The estimator registered as `name`; a clear error naming the known ones otherwise."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        known = sorted(ADVANTAGE_ESTIMATORS)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown advantage estimator {name!r}.{hint} Known: {known}")
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def compute_advantages(name: str, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]:
@@ -101,7 +131,7 @@ def _float_mask(batch: AdvantageBatch) -> TokenArray:
     return jnp.asarray(batch.mask).astype(jnp.float32)
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True, whitening="optional", params=("gamma", "lam"))
 def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
 
@@ -159,7 +189,7 @@ def _broadcast(seq_adv: Float[Array, "batch"], batch: AdvantageBatch) -> tuple[T
     return adv, adv
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", params=("group_size", "scale_by_std"))
 def grpo(
     batch: AdvantageBatch, *, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
 ) -> tuple[TokenArray, TokenArray]:
@@ -183,7 +213,7 @@ def grpo(
     return _broadcast(adv.reshape(-1), batch)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", params=("group_size",))
 def rloo(batch: AdvantageBatch, *, group_size: int) -> tuple[TokenArray, TokenArray]:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
@@ -197,14 +227,45 @@ def rloo(batch: AdvantageBatch, *, group_size: int) -> tuple[TokenArray, TokenAr
     return _broadcast((r - baseline).reshape(-1), batch)
 
 
-@register_advantage("remax")
-def remax(batch: AdvantageBatch) -> tuple[TokenArray, TokenArray]:
+@register_advantage("remax", params=("gamma",))
+def remax(batch: AdvantageBatch, *, gamma: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """ReMax (Li et al. 2023): the greedy response's reward is the baseline.
 
-    `batch.baseline_rewards[b]` is the (shaped) reward of the greedy decode of
-    sequence b's prompt; it lowers variance without a critic.
+    A_t = sum_{k >= t} gamma^(k - t) r_k - baseline, with `batch.baseline_rewards[b]`
+    the shaped score of the greedy decode of sequence b's prompt (no KL in it), as
+    verl; without a KL penalty in the token rewards that is simply r - r_greedy.
+    It lowers variance without a critic; nothing is whitened.
     """
     if batch.baseline_rewards is None:
         raise ValueError("advantage estimator 'remax' needs batch.baseline_rewards (greedy-sample rewards)")
-    seq_adv = _sequence_rewards(batch) - batch.baseline_rewards.astype(jnp.float32)
-    return _broadcast(seq_adv, batch)
+    mask = _float_mask(batch)
+    returns = _returns_to_go(batch.rewards.astype(jnp.float32) * mask, mask, gamma)
+    adv = (returns - batch.baseline_rewards.astype(jnp.float32)[:, None]) * mask
+    return adv, adv
+
+
+def _returns_to_go(rewards: TokenArray, mask: TokenArray, gamma: float) -> TokenArray:
+    """G_t = sum_{k >= t} gamma^(k - t) r_k inside the mask (a reverse scan: one loop for any T)."""
+
+    def step(next_return: Float[Array, "batch"], xs):
+        r_t, m_t = xs
+        g_t = (r_t + gamma * next_return) * m_t
+        return g_t, g_t
+
+    _, returns_tm = jax.lax.scan(step, jnp.zeros(mask.shape[0], jnp.float32), (rewards.T, mask.T), reverse=True)
+    return returns_tm.T
+
+
+@register_advantage("reinforce_pp", whitening="always", params=("gamma",))
+def reinforce_pp(batch: AdvantageBatch, *, gamma: float = 1.0) -> tuple[TokenArray, TokenArray]:
+    """REINFORCE++ (Hu 2025): token-level returns, normalised over the whole batch.
+
+    G_t = sum_{k >= t} gamma^(k - t) r_k over the token rewards (score on the last
+    token, -coef * KL on every token), then (G - mean) / std over every response
+    token of the global batch (under jit on a sharded batch these are global
+    statistics). No critic and no per-prompt baseline: the batch statistics are
+    the baseline. `returns` are the undiscounted-by-normalisation G.
+    """
+    mask = _float_mask(batch)
+    returns = _returns_to_go(batch.rewards.astype(jnp.float32) * mask, mask, gamma)
+    return masked_whiten(returns, mask), returns

@@ -1,7 +1,9 @@
 """KL to the reference policy: per-token estimators, the reward penalty, and controllers.
 
 The policy is kept near the reference model by subtracting `coef * KL` from
-every response token's reward (DESIGN §4, coef 0.1). The true KL of a token
+every response token's reward (PPO, DESIGN §4, coef 0.1) or by a KL term in the
+loss (GRPO); the coefficient is fixed or adapted towards a target KL
+(`adaptive_kl_coef`, carried between steps as the `kl_coef` state). The true KL of a token
 distribution needs the full vocabulary; the estimators here use only the
 log-prob of the sampled token under both models (Schulman, "Approximating KL
 divergence", 2020), with x ~ policy and log r = ref_logp - logp:
@@ -14,13 +16,12 @@ divergence", 2020), with x ~ policy and log r = ref_logp - logp:
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable
+from typing import Callable
 
 import jax.numpy as jnp
-from flax import struct
 from jaxtyping import Array, Bool, Float
 
-from jaxrlhf.ppo.stats import last_token_onehot
+from jaxrlhf.algorithms.stats import last_token_onehot
 
 TokenArray = Float[Array, "batch time"]
 Mask = Float[Array, "batch time"] | Bool[Array, "batch time"]
@@ -91,75 +92,10 @@ def token_level_rewards(
     return rewards
 
 
-@struct.dataclass
-class FixedKLController:
-    """A constant KL coefficient (the default, coef 0.1)."""
-
-    value: float | Float[Array, ""] = 0.1
-
-    def update(self, current_kl: float | Float[Array, ""], n_steps: int) -> "FixedKLController":
-        """No-op, so the step engine can call `update` on any controller."""
-        del current_kl, n_steps
-        return self
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state for the checkpoint metadata."""
-        return {"kind": "fixed", "value": float(self.value)}
-
-
-@struct.dataclass
-class AdaptiveKLController:
-    """Ziegler et al. (2019) adaptive coefficient: steer the measured KL towards `target`.
-
-    Each update multiplies the coefficient by
-    `1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon`, so the KL
-    error is corrected proportionally, at most 20 % per `horizon` samples.
-    `n_steps` is the number of samples (sequences) the KL was measured on,
-    as in TRL/ReaLHF. `current_kl` is the mean per-sequence KL (sum of
-    per-token KL over the response, averaged over sequences).
-    """
-
-    value: float | Float[Array, ""]
-    target: float = struct.field(pytree_node=False, default=6.0)
-    horizon: float = struct.field(pytree_node=False, default=10000.0)
-
-    def __post_init__(self):
-        if self.target <= 0:
-            raise ValueError(f"adaptive KL target must be > 0, got {self.target}")
-        if self.horizon <= 0:
-            raise ValueError(f"adaptive KL horizon must be > 0, got {self.horizon}")
-
-    def update(self, current_kl: float | Float[Array, ""], n_steps: int) -> "AdaptiveKLController":
-        """New controller after observing `current_kl` over `n_steps` samples (works under jit)."""
-        error = jnp.clip(current_kl / self.target - 1.0, -0.2, 0.2)
-        mult = 1.0 + error * n_steps / self.horizon
-        return self.replace(value=self.value * mult)
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state for the checkpoint metadata."""
-        return {"kind": "adaptive", "value": float(self.value), "target": self.target, "horizon": self.horizon}
-
-
-KLController = FixedKLController | AdaptiveKLController
-
-
-def build_kl_controller(
-    kind: str = "fixed", coef: float = 0.1, target: float = 6.0, horizon: float = 10000.0
-) -> KLController:
-    """A controller from config values (`kind` is "fixed" or "adaptive")."""
-    if kind == "fixed":
-        return FixedKLController(value=coef)
-    if kind == "adaptive":
-        return AdaptiveKLController(value=coef, target=target, horizon=horizon)
-    raise ValueError(f"unknown KL controller {kind!r}; choose 'fixed' or 'adaptive'")
-
-
-def kl_controller_from_state(state: dict[str, Any]) -> KLController:
-    """Inverse of `state_dict()`: rebuild a controller from checkpoint metadata."""
-    if state.get("kind") == "adaptive":
-        return AdaptiveKLController(
-            value=float(state["value"]), target=float(state["target"]), horizon=float(state["horizon"])
-        )
-    if state.get("kind") == "fixed":
-        return FixedKLController(value=float(state["value"]))
-    raise ValueError(f"not a KL controller state: {state!r}")
+def adaptive_kl_coef(coef: float, kl: float, n_samples: int, target: float, horizon: float) -> float:
+    """Ziegler et al. (2019) adaptive coefficient after observing mean per-sequence KL `kl` over
+    `n_samples` sequences: `coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_samples / horizon)`."""
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target}, {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return float(coef * (1.0 + error * n_samples / horizon))

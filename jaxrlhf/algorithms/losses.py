@@ -14,6 +14,9 @@ Aggregation over tokens (`agg`):
   batch; long sequences weigh more. Matches ReaLHF/TRL PPO.
 - "seq-mean-token-mean" (default for GRPO, as in the paper): mean over each
   sequence's tokens, then over sequences; every sequence weighs the same.
+- "seq-mean-token-sum-norm" (Dr. GRPO): each sequence's token *sum* divided by
+  a constant (`norm_len`, the maximum response length), then the mean over
+  sequences: no length bias in either direction.
 Under jit on a sharded batch both are global means (see `stats`). With
 gradient accumulation over micro-batches, token-mean must be divided by the
 token count of the whole minibatch, not of each micro-batch.
@@ -23,31 +26,35 @@ Stats are wrapped in `stop_gradient`; they are for logging only.
 
 from __future__ import annotations
 
-import difflib
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jaxrlhf.ppo.kl import kl_per_token
-from jaxrlhf.ppo.stats import masked_max, masked_mean
+from jaxrlhf.algorithms.kl import kl_per_token
+from jaxrlhf.algorithms.stats import masked_max, masked_mean, masked_sum
+from jaxrlhf.registry import Registry
 
 TokenArray = Float[Array, "batch time"]
 Mask = Float[Array, "batch time"] | Bool[Array, "batch time"]
 Stats = dict[str, Float[Array, ""]]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate(loss_per_token: TokenArray, mask: Mask, agg: str = "token-mean") -> Float[Array, ""]:
+def aggregate(
+    loss_per_token: TokenArray, mask: Mask, agg: str = "token-mean", norm_len: int | None = None
+) -> Float[Array, ""]:
     """Reduce a per-token loss to a scalar over the masked-in tokens (see module docstring)."""
     if agg == "token-mean":
         return masked_mean(loss_per_token, mask)
     if agg == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_per_token, mask, axis=-1)
         has_tokens = (jnp.sum(jnp.asarray(mask).astype(jnp.float32), axis=-1) > 0).astype(jnp.float32)
-        return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+        return jnp.sum(masked_mean(loss_per_token, mask, axis=-1)) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+    if agg == "seq-mean-token-sum-norm":  # sum / (rows * L_max), as the Dr. GRPO code and TRL's dr_grpo
+        length = norm_len if norm_len is not None else loss_per_token.shape[-1]
+        return jnp.sum(masked_sum(loss_per_token, mask, axis=-1)) / (loss_per_token.shape[0] * length)
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
 
 
@@ -65,29 +72,13 @@ class PolicyLossFn(Protocol):
     ) -> tuple[Float[Array, ""], Stats]: ...
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator adding a policy loss to the registry under `name`."""
-
-    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register_loss = POLICY_LOSSES.register
 
 
 def get_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; a clear error naming the known ones otherwise."""
-    if name not in POLICY_LOSSES:
-        known = sorted(POLICY_LOSSES)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown policy loss {name!r}.{hint} Known: {known}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES.get(name)
 
 
 def _clipped_surrogate(
@@ -125,12 +116,14 @@ def _clipped_surrogate(
     return loss, stats
 
 
-def _entropy_term(entropy: TokenArray | None, mask: Mask, agg: str, coef: float, stats: Stats) -> Float[Array, ""]:
+def _entropy_term(
+    entropy: TokenArray | None, mask: Mask, agg: str, coef: float, stats: Stats, norm_len: int | None = None
+) -> Float[Array, ""]:
     if entropy is None:
         if coef:
             raise ValueError("entropy_coef is set but no entropy was given")
         return jnp.zeros((), jnp.float32)
-    mean_entropy = aggregate(entropy, mask, agg)
+    mean_entropy = aggregate(entropy, mask, agg, norm_len)
     stats["entropy"] = masked_mean(entropy, mask)
     return -coef * mean_entropy
 
@@ -149,6 +142,7 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
+    norm_len: int | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """Clipped PPO surrogate (Schulman et al. 2017), eps 0.2.
 
@@ -159,8 +153,8 @@ def ppo_policy_loss(
     """
     del ref_logp
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, dual_clip)
-    loss = aggregate(loss_tok, mask, agg)
-    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats)
+    loss = aggregate(loss_tok, mask, agg, norm_len)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
     stats["loss/policy"] = loss
     return loss, jax.lax.stop_gradient(stats)
 
@@ -180,6 +174,7 @@ def grpo_policy_loss(
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
     agg: str = "seq-mean-token-mean",
+    norm_len: int | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """GRPO loss (Shao et al. 2024): the clipped surrogate plus an optional KL-to-reference term.
 
@@ -195,8 +190,8 @@ def grpo_policy_loss(
         kl = kl_per_token(logp, ref_logp, mask, kind=kl_kind)
         loss_tok = loss_tok + kl_coef * kl
         stats["kl/loss"] = masked_mean(kl, mask)
-    loss = aggregate(loss_tok, mask, agg)
-    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats)
+    loss = aggregate(loss_tok, mask, agg, norm_len)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
     stats["loss/policy"] = loss
     return loss, jax.lax.stop_gradient(stats)
 

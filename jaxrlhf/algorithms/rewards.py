@@ -14,16 +14,16 @@ their scores, like the reward model's, then go through `shape_scores`
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrlhf.ppo.stats import last_token_onehot
+from jaxrlhf.algorithms.stats import last_token_onehot
+from jaxrlhf.registry import Registry
 
 FINAL_ANSWER_MARKER = "####"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -33,29 +33,13 @@ class RewardFn(Protocol):
     def __call__(self, *, prompt: str, response: str, answer: str | None, **params: Any) -> float: ...
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a rule reward to the registry under `name`."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in REWARD_FUNCTIONS:
-            raise ValueError(f"reward function {name!r} is already registered")
-        REWARD_FUNCTIONS[name] = fn
-        return fn
-
-    return wrap
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+register_reward = REWARD_FUNCTIONS.register
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as `name`; a clear error naming the known ones otherwise."""
-    if name not in REWARD_FUNCTIONS:
-        known = sorted(REWARD_FUNCTIONS)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reward function {name!r}.{hint} Known: {known}")
-    return REWARD_FUNCTIONS[name]
+    return REWARD_FUNCTIONS.get(name)
 
 
 # ---------------------------------------------------------------- text helpers

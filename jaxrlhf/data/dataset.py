@@ -178,6 +178,36 @@ class _BatchStream(abc.ABC):
         hi = lo + self.local_batch_size
         return self._collate(np.asarray(row_ids[lo:hi], dtype=np.int64), items[lo:hi], length)
 
+    def single_pass(self, batch_size: int | None = None) -> Iterator[tuple[Any, np.ndarray]]:
+        """One ordered pass over every valid row (evaluation): (this process's batch, real-row weights).
+
+        Batches have `batch_size` rows (default: the stream's); the last is filled up by
+        repeating rows with weight 0, so every batch has the same shape. The training
+        position is not touched.
+        """
+        size = batch_size or self.batch_size
+        if size % self.process_count:
+            raise DataError(f"evaluation batch {size} is not divisible by the number of processes {self.process_count}")
+        ids, items = [], []
+        for row_id in range(len(self.source)):
+            try:
+                items.append(self._encode(self.source[row_id]))
+                ids.append(row_id)
+            except RowError:
+                continue
+        if not items:
+            raise DataError(f"no valid row in {self.source!r} for evaluation")
+        per = size // self.process_count
+        lo, hi = self.process_index * per, (self.process_index + 1) * per
+        for start in range(0, len(items), size):
+            chunk_ids, chunk = ids[start:start + size], items[start:start + size]
+            weight = np.zeros(size, np.float32)
+            weight[: len(chunk)] = 1.0
+            while len(chunk) < size:
+                chunk_ids, chunk = chunk_ids + chunk_ids[: size - len(chunk)], chunk + chunk[: size - len(chunk)]
+            length = bucket_length(max(self._length(item) for item in chunk), self.pad_multiple, self._max_len())
+            yield self._collate(np.asarray(chunk_ids[lo:hi], np.int64), chunk[lo:hi], length), weight[lo:hi]
+
     def __iter__(self) -> Iterator[Any]:
         return self
 
@@ -346,17 +376,29 @@ class PromptDataset(_BatchStream):
 
 @dataclasses.dataclass(frozen=True)
 class SFTBatch:
-    """Prompt + completion + EOS, left-padded; the loss covers completion and EOS only."""
+    """Prompt + completion + EOS per sequence; the loss covers completion and EOS only.
+
+    Unpacked: one sequence per row, left-padded. Packed: several sequences per row,
+    back to back from the left, right-padded; `segment_ids` numbers them (1, 2, ...;
+    0 = padding) so attention stays inside each one, and `positions` restart at 0.
+    """
 
     input_ids: np.ndarray  # int32 [local_batch, length]
     attention_mask: np.ndarray  # bool [local_batch, length]
     loss_mask: np.ndarray  # bool [local_batch, length]; True where the token is a target
+    positions: np.ndarray  # int32 [local_batch, length]
+    segment_ids: np.ndarray | None  # int32 [local_batch, length] when packed
     row_ids: np.ndarray
     global_batch_size: int
 
 
 class SFTDataset(_BatchStream):
-    """Supervised demonstrations (prompt, completion) for warming up the actor."""
+    """Supervised demonstrations (prompt, completion): the SFT stage and the actor's warm-up.
+
+    With `packing`, each row of a batch holds as many whole sequences as fit in
+    `max_len` tokens (first fit in stream order, never split), so short
+    demonstrations waste no compute on padding.
+    """
 
     def __init__(
         self,
@@ -369,6 +411,7 @@ class SFTDataset(_BatchStream):
         completion_key: str = "answer",
         template: str = "{prompt}",
         add_bos: bool = True,
+        packing: bool = False,
         pad_multiple: int = 16,
         shuffle: bool = True,
         seed: int = 0,
@@ -384,6 +427,7 @@ class SFTDataset(_BatchStream):
         self.prompt_key = prompt_key
         self.completion_key = completion_key
         self.template = template
+        self.packing = packing
         self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
 
     @classmethod
@@ -392,20 +436,31 @@ class SFTDataset(_BatchStream):
         config: "Config",
         tokenizer: Tokenizer,
         *,
+        warmup: bool = False,
+        split: str | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> "SFTDataset":
-        """The warm-up stream of `config.sft` (source defaults to data.source)."""
+        """The SFT stage's stream (`data.*`), or with `warmup` the actor's warm-up stream of an
+        RL run (`sft.*`, falling back to `data.*`)."""
         data, sft = config.data, config.sft
+        if warmup:
+            source, default_split, batch_size = sft.source or data.source, sft.split, sft.batch_size
+            completion = sft.completion_key or data.answer_key or "answer"
+            packing = sft.packing
+        else:
+            source, default_split, batch_size = data.source, data.split, data.batch_size
+            completion, packing = data.answer_key or "answer", data.packing
         return cls(
-            open_source(sft.source or data.source, sft.split, data.data_dir),
+            open_source(source, split or default_split, data.data_dir),
             tokenizer,
-            batch_size=sft.batch_size,
-            max_len=data.max_prompt_len + config.generation.max_new_tokens,
+            batch_size=batch_size,
+            max_len=data.max_seq_len or data.max_prompt_len + config.generation.max_new_tokens,
             prompt_key=data.prompt_key,
-            completion_key=sft.completion_key or data.answer_key or "answer",
+            completion_key=completion,
             template=data.prompt_template,
             add_bos=data.add_bos,
+            packing=packing,
             pad_multiple=data.pad_multiple,
             shuffle=data.shuffle,
             seed=config.run.seed if data.seed is None else data.seed,
@@ -433,7 +488,46 @@ class SFTDataset(_BatchStream):
         loss_mask = np.zeros_like(mask)
         for row, (ids, prompt_len) in enumerate(items):
             loss_mask[row, length - len(ids) + prompt_len:] = True
-        return SFTBatch(tokens, mask, loss_mask, row_ids, self.batch_size)
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+        return SFTBatch(tokens, mask, loss_mask, positions, None, row_ids, self.batch_size)
+
+    def next_batch(self) -> SFTBatch:
+        return self._next_packed() if self.packing else super().next_batch()
+
+    def _next_packed(self) -> SFTBatch:
+        """`batch_size` rows of `max_len` tokens, filled first fit in stream order."""
+        rows: list[list[tuple[list[int], int]]] = [[] for _ in range(self.batch_size)]
+        used = [0] * self.batch_size
+        row_ids: list[int] = []
+        while True:
+            position = (self.epoch, self.index, collections.Counter(self.skipped))
+            ids, (item,) = self._take(1)
+            fit = next((r for r in range(self.batch_size) if used[r] + len(item[0]) <= self.max_len), None)
+            if fit is None:  # put it back for the next batch
+                self.epoch, self.index, self.skipped = position
+                break
+            rows[fit].append(item)
+            used[fit] += len(item[0])
+            row_ids.append(ids[0])
+        length = self.max_len
+        pad = self.tokenizer.pad_id
+        shape = (self.batch_size, length)
+        tokens, loss_mask = np.full(shape, pad, np.int32), np.zeros(shape, bool)
+        positions, segments = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        for r, items in enumerate(rows):
+            at = 0
+            for k, (ids, prompt_len) in enumerate(items, start=1):
+                n = len(ids)
+                tokens[r, at:at + n] = ids
+                loss_mask[r, at + prompt_len:at + n] = True
+                positions[r, at:at + n] = np.arange(n)
+                segments[r, at:at + n] = k
+                at += n
+        lo = self.process_index * self.local_batch_size
+        hi = lo + self.local_batch_size
+        sl = slice(lo, hi)
+        return SFTBatch(tokens[sl], segments[sl] > 0, loss_mask[sl], positions[sl], segments[sl],
+                        np.asarray(row_ids, np.int64), self.batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,13 +536,16 @@ class SFTDataset(_BatchStream):
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceBatch:
-    """Chosen and rejected sequences (prompt + response + EOS), padded to one length
-    so both can go through the reward model in a single forward."""
+    """Chosen and rejected sequences (prompt + response + EOS), left-padded to one length so
+    both go through a model in one forward. The loss masks mark the response tokens (the
+    prompt, or without a prompt key the two texts' common prefix, is excluded)."""
 
     chosen_ids: np.ndarray  # int32 [local_batch, length]
     chosen_mask: np.ndarray  # bool [local_batch, length]
     rejected_ids: np.ndarray
     rejected_mask: np.ndarray
+    chosen_loss_mask: np.ndarray  # bool [local_batch, length]
+    rejected_loss_mask: np.ndarray
     row_ids: np.ndarray
     global_batch_size: int
 
@@ -487,13 +584,42 @@ class PreferenceDataset(_BatchStream):
         self.template = template
         self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
 
+    @classmethod
+    def from_config(
+        cls,
+        config: "Config",
+        tokenizer: Tokenizer,
+        *,
+        split: str | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> "PreferenceDataset":
+        """The pair stream of the reward-model and DPO stages (`data.*`)."""
+        data = config.data
+        return cls(
+            open_source(data.source, split or data.split, data.data_dir),
+            tokenizer,
+            batch_size=data.batch_size,
+            max_len=data.max_seq_len or data.max_prompt_len + config.generation.max_new_tokens,
+            prompt_key=data.prompt_key,
+            chosen_key=data.chosen_key,
+            rejected_key=data.rejected_key,
+            template=data.prompt_template,
+            add_bos=data.add_bos,
+            pad_multiple=data.pad_multiple,
+            shuffle=data.shuffle,
+            seed=config.run.seed if data.seed is None else data.seed,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
     def _max_len(self) -> int:
         return self.max_len
 
-    def _length(self, item: tuple[list[int], list[int]]) -> int:
+    def _length(self, item: tuple[list[int], list[int], int]) -> int:
         return max(len(item[0]), len(item[1]))
 
-    def _encode(self, row: Any) -> tuple[list[int], list[int]]:
+    def _encode(self, row: Any) -> tuple[list[int], list[int], int]:
         prompt_ids = list(self.prefix)
         if self.prompt_key is not None:
             prompt_ids += self.tokenizer.encode(_render(self.template, _text_field(row, self.prompt_key)))
@@ -503,10 +629,24 @@ class PreferenceDataset(_BatchStream):
             if len(ids) > self.max_len:
                 raise RowError("too_long", f"{key}: {len(ids)} > {self.max_len} tokens")
             pair.append(ids)
-        return pair[0], pair[1]
+        chosen, rejected = pair
+        if chosen == rejected:
+            raise RowError("identical_pair", f"{self.chosen_key} equals {self.rejected_key}")
+        shared = len(prompt_ids)
+        if self.prompt_key is None:  # the conversation so far is the common prefix of both texts
+            shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+                          min(len(chosen), len(rejected)) - 1)
+        return chosen, rejected, shared
 
-    def _collate(self, row_ids: np.ndarray, items: list[tuple[list[int], list[int]]], length: int) -> PreferenceBatch:
+    def _collate(
+        self, row_ids: np.ndarray, items: list[tuple[list[int], list[int], int]], length: int
+    ) -> PreferenceBatch:
         pad = self.tokenizer.pad_id
-        chosen, chosen_mask = left_pad([c for c, _ in items], length, pad)
-        rejected, rejected_mask = left_pad([r for _, r in items], length, pad)
-        return PreferenceBatch(chosen, chosen_mask, rejected, rejected_mask, row_ids, self.batch_size)
+        chosen, chosen_mask = left_pad([c for c, _, _ in items], length, pad)
+        rejected, rejected_mask = left_pad([r for _, r, _ in items], length, pad)
+        chosen_loss, rejected_loss = np.zeros_like(chosen_mask), np.zeros_like(rejected_mask)
+        for row, (c, r, shared) in enumerate(items):
+            chosen_loss[row, length - len(c) + shared:] = True
+            rejected_loss[row, length - len(r) + shared:] = True
+        return PreferenceBatch(chosen, chosen_mask, rejected, rejected_mask, chosen_loss, rejected_loss, row_ids,
+                               self.batch_size)

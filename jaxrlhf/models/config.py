@@ -1,16 +1,15 @@
 """Model dimensions and named size presets.
 
 A `ModelConfig` holds only shapes and numerics, never weights, so the planner
-can reason about a 70B model on a laptop. HF `config.json` files map onto it
-(see `hf_io.py`).
+can reason about a 70B model on a laptop (this module imports JAX only when a
+dtype is asked for, so the planner stays JAX-free). HF `config.json` files map
+onto it (see `hf_io.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-import jax.numpy as jnp
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -69,10 +68,14 @@ class ModelConfig:
 
     @property
     def jnp_param_dtype(self):
+        import jax.numpy as jnp
+
         return jnp.dtype(self.param_dtype)
 
     @property
     def jnp_dtype(self):
+        import jax.numpy as jnp
+
         return jnp.dtype(self.dtype)
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -178,6 +178,31 @@ def _decode(
     )
 
 
+def generate_tokens(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_tokens: Int[Array, "batch length"],
+    prompt_mask: Bool[Array, "batch length"],
+    rng: PRNGKeyArray,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_id: int | None,
+    pad_id: int,
+    min_bucket: int = 16,
+) -> GenerationOutput:
+    """Prefill and decode as one pure function: the form a placed call compiles (one program
+    per placement and prompt bucket). Prompts may be padded on either side (see `Generator`)."""
+    bucket = bucket_length(prompt_tokens.shape[1], min_bucket)
+    tokens, mask, last_logits, cache = _prefill(
+        graphdef, state, prompt_tokens, prompt_mask, bucket=bucket, max_new_tokens=max_new_tokens, pad_id=pad_id
+    )
+    return _decode(
+        graphdef, state, tokens, mask, last_logits, cache, rng,
+        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+    )
+
+
 # `tag` only separates compile caches: `axes.constrain` reads its resolver while tracing, so generation
 # under different `activation_sharding` resolvers needs a distinct tag per resolver.
 prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max_new_tokens", "pad_id", "tag"))

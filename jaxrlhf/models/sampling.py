@@ -127,3 +127,12 @@ def entropy(logits: Float[Array, "... vocab"], params: SamplingParams) -> Float[
     p = jnp.exp(logp)
     safe_logp = jnp.where(p > 0, logp, 0.0)
     return -jnp.sum(p * safe_logp, axis=-1)
+
+
+def next_token_logprobs(
+    logits: Float[Array, "batch length vocab"], tokens: Int[Array, "batch length"]
+) -> Float[Array, "batch length-1"]:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) under the plain (unprocessed) distribution:
+    what supervised losses, DPO and reward-free scoring use."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]

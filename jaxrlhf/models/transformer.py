@@ -141,6 +141,7 @@ class Attention(nnx.Module):
         inv_freq: Float[Array, "half_head_dim"],
         kv: tuple[jax.Array, jax.Array] | None,
         offset: jax.Array | int,
+        segment_ids: Int[Array, "batch length"] | None = None,
     ) -> tuple[Float[Array, "batch length embed"], tuple[jax.Array, jax.Array]]:
         cfg = self.config
         q = apply_rope(self._project(x, self.q, "q_bias"), positions, inv_freq)
@@ -161,6 +162,8 @@ class Attention(nnx.Module):
         allowed = (k_slot <= q_slot)[None] & key_valid[:, None, :]  # [B, T, S]
         if cfg.sliding_window is not None:
             allowed &= (q_slot - k_slot < cfg.sliding_window)[None]
+        if segment_ids is not None:  # packed rows: attend only within one's own sequence
+            allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         allowed |= (k_slot == q_slot)[None]  # a padding query attends to itself: finite garbage, never NaN
         scores = jnp.where(allowed[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -192,8 +195,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, key_valid, inv_freq, kv, offset):
-        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, offset)
+    def __call__(self, x, positions, key_valid, inv_freq, kv, offset, segment_ids=None):
+        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, offset, segment_ids)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
@@ -217,8 +220,12 @@ class Transformer(nnx.Module):
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
         cache: KVCache | None = None,
+        segment_ids: Int[Array, "batch length"] | None = None,
     ) -> tuple[Float[Array, "batch length embed"], KVCache | None]:
+        """Hidden states; `segment_ids` (packed rows, no cache) keeps attention inside each sequence."""
         cfg = self.config
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
         x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.jnp_dtype)
         x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
         inv_freq = rope_inv_frequencies(cfg)
@@ -232,9 +239,11 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             if self.remat and cache is None:
-                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, positions, key_valid, inv_freq, kv, offset)
+                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(
+                    layer, x, positions, key_valid, inv_freq, kv, offset, segment_ids
+                )
             else:
-                x, kv = layer(x, positions, key_valid, inv_freq, kv, offset)
+                x, kv = layer(x, positions, key_valid, inv_freq, kv, offset, segment_ids)
             new_k.append(kv[0])
             new_v.append(kv[1])
         x = self.final_norm(x)
@@ -263,8 +272,9 @@ class CausalLM(nnx.Module):
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
         cache: KVCache | None = None,
+        segment_ids: Int[Array, "batch length"] | None = None,
     ) -> tuple[Float[Array, "batch length vocab"], KVCache | None]:
-        h, cache = self.model(tokens, positions, mask, cache)
+        h, cache = self.model(tokens, positions, mask, cache, segment_ids)
         dt = self.config.jnp_dtype
         if self.config.tie_word_embeddings:
             w = self.model.embed.value.astype(dt).T

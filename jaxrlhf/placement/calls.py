@@ -23,9 +23,9 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrlhf.mesh.groups import Device
-from jaxrlhf.mesh.layout import AxisRules, DEFAULT_RULES, activation_resolver, batch_spec, make_mesh, param_shardings
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
+from jaxrlhf.placement.devices import Device
+from jaxrlhf.placement.layout import AxisRules, DEFAULT_RULES, activation_resolver, batch_spec, make_mesh, param_shardings
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
 from jaxrlhf.models import axes as ax
 
 
@@ -84,8 +84,16 @@ class PlacedFunction:
     ):
         self.placed = placed
         self.fn = fn
+
+        # A function object of its own: jax.jit shares traces between jit objects of the same Python
+        # function, and a trace made under another placement's activation rules must not be reused.
+        def placed_fn(*args):
+            return fn(*args)
+
+        base = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "call")
+        placed_fn.__name__ = placed_fn.__qualname__ = f"{base}@{placed.call}"
         self._jitted = jax.jit(
-            fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums)
+            placed_fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums)
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._lock = threading.Lock()

@@ -11,8 +11,9 @@ shardings from parameters and `constrain` hints), because the defaults of
 (the same name may map differently: "embed" is FSDP-sharded in a weight but
 replicated in an activation whose batch is already split over fsdp). A rule
 skips mesh axes of size 1 and never shards a dimension that the axes' size
-does not divide; that dimension stays replicated (validation reports the
-cases that matter: tensor vs heads / kv_heads / mlp, batch vs data x fsdp).
+does not divide; that dimension stays replicated (`planner.plan.layout_misfit`
+reports the cases that matter: tensor vs heads / kv_heads / mlp, batch vs
+data x fsdp).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrlhf.mesh.groups import Device, group_devices
-from jaxrlhf.mesh.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, PlanError
+from jaxrlhf.placement.devices import Device, group_devices
+from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, PlanError
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models.config import ModelConfig
 
 MeshAxes = tuple[str, ...]
 RuleTable = Mapping[str, MeshAxes]
@@ -217,35 +217,6 @@ def batch_spec(ndim: int, mesh_or_layout: Mesh | Layout, rules: AxisRules | None
     return logical_to_spec(names, None, mesh_or_layout, (rules or DEFAULT_RULES).activations)
 
 
-# ---- fit checks -----------------------------------------------------------------------
-def layout_misfit(
-    layout: Layout,
-    config: ModelConfig | None = None,
-    batch_size: int | None = None,
-    rules: AxisRules | None = None,
-) -> str | None:
-    """Why `layout` cannot run `config` at `batch_size`, or None when it fits."""
-    for a, size in layout.axis_sizes.items():
-        if size < 1:
-            return f"mesh axis {a}={size}; every axis needs size >= 1"
-    if config is not None and layout.tensor > 1:
-        dims = {
-            "num_heads": config.num_heads,
-            "num_kv_heads": config.num_kv_heads,
-            "intermediate_size (mlp)": config.intermediate_size,
-        }
-        for what, n in dims.items():
-            if n % layout.tensor:
-                ok = [t for t in range(1, layout.num_devices + 1) if all(v % t == 0 for v in dims.values())]
-                return f"tensor={layout.tensor} does not divide {what}={n}; tensor sizes that fit: {ok}"
-    if batch_size is not None:
-        split = math.prod(
-            layout.axis_sizes[a] for a in (rules or DEFAULT_RULES).activations.get(ax.BATCH, ())
-        )
-        if batch_size % split:
-            return (
-                f"batch size {batch_size} is not divisible by data*fsdp = {split}; "
-                f"use a batch that is a multiple of {split} or a layout with fewer data/fsdp devices"
-            )
-    return None
-
+def batch_axes(rules: AxisRules | None = None) -> tuple[str, ...]:
+    """Mesh axes a batch is split over under `rules` (what `layout_misfit` checks divisibility by)."""
+    return tuple((rules or DEFAULT_RULES).activations.get(ax.BATCH, ()))

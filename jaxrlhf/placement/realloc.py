@@ -353,6 +353,28 @@ def reallocate(
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
+def move_where_needed(tree: Any, target: Any, *, free_source: bool = False) -> tuple[Any, ReallocStats]:
+    """`reallocate` only the leaves not already laid out as `target` says (others are returned as they
+    are, sharing buffers). Host values (numpy, Python scalars, uncommitted arrays) are put on the
+    target directly: they have no device layout to move from."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    targets = jax.tree_util.tree_leaves(target, is_leaf=lambda s: isinstance(s, Sharding))
+    if len(targets) != len(leaves):
+        raise ValueError(f"target has {len(targets)} shardings for {len(leaves)} arrays; build it from the same tree")
+    todo = []
+    for i, (x, t) in enumerate(zip(leaves, targets)):
+        if not isinstance(x, jax.Array) or not x.committed:
+            leaves[i] = jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), t)
+        elif not (x.sharding.is_equivalent_to(t, x.ndim) and x.sharding.memory_kind == t.memory_kind):
+            todo.append(i)
+    stats = ReallocStats()
+    if todo:
+        moved, stats = reallocate([leaves[i] for i in todo], [targets[i] for i in todo], free_source=free_source)
+        for i, x in zip(todo, moved):
+            leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves), stats
+
+
 def _move_memory(tree: Any, memory_kind: str, free_source: bool) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     targets = [x.sharding.with_memory_kind(memory_kind) for x in leaves]

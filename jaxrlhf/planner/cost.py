@@ -31,9 +31,9 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxrlhf.mesh.graph import CallSpec
-from jaxrlhf.mesh.hardware import HardwareProfile
-from jaxrlhf.mesh.plan import DeviceGroup, Layout
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,16 +78,12 @@ class Workload:
                    gen_len=gen_len, **kw)
 
     def call_batch(self, kind: str) -> int:
-        """Sequences one call step feeds at once (train: one minibatch)."""
+        """Batch rows one call step feeds at once (train: one minibatch); the batch axes must divide it."""
         return self.minibatch_size if kind == "train" else self.batch_size
 
-
-# Which output head each role carries; the LM head costs vocab x hidden per token.
-ROLE_HEADS: dict[str, str] = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward"}
-
-
-def head_of(role: str) -> str:
-    return ROLE_HEADS.get(role, "lm")
+    def call_seqs(self, call: CallSpec) -> int:
+        """Sequences one call step feeds at once: its batch rows times the call's sequences per row."""
+        return self.call_batch(call.kind) * call.seqs_per_row
 
 
 def matmul_params(cfg: ModelConfig, head: str) -> int:
@@ -215,9 +211,9 @@ def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float
     return CallCost(sum(parts.values()), flops, hbm, comm_bytes, parts)
 
 
-def generate_cost(c: _Ctx, wl: Workload) -> CallCost:
+def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw = c.cfg, c.hw
-    seqs = wl.batch_size / c.batch_ways
+    seqs = wl.call_seqs(call) / c.batch_ways
     pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, _micro(seqs * wl.prompt_len, wl))
     # Decode: step s attends to prompt_len + s cached tokens.
     ctx_len = wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64)
@@ -243,8 +239,8 @@ def generate_cost(c: _Ctx, wl: Workload) -> CallCost:
     return _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
 
 
-def inference_cost(c: _Ctx, wl: Workload) -> CallCost:
-    seqs = wl.batch_size / c.batch_ways
+def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
+    seqs = wl.call_seqs(call) / c.batch_ways
     tokens = seqs * wl.seq_len
     f = c.forward(tokens, wl.seq_len, seqs, _micro(tokens, wl))
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
@@ -259,10 +255,10 @@ def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload) -> float:
     return 2 * pb + master
 
 
-def train_cost(c: _Ctx, wl: Workload) -> CallCost:
+def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw, lay = c.cfg, c.hw, c.layout
     steps = wl.minibatches * wl.ppo_epochs
-    seqs = wl.minibatch_size / c.batch_ways
+    seqs = wl.call_seqs(call) / c.batch_ways
     tokens = seqs * wl.seq_len
     micro = _micro(tokens, wl)
     f = c.forward(tokens, wl.seq_len, seqs, micro)
@@ -295,8 +291,8 @@ CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": t
 def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
               hw: HardwareProfile) -> CallCost:
     """Seconds of `call` (one RLHF step's worth of it) with its role's model `cfg` on `group` x `layout`."""
-    ctx = _Ctx(cfg, head_of(call.role), layout, Geometry.of(group, layout, hw), hw)
-    return CALL_COSTS[call.kind](ctx, wl)
+    ctx = _Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw)
+    return CALL_COSTS[call.kind](ctx, wl, call)
 
 
 # ---- moving parameters -----------------------------------------------------------------------
@@ -352,14 +348,16 @@ class CostCache:
         self._moves: dict[tuple, float] = {}
 
     def call(self, call: CallSpec, group: DeviceGroup, layout: Layout) -> CallCost:
-        key = (call.name, call.role, call.kind, group.start, group.size, layout)
+        key = (call, group.start, group.size, layout)
         if key not in self._calls:
             self._calls[key] = call_cost(call, self.models[call.role], group, layout, self.wl, self.hw)
         return self._calls[key]
 
-    def move(self, role: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup, dst_layout: Layout) -> float:
-        key = (role, src.start, src.size, src_layout, dst.start, dst.size, dst_layout)
+    def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
+             dst_layout: Layout) -> float:
+        """Seconds to bring `call`'s role's parameters from (src, src_layout) to (dst, dst_layout)."""
+        key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout)
         if key not in self._moves:
-            self._moves[key] = realloc_cost(self.models[role], head_of(role), src, src_layout, dst, dst_layout,
+            self._moves[key] = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
                                             self.hw)
         return self._moves[key]

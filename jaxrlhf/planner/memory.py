@@ -21,12 +21,12 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxrlhf.mesh.cost import (
-    DTYPE_BYTES, Workload, head_of, kv_bytes_per_token, optimizer_bytes_per_param, param_bytes, param_count,
+from jaxrlhf.planner.cost import (
+    DTYPE_BYTES, Workload, kv_bytes_per_token, optimizer_bytes_per_param, param_bytes, param_count,
 )
-from jaxrlhf.mesh.graph import CallGraph, CallSpec
-from jaxrlhf.mesh.hardware import HardwareProfile
-from jaxrlhf.mesh.plan import ExecutionPlan, Layout
+from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.plan import ExecutionPlan, Layout
 from jaxrlhf.models.config import ModelConfig
 
 GiB = 2**30
@@ -79,23 +79,21 @@ def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Worklo
 
 def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) -> dict[str, float]:
     """Bytes one device needs on top of resident parameters while `call` runs."""
-    head = head_of(call.role)
+    head = call.head
     t = layout.tensor
     batch_ways = layout.data * layout.fsdp
     ab = DTYPE_BYTES[cfg.dtype]
     gathered = param_bytes(cfg, head) / t / cfg.num_layers * 2 if layout.fsdp > 1 else 0.0  # FSDP layer buffers
+    seqs = wl.call_seqs(call) / batch_ways
     if call.kind == "generate":
-        seqs = wl.batch_size / batch_ways
         kv = seqs * wl.seq_len * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
         tok = _tokens_per_micro(seqs, wl.prompt_len, wl)
         prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(cfg, head, tok, t, 1)
         return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered}
     if call.kind == "inference":
-        seqs = wl.batch_size / batch_ways
         tok = _tokens_per_micro(seqs, wl.seq_len, wl)
         act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_INFER)
         return {"activations": act, "fsdp_buffers": gathered}
-    seqs = wl.minibatch_size / batch_ways
     tok = _tokens_per_micro(seqs, wl.seq_len, wl)
     layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
     if wl.remat:  # layer inputs kept, one layer recomputed at a time
@@ -142,7 +140,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     # Resident contributions per role (home params + optimizer state + persistent shadows).
     resident_by_role: dict[str, np.ndarray] = {}
     for role in roles:
-        cfg, head = models[role], head_of(role)
+        cfg, head = models[role], graph.head(role)
         home_call = plan.home_call(role)
         home = plan.calls[home_call]
         arr = np.zeros(n)
@@ -172,7 +170,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
         if moved and c.role not in plan.shadow_roles:
-            w += params_per_device(cfg, head_of(c.role), lay)
+            w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 
     offloaded: list[str] = []
@@ -186,7 +184,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
             role = graph[name].role
             extra = w
             if role in offloaded:  # reloaded for its own call
-                extra += params_per_device(models[role], head_of(role), plan.calls[name].layout)
+                extra += params_per_device(models[role], graph.head(role), plan.calls[name].layout)
             peak[s] = np.maximum(peak[s], resident[s] + extra)
             call_bytes[name] = float((resident[s] + extra).max())
         over = peak > cap

@@ -1,10 +1,13 @@
 """Execution plans: where every model call runs.
 
-A plan names device groups (contiguous ranges of the global device list),
-and gives each call of the graph a `Placement`: a group plus a `Layout`
+A plan names device groups (contiguous ranges of the global device list,
+sorted by process then device id, so a range means the same devices on every
+process; a group never splits a host unless it is smaller than one) and
+gives each call of the graph a `Placement`: a group plus a `Layout`
 (mesh axis sizes). The plan is pure data: YAML in and out, a printable
 table, and validation with specific messages. Turning it into meshes is
-`layout.py`'s job; moving parameters between placements is `realloc.py`'s.
+`jaxrlhf.placement.layout`'s job; moving parameters between placements is
+`jaxrlhf.placement.realloc`'s.
 
 Where a role's parameters live ("home") is the placement of its train call
 if it has one, else of its first call. A call placed elsewhere works on a
@@ -16,6 +19,7 @@ before the call and dropped after (reallocated).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
@@ -23,10 +27,11 @@ import yaml
 if TYPE_CHECKING:
     import jax
 
-    from jaxrlhf.mesh.graph import CallGraph
+    from jaxrlhf.graph import CallGraph
     from jaxrlhf.models.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over (placement's default axis rules)
 
 
 class PlanError(ValueError):
@@ -204,6 +209,100 @@ class ExecutionPlan:
         return "\n".join(lines)
 
 
+# ---- device groups and hosts ----------------------------------------------------------
+def host_rule_violation(group: DeviceGroup, devices_per_host: int | None) -> str | None:
+    """Why `group` breaks the host rule, or None when it respects it."""
+    if not devices_per_host or group.size <= 0:
+        return None
+    dph = devices_per_host
+    if group.size <= dph:
+        if group.start // dph != (group.stop - 1) // dph:
+            first = group.start // dph * dph
+            return (
+                f"group {group.name!r} (devices {group.start}-{group.stop - 1}) straddles two hosts of "
+                f"{dph} devices; start it at a multiple of {dph} or inside one host (e.g. start={first + dph})"
+            )
+        return None
+    if group.start % dph or group.size % dph:
+        return (
+            f"group {group.name!r} (devices {group.start}-{group.stop - 1}) splits a host: a group larger than one "
+            f"host ({dph} devices) must start at a multiple of {dph} and cover whole hosts"
+        )
+    return None
+
+
+def check_group(group: DeviceGroup, num_devices: int, devices_per_host: int | None = None) -> None:
+    """Raise PlanError unless `group` lies inside [0, num_devices) and respects hosts."""
+    if group.size < 1:
+        raise PlanError(f"group {group.name!r} has size {group.size}; a group needs at least one device")
+    if group.start < 0 or group.stop > num_devices:
+        raise PlanError(
+            f"group {group.name!r} covers devices {group.start}-{group.stop - 1} but only devices "
+            f"0-{num_devices - 1} exist; shrink or move the group"
+        )
+    reason = host_rule_violation(group, devices_per_host)
+    if reason:
+        raise PlanError(reason)
+
+
+def carve(
+    sizes: Mapping[str, int],
+    num_devices: int,
+    devices_per_host: int | None = None,
+    start: int = 0,
+) -> dict[str, DeviceGroup]:
+    """Lay groups of the given sizes side by side from `start`, checking every one.
+
+    Example: carve({"gen": 4, "train": 4}, 8) -> gen = 0-3, train = 4-7.
+    """
+    groups: dict[str, DeviceGroup] = {}
+    offset = start
+    for name, size in sizes.items():
+        g = DeviceGroup(name, offset, int(size))
+        check_group(g, num_devices, devices_per_host)
+        groups[name] = g
+        offset = g.stop
+    return groups
+
+
+def valid_group_sizes(num_devices: int, devices_per_host: int | None = None) -> list[int]:
+    """Sizes a group may take: anything up to one host, then whole hosts."""
+    dph = devices_per_host or num_devices
+    small = list(range(1, min(dph, num_devices) + 1))
+    return small + [k * dph for k in range(2, num_devices // dph + 1)]
+
+
+# ---- fit checks -----------------------------------------------------------------------
+def layout_misfit(
+    layout: Layout,
+    config: "ModelConfig | None" = None,
+    batch_size: int | None = None,
+    batch_axes: Sequence[str] = BATCH_AXES,
+) -> str | None:
+    """Why `layout` cannot run `config` at `batch_size`, or None when it fits."""
+    for a, size in layout.axis_sizes.items():
+        if size < 1:
+            return f"mesh axis {a}={size}; every axis needs size >= 1"
+    if config is not None and layout.tensor > 1:
+        dims = {
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "intermediate_size (mlp)": config.intermediate_size,
+        }
+        for what, n in dims.items():
+            if n % layout.tensor:
+                ok = [t for t in range(1, layout.num_devices + 1) if all(v % t == 0 for v in dims.values())]
+                return f"tensor={layout.tensor} does not divide {what}={n}; tensor sizes that fit: {ok}"
+    if batch_size is not None:
+        split = math.prod(layout.axis_sizes[a] for a in batch_axes)
+        if batch_size % split:
+            return (
+                f"batch size {batch_size} is not divisible by data*fsdp = {split}; "
+                f"use a batch that is a multiple of {split} or a layout with fewer data/fsdp devices"
+            )
+    return None
+
+
 # ---- validation -----------------------------------------------------------------------
 def validate(
     plan: ExecutionPlan,
@@ -213,7 +312,7 @@ def validate(
     devices: "int | Sequence[jax.Device] | None" = None,
     batch_size: int | None = None,
     devices_per_host: int | None = None,
-    rules: Any = None,
+    batch_axes: Sequence[str] = BATCH_AXES,
 ) -> None:
     """Raise PlanError naming the first problem that would stop `plan` from running.
 
@@ -224,8 +323,6 @@ def validate(
     and the batch; shadow roles and off-policy generation, which must not share
     devices with any train call because the two run at the same time.
     """
-    from jaxrlhf.mesh.groups import check_group
-    from jaxrlhf.mesh.layout import layout_misfit
 
     if plan.num_devices < 1:
         raise PlanError(f"plan.num_devices={plan.num_devices}; a plan needs at least one device")
@@ -272,7 +369,7 @@ def validate(
             if role not in models:
                 raise PlanError(f"no model config for role {role!r} (call {call!r}); given: {sorted(models)}")
             cfg = models[role]
-        reason = layout_misfit(p.layout, cfg, batch_size, rules)
+        reason = layout_misfit(p.layout, cfg, batch_size, batch_axes)
         if reason:
             raise PlanError(f"call {call!r} on group {p.group!r} (role {role!r}): {reason}")
 

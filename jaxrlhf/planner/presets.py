@@ -16,48 +16,31 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from jaxrlhf.mesh.graph import CallGraph
-from jaxrlhf.mesh.groups import valid_group_sizes, host_rule_violation
-from jaxrlhf.mesh.layout import layout_misfit
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
+from jaxrlhf.graph import CallGraph
+from jaxrlhf.planner.plan import host_rule_violation, valid_group_sizes
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.ppo.graph import PPO_GRAPH
+from jaxrlhf.registry import Registry
 
 Builder = Callable[..., ExecutionPlan]
-STRATEGIES: dict[str, Builder] = {}
+STRATEGIES: Registry[Builder] = Registry("strategy", PlanError)
+register_strategy = STRATEGIES.register  # fn(num_devices, models, graph, *, batch_size, devices_per_host[, offpolicy])
 
 KIND_WEIGHT = {"train": 3.0, "generate": 3.0, "inference": 1.0}
-
-
-def register_strategy(name: str) -> Callable[[Builder], Builder]:
-    """Register `fn(num_devices, models, graph, *, batch_size, devices_per_host, offpolicy)`."""
-
-    def deco(fn: Builder) -> Builder:
-        if name in STRATEGIES:
-            raise ValueError(f"strategy {name!r} is already registered")
-        STRATEGIES[name] = fn
-        return fn
-
-    return deco
 
 
 def build_plan(
     strategy: str,
     num_devices: int,
     models: Mapping[str, ModelConfig],
-    graph: CallGraph = PPO_GRAPH,
+    graph: CallGraph,
     *,
     batch_size: int | None = None,
     devices_per_host: int | None = None,
     offpolicy: bool = False,
 ) -> ExecutionPlan:
     """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply."""
-    if strategy not in STRATEGIES:
-        import difflib
-
-        close = difflib.get_close_matches(strategy, STRATEGIES, n=2)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise PlanError(f"unknown strategy {strategy!r}.{hint} Known strategies: {sorted(STRATEGIES)}")
+    builder = STRATEGIES.get(strategy)
     if num_devices < 1:
         raise PlanError(f"{strategy}: num_devices={num_devices}; need at least one device")
     if devices_per_host is not None and devices_per_host < 1:
@@ -72,7 +55,7 @@ def build_plan(
     kwargs = dict(batch_size=batch_size, devices_per_host=devices_per_host)
     if strategy == "disaggregated":
         kwargs["offpolicy"] = offpolicy
-    plan = STRATEGIES[strategy](num_devices, models, graph, **kwargs)
+    plan = builder(num_devices, models, graph, **kwargs)
     validate(plan, graph, models, batch_size=batch_size, devices_per_host=devices_per_host)
     return plan
 

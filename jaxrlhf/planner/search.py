@@ -25,12 +25,13 @@ import random
 import time
 from typing import Mapping
 
-from jaxrlhf.mesh.cost import CostCache, Workload, head_of
-from jaxrlhf.mesh.graph import CallGraph, CallSpec
-from jaxrlhf.mesh.hardware import HardwareProfile
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
-from jaxrlhf.mesh.simulator import PlanEstimate, estimate_plan
+from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner import presets
+from jaxrlhf.planner.cost import CostCache, Workload
+from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
 
@@ -62,7 +63,7 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, dev
     for t in _divisors(size):
         if t > devices_per_host or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
             continue
-        if head_of(call.role) == "lm" and cfg.vocab_size % t:
+        if call.head == "lm" and cfg.vocab_size % t:
             continue
         rest = size // t
         for f in _divisors(rest):
@@ -137,10 +138,6 @@ def plan_to_state(plan: ExecutionPlan, graph: CallGraph) -> State:
 def preset_plans(num_devices: int, models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload,
                  hw: HardwareProfile) -> dict[str, ExecutionPlan | str]:
     """Every registered strategy preset's plan, or the reason it does not apply."""
-    try:
-        from jaxrlhf.mesh import presets  # the placement layer's registry
-    except ImportError as e:
-        return {"presets": f"strategy presets unavailable ({e})"}
     out: dict[str, ExecutionPlan | str] = {}
     for name in presets.STRATEGIES:
         try:
@@ -249,7 +246,7 @@ class _Annealer:
 
 
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
-           graph: CallGraph | None = None, *, seed: int = 0, iterations: int = 4000, time_budget_s: float = 60.0,
+           graph: CallGraph, *, seed: int = 0, iterations: int = 4000, time_budget_s: float = 60.0,
            top_k: int = 4, steps: int = 3, allow_offpolicy: bool = False,
            seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
@@ -259,10 +256,6 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     tests. One-step off-policy plans are explored only with `allow_offpolicy`,
     because they change the algorithm, not just its speed.
     """
-    if graph is None:
-        from jaxrlhf.ppo.graph import PPO_GRAPH
-
-        graph = PPO_GRAPH
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
         raise PlanError(f"no model config for roles {sorted(set(missing))}")

@@ -20,11 +20,11 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxrlhf.mesh.cost import CallCost, CostCache, Workload, head_of, offload_cost
-from jaxrlhf.mesh.graph import CallGraph
-from jaxrlhf.mesh.hardware import HardwareProfile
-from jaxrlhf.mesh.memory import MemoryReport, plan_memory
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, PlanError
+from jaxrlhf.planner.cost import CallCost, CostCache, Workload, offload_cost
+from jaxrlhf.graph import CallGraph
+from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.memory import MemoryReport, plan_memory
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError
 from jaxrlhf.models.config import ModelConfig
 
 
@@ -181,7 +181,7 @@ def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, M
         p = plan.calls[c.name]
         costs[c.name] = cache.call(c, plan.group_of(c.name), p.layout)
         home_call = plan.home_call(c.role)
-        moves[c.name] = cache.move(c.role, plan.group_of(home_call), plan.calls[home_call].layout,
+        moves[c.name] = cache.move(c, plan.group_of(home_call), plan.calls[home_call].layout,
                                    plan.group_of(c.name), p.layout)
     return costs, moves
 
@@ -213,7 +213,7 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     costs, moves = call_durations(graph, plan, models, wl, hw, cache)
     mem = plan_memory(plan, graph, models, wl, hw)
     reloads = {
-        c.name: offload_cost(models[c.role], head_of(c.role), plan.calls[c.name].layout, hw)
+        c.name: offload_cost(models[c.role], c.head, plan.calls[c.name].layout, hw)
         for c in graph.calls if c.role in mem.offloaded
     }
     if not mem.feasible:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.ppo.advantages import (
+from jaxrlhf.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageBatch,
     compute_advantages,
@@ -123,9 +123,28 @@ def test_rloo_leave_one_out():
 
 
 def test_remax_greedy_baseline():
+    # Token rewards [0.25, r - 0.25]: returns-to-go [r, r - 0.25], minus the greedy reward 0.5 (verl's form).
     batch = _outcome_batch([1.0, 0.0]).replace(baseline_rewards=jnp.array([0.5, 0.5]))
     adv, _ = compute_advantages("remax", batch)
-    np.testing.assert_allclose(adv[:, :2], [[0.5, 0.5], [-0.5, -0.5]], rtol=1e-6)
+    np.testing.assert_allclose(adv[:, :2], [[0.5, 0.25], [-0.5, -0.75]], rtol=1e-6)
+    np.testing.assert_array_equal(adv[:, 2], 0.0)
+    # With the whole reward on the last token (no KL), it is simply r - r_greedy on every token.
+    last = AdvantageBatch(rewards=jnp.array([[0.0, 1.0]]), mask=jnp.ones((1, 2)), baseline_rewards=jnp.array([1.0]))
+    np.testing.assert_allclose(compute_advantages("remax", last)[0], [[0.0, 0.0]])
+
+
+def test_reinforce_pp_normalises_returns_over_the_batch():
+    # Returns-to-go (gamma 1) of the masked tokens: row 0 [1.0, 0.75], row 1 [0.0, -0.25] (padding excluded).
+    batch = _outcome_batch([1.0, 0.0])
+    adv, returns = compute_advantages("reinforce_pp", batch)
+    np.testing.assert_allclose(returns[:, :2], [[1.0, 0.75], [0.0, -0.25]], rtol=1e-6)
+    g = np.array([1.0, 0.75, 0.0, -0.25])
+    expected = (g - g.mean()) / np.sqrt(g.var() + 1e-8)  # population variance over the batch's tokens
+    np.testing.assert_allclose(adv[:, :2].reshape(-1), expected, rtol=1e-5)
+    np.testing.assert_array_equal(adv[:, 2], 0.0)
+    # gamma discounts later rewards: row 0 token 0 = 0.25 + 0.5 * 0.75
+    _, disc = compute_advantages("reinforce_pp", batch, gamma=0.5)
+    np.testing.assert_allclose(disc[0, 0], 0.25 + 0.5 * 0.75, rtol=1e-6)
 
 
 def test_missing_inputs_and_bad_groups_are_clear_errors():
@@ -144,8 +163,12 @@ def test_missing_inputs_and_bad_groups_are_clear_errors():
 def test_registry_rejects_unknown_names_and_duplicates():
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'gea'\. Did you mean 'gae'\?") as err:
         get_advantage("gea")
-    for name in ("gae", "grpo", "rloo", "remax"):
+    for name in ("gae", "grpo", "rloo", "remax", "reinforce_pp"):
         assert name in str(err.value)
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("gae")(lambda batch: (batch.rewards, batch.rewards))
-    assert set(ADVANTAGE_ESTIMATORS) >= {"gae", "grpo", "rloo", "remax"}
+    assert set(ADVANTAGE_ESTIMATORS) >= {"gae", "grpo", "rloo", "remax", "reinforce_pp"}
+    # Whitening is declared by each estimator: optional for GAE, never for group baselines.
+    assert get_advantage("gae").whitening == "optional" and get_advantage("gae").needs_critic
+    assert get_advantage("grpo").whitening == get_advantage("rloo").whitening == "never"
+    assert get_advantage("reinforce_pp").whitening == "always"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.ppo.losses import (
+from jaxrlhf.algorithms.losses import (
     POLICY_LOSSES,
     aggregate,
     get_loss,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.ppo.rewards import (
+from jaxrlhf.algorithms.rewards import (
     REWARD_FUNCTIONS,
     CombinedReward,
     get_reward,

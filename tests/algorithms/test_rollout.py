@@ -1,4 +1,4 @@
-"""The PPO call functions: value/bootstrap alignment and the non-finite guard."""
+"""The rollout call functions: value/bootstrap alignment and the non-finite guard."""
 
 import functools
 
@@ -10,9 +10,8 @@ from flax import nnx
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model, positions_from_mask
-from jaxrlhf.ppo import calls
-from jaxrlhf.ppo.optim import build_optimizer
-from jaxrlhf.ppo.stats import RunningMoments
+from jaxrlhf.algorithms import rollout
+from jaxrlhf.algorithms.optim import build_optimizer
 
 B, P, N = 4, 4, 3
 
@@ -40,7 +39,9 @@ def test_values_are_aligned_with_response_tokens(critic):
     graphdef, state = critic
     tokens, mask, response_mask = _batch()
     positions = positions_from_mask(mask)
-    values, bootstrap = calls.critic_values(graphdef, state, tokens, mask, positions, response_mask)
+    out = rollout.critic_values(graphdef, state, {"tokens": tokens, "mask": mask, "positions": positions,
+                                                  "response_mask": response_mask})
+    values, bootstrap = out["values"], out["bootstrap_values"]
     full = nnx.merge(graphdef, state)(tokens, positions, mask)
     # V(s_t) for response token t is the output at position P-1+t; masked tokens are 0.
     np.testing.assert_allclose(values[:, 0], full[:, P - 1], rtol=1e-6)
@@ -52,14 +53,15 @@ def test_values_are_aligned_with_response_tokens(critic):
         np.testing.assert_allclose(bootstrap[row], full[row, P - 1 + lengths[row]], rtol=1e-6)
 
 
-def _experience(scores):
+def _inputs(scores):
     tokens, mask, response_mask = _batch()
     zeros = jnp.zeros((B, N), jnp.float32)
-    return calls.Experience(
-        tokens=tokens, mask=mask, positions=positions_from_mask(mask), response_tokens=tokens[:, P:],
-        response_mask=response_mask, behaviour_logp=zeros - 5.0, ref_logp=zeros - 5.0, values=zeros,
-        bootstrap_values=jnp.zeros((B,)), scores=scores, ended_with_eos=jnp.ones((B,), bool),
-    )
+    return {
+        "tokens": tokens, "mask": mask, "positions": positions_from_mask(mask), "response_tokens": tokens[:, P:],
+        "response_mask": response_mask, "behaviour_logp": zeros - 5.0, "ref_logp": zeros - 5.0,
+        "rule_scores": scores, "ended_with_eos": jnp.ones((B,), bool), "kl_coef": jnp.float32(0.1),
+        "rng_actor": jax.random.key(0),
+    }
 
 
 @pytest.mark.parametrize("bad", [False, True])
@@ -69,15 +71,14 @@ def test_nonfinite_update_is_skipped_and_counted(bad):
     opt = build_optimizer(lr=1e-2, total_updates=10)
     opt_state = opt.init(state)
     scores = jnp.array([1.0, -1.0, 0.5, jnp.nan if bad else 0.0])
-    hp = calls.PPOHParams(minibatches=2, epochs=1, ratio_early_stop=None)
-    fn = jax.jit(functools.partial(calls.actor_train, graphdef, opt, hp))
-    new_state, new_opt_state, stats = fn(
-        state, opt_state, _experience(scores), jnp.float32(0.1), RunningMoments.create(), jax.random.key(0)
-    )
+    settings = rollout.RLSettings(estimator="reinforce_pp", minibatches=2, epochs=1, ratio_early_stop=None)
+    fn = jax.jit(functools.partial(rollout.actor_train, graphdef, opt, settings))
+    new_state, new_opt_state, out = fn(state, opt_state, _inputs(scores))
+    stats = out["actor_stats"]
     before, after = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(new_state)
     unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
     if bad:
-        # The NaN score whitens into every advantage: both updates are skipped, nothing changes.
+        # The NaN score normalises into every advantage: both updates are skipped, nothing changes.
         assert unchanged
         assert float(stats["skipped_nonfinite"]) == 2.0
         assert all(np.array_equal(a, b) for a, b in zip(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrlhf.ppo.stats import (
+from jaxrlhf.algorithms.stats import (
     RunningMoments,
     last_token_onehot,
     masked_max,

@@ -7,11 +7,14 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrlhf.mesh.calls import CallCache, bucket
-from jaxrlhf.mesh.presets import STRATEGIES, build_plan
+from jaxrlhf.placement.calls import CallCache, bucket
+from jaxrlhf.planner.presets import STRATEGIES, build_plan
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model, positions_from_mask
-from jaxrlhf.ppo.graph import ROLES
+from jaxrlhf.testing.graphs import ppo_graph
+
+PPO_GRAPH = ppo_graph()
+ROLES = PPO_GRAPH.roles
 
 TINY = {r: preset("tiny") for r in ROLES}
 BATCH, LENGTH = 8, 12
@@ -66,7 +69,7 @@ def run_step(plan, call, actor):
 
 @pytest.fixture(scope="module")
 def colocated_result(actor):
-    return run_step(build_plan("colocated", 8, TINY, batch_size=BATCH), "actor.train", actor)
+    return run_step(build_plan("colocated", 8, TINY, PPO_GRAPH, batch_size=BATCH), "actor.train", actor)
 
 
 CASES = [(s, "actor.train") for s in sorted(STRATEGIES) if s != "colocated"] + [("reallocated", "actor.generate")]
@@ -74,7 +77,7 @@ CASES = [(s, "actor.train") for s in sorted(STRATEGIES) if s != "colocated"] + [
 
 @pytest.mark.parametrize("strategy,call", CASES, ids=[f"{s}:{c}" for s, c in CASES])
 def test_train_step_under_each_preset_matches_colocated(strategy, call, actor, colocated_result):
-    plan = build_plan(strategy, 8, TINY, batch_size=BATCH)
+    plan = build_plan(strategy, 8, TINY, PPO_GRAPH, batch_size=BATCH)
     want, want_loss = colocated_result
     got, loss = run_step(plan, call, actor)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-6)
@@ -90,7 +93,7 @@ def test_bucket():
 
 
 def test_compiled_once_per_shape_bucket_and_dispatched_without_host_sync():
-    plan = build_plan("interleaved", 8, TINY, batch_size=BATCH)
+    plan = build_plan("interleaved", 8, TINY, PPO_GRAPH, batch_size=BATCH)
     cache = CallCache(plan)
     a, c = cache.placed("actor.train"), cache.placed("critic.train")
     assert not plan.group_of("actor.train").overlaps(plan.group_of("critic.train"))

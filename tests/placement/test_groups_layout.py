@@ -1,41 +1,20 @@
-"""Device groups, meshes and logical-axis rules."""
+"""The global device list, meshes and logical-axis rules."""
 
 import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxrlhf.mesh import groups, layout
-from jaxrlhf.mesh.plan import DeviceGroup, Layout, PlanError
+from jaxrlhf.placement import devices as device_list, layout
+from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 
 
 def test_global_devices_sorted_by_process_then_id(devices):
-    devs = groups.global_devices(list(reversed(devices)))
+    devs = device_list.global_devices(list(reversed(devices)))
     assert [d.id for d in devs] == sorted(d.id for d in devices)
-    assert groups.devices_per_host() == 8
-
-
-def test_carve_is_contiguous_and_checks_bounds():
-    g = groups.carve({"gen": 2, "train": 6}, 8)
-    assert (g["gen"].start, g["gen"].size, g["train"].start, g["train"].size) == (0, 2, 2, 6)
-    with pytest.raises(PlanError, match="covers devices 6-9 but only devices 0-7 exist"):
-        groups.carve({"a": 6, "b": 4}, 8)
-
-
-@pytest.mark.parametrize(
-    "start,size,ok",
-    [(0, 4, True), (4, 4, True), (2, 2, True), (3, 2, False), (0, 8, True), (4, 8, True), (2, 8, False), (0, 6, False)],
-)
-def test_host_rule(start, size, ok):
-    reason = groups.host_rule_violation(DeviceGroup("g", start, size), devices_per_host=4)
-    assert (reason is None) == ok, reason
-
-
-def test_valid_group_sizes():
-    assert groups.valid_group_sizes(16, 4) == [1, 2, 3, 4, 8, 12, 16]
-    assert groups.valid_group_sizes(4) == [1, 2, 3, 4]
+    assert device_list.devices_per_host() == 8
 
 
 def test_make_mesh_axes_and_device_order(devices):
@@ -102,10 +81,3 @@ def test_activation_resolver_inside_constrain(devices):
     with ax.activation_sharding(resolve):
         out = jax.jit(lambda x: ax.constrain(x * 2, ("batch", "length", "mlp")))(jax.numpy.ones((4, 3, 8)))
     assert out.sharding.spec == P("data", None, "tensor")
-
-
-def test_layout_misfit_messages():
-    cfg = preset("tiny")  # heads 4, kv 2, mlp 128
-    assert layout.layout_misfit(Layout(tensor=2, fsdp=4), cfg, 8) is None
-    assert "tensor=4 does not divide num_kv_heads=2" in layout.layout_misfit(Layout(tensor=4), cfg)
-    assert "batch size 6 is not divisible by data*fsdp = 4" in layout.layout_misfit(Layout(fsdp=4), cfg, 6)

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf.mesh.layout import make_mesh, param_shardings
-from jaxrlhf.mesh.plan import DeviceGroup, Layout
-from jaxrlhf.mesh.realloc import offload, reallocate, reload, tree_bytes
+from jaxrlhf.placement.layout import make_mesh, param_shardings
+from jaxrlhf.planner.plan import DeviceGroup, Layout
+from jaxrlhf.placement.realloc import offload, reallocate, reload, tree_bytes
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 

@@ -3,12 +3,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxrlhf.mesh.cost import (
+from jaxrlhf.planner.cost import (
     DTYPE_BYTES, TP_ALLREDUCES_PER_LAYER, Workload, attention_flops, call_cost, matmul_params, realloc_cost,
 )
-from jaxrlhf.mesh.graph import CallSpec
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.plan import DeviceGroup, Layout
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 

@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from jaxrlhf.mesh.hardware import PROFILES, HardwareProfile, calibrate, get_profile, known_profiles
+from jaxrlhf.placement.calibrate import calibrate
+from jaxrlhf.planner.hardware import PROFILES, HardwareProfile, get_profile, known_profiles
 
 
 def test_every_profile_is_complete():

@@ -4,15 +4,17 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrlhf.mesh.cost import Workload
-from jaxrlhf.mesh.graph import CallSpec
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.memory import optimizer_per_device, params_per_device, plan_memory, working_set
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement
-from jaxrlhf.mesh.simulator import estimate_plan
+from jaxrlhf.planner.cost import Workload
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory, working_set
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+from jaxrlhf.planner.simulator import estimate_plan
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
-from jaxrlhf.ppo.graph import PPO_GRAPH
+from jaxrlhf.testing.graphs import ppo_graph
+
+PPO_GRAPH = ppo_graph()
 
 SMALL = preset("small")
 

@@ -4,17 +4,20 @@ import dataclasses
 
 import pytest
 
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
-from jaxrlhf.mesh.presets import STRATEGIES, build_plan, generation_layout, sharded_layout
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
+from jaxrlhf.planner.presets import STRATEGIES, build_plan, generation_layout, sharded_layout
 from jaxrlhf.models.config import preset
-from jaxrlhf.ppo.graph import PPO_GRAPH, ROLES
+from jaxrlhf.testing.graphs import ppo_graph
+
+PPO_GRAPH = ppo_graph()
+ROLES = PPO_GRAPH.roles
 
 TINY = {r: preset("tiny") for r in ROLES}
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_presets_on_eight_devices_validate_and_round_trip(strategy, tmp_path):
-    plan = build_plan(strategy, 8, TINY, batch_size=8)
+    plan = build_plan(strategy, 8, TINY, PPO_GRAPH, batch_size=8)
     validate(plan, PPO_GRAPH, TINY, devices=8, batch_size=8)
     assert set(plan.calls) == set(PPO_GRAPH.names)
     path = tmp_path / "plan.yaml"
@@ -26,17 +29,17 @@ def test_presets_on_eight_devices_validate_and_round_trip(strategy, tmp_path):
 
 
 def test_preset_shapes():
-    inter = build_plan("interleaved", 8, TINY, batch_size=8)
+    inter = build_plan("interleaved", 8, TINY, PPO_GRAPH, batch_size=8)
     actor, critic = inter.group_of("actor.train"), inter.group_of("critic.train")
     assert not actor.overlaps(critic)  # the two train calls run concurrently
     assert inter.group_of("ref.inference") == inter.group_of("reward.inference") == actor
 
-    dis = build_plan("disaggregated", 8, TINY, batch_size=8, offpolicy=True)
+    dis = build_plan("disaggregated", 8, TINY, PPO_GRAPH, batch_size=8, offpolicy=True)
     assert dis.shadow_roles == ("actor",) and dis.offpolicy
     assert not dis.group_of("actor.generate").overlaps(dis.group_of("actor.train"))
     assert dis.calls["actor.generate"].layout.tensor == 2  # tiny has 2 kv heads
 
-    re = build_plan("reallocated", 8, TINY, batch_size=8)
+    re = build_plan("reallocated", 8, TINY, PPO_GRAPH, batch_size=8)
     assert re.calls["actor.generate"].layout != re.calls["actor.train"].layout
     assert re.group_of("actor.generate") == re.group_of("actor.train")
     assert not re.group_of("ref.inference").overlaps(re.group_of("reward.inference"))
@@ -45,10 +48,10 @@ def test_preset_shapes():
 def test_presets_at_cluster_scale_respect_hosts():
     big = {r: preset("llama2-70b") for r in ROLES}
     for s in STRATEGIES:
-        plan = build_plan(s, 128, big, batch_size=512, devices_per_host=8)
+        plan = build_plan(s, 128, big, PPO_GRAPH, batch_size=512, devices_per_host=8)
         for p in plan.calls.values():
             assert p.layout.tensor <= 8
-    gen = build_plan("disaggregated", 128, big, batch_size=512, devices_per_host=8).calls["actor.generate"]
+    gen = build_plan("disaggregated", 128, big, PPO_GRAPH, batch_size=512, devices_per_host=8).calls["actor.generate"]
     assert gen.layout.tensor == 8
 
 
@@ -74,17 +77,17 @@ def test_layout_choices():
 )
 def test_presets_refuse_with_reason(strategy, n, kwargs, message):
     with pytest.raises(PlanError, match=message):
-        build_plan(strategy, n, TINY, **kwargs)
+        build_plan(strategy, n, TINY, PPO_GRAPH, **kwargs)
 
 
 def test_missing_model_config():
     with pytest.raises(PlanError, match=r"no model config for role\(s\) \['critic'\]"):
-        build_plan("colocated", 8, {r: preset("tiny") for r in ROLES if r != "critic"})
+        build_plan("colocated", 8, {r: preset("tiny") for r in ROLES if r != "critic"}, PPO_GRAPH)
 
 
 # ---- invalid plans, each with its own message -----------------------------------------------
 def _base() -> ExecutionPlan:
-    return build_plan("disaggregated", 8, TINY, batch_size=8)
+    return build_plan("disaggregated", 8, TINY, PPO_GRAPH, batch_size=8)
 
 
 def _with_call(plan, call, **changes):

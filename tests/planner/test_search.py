@@ -3,18 +3,19 @@ import itertools
 
 import pytest
 
-from jaxrlhf.mesh.cost import CostCache, Workload
-from jaxrlhf.mesh.graph import CallGraph, CallSpec
-from jaxrlhf.mesh.hardware import get_profile
-from jaxrlhf.mesh.plan import PlanError
-from jaxrlhf.mesh.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
-from jaxrlhf.mesh.simulator import estimate_plan
+from jaxrlhf.planner.cost import CostCache, Workload
+from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.plan import PlanError
+from jaxrlhf.planner.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
+from jaxrlhf.planner.simulator import estimate_plan
 from jaxrlhf.models.config import preset
+from jaxrlhf.testing.graphs import ppo_graph
 
 H100 = get_profile("h100")
 GRAPH = CallGraph((
     CallSpec("actor.generate", "actor", "generate"),
-    CallSpec("critic.inference", "critic", "inference", deps=("actor.generate",)),
+    CallSpec("critic.inference", "critic", "inference", "value", deps=("actor.generate",)),
     CallSpec("actor.train", "actor", "train", deps=("actor.generate", "critic.inference")),
 ))
 
@@ -75,7 +76,7 @@ def test_search_is_deterministic_for_a_seed():
 def test_search_never_returns_an_over_memory_plan():
     models = {r: preset("llama2-13b") for r in ("actor", "critic", "ref", "reward")}
     wl = Workload(batch_size=128, gen_len=384)
-    res = search(models, wl, H100, 8, iterations=600, seed=0)
+    res = search(models, wl, H100, 8, ppo_graph(), iterations=600, seed=0)
     for est in [res.best, *res.runners_up]:
         assert est.feasible and est.memory.max_peak <= H100.usable_memory
     # never worse than any preset that fits
@@ -87,4 +88,4 @@ def test_search_never_returns_an_over_memory_plan():
 def test_impossible_instance_says_why():
     models = {r: preset("llama2-70b") for r in ("actor", "critic", "ref", "reward")}
     with pytest.raises(PlanError, match="no plan fits"):
-        search(models, Workload(), H100, 2, iterations=100)
+        search(models, Workload(), H100, 2, ppo_graph(), iterations=100)

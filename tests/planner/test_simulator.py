@@ -2,15 +2,15 @@
 
 import pytest
 
-from jaxrlhf.mesh.graph import CallGraph, CallSpec
-from jaxrlhf.mesh.plan import DeviceGroup, ExecutionPlan, Layout, Placement
-from jaxrlhf.mesh.simulator import Op, build_ops, schedule
+from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+from jaxrlhf.planner.simulator import Op, build_ops, schedule
 
 # gen (actor) -> score (reward), value (critic) -> train (actor)
 G = CallGraph((
     CallSpec("actor.generate", "actor", "generate"),
-    CallSpec("reward.inference", "reward", "inference", deps=("actor.generate",)),
-    CallSpec("critic.inference", "critic", "inference", deps=("actor.generate",)),
+    CallSpec("reward.inference", "reward", "inference", "reward", deps=("actor.generate",)),
+    CallSpec("critic.inference", "critic", "inference", "value", deps=("actor.generate",)),
     CallSpec("actor.train", "actor", "train", deps=("reward.inference", "critic.inference")),
 ))
 T = {"actor.generate": 4.0, "reward.inference": 1.0, "critic.inference": 2.0, "actor.train": 3.0}

@@ -1,0 +1,584 @@
+"""RL from rollouts: what PPO, GRPO, RLOO, REINFORCE++ and ReMax share.
+
+The step graph (bracketed parts depend on the algorithm and the config):
+
+    feed   prompt_tokens, prompt_mask, prompts, answers, rng_generate, rng_actor[, rng_critic]
+    state  kl_coef[, value_moments]
+
+    actor.generate           prompts -> tokens, mask, positions, response_tokens, response_mask,
+                             behaviour_logp, ended_with_eos
+    [actor.generate_greedy]  the same prompts decoded greedily -> greedy_* (ReMax's baseline)
+    [score_rules]            host: decoded responses + reference answers -> rule_scores[, greedy_rule_scores]
+    [reward.inference]       reward-model scores -> model_scores[, greedy_model_scores]
+    [ref.inference]          reference log-probs of the response -> ref_logp
+    [critic.inference]       values of every response token -> values, bootstrap_values
+    actor.train              policy update -> actor_stats, advantages
+    [critic.train]           value update -> critic_stats, value_moments (carried)
+    [kl_control]             host: adaptive KL coefficient -> kl_coef (carried)
+
+Conventions for a batch of sequences [B, L] = left-padded prompt (P tokens)
+followed by the response (N tokens, right-padded): the logits at position
+P-1+t predict response token t, and the critic's value at the same position
+is V(s_t), the value of the state *before* response token t.
+
+Both train calls compute the rewards and advantages from the same inputs
+(`rollout_advantages`), so nothing has to travel between their device
+groups. Scores are shaped inside them too: (rule + model score - bias) x
+scale, clipped, and zero for responses that did not end with EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jaxtyping import Array, Float
+
+from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
+from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
+from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
+from jaxrlhf.algorithms.losses import get_loss, importance_ratio_exploded, value_loss
+from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, shape_scores
+from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
+from jaxrlhf.algorithms.update import minibatch_updates
+from jaxrlhf.graph import CallGraph, CallSpec, HostStep
+from jaxrlhf.models.generation import generate_tokens
+from jaxrlhf.models.sampling import SamplingParams, entropy, response_logprobs, token_logprobs
+
+SEQUENCE = ("tokens", "mask", "positions")
+RESPONSE = ("response_tokens", "response_mask")
+GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    """Static settings of the rollout calls (hashable: part of every compile key)."""
+
+    estimator: str
+    loss: str = "ppo"
+    group_size: int = 1
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    whiten: bool = False  # only for estimators whose whitening is optional (GAE)
+    clip_eps: float = 0.2
+    value_clip_eps: float | None = 0.2
+    kl_estimator: str = "k1"
+    kl_in_reward: bool = True
+    kl_in_loss: bool = False
+    loss_agg: str = "token-mean"
+    max_new_tokens: int = 32
+    minibatches: int = 4
+    epochs: int = 1
+    ratio_early_stop: float | None = 5.0
+    normalize_values: bool = False
+    entropy_coef: float = 0.0
+    sampling: SamplingParams = SamplingParams()
+    reward_bias: float = 0.0
+    reward_scale: float = 1.0
+    reward_clip: float | None = 20.0
+    eos_only: bool = True
+
+
+def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
+    """Outputs at positions P-1 .. L-2: the ones that predict (or value) response tokens."""
+    return x[:, prompt_len - 1 : -1]
+
+
+# ---------------------------------------------------------------- generate and inference calls
+
+
+def generate_call(
+    graphdef: nnx.GraphDef,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    eos_id: int | None,
+    pad_id: int,
+    prefix: str,
+    params: nnx.State,
+    inputs: dict[str, Any],
+) -> dict[str, jax.Array]:
+    """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`."""
+    out = generate_tokens(
+        graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
+        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+    )
+    values = {
+        "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
+        "response_mask": out.response_mask, "behaviour_logp": out.logprobs, "ended_with_eos": out.ended_with_eos,
+    }
+    return {prefix + k: v for k, v in values.items()}
+
+
+def policy_logprobs(
+    graphdef: nnx.GraphDef, sampling: SamplingParams, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, Float[Array, "batch new"]]:
+    """Log-probs of the response under a policy (the reference model), same logits processing as sampling."""
+    logits, _ = nnx.merge(graphdef, params)(inputs["tokens"], inputs["positions"], inputs["mask"])
+    return {"ref_logp": response_logprobs(logits, inputs["response_tokens"], inputs["response_mask"], sampling)}
+
+
+def critic_values(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
+    """V(s_t) for every response token, and V after the last response token (for bootstrapping)."""
+    tokens, response_mask = inputs["tokens"], inputs["response_mask"]
+    v = nnx.merge(graphdef, params)(tokens, inputs["positions"], inputs["mask"])
+    n = response_mask.shape[1]
+    p = tokens.shape[1] - n
+    values = jnp.where(response_mask, _response_slice(v, p), 0.0)
+    last = p - 1 + jnp.sum(response_mask, axis=1).astype(jnp.int32)
+    bootstrap = jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
+    return {"values": values, "bootstrap_values": bootstrap}
+
+
+def reward_scores(
+    graphdef: nnx.GraphDef, prefixes: tuple[str, ...], params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, Float[Array, "batch"]]:
+    """Reward-model score of each sequence (read at its last real token), for every prefix's sequences."""
+    model = nnx.merge(graphdef, params)
+    return {
+        f"{p}model_scores": model(inputs[f"{p}tokens"], inputs[f"{p}positions"], inputs[f"{p}mask"])
+        for p in prefixes
+    }
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+
+def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Float[Array, "batch"]:
+    """Rule plus reward-model score, then bias/scale, clip and the EOS gate."""
+    ended = inputs[f"{prefix}ended_with_eos"]
+    raw = jnp.zeros(ended.shape, jnp.float32)
+    for name in ("rule_scores", "model_scores"):
+        if prefix + name in inputs:
+            raw = raw + inputs[prefix + name].astype(jnp.float32)
+    return shape_scores(raw, ended, bias=s.reward_bias, scale=s.reward_scale, clip=s.reward_clip,
+                        eos_only=s.eos_only)
+
+
+def rollout_advantages(
+    inputs: dict[str, Any], s: RLSettings, kl_coef: Float[Array, ""], moments: RunningMoments | None
+) -> tuple[Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch"]]:
+    """(advantages, returns in reward units, per-token KL, shaped scores): identical wherever it runs."""
+    mask = inputs["response_mask"].astype(jnp.float32)
+    if "ref_logp" in inputs:
+        kl = kl_per_token(inputs["behaviour_logp"], inputs["ref_logp"], mask, kind=s.kl_estimator)
+    else:
+        kl = jnp.zeros_like(mask)
+    scores = shaped_scores(inputs, s)
+    rewards = token_level_rewards(scores, mask, kl if s.kl_in_reward else None, kl_coef)
+    batch = AdvantageBatch(rewards, mask)
+    if "values" in inputs:
+        values, bootstrap = inputs["values"], inputs["bootstrap_values"]
+        if s.normalize_values and moments is not None:
+            values, bootstrap = moments.denormalize(values), moments.denormalize(bootstrap)
+        batch = batch.replace(values=values * mask, bootstrap_values=bootstrap,
+                              ended_with_eos=inputs["ended_with_eos"])
+    if "greedy_ended_with_eos" in inputs:
+        batch = batch.replace(baseline_rewards=shaped_scores(inputs, s, prefix="greedy_"))
+    estimator = ADVANTAGE_ESTIMATORS.get(s.estimator)
+    hparams = {"gamma": s.gamma, "lam": s.lam, "group_size": s.group_size, "scale_by_std": s.norm_adv_by_std}
+    adv, returns = estimator(batch, **hparams)
+    if estimator.whitening == "optional" and s.whiten:
+        adv = masked_whiten(adv, mask)
+    return adv, returns, kl, scores
+
+
+# ---------------------------------------------------------------- train calls
+
+
+def actor_train(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    s: RLSettings,
+    params: nnx.State,
+    opt_state: Any,
+    inputs: dict[str, Any],
+) -> tuple[nnx.State, Any, dict[str, Any]]:
+    """Clipped policy-gradient update over the rollouts; returns params, optimizer state, stats and advantages."""
+    kl_coef = inputs["kl_coef"].astype(jnp.float32)
+    adv, _, kl, scores = rollout_advantages(inputs, s, kl_coef, inputs.get("value_moments"))
+    loss_impl = get_loss(s.loss)
+    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+    loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "entropy_coef": s.entropy_coef, "agg": s.loss_agg,
+                                   "norm_len": s.max_new_tokens}
+    if s.kl_in_loss:
+        loss_kwargs.update(kl_coef=kl_coef, kl_kind=s.kl_estimator)
+
+    def loss_fn(params, mb):
+        logits, _ = nnx.merge(graphdef, params)(mb["tokens"], mb["positions"], mb["mask"])
+        logits = _response_slice(logits, p)
+        logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
+        logp = jnp.where(mb["response_mask"], logp, 0.0)
+        ent = entropy(logits, s.sampling)
+        loss, stats = loss_impl(
+            logp, mb["old_logp"], mb["adv"], mb["response_mask"], ref_logp=mb.get("ref_logp"), entropy=ent,
+            **loss_kwargs,
+        )
+        if "entropy" not in stats:
+            stats["entropy"] = masked_mean(jax.lax.stop_gradient(ent), mb["response_mask"])
+        exploded = (
+            importance_ratio_exploded(logp, mb["old_logp"], mb["response_mask"], s.ratio_early_stop)
+            if s.ratio_early_stop is not None
+            else jnp.array(False)
+        )
+        return loss, (stats, jax.lax.stop_gradient(exploded))
+
+    data = {
+        "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
+        "response_tokens": inputs["response_tokens"], "response_mask": inputs["response_mask"],
+        "old_logp": inputs["behaviour_logp"], "adv": adv,
+    }
+    if "ref_logp" in inputs:
+        data["ref_logp"] = inputs["ref_logp"]
+    params, opt_state, stats = minibatch_updates(
+        loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"], minibatches=s.minibatches,
+        epochs=s.epochs, early_stop=s.ratio_early_stop is not None,
+    )
+    mask = inputs["response_mask"].astype(jnp.float32)
+    stats["kl/mean"] = jnp.mean(jnp.sum(kl * mask, axis=1))  # per-sequence KL, averaged
+    stats["kl/token_mean"] = masked_mean(kl, mask)
+    stats["kl/coef"] = kl_coef
+    stats["advantages/mean"] = masked_mean(adv, mask)
+    stats["reward/mean"] = jnp.mean(scores)
+    return params, opt_state, {"actor_stats": stats, "advantages": adv}
+
+
+def critic_train(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    s: RLSettings,
+    params: nnx.State,
+    opt_state: Any,
+    inputs: dict[str, Any],
+) -> tuple[nnx.State, Any, dict[str, Any]]:
+    """Clipped value regression onto the GAE returns; updates the value-normalisation moments."""
+    moments = inputs["value_moments"]
+    _, returns, _, _ = rollout_advantages(inputs, s, inputs["kl_coef"].astype(jnp.float32), moments)
+    mask = inputs["response_mask"].astype(jnp.float32)
+    if s.normalize_values:
+        moments = moments.update(returns, mask)
+        returns = moments.normalize(returns)
+    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+
+    def loss_fn(params, mb):
+        v = nnx.merge(graphdef, params)(mb["tokens"], mb["positions"], mb["mask"])
+        loss, stats = value_loss(
+            _response_slice(v, p), mb["old_values"], mb["returns"], mb["response_mask"], clip_eps=s.value_clip_eps
+        )
+        return loss, (stats, jnp.array(False))
+
+    data = {
+        "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
+        "response_mask": inputs["response_mask"], "old_values": inputs["values"], "returns": returns,
+    }
+    params, opt_state, stats = minibatch_updates(
+        loss_fn, optimizer, params, opt_state, data, inputs["rng_critic"], minibatches=s.minibatches,
+        epochs=s.epochs,
+    )
+    stats = {f"critic/{k}" if not k.startswith(("loss/", "value/")) else k: v for k, v in stats.items()}
+    stats["returns/mean"] = masked_mean(returns, mask)
+    return params, opt_state, {"critic_stats": stats, "value_moments": moments}
+
+
+# ---------------------------------------------------------------- host steps
+
+
+def decode_responses(tokenizer: Any, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+    """Response text of every row (padding and EOS dropped)."""
+    eos = tokenizer.eos_id
+    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos]) for row, mrow in zip(tokens, mask)]
+
+
+def repeat_rows(batch: Any, g: int) -> Any:
+    """Every prompt of a batch repeated `g` times, adjacent (GRPO-style groups of samples)."""
+    if g == 1:
+        return batch
+    rep = lambda xs: tuple(x for x in xs for _ in range(g))  # noqa: E731
+    return dataclasses.replace(
+        batch,
+        input_ids=np.repeat(batch.input_ids, g, axis=0),
+        attention_mask=np.repeat(batch.attention_mask, g, axis=0),
+        prompt_lens=np.repeat(batch.prompt_lens, g, axis=0),
+        prompts=rep(batch.prompts),
+        answers=rep(batch.answers),
+        meta=rep(batch.meta),
+        row_ids=np.repeat(batch.row_ids, g, axis=0),
+        global_batch_size=batch.global_batch_size * g,
+    )
+
+
+# ---------------------------------------------------------------- the algorithm family
+
+
+class RolloutAlgorithm(Algorithm):
+    """Base of the RL algorithms: subclasses set the estimator, the loss and where the KL goes."""
+
+    data = "prompts"
+    estimator: ClassVar[str] = "gae"
+    loss: ClassVar[str] = "ppo"
+    kl_in_reward: ClassVar[bool] = True  # -coef * KL per token in the reward; else a KL term in the loss
+    default_kl_estimator: ClassVar[str] = "k1"
+    default_loss_agg: ClassVar[str] = "token-mean"
+    greedy_baseline: ClassVar[bool] = False
+    grouped: ClassVar[bool] = False  # needs several samples per prompt
+
+    # ---- declaration ----------------------------------------------------------------------
+    @property
+    def uses_critic(self) -> bool:
+        return ADVANTAGE_ESTIMATORS.get(self.estimator).needs_critic
+
+    @property
+    def uses_ref(self) -> bool:
+        alg = self.cfg.algorithm
+        return alg.kl_coef > 0 or alg.kl_target is not None
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.algorithm.group_size
+
+    @property
+    def batch_rows(self) -> int:
+        return self.cfg.data.batch_size * self.group_size
+
+    @property
+    def minibatches(self) -> int:
+        return self.cfg.algorithm.minibatches
+
+    @property
+    def epochs(self) -> int:
+        return self.cfg.algorithm.epochs
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.minibatches * self.epochs
+
+    def roles(self) -> dict[str, RoleSpec]:
+        out = {"actor": RoleSpec("lm", True, "it is trained")}
+        if self.uses_critic:
+            out["critic"] = RoleSpec("value", True, f"algorithm.name={self.name} learns a value function")
+        if self.uses_ref:
+            out["ref"] = RoleSpec("lm", False, "algorithm.kl_coef > 0 (KL to the reference policy)")
+        if self.cfg.rewards.model:
+            out["reward"] = RoleSpec("reward", False, "rewards.model=true")
+        return out
+
+    def validate(self) -> None:
+        alg, cfg = self.cfg.algorithm, self.cfg
+        name = f"algorithm.name={self.name}"
+        if self.grouped and alg.group_size < 2:
+            raise AlgorithmConfigError(
+                f"{name} compares samples of the same prompt: algorithm.group_size must be >= 2, got {alg.group_size}"
+            )
+        if self.batch_rows % alg.minibatches:
+            raise AlgorithmConfigError(
+                f"algorithm.minibatches={alg.minibatches} must divide the rollout batch "
+                f"data.batch_size x algorithm.group_size = {cfg.data.batch_size} x {alg.group_size} = {self.batch_rows}"
+            )
+        whitening = ADVANTAGE_ESTIMATORS.get(self.estimator).whitening
+        if alg.whiten_advantages is not None and whitening != "optional":
+            what = {"never": "would undo its normalisation", "always": "is part of the estimator"}[whitening]
+            raise AlgorithmConfigError(
+                f"algorithm.whiten_advantages does not apply to {name}: whitening {what}; leave it unset (null)"
+            )
+        if not cfg.rewards.model and not cfg.rewards.rules:
+            raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
+        for i, rule in enumerate(cfg.rewards.rules):
+            if rule.name not in REWARD_FUNCTIONS:
+                raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+
+    def graph(self) -> CallGraph:
+        calls: list[CallSpec] = [
+            CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+                     outputs=GENERATED),
+        ]
+        prefixes = ("",)
+        if self.greedy_baseline:
+            prefixes = ("", "greedy_")
+            calls.append(CallSpec("actor.generate_greedy", "actor", "generate",
+                                  inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+                                  outputs=tuple("greedy_" + v for v in GENERATED)))
+        host: list[HostStep] = []
+        train_in = [*GENERATED, "kl_coef", "rng_actor"]
+        if self.cfg.rewards.rules:
+            outs = tuple(f"{p}rule_scores" for p in prefixes)
+            ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
+            host.append(HostStep("score_rules", ins, outs))
+            train_in += outs
+        if self.cfg.rewards.model:
+            outs = tuple(f"{p}model_scores" for p in prefixes)
+            calls.append(CallSpec("reward.inference", "reward", "inference", "reward",
+                                  inputs=tuple(f"{p}{v}" for p in prefixes for v in SEQUENCE), outputs=outs,
+                                  seqs_per_row=len(prefixes)))
+            train_in += outs
+        if self.greedy_baseline:
+            train_in.append("greedy_ended_with_eos")
+        if self.uses_ref:
+            calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*SEQUENCE, *RESPONSE),
+                                  outputs=("ref_logp",)))
+            train_in.append("ref_logp")
+        state = ["kl_coef"]
+        if self.uses_critic:
+            calls.append(CallSpec("critic.inference", "critic", "inference", "value",
+                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values", "bootstrap_values")))
+            train_in += ["values", "bootstrap_values", "value_moments"]
+            state.append("value_moments")
+        calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
+                              outputs=("actor_stats", "advantages")))
+        if self.uses_critic:
+            critic_in = tuple(v for v in train_in if v != "rng_actor") + ("rng_critic",)
+            calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
+                                  outputs=("critic_stats", "value_moments")))
+        if self.uses_ref:
+            host.append(HostStep("kl_control", ("kl_coef", "actor_stats"), ("kl_coef",)))
+        feed = ["prompt_tokens", "prompt_mask", "prompts", "answers", "rng_generate", "rng_actor"]
+        if self.uses_critic:
+            feed.append("rng_critic")
+        return CallGraph(tuple(calls), tuple(host), tuple(feed), tuple(state))
+
+    def settings(self) -> RLSettings:
+        alg, gen, rw = self.cfg.algorithm, self.cfg.generation, self.cfg.rewards
+        whiten = alg.whiten_advantages if alg.whiten_advantages is not None else True
+        return RLSettings(
+            estimator=self.estimator, loss=self.loss, group_size=alg.group_size, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std=alg.norm_adv_by_std, whiten=whiten, clip_eps=alg.clip_eps,
+            value_clip_eps=alg.value_clip_eps, kl_estimator=alg.kl_estimator or self.default_kl_estimator,
+            kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
+            loss_agg=alg.loss_agg or self.default_loss_agg, max_new_tokens=gen.max_new_tokens,
+            minibatches=alg.minibatches, epochs=alg.epochs, ratio_early_stop=alg.ratio_early_stop,
+            normalize_values=alg.normalize_values, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
+            reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
+        )
+
+    # ---- runtime --------------------------------------------------------------------------
+    def functions(self) -> dict[str, Any]:
+        s = self.settings()
+        m = self.models
+        tok = self.tokenizer
+        gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_id,
+                                tok.pad_id)
+        fns: dict[str, Any] = {
+            "actor.generate": functools.partial(gen, ""),
+            "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
+        }
+        if self.greedy_baseline:
+            greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
+                                       s.max_new_tokens, tok.eos_id, tok.pad_id)
+            fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
+        if "ref" in m:
+            fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling)
+        if "critic" in m:
+            fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef)
+            fns["critic.train"] = functools.partial(critic_train, m["critic"].graphdef, m["critic"].optimizer, s)
+        if "reward" in m:
+            prefixes = ("", "greedy_") if self.greedy_baseline else ("",)
+            fns["reward.inference"] = functools.partial(reward_scores, m["reward"].graphdef, prefixes)
+        return fns
+
+    def host_steps(self) -> dict[str, Any]:
+        steps: dict[str, Any] = {}
+        rules_spec = [(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules]
+        if rules_spec:
+            rules = CombinedReward(rules_spec)
+            prefixes = ("", "greedy_") if self.greedy_baseline else ("",)
+
+            def score_rules(prompts, answers, **responses):
+                out = {}
+                for p in prefixes:
+                    tokens, mask = jax.device_get((responses[f"{p}response_tokens"], responses[f"{p}response_mask"]))
+                    texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
+                    out[f"{p}rule_scores"] = rules.batch(prompts, texts, answers)
+                return out
+
+            steps["score_rules"] = score_rules
+        alg = self.cfg.algorithm
+        if self.uses_ref:
+            def kl_control(kl_coef, actor_stats):
+                if alg.kl_target is None:
+                    return {"kl_coef": kl_coef}
+                kl = float(jax.device_get(actor_stats["kl/mean"]))
+                return {"kl_coef": adaptive_kl_coef(float(kl_coef), kl, self.batch_rows, alg.kl_target,
+                                                    alg.kl_horizon)}
+
+            steps["kl_control"] = kl_control
+        return steps
+
+    def initial_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"kl_coef": np.float32(self.cfg.algorithm.kl_coef)}
+        if self.uses_critic:
+            state["value_moments"] = jax.tree_util.tree_map(np.asarray, RunningMoments.create())
+        return state
+
+    def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
+        from jaxrlhf.data import PromptDataset
+
+        return PromptDataset.from_config(self.cfg, tokenizer, split=split)
+
+    def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
+        batch = repeat_rows(batch, self.group_size)
+        gen, actor, critic = jax.random.split(rng, 3)
+        feed = {
+            "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask, "prompts": batch.prompts,
+            "answers": batch.answers, "rng_generate": gen, "rng_actor": actor,
+        }
+        if self.uses_critic:
+            feed["rng_critic"] = critic
+        return feed
+
+    def metrics(self, result: Any) -> dict[str, float]:
+        v = result.values
+        stats = dict(v["actor_stats"])
+        if "critic_stats" in v:
+            stats.update(v["critic_stats"])
+        stats, rmask, ended, mask = jax.device_get((stats, v["response_mask"], v["ended_with_eos"], v["mask"]))
+        out = {k: float(x) for k, x in stats.items()}
+        out.update({
+            "response/length_mean": float(np.sum(rmask, axis=1).mean()),
+            "response/eos_frac": float(np.mean(ended)),
+            "throughput/tokens_per_s": float(np.sum(mask)) / max(result.seconds, 1e-9),
+        })
+        if "rule_scores" in v:
+            out["reward/rule_mean"] = float(np.mean(v["rule_scores"]))
+        if "model_scores" in v:
+            out["reward/model_mean"] = float(np.mean(jax.device_get(v["model_scores"])))
+        if "greedy_rule_scores" in v:
+            out["reward/greedy_rule_mean"] = float(np.mean(v["greedy_rule_scores"]))
+        return out
+
+    def evaluate(self, executor: Any) -> dict[str, float]:
+        """Mean rule reward of greedy responses on the held-out prompts."""
+        if not self.cfg.rewards.rules or not self.cfg.data.eval_split:
+            return {}
+        data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
+        greedy = self._greedy_generate
+        rules = CombinedReward([(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules])
+        total, count = 0.0, 0.0
+        key = jax.random.key(0)
+        for batch, weight in data.single_pass(self.batch_rows):
+            out = executor.run_at("actor.generate", greedy, {
+                "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask, "rng_generate": key})
+            tokens, mask = jax.device_get((out["response_tokens"], out["response_mask"]))
+            texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
+            scores = rules.batch(batch.prompts, texts, batch.answers)
+            total += float(np.sum(scores * weight))
+            count += float(np.sum(weight))
+        return {"eval/greedy_reward": total / max(count, 1.0)}
+
+    @functools.cached_property
+    def _greedy_generate(self) -> Any:
+        """Greedy decoding for evaluation, bound once (the call cache keys compiled functions by identity)."""
+        s = self.settings()
+        return functools.partial(
+            generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
+            s.max_new_tokens, self.tokenizer.eos_id, self.tokenizer.pad_id, "")
+
+
+def sampling_params(cfg: Any) -> SamplingParams:
+    gen = cfg.generation
+    return SamplingParams(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, greedy=gen.greedy)
+

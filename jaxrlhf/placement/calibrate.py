@@ -1,0 +1,119 @@
+"""Measure the local JAX devices into a planner hardware profile (`jaxrlhf.planner.hardware`).
+
+The planner is JAX-free; this is the one place that turns the machine at hand
+into the numbers it plans with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+from jaxrlhf.planner.hardware import HardwareProfile, get_profile
+
+
+def best_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of `repeats` runs of `fn` (which must block), after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _host_memory_bytes() -> float:
+    """Physical memory of this machine (CPU devices share it)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, repeats: int = 5,
+              name: str | None = None) -> HardwareProfile:
+    """Measure the local JAX devices and return `base` with measured numbers.
+
+    Measures: matmul FLOP/s on one device and on all local devices at once
+    (the latter bounds `host_flops` when devices share cores), copy bytes/s
+    (read + write) likewise, a device-to-device transfer, an all-reduce over
+    all local devices (reported as ring bus bandwidth), host -> device bytes/s
+    and the dispatch latency of a tiny kernel. Efficiencies are set to 1
+    because the numbers are what kernels actually reach.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    base_profile = get_profile(base)
+    devices = jax.local_devices()
+    n = len(devices)
+    dtype = "float32"
+
+    # Matmul: one device, then one per device concurrently (sharded over a 1-D mesh).
+    a = jax.device_put(jnp.ones((matmul_size, matmul_size), dtype), devices[0])
+    mm = jax.jit(lambda x: x @ x)
+    t1 = best_time(lambda: mm(a).block_until_ready(), repeats)
+    flops_one = 2 * matmul_size**3 / t1
+    mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    stacked = jax.device_put(jnp.ones((n, matmul_size, matmul_size), dtype), NamedSharding(mesh, P("d")))
+    bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
+    tn = best_time(lambda: bmm(stacked).block_until_ready(), repeats)
+    flops_all = n * 2 * matmul_size**3 / tn
+
+    # Streaming copy: read + write of `copy_mb` per device.
+    elems = copy_mb * 2**20 // 4
+    v = jax.device_put(jnp.ones((elems,), dtype), devices[0])
+    inc = jax.jit(lambda x: x * 1.0001 + 1.0)
+    bw_one = 2 * elems * 4 / best_time(lambda: inc(v).block_until_ready(), repeats)
+    vs = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(mesh, P("d")))
+    bw_all = 2 * (elems // n) * 4 * n / best_time(lambda: inc(vs).block_until_ready(), repeats)
+
+    # Device-to-device copy between two local devices.
+    if n > 1:
+        link = elems * 4 / best_time(lambda: jax.device_put(v, devices[1]).block_until_ready(), repeats)
+    else:
+        link = bw_one
+
+    # All-reduce over all local devices: ring bus bandwidth 2 (n-1)/n * bytes / t.
+    if n > 1:
+        reduce_mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+        part = jax.device_put(jnp.ones((n, elems // n), dtype), NamedSharding(reduce_mesh, P("d")))
+        allreduce = jax.jit(lambda x: jnp.sum(x, axis=0, keepdims=True),
+                            out_shardings=NamedSharding(reduce_mesh, P()))
+        t_ar = best_time(lambda: allreduce(part).block_until_ready(), repeats)
+        collective = 2 * (n - 1) / n * (elems // n) * 4 / t_ar
+    else:
+        collective = link
+
+    host = np.ones((elems,), np.float32)
+    h2d = elems * 4 / best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
+
+    tiny = jax.device_put(jnp.ones((8,), dtype), devices[0])
+    add = jax.jit(lambda x: x + 1)
+    latency = best_time(lambda: add(tiny).block_until_ready(), max(repeats, 20))
+
+    # Other dtypes: measured where cheap (bfloat16), else scaled from the base profile's ratios.
+    flops = {k: flops_one * v / base_profile.flops["float32"] for k, v in base_profile.flops.items()}
+    b = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.bfloat16), devices[0])
+    flops["bfloat16"] = 2 * matmul_size**3 / best_time(lambda: mm(b).block_until_ready(), repeats)
+    return dataclasses.replace(
+        base_profile,
+        name=name or f"{base_profile.name}-calibrated",
+        flops=flops,
+        hbm_bandwidth=bw_one,
+        intra_host_bandwidth=min(link, collective),
+        inter_host_bandwidth=min(link, collective),
+        devices_per_host=n,
+        hbm_capacity=_host_memory_bytes() / n if devices[0].platform == "cpu" else base_profile.hbm_capacity,
+        host_bandwidth=h2d,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        link_efficiency=1.0,
+        collective_latency=latency,
+        kernel_latency=latency,
+        host_flops=flops_all if base_profile.host_flops is not None else None,
+        host_memory_bandwidth=bw_all if base_profile.host_memory_bandwidth is not None else None,
+        notes=f"calibrated on {n} local {devices[0].platform} devices ({time.strftime('%Y-%m-%d')})",
+    )

@@ -1,0 +1,356 @@
+"""The executor: runs any call graph (`jaxrlhf.graph.CallGraph`) on an execution plan.
+
+For every model call it asks the plan where the call runs, brings the role's
+parameters there (no move when the call runs where they live; the persistent
+shadow copy for roles the plan shadows; otherwise a reallocation whose copy
+is dropped after the call), moves the call's inputs to that placement,
+dispatches the function compiled for it and times it. Host steps run in
+between on the values they name. Which function a call or host step runs is
+the algorithm's business (`functions`, `host_steps`); the executor knows
+nothing of RL.
+
+Order within a step: every model call whose inputs are ready is dispatched
+(asynchronously, so calls on disjoint device groups run at the same time)
+before any ready host step runs, because host steps may wait for device
+results. A step has two phases: *collect* (every node that does not depend
+on a train call) and *train* (the train calls and what reads their outputs).
+With a one-step off-policy plan the collect phase of step i+1 is dispatched
+right after the train calls of step i, before the shadow copies are synced,
+so the next rollout is generated on the previous weights while training runs.
+
+Call functions are pure (static parts bound by the algorithm):
+    generate / inference:  fn(params, inputs: dict) -> dict of outputs
+    train:                 fn(params, opt_state, inputs: dict) -> (params, opt_state, dict of outputs)
+Inputs with a leading batch axis are split over the call's data x fsdp axes;
+scalars (and pytrees of scalars, such as normalisation moments) are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
+from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
+from jaxrlhf.placement.realloc import move_where_needed
+from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+
+CallFn = Callable[..., Any]
+HostFn = Callable[..., Mapping[str, Any]]
+
+
+@dataclasses.dataclass
+class Role:
+    """One model of the pipeline: structure, parameters at home, and (if trained) its optimizer."""
+
+    name: str
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    optimizer: optax.GradientTransformation | None = None
+    opt_state: Any = None
+    shadow: nnx.State | None = None  # persistent copy at another placement (disaggregated plans)
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+
+class CallTimer:
+    """Wall time from dispatch to completion of each call, measured without blocking dispatch.
+
+    A daemon thread waits on each call's outputs, so timing never serialises
+    calls that the plan lets run concurrently.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def track(self, name: str, t0: float, outputs: Any) -> None:
+        def wait():
+            jax.block_until_ready(outputs)
+            with self._lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        th = threading.Thread(target=wait, daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def join(self) -> dict[str, float]:
+        for th in self._threads:
+            th.join()
+        self._threads.clear()
+        return dict(self.seconds)
+
+
+@dataclasses.dataclass
+class MoveStats:
+    """Parameter moves (reallocation, shadow sync) and batch moves (transfers) of one step."""
+
+    realloc_seconds: float = 0.0
+    realloc_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "time/realloc_s": self.realloc_seconds,
+            "realloc/bytes": float(self.realloc_bytes),
+            "time/transfer_s": self.transfer_seconds,
+            "transfer/bytes": float(self.transfer_bytes),
+        }
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Every value of one step (device arrays still on device) and where its time went."""
+
+    values: dict[str, Any]
+    call_seconds: dict[str, float]
+    moves: MoveStats
+    seconds: float
+
+
+def delete_tree(tree: Any) -> None:
+    """Free the device buffers of every array in `tree`."""
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+class Executor:
+    """Owns the roles of one graph under one plan and runs its steps."""
+
+    def __init__(
+        self,
+        plan: ExecutionPlan,
+        graph: CallGraph,
+        roles: Mapping[str, Role],
+        *,
+        cache: CallCache,
+        functions: Mapping[str, CallFn],
+        host_steps: Mapping[str, HostFn] | None = None,
+        state: Mapping[str, Any] | None = None,
+    ):
+        missing = [c.name for c in graph.calls if c.name not in functions]
+        if missing:
+            raise ValueError(f"no function for call(s) {missing}")
+        host_steps = dict(host_steps or {})
+        missing = [h.name for h in graph.host_steps if h.name not in host_steps]
+        if missing:
+            raise ValueError(f"no function for host step(s) {missing}")
+        unplaced = [c for c in graph.names if c not in plan.calls]
+        if unplaced:
+            raise PlanError(f"plan has no placement for call(s) {unplaced}")
+        for c in graph.calls:
+            if c.role not in roles:
+                raise ValueError(f"call {c.name!r} needs role {c.role!r}; roles given: {sorted(roles)}")
+            if c.kind == "train" and not roles[c.role].trainable:
+                raise ValueError(f"call {c.name!r} trains role {c.role!r}, which has no optimizer")
+        self.plan = plan
+        self.graph = graph
+        self.roles = dict(roles)
+        self.cache = cache
+        self.functions = dict(functions)
+        self.host_steps = host_steps
+        self.state: dict[str, Any] = dict(state or {})
+        missing = [s for s in graph.state if s not in self.state]
+        if missing:
+            raise ValueError(f"no initial value for carried state {missing}")
+        self.moves = MoveStats()
+        self._training = graph.downstream_of_training()
+        self._pending: tuple[dict[str, Any], CallTimer] | None = None  # next step's collect phase (off-policy)
+
+    # ---------------------------------------------------------------- placement helpers
+    def placed(self, call: str) -> Placed:
+        return self.cache.placed(call)
+
+    def home_placed(self, role: str) -> Placed:
+        return self.placed(self.plan.home_call(role))
+
+    def move(self, tree: Any, shardings: Any, *, free_source: bool = False, params: bool = True) -> Any:
+        """Reshard `tree` device to device (no host round trip); no-op where already in place.
+
+        Parameter moves count as reallocation, batch moves as transfers (separate metrics).
+        """
+        moved, stats = move_where_needed(tree, shardings, free_source=free_source)
+        if params:
+            self.moves.realloc_seconds += stats.seconds
+            self.moves.realloc_bytes += stats.bytes
+        else:
+            self.moves.transfer_seconds += stats.seconds
+            self.moves.transfer_bytes += stats.bytes
+        return moved
+
+    def place_inputs(self, inputs: Mapping[str, Any], call: str) -> dict[str, Any]:
+        """Every input of `call` on its placement: batch-major arrays split over the batch axes,
+        scalars replicated. Host arrays are put there directly, device arrays moved device to device."""
+        placed = self.placed(call)
+
+        def target(x: Any) -> jax.sharding.Sharding:
+            return placed.batch_sharding(np.ndim(x)) if np.ndim(x) else placed.replicated()
+
+        out: dict[str, Any] = {}
+        for name, value in inputs.items():
+            for leaf in jax.tree_util.tree_leaves(value):
+                if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+                    raise TypeError(
+                        f"call {call!r}: input {name!r} holds a {type(leaf).__name__}; model calls take arrays "
+                        "(turn host values into arrays in a host step)"
+                    )
+            out[name] = self.move(value, jax.tree_util.tree_map(target, value), params=False)
+        return out
+
+    def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
+        """The role's parameters on `call`'s placement, and whether that copy is temporary."""
+        role = self.roles[role_name]
+        placed = self.placed(call)
+        if placed.placement == self.home_placed(role_name).placement:
+            return role.params, False
+        shardings = placed.param_shardings(role.params)
+        if role_name in self.plan.shadow_roles:
+            if role.shadow is None:
+                role.shadow = self.move(role.params, shardings)
+            return role.shadow, False
+        return self.move(role.params, shardings), True
+
+    def sync_shadows(self) -> None:
+        """Push freshly trained weights to every shadow copy (disaggregated plans)."""
+        for name in self.plan.shadow_roles:
+            role = self.roles.get(name)
+            if role is None or role.shadow is None:
+                continue
+            old = role.shadow
+            role.shadow = self.move(role.params, jax.tree_util.tree_map(lambda x: x.sharding, old))
+            delete_tree(old)
+
+    def function(self, call: str) -> PlacedFunction:
+        """The call's function compiled for its placement; shardings follow the (committed) arguments."""
+        return self.cache.function(call, self.functions[call], in_shardings=None, out_shardings=None)
+
+    def commit_state(self) -> dict[str, Any]:
+        """Make every carried value a device array (replicated where the first call that reads it
+        runs), so checkpoints save and restore it like any other array; returns the state."""
+        readers = {v: n.name for n in reversed(self.graph.order()) if isinstance(n, CallSpec) for v in n.inputs}
+        for name, value in self.state.items():
+            placed = self.placed(readers.get(name, self.graph.calls[0].name))
+            self.state[name] = jax.tree_util.tree_map(
+                lambda x: x if isinstance(x, jax.Array) and x.committed
+                else jax.device_put(np.asarray(x), placed.replicated()),
+                value,
+            )
+        return self.state
+
+    # ---------------------------------------------------------------- running nodes
+    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any], timer: CallTimer | None = None) -> dict[str, Any]:
+        """Dispatch one model call on its placement; train calls update the role in place."""
+        role = self.roles[spec.role]
+        params, temporary = self.params_for(spec.role, spec.name)
+        args = self.place_inputs(inputs, spec.name)
+        fn = self.function(spec.name)
+        t0 = time.perf_counter()
+        if spec.kind == "train":
+            role.params, role.opt_state, out = fn(params, role.opt_state, args)
+            done = role.params
+        else:
+            out = fn(params, args)
+            done = out
+        if timer is not None:
+            timer.track(spec.name, t0, done)
+        if temporary:  # the reallocated copy is dropped as soon as the call is done with it
+            jax.block_until_ready(out)
+            delete_tree(params)
+        return self._checked(spec, out)
+
+    def run_host(self, step: HostStep, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return self._checked(step, self.host_steps[step.name](**inputs))
+
+    @staticmethod
+    def _checked(node: Node, out: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(out)
+        if set(out) != set(node.outputs):
+            raise ValueError(
+                f"{node.name!r} returned {sorted(out)} but the graph declares outputs {sorted(node.outputs)}"
+            )
+        return out
+
+    def _run_phase(self, nodes: list[Node], values: dict[str, Any], timer: CallTimer) -> None:
+        """Run `nodes` as their inputs become available: ready calls first, then one host step."""
+        done = set(values) | set(self.graph.state)
+        finished: set[str] = set()
+        pending = list(nodes)
+        while pending:
+            ready = [
+                n for n in pending
+                if all(v in done for v in n.inputs)
+                and all(d in finished or d not in {p.name for p in nodes}
+                        for d in (n.deps if isinstance(n, CallSpec) else ()))
+            ]
+            calls = [n for n in ready if isinstance(n, CallSpec)]
+            batch = calls or ready[:1]
+            if not batch:
+                raise RuntimeError(f"cannot run {[n.name for n in pending]}: inputs never become available")
+            for node in batch:
+                inputs = {v: (self.state[v] if v in self.graph.state else values[v]) for v in node.inputs}
+                if isinstance(node, CallSpec):
+                    out = self.run_call(node, inputs, timer)
+                else:
+                    out = self.run_host(node, inputs)
+                for k, v in out.items():
+                    values[f"next:{k}" if k in self.graph.state else k] = v
+                done |= set(out)
+                finished.add(node.name)
+                pending.remove(node)
+
+    def collect(self, feed: Mapping[str, Any]) -> tuple[dict[str, Any], CallTimer]:
+        """The collect phase of a step (everything that does not depend on training), dispatched."""
+        missing = [f for f in self.graph.feed if f not in feed]
+        if missing:
+            raise ValueError(f"step feed lacks {missing}")
+        values = dict(feed)
+        timer = CallTimer()
+        self._run_phase([n for n in self.graph.order() if n.name not in self._training], values, timer)
+        return values, timer
+
+    def step(self, feed: Mapping[str, Any], next_feed: Mapping[str, Any] | None = None) -> StepResult:
+        """One step of the graph. With a one-step off-policy plan, pass the next step's feed: its
+        collect phase runs on the shadow (previous weights) while this step trains, and the next
+        call of `step` uses it, ignoring its own `feed`."""
+        t_start = time.perf_counter()
+        self.moves = MoveStats()
+        if self._pending is not None:
+            values, collect_timer = self._pending
+            self._pending = None
+        else:
+            values, collect_timer = self.collect(feed)
+        timer = CallTimer()
+        self._run_phase([n for n in self.graph.order() if n.name in self._training], values, timer)
+        if self.plan.offpolicy and next_feed is not None:
+            self._pending = self.collect(next_feed)  # overlaps the train calls: shadows sync after this
+        self.sync_shadows()
+        for name in self.graph.state:  # carried into the next step
+            if f"next:{name}" in values:
+                self.state[name] = values.pop(f"next:{name}")
+        seconds = collect_timer.join()
+        for c, s in timer.join().items():
+            seconds[c] = seconds.get(c, 0.0) + s
+        return StepResult(values, seconds, self.moves, time.perf_counter() - t_start)
+
+    def run_at(self, call: str, fn: CallFn, inputs: Mapping[str, Any]) -> Any:
+        """Run `fn(params, inputs)` on `call`'s placement with its role's parameters brought there
+        (evaluation: work that is not part of the step graph). Blocks until done."""
+        role = self.graph[call].role
+        params, temporary = self.params_for(role, call)
+        out = self.cache.function(call, fn, in_shardings=None, out_shardings=None)(params, self.place_inputs(inputs, call))
+        jax.block_until_ready(out)
+        if temporary:
+            delete_tree(params)
+        return out

@@ -1,0 +1,35 @@
+"""Plan rules that need no devices: host boundaries of groups, and whether a layout fits a model and batch."""
+
+import pytest
+
+from jaxrlhf.models.config import preset
+from jaxrlhf.planner import plan as groups
+from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError
+
+
+def test_carve_is_contiguous_and_checks_bounds():
+    g = groups.carve({"gen": 2, "train": 6}, 8)
+    assert (g["gen"].start, g["gen"].size, g["train"].start, g["train"].size) == (0, 2, 2, 6)
+    with pytest.raises(PlanError, match="covers devices 6-9 but only devices 0-7 exist"):
+        groups.carve({"a": 6, "b": 4}, 8)
+
+
+@pytest.mark.parametrize(
+    "start,size,ok",
+    [(0, 4, True), (4, 4, True), (2, 2, True), (3, 2, False), (0, 8, True), (4, 8, True), (2, 8, False), (0, 6, False)],
+)
+def test_host_rule(start, size, ok):
+    reason = groups.host_rule_violation(DeviceGroup("g", start, size), devices_per_host=4)
+    assert (reason is None) == ok, reason
+
+
+def test_valid_group_sizes():
+    assert groups.valid_group_sizes(16, 4) == [1, 2, 3, 4, 8, 12, 16]
+    assert groups.valid_group_sizes(4) == [1, 2, 3, 4]
+
+
+def test_layout_misfit_messages():
+    cfg = preset("tiny")  # heads 4, kv 2, mlp 128
+    assert groups.layout_misfit(Layout(tensor=2, fsdp=4), cfg, 8) is None
+    assert "tensor=4 does not divide num_kv_heads=2" in groups.layout_misfit(Layout(tensor=4), cfg)
+    assert "batch size 6 is not divisible by data*fsdp = 4" in groups.layout_misfit(Layout(fsdp=4), cfg, 6)
