@@ -506,7 +506,9 @@ def _accepts_str(tp: Any) -> bool:
 def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """A copy of the nested mapping `data` with each `key=value` override set.
 
-    Values are parsed as YAML (see `parse_override`).
+    Values are parsed as YAML (see `parse_override`). Setting one of a group of
+    exclusive keys (a role's preset / path / init_from) drops the others the file
+    set, so `model.actor.path=DIR` simply replaces the file's `preset`.
     """
     out = _deep_copy(data)
     for text in overrides:
@@ -519,6 +521,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
                 raise ConfigError(f"override {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
             node = child
         node[parts[-1]] = value
+        section = _schema_type(".".join(parts[:-1])) if len(parts) > 1 else None
+        exclusive = _EXCLUSIVE_KEYS.get(section, ())
+        if parts[-1] in exclusive and value is not None:
+            for other in exclusive:
+                if other != parts[-1]:
+                    node.pop(other, None)
     return out
 
 

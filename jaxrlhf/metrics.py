@@ -14,11 +14,20 @@ import sys
 from typing import Any, Mapping
 
 # Keys shown in the progress line / plain log line, in this order, with their short names.
+# Each algorithm's records hold some of them; those present are shown.
 HEADLINE = {
     "reward/mean": "reward",
     "kl/mean": "kl",
     "loss/policy": "pg_loss",
     "loss/value": "v_loss",
+    "loss/sft": "sft_loss",
+    "loss/rm": "rm_loss",
+    "rm/accuracy": "rm_acc",
+    "loss/dpo": "dpo_loss",
+    "rewards/accuracy": "dpo_acc",
+    "eval/loss": "eval_loss",
+    "eval/rm_accuracy": "eval_rm_acc",
+    "eval/rewards_accuracy": "eval_dpo_acc",
     "time/step_s": "step_s",
 }
 

@@ -156,7 +156,8 @@ def test_wrong_type(override, message):
          "model.ref is needed (DPO measures the policy against the reference) but has no weights"),
         (["algorithm.name=rm", "model.reward.init_from=actor", "sft.steps=5"], "algorithm.name=rm has none to warm up"),
         (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
-        (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor: set only one of model.actor.preset, model.actor.path"),
+        # An explicit override wins over the other weight sources (here: then the folder is missing).
+        (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor.path: checkpoint folder not found"),
         (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
         (["model.actor.overrides={num_layer: 3}"], "'num_layer' is not a model field; did you mean 'num_layers'?"),
         (["rewards.model=true"], "model.reward is needed (rewards.model=true) but has no weights"),
@@ -202,3 +203,9 @@ def test_with_overrides_and_frozen():
     assert config.run.steps == 2
     with pytest.raises(AttributeError):
         config.run.steps = 3  # type: ignore[misc]
+
+
+def test_a_file_setting_two_weight_sources_is_an_error(tmp_path):
+    path = _write(tmp_path, "model:\n  actor:\n    preset: tiny\n    path: /somewhere\n")
+    with pytest.raises(ConfigError, match="model.actor: set only one of model.actor.preset, model.actor.path"):
+        load_config(path)

@@ -184,7 +184,7 @@ def grpo_policy_loss(
     first by default, as in the paper.
     """
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, None)
-    if kl_coef:
+    if not (isinstance(kl_coef, (int, float)) and kl_coef == 0):  # a traced coefficient always counts
         if ref_logp is None:
             raise ValueError("grpo loss with kl_coef > 0 needs ref_logp")
         kl = kl_per_token(logp, ref_logp, mask, kind=kl_kind)

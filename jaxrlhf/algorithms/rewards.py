@@ -161,9 +161,16 @@ class CombinedReward:
             for name, fn, _, params in self.terms
         }
 
-    def __call__(self, *, prompt: str, response: str, answer: str | None) -> float:
-        parts = self.components(prompt=prompt, response=response, answer=answer)
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _, _ in self.terms)
+
+    def combine(self, parts: dict[str, float]) -> float:
+        """The weighted sum of `components(...)`."""
         return sum(weight * parts[name] for name, _, weight, _ in self.terms)
+
+    def __call__(self, *, prompt: str, response: str, answer: str | None) -> float:
+        return self.combine(self.components(prompt=prompt, response=response, answer=answer))
 
     def batch(
         self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None]

@@ -408,7 +408,7 @@ class RolloutAlgorithm(Algorithm):
         if self.cfg.rewards.rules:
             outs = tuple(f"{p}rule_scores" for p in prefixes)
             ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
-            host.append(HostStep("score_rules", ins, outs))
+            host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
             train_in += outs
         if self.cfg.rewards.model:
             outs = tuple(f"{p}model_scores" for p in prefixes)
@@ -492,7 +492,11 @@ class RolloutAlgorithm(Algorithm):
                 for p in prefixes:
                     tokens, mask = jax.device_get((responses[f"{p}response_tokens"], responses[f"{p}response_mask"]))
                     texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-                    out[f"{p}rule_scores"] = rules.batch(prompts, texts, answers)
+                    parts = [rules.components(prompt=q, response=t, answer=a)
+                             for q, t, a in zip(prompts, texts, answers)]
+                    out[f"{p}rule_scores"] = np.asarray([rules.combine(c) for c in parts], np.float32)
+                    out[f"{p}rule_components"] = {n: np.asarray([c[n] for c in parts], np.float32)
+                                                  for n in rules.names}
                 return out
 
             steps["score_rules"] = score_rules
@@ -544,6 +548,7 @@ class RolloutAlgorithm(Algorithm):
         })
         if "rule_scores" in v:
             out["reward/rule_mean"] = float(np.mean(v["rule_scores"]))
+            out.update({f"reward/rule/{n}": float(np.mean(x)) for n, x in v["rule_components"].items()})
         if "model_scores" in v:
             out["reward/model_mean"] = float(np.mean(jax.device_get(v["model_scores"])))
         if "greedy_rule_scores" in v:
@@ -551,23 +556,25 @@ class RolloutAlgorithm(Algorithm):
         return out
 
     def evaluate(self, executor: Any) -> dict[str, float]:
-        """Mean rule reward of greedy responses on the held-out prompts."""
+        """Mean of every rule reward (unweighted) over greedy responses to the held-out prompts."""
         if not self.cfg.rewards.rules or not self.cfg.data.eval_split:
             return {}
         data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
         greedy = self._greedy_generate
         rules = CombinedReward([(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules])
-        total, count = 0.0, 0.0
+        totals: dict[str, float] = {}
+        count = 0.0
         key = jax.random.key(0)
         for batch, weight in data.single_pass(self.batch_rows):
             out = executor.run_at("actor.generate", greedy, {
                 "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask, "rng_generate": key})
             tokens, mask = jax.device_get((out["response_tokens"], out["response_mask"]))
             texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-            scores = rules.batch(batch.prompts, texts, batch.answers)
-            total += float(np.sum(scores * weight))
+            for q, t, a, w in zip(batch.prompts, texts, batch.answers, weight):
+                for name, value in rules.components(prompt=q, response=t, answer=a).items():
+                    totals[name] = totals.get(name, 0.0) + w * value
             count += float(np.sum(weight))
-        return {"eval/greedy_reward": total / max(count, 1.0)}
+        return {f"eval/greedy/{name}": total / max(count, 1.0) for name, total in totals.items()}
 
     @functools.cached_property
     def _greedy_generate(self) -> Any:

@@ -291,8 +291,8 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
 def _head_layouts(config: ModelConfig, head: str) -> list[list[_TensorSpec]]:
     """The head's tensors, one list per accepted layout; the first is the one we write.
 
-    reward: HF's `score.weight` [1, hidden] (no bias: `score_bias` reads as 0),
-    else our pre-HF `score_head.weight`/`.bias`, so old checkpoints still load.
+    reward: HF's `score.weight` [1, hidden] (no bias, like our reward head), else our
+    pre-HF `score_head.weight`/`.bias`, so old checkpoints still load (their bias must be 0).
     """
     d = config.hidden_size
     if head == "lm":
@@ -306,15 +306,12 @@ def _head_layouts(config: ModelConfig, head: str) -> list[list[_TensorSpec]]:
         ]]
     return [
         [_TensorSpec(("score_head",), "score.weight", (1, d), lambda x: x.reshape(1, d), lambda w: w.reshape(d))],
-        [
-            _TensorSpec(("score_head",), "score_head.weight", (d,), _same, _same),
-            _flat(("score_bias",), "score_head.bias", ()),
-        ],
+        [_TensorSpec(("score_head",), "score_head.weight", (d,), _same, _same)],
     ]
 
 
-# Parameters a layout may lack, which then load as zero (HF's `score` Linear has no bias).
-_ZERO_IF_ABSENT = {("score_bias",)}
+# Tensors of old layouts that have no parameter any more and must be zero to be dropped.
+_MUST_BE_ZERO = ("score_head.bias",)
 
 
 HEADS = ("lm", "value", "reward")
@@ -468,6 +465,12 @@ def load_hf_checkpoint(
     fresh_head = head != "lm" and not present
     _check_tensors(weights, trunk + ([] if fresh_head else head_specs), config.num_layers)
 
+    for key in _MUST_BE_ZERO:
+        if key in weights.files and np.any(weights.get(key) != 0):
+            raise CheckpointError(
+                f"{weights.file_of(key)}: {key} is non-zero, but reward heads have no bias (a pairwise loss "
+                "cannot train one); shift scores with rewards.bias instead, or set the tensor to 0"
+            )
     abstract = nnx.eval_shape(lambda: build_model(config, head, seed=seed, remat=remat))
     graphdef, state = nnx.split(abstract)
     by_path = {s.path: s for s in trunk + head_specs}
@@ -478,8 +481,6 @@ def load_hf_checkpoint(
         spec = by_path.get(tuple(p))
         if fresh_head and p[0] != "model":
             value = _fresh_head(tuple(p), struct.shape, struct.dtype, seed)
-        elif spec is None and tuple(p) in _ZERO_IF_ABSENT:
-            value = jnp.zeros(struct.shape, struct.dtype)
         elif spec is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
         else:
@@ -504,14 +505,8 @@ def _head_of(model: nnx.Module) -> str:
     return "lm"
 
 
-def _reward_config(hf: dict[str, Any], config: ModelConfig, bias: float, path: Path) -> None:
-    """Make `hf` a transformers num_labels=1 sequence-classification config; refuse what it cannot hold."""
-    if bias != 0.0:
-        raise ValueError(
-            f"{path}: cannot export a reward model with score_bias={bias}: the Hugging Face "
-            f"{_HF_REWARD_CLASS[config.architecture]} head (score.weight) has no bias. A pairwise-trained "
-            "reward model never moves score_bias (the loss ignores a constant shift); set it to 0 to export"
-        )
+def _reward_config(hf: dict[str, Any], config: ModelConfig, path: Path) -> None:
+    """Make `hf` a transformers num_labels=1 sequence-classification config; warn where pooling differs."""
     pad, eos = config.pad_token_id, config.eos_token_id
     if pad is None or pad == eos:
         why = "is None: transformers refuses batches of more than one sequence" if pad is None else (
@@ -543,8 +538,7 @@ def save_hf_checkpoint(
     """Write `model` as a HF checkpoint that `transformers` loads.
 
     Actors load as `AutoModelForCausalLM`, reward models as
-    `AutoModelForSequenceClassification` (num_labels=1; raises ValueError if
-    `score_bias` is non-zero, which that format cannot hold). Parameters keep
+    `AutoModelForSequenceClassification` (num_labels=1). Parameters keep
     their dtype (bfloat16 stays bf16). Files larger than `max_shard_bytes` are
     split into `model-0000i-of-0000n.safetensors` with an index. Value/reward
     models record the head in config.json so `load_hf_checkpoint` restores the
@@ -555,7 +549,7 @@ def save_hf_checkpoint(
     hf = config_to_hf(config)
     params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     if head == "reward":
-        _reward_config(hf, config, float(np.asarray(jax.device_get(params[("score_bias",)]))), path)
+        _reward_config(hf, config, path)
     if head != "lm":
         hf[HEAD_KEY] = head
     path.mkdir(parents=True, exist_ok=True)

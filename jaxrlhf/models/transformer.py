@@ -317,8 +317,9 @@ class RewardModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
         self.config = config
         self.model = Transformer(config, rngs=rngs, remat=remat)
+        # No bias, as HF's sequence-classification head: a pairwise loss cannot see a constant shift, so a
+        # bias would only drift with optimizer noise (use `rewards.bias` to centre scores).
         self.score_head = _param(rngs, _normal, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
-        self.score_bias = nnx.Param(jnp.zeros((), config.jnp_param_dtype), logical_axes=())
 
     def __call__(
         self,
@@ -328,8 +329,7 @@ class RewardModel(nnx.Module):
     ) -> Float[Array, "batch"]:
         h, _ = self.model(tokens, positions, mask)
         last = jnp.take_along_axis(h, last_token_index(mask)[:, None, None], axis=1)[:, 0]
-        score = last.astype(jnp.float32) @ self.score_head.value.astype(jnp.float32)
-        return score + self.score_bias.value.astype(jnp.float32)
+        return last.astype(jnp.float32) @ self.score_head.value.astype(jnp.float32)
 
 
 HEADS: dict[str, type[nnx.Module]] = {"lm": CausalLM, "value": ValueModel, "reward": RewardModel}

@@ -179,8 +179,6 @@ def test_value_and_reward_heads_from_actor_checkpoint(checkpoints):
 def test_trained_head_round_trips(tmp_path, head):
     config = tiny_config("llama")
     model = random_model(config, head, seed=6)
-    if head == "reward":
-        model.score_bias[...] = 0.0  # the HF format has no score bias
     save_hf_checkpoint(model, config, tmp_path)
     again, _ = load_hf_checkpoint(tmp_path)  # head recorded in config.json
     assert type(again) is type(model)
@@ -193,10 +191,8 @@ def test_trained_head_round_trips(tmp_path, head):
 
 
 def reward_model(config, seed):
-    """A random reward model of ours with score_bias 0 (what pairwise training leaves it at)."""
-    model = random_model(config, "reward", seed=seed)
-    model.score_bias[...] = 0.0
-    return model
+    """A random reward model of ours (no bias, like HF's score head)."""
+    return random_model(config, "reward", seed=seed)
 
 
 def jax_scores(model, tokens, mask) -> np.ndarray:
@@ -264,7 +260,7 @@ def test_transformers_reward_model_loads_with_same_scores(tmp_path, arch):
     hf = hf_reward_checkpoint(theirs, arch, seed=9)
     assert "jaxrlhf_head" not in json.loads((theirs / "config.json").read_text())
     model, config = load_hf_checkpoint(theirs)  # ...ForSequenceClassification: reward head by default
-    assert type(model).__name__ == "RewardModel" and float(model.score_bias[...]) == 0.0
+    assert type(model).__name__ == "RewardModel"
     tokens, mask = left_padded_batch(config.vocab_size, 40, pads=(0, 5, 17), pad_id=config.pad_token_id)
     assert_scores_close(jax_scores(model, tokens, mask), torch_scores(hf, tokens, mask))
     # and exporting it writes transformers' own file back, tensor for tensor
@@ -282,15 +278,6 @@ def test_reward_export_import_is_bitwise_identity(tmp_path, arch):
     assert_bitwise_equal(params(model), params(again))
 
 
-def test_nonzero_score_bias_refuses_export(tmp_path):
-    config = tiny_config("llama")
-    model = random_model(config, "reward", seed=11)
-    assert float(model.score_bias[...]) != 0.0
-    with pytest.raises(ValueError, match=r"score_bias=.*LlamaForSequenceClassification.*has no bias"):
-        save_hf_checkpoint(model, config, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_pad_equal_to_eos_warns(tmp_path):
     config = tiny_config("llama", pad_token_id=2, eos_token_id=2)
     with pytest.warns(UserWarning, match=r"pad_token_id == eos_token_id \(2\).*before the final EOS"):
@@ -298,16 +285,18 @@ def test_pad_equal_to_eos_warns(tmp_path):
 
 
 def test_legacy_score_head_layout_still_loads(tmp_path):
-    """Reward checkpoints written before the HF layout: `score_head.weight` [hidden] + `score_head.bias` [1]."""
+    """Reward checkpoints written before the HF layout: `score_head.weight` [hidden] + a zero `score_head.bias`."""
     config = tiny_config("llama")
-    model = random_model(config, "reward", seed=13)  # non-zero bias: the old layout could hold it
-    model_zero = reward_model(config, seed=13)
-    save_hf_checkpoint(model_zero, config, tmp_path)
+    model = reward_model(config, seed=13)
+    save_hf_checkpoint(model, config, tmp_path)
     rewrite(tmp_path, lambda t: t.update(
-        {"score_head.weight": t.pop("score.weight")[0], "score_head.bias": np.asarray(model.score_bias[...]).reshape(1)}
-    ))
+        {"score_head.weight": t.pop("score.weight")[0], "score_head.bias": np.zeros((1,), np.float32)}))
     again, _ = load_hf_checkpoint(tmp_path)
     assert_bitwise_equal(params(model), params(again))
+    # A non-zero bias has nowhere to go: a clear error instead of silently shifted scores.
+    rewrite(tmp_path, lambda t: t.update({"score_head.bias": np.ones((1,), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: score_head\.bias is non-zero.*rewards\.bias"):
+        load_hf_checkpoint(tmp_path)
 
 
 def test_reward_head_wrong_shape(tmp_path):
