@@ -17,4 +17,4 @@ $PY -m jaxrlhf.train --config configs/rm.yaml "run.output_dir=$OUT/rm" "model.re
 $PY -m jaxrlhf.train --config configs/quickstart.yaml "run.output_dir=$OUT/ppo" \
   "model.actor.path=$OUT/sft/actor_hf" sft.steps=0 \
   rewards.model=true "model.reward.path=$OUT/rm/reward_hf" \
-  "rewards.rules=[{name: exact_match, weight: 0.0}]" run.eval_every=50 "$@"
+  "rewards.rules=[{name: exact_match, weight: 0.0}]" algorithm.kl_coef=0.3 run.steps=100 run.eval_every=50 "$@"

@@ -124,7 +124,12 @@ def state_to_plan(state: State, num_devices: int, strategy: str = "searched", no
         name = _group_name(start, size, num_devices)
         groups[name] = DeviceGroup(name, start, size)
         calls[call] = Placement(name, layout)
-    return ExecutionPlan(strategy, num_devices, groups, calls, tuple(sorted(state.shadow)), state.offpolicy, notes)
+    slots = dict(state.slots)
+    # A shadow is a copy somewhere other than home: drop it where every call of the role runs at home.
+    shadow = tuple(sorted(r for r in state.shadow if any(
+        c.split(".")[0] == r and slot != slots.get(f"{r}.train", slot) for c, slot in state.slots)))
+    offpolicy = state.offpolicy and bool(shadow)
+    return ExecutionPlan(strategy, num_devices, groups, calls, shadow, offpolicy, notes)
 
 
 def plan_to_state(plan: ExecutionPlan, graph: CallGraph) -> State:
@@ -180,7 +185,9 @@ class _Annealer:
         self.cache = CostCache(models, wl, hw)
         self.seen: dict[State, tuple[float, PlanEstimate]] = {}
         self.slots = {c.name: space.slots(c.name) for c in space.graph.calls}
-        self.trained = [c.role for c in space.graph.calls if c.kind == "train"]
+        # Trained roles with a call besides training: only those can keep a shadow copy somewhere else.
+        self.trained = [c.role for c in space.graph.calls if c.kind == "train"
+                        and any(o.role == c.role and o.kind != "train" for o in space.graph.calls)]
 
     def energy(self, state: State) -> tuple[float, PlanEstimate]:
         if state not in self.seen:
