@@ -18,9 +18,11 @@ from flax import nnx
 
 # Parameter axes.
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+# The leading axis of the stacked decoder-layer parameters and KV cache (the axis the layer scan runs over).
+LAYERS = "layers"
 # Activation axes.
 BATCH, LENGTH = "batch", "length"
-PARAM_AXES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP)
+PARAM_AXES = (LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP)
 ACTIVATION_AXES = (BATCH, LENGTH)
 
 LogicalAxes = tuple[str | None, ...]

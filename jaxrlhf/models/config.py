@@ -145,6 +145,12 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=64, num_kv_heads=8, max_position_embeddings=4096, param_dtype="bfloat16",
         dtype="bfloat16",
     ),
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=True, param_dtype="bfloat16", dtype="bfloat16", bos_token_id=128000,
+        eos_token_id=128001, pad_token_id=None,
+    ),
     "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, max_position_embeddings=8192, rope_theta=500000.0,

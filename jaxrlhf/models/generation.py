@@ -109,7 +109,7 @@ def _prefill(
     model = nnx.merge(graphdef, state)
     tokens, mask = _left_align(tokens, mask.astype(bool), pad_id, bucket)
     cache = KVCache.init(model.config, tokens.shape[0], bucket + max_new_tokens)
-    logits, cache = model(tokens, positions_from_mask(mask), mask, cache)
+    logits, cache = model(tokens, positions_from_mask(mask), mask, cache, logits_from=-1)
     return tokens, mask, logits[:, -1], cache
 
 

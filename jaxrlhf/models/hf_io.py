@@ -231,13 +231,18 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _TensorSpec:
-    """One parameter: its NNX path, its HF key and shape, and the two layout conversions."""
+    """One HF tensor: the NNX parameter it belongs to, its HF key and shape, the two layout conversions.
+
+    Decoder-layer parameters are stacked along a leading layers axis, so one NNX
+    parameter holds `num_layers` HF tensors; `layer` says which slice this is.
+    """
 
     path: tuple[str | int, ...]
     key: str
     shape: tuple[int, ...]
     to_hf: Callable[[np.ndarray], np.ndarray]
     from_hf: Callable[[np.ndarray], np.ndarray]
+    layer: int | None = None
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -266,9 +271,10 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
         _TensorSpec(("model", "embed"), "model.embed_tokens.weight", (v, d), _same, _same),
         _TensorSpec(("model", "final_norm", "weight"), "model.norm.weight", (d,), _same, _same),
     ]
+    p = ("model", "layers")
     for i in range(config.num_layers):
-        p, k = ("model", "layers", i), f"model.layers.{i}."
-        specs += [
+        k = f"model.layers.{i}."
+        layer = [
             _linear(p + ("attn", "q"), k + "self_attn.q_proj.weight", (d, h, hd), 1),
             _linear(p + ("attn", "k"), k + "self_attn.k_proj.weight", (d, kv, hd), 1),
             _linear(p + ("attn", "v"), k + "self_attn.v_proj.weight", (d, kv, hd), 1),
@@ -280,11 +286,12 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
             _TensorSpec(p + ("post_attn_norm", "weight"), k + "post_attention_layernorm.weight", (d,), _same, _same),
         ]
         if config.attention_bias:
-            specs += [
+            layer += [
                 _flat(p + ("attn", "q_bias"), k + "self_attn.q_proj.bias", (h, hd)),
                 _flat(p + ("attn", "k_bias"), k + "self_attn.k_proj.bias", (kv, hd)),
                 _flat(p + ("attn", "v_bias"), k + "self_attn.v_proj.bias", (kv, hd)),
             ]
+        specs += [dataclasses.replace(spec, layer=i) for spec in layer]
     return specs
 
 
@@ -433,7 +440,7 @@ def load_hf_checkpoint(
     param_dtype: str | None = None,
     dtype: str | None = None,
     seed: int = 0,
-    remat: bool = False,
+    remat: str | bool = "none",
     config_overrides: dict[str, Any] | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a HF Llama/Qwen2/Mistral checkpoint (or one of ours) as an NNX model.
@@ -473,18 +480,29 @@ def load_hf_checkpoint(
             )
     abstract = nnx.eval_shape(lambda: build_model(config, head, seed=seed, remat=remat))
     graphdef, state = nnx.split(abstract)
-    by_path = {s.path: s for s in trunk + head_specs}
+    by_path: dict[tuple, list[_TensorSpec]] = {}
+    for spec in trunk + head_specs:
+        by_path.setdefault(spec.path, []).append(spec)
     target = np.dtype(config.jnp_param_dtype)
+
+    def read(spec: _TensorSpec) -> np.ndarray:
+        return np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target)
+
     leaves = []
     for p, var in nnx.to_flat_state(state):
         struct = var.get_value()
-        spec = by_path.get(tuple(p))
+        specs = by_path.get(tuple(p))
         if fresh_head and p[0] != "model":
             value = _fresh_head(tuple(p), struct.shape, struct.dtype, seed)
-        elif spec is None:
+        elif specs is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
-        else:
-            value = jnp.asarray(np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target, order="C"))
+        elif specs[0].layer is None:
+            value = jnp.asarray(np.asarray(read(specs[0]), order="C"))
+        else:  # one HF tensor per layer, stacked along the leading layers axis
+            stacked = np.empty(struct.shape, target)
+            for spec in specs:
+                stacked[spec.layer] = read(spec)
+            value = jnp.asarray(stacked)
         leaves.append((p, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves)), config
 
@@ -554,8 +572,12 @@ def save_hf_checkpoint(
         hf[HEAD_KEY] = head
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
+    host: dict[tuple, np.ndarray] = {}  # each (stacked) parameter fetched once
     for spec in _trunk_specs(config) + _head_layouts(config, head)[0]:
-        tensors[spec.key] = np.ascontiguousarray(spec.to_hf(np.asarray(jax.device_get(params[spec.path]))))
+        if spec.path not in host:
+            host[spec.path] = np.asarray(jax.device_get(params[spec.path]))
+        value = host[spec.path] if spec.layer is None else host[spec.path][spec.layer]
+        tensors[spec.key] = np.ascontiguousarray(spec.to_hf(value))
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

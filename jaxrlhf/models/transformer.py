@@ -9,6 +9,13 @@ unpadded tokens, as long as `positions` count only real tokens
 Parameters carry `logical_axes` metadata (see `axes.py`); projections are
 stored with separate head axes ([embed, heads, head_dim]) so tensor
 parallelism can shard heads without reshapes.
+
+The decoder layers are one module whose parameters are stacked along a
+leading "layers" axis, run by `jax.lax.scan`: the compiled program holds one
+layer body whatever the depth, so compile time does not grow with
+`num_layers` (and pipeline parallelism can later split that axis into
+stages). The KV cache is stacked the same way and carried through the scan,
+so each layer writes only its new slots in place.
 """
 
 from __future__ import annotations
@@ -34,25 +41,25 @@ def _param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...], names: ax.Log
 _normal = jax.nn.initializers.normal(stddev=0.02)
 _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
+KV = tuple[jax.Array, jax.Array]  # the stacked cache keys and values, [layers, batch, slots, kv_heads, head_dim]
 
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys/values for `max_len` slots, which slots hold real tokens, and the next slot."""
+    """Keys/values of every layer for `max_len` slots, which slots hold real tokens, and the next slot."""
 
-    k: tuple[Float[Array, "batch slots kv_heads head_dim"], ...]
-    v: tuple[Float[Array, "batch slots kv_heads head_dim"], ...]
+    k: Float[Array, "layers batch slots kv_heads head_dim"]
+    v: Float[Array, "layers batch slots kv_heads head_dim"]
     valid: Bool[Array, "batch slots"]
     index: Int[Array, ""]
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or config.jnp_dtype
-        shape = (batch, max_len, config.num_kv_heads, config.dim_per_head)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.dim_per_head)
         return cls(
-            k=zeros,
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
             valid=jnp.zeros((batch, max_len), bool),
             index=jnp.zeros((), jnp.int32),
         )
@@ -139,18 +146,21 @@ class Attention(nnx.Module):
         positions: Int[Array, "batch length"],
         key_valid: Bool[Array, "batch slots"],
         inv_freq: Float[Array, "half_head_dim"],
-        kv: tuple[jax.Array, jax.Array] | None,
+        kv: KV | None,
+        layer: Int[Array, ""],
         offset: jax.Array | int,
         segment_ids: Int[Array, "batch length"] | None = None,
-    ) -> tuple[Float[Array, "batch length embed"], tuple[jax.Array, jax.Array]]:
+    ) -> tuple[Float[Array, "batch length embed"], KV | None]:
+        """`kv` is the whole stacked cache: only this layer's new slots are written (in place in a loop)."""
         cfg = self.config
         q = apply_rope(self._project(x, self.q, "q_bias"), positions, inv_freq)
         k = apply_rope(self._project(x, self.k, "k_bias"), positions, inv_freq)
         v = self._project(x, self.v, "v_bias")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        if kv is not None:  # write the new keys/values into their slots
-            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), offset, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), offset, axis=1)
+        if kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
+            start = (layer, 0, offset, 0, 0)
+            kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start) for c, new in zip(kv, (k, v)))
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in kv)
         b, t = x.shape[:2]
         s = k.shape[1]
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -169,7 +179,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
         out = jnp.einsum("btnh,nhd->btd", out.astype(cfg.jnp_dtype), self.o.value.astype(cfg.jnp_dtype))
-        return out, (k, v)
+        return out, kv
 
 
 class MLP(nnx.Module):
@@ -195,23 +205,54 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, key_valid, inv_freq, kv, offset, segment_ids=None):
-        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, offset, segment_ids)
+    def __call__(self, x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids=None):
+        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, layer, offset, segment_ids)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
-class Transformer(nnx.Module):
-    """The trunk: embeddings, decoder layers, final norm. Returns hidden states."""
+REMAT_POLICIES = ("none", "full", "dots")
+_CHECKPOINT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection / MLP matmul outputs
+}
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+
+def remat_policy(remat: str | bool) -> str:
+    """Normalise a remat setting; the booleans of older configs read as "full" / "none"."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r} is not one of {REMAT_POLICIES} (or a boolean)")
+    return remat
+
+
+def stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """`num_layers` decoder layers as one module, each parameter with a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS, "logical_axes": ax.LAYERS})
+    def create(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=rngs)
+
+    return create(rngs)
+
+
+class Transformer(nnx.Module):
+    """The trunk: embeddings, decoder layers (stacked, scanned), final norm. Returns hidden states.
+
+    `remat` ("none", "full", "dots") rematerialises the scanned layer body in
+    forwards without a cache (training); prefill and decode never remat.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: str | bool = "none"):
         self.config = config
-        self.remat = remat
+        self.remat = remat_policy(remat)
         self.embed = _param(
             rngs, _normal, (config.vocab_size, config.hidden_size), (ax.VOCAB, ax.EMBED), config.jnp_param_dtype
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = stacked_layers(config, rngs)
         self.final_norm = RMSNorm(config, rngs=rngs)
 
     def __call__(
@@ -231,33 +272,31 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_frequencies(cfg)
         mask = mask.astype(bool)
         if cache is None:
-            key_valid, offset = mask, 0
+            key_valid, offset, kv = mask, 0, None
         else:
             key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.index, axis=1)
-            offset = cache.index
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            if self.remat and cache is None:
-                x, kv = nnx.remat(lambda lyr, *a: lyr(*a))(
-                    layer, x, positions, key_valid, inv_freq, kv, offset, segment_ids
-                )
-            else:
-                x, kv = layer(x, positions, key_valid, inv_freq, kv, offset, segment_ids)
-            new_k.append(kv[0])
-            new_v.append(kv[1])
+            offset, kv = cache.index, (cache.k, cache.v)
+        graphdef, layer_states = nnx.split(self.layers)
+
+        def step(carry, xs):
+            x, kv = carry
+            layer_state, layer = xs
+            x, kv = nnx.merge(graphdef, layer_state)(x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids)
+            return (x, kv), None
+
+        if self.remat != "none" and cache is None:
+            step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
+        (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)))
         x = self.final_norm(x)
         if cache is not None:
-            cache = KVCache(
-                k=tuple(new_k), v=tuple(new_v), valid=key_valid, index=cache.index + tokens.shape[1]
-            )
+            cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])
         return x, cache
 
 
 class CausalLM(nnx.Module):
     """Actor / reference model: trunk + LM head (tied to the embedding or not)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: str | bool = "none"):
         self.config = config
         self.model = Transformer(config, rngs=rngs, remat=remat)
         if not config.tie_word_embeddings:
@@ -273,8 +312,12 @@ class CausalLM(nnx.Module):
         mask: Bool[Array, "batch length"],
         cache: KVCache | None = None,
         segment_ids: Int[Array, "batch length"] | None = None,
-    ) -> tuple[Float[Array, "batch length vocab"], KVCache | None]:
+        logits_from: int = 0,
+    ) -> tuple[Float[Array, "batch out vocab"], KVCache | None]:
+        """Logits of positions `logits_from`.. (static; -1 = the last only): the full-vocabulary
+        logits are the largest activation, so callers that need a suffix never build the rest."""
         h, cache = self.model(tokens, positions, mask, cache, segment_ids)
+        h = h[:, logits_from:]
         dt = self.config.jnp_dtype
         if self.config.tie_word_embeddings:
             w = self.model.embed.value.astype(dt).T
@@ -287,7 +330,7 @@ class CausalLM(nnx.Module):
 class ValueModel(nnx.Module):
     """Critic: trunk + per-token scalar value head (float32 output)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: str | bool = "none"):
         self.config = config
         self.model = Transformer(config, rngs=rngs, remat=remat)
         self.value_head = _param(rngs, _zeros, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
@@ -314,7 +357,7 @@ def last_token_index(mask: Bool[Array, "batch length"]) -> Int[Array, "batch"]:
 class RewardModel(nnx.Module):
     """Reward model: trunk + scalar score read at the last non-pad token."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: str | bool = "none"):
         self.config = config
         self.model = Transformer(config, rngs=rngs, remat=remat)
         # No bias, as HF's sequence-classification head: a pairwise loss cannot see a constant shift, so a
@@ -335,8 +378,10 @@ class RewardModel(nnx.Module):
 HEADS: dict[str, type[nnx.Module]] = {"lm": CausalLM, "value": ValueModel, "reward": RewardModel}
 
 
-def build_model(config: ModelConfig, head: str = "lm", *, seed: int = 0, remat: bool = False) -> nnx.Module:
-    """Random-initialised model with the given head ("lm", "value" or "reward")."""
+def build_model(
+    config: ModelConfig, head: str = "lm", *, seed: int = 0, remat: str | bool = "none"
+) -> nnx.Module:
+    """Random-initialised model with the given head ("lm", "value" or "reward"); remat as in `Transformer`."""
     if head not in HEADS:
         raise ValueError(f"unknown model head {head!r}; choose one of {sorted(HEADS)}")
     return HEADS[head](config, rngs=nnx.Rngs(params=seed), remat=remat)

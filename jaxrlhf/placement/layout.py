@@ -85,6 +85,7 @@ class AxisRules:
 DEFAULT_RULES = AxisRules(
     params=_table(
         {
+            ax.LAYERS: None,  # scanned over: every device holds its shard of every layer
             ax.VOCAB: "tensor",
             ax.EMBED: "fsdp",
             ax.HEADS: "tensor",
@@ -96,6 +97,7 @@ DEFAULT_RULES = AxisRules(
     ),
     activations=_table(
         {
+            ax.LAYERS: None,
             ax.BATCH: ("data", "fsdp"),
             ax.LENGTH: None,
             ax.EMBED: None,

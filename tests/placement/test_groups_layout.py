@@ -63,15 +63,15 @@ def tiny_state():
 def test_param_shardings_follow_metadata(tiny_state):
     mesh = layout.make_mesh(DeviceGroup("g", 0, 8), Layout(fsdp=4, tensor=2))
     sh = layout.param_shardings(tiny_state, mesh)
-    layer = sh["model"]["layers"][0]
-    assert layer["attn"]["q"].value.spec == P("fsdp", "tensor")
-    assert layer["attn"]["o"].value.spec == P("tensor", None, "fsdp")
-    assert layer["mlp"]["down"].value.spec == P("tensor", "fsdp")
+    layer = sh["model"]["layers"]  # stacked: the leading layers axis is not sharded
+    assert layer["attn"]["q"].value.spec == P(None, "fsdp", "tensor")
+    assert layer["attn"]["o"].value.spec == P(None, "tensor", None, "fsdp")
+    assert layer["mlp"]["down"].value.spec == P(None, "tensor", "fsdp")
     assert sh["model"]["embed"].value.spec == P("tensor", "fsdp")
     # structure matches the state, so it can drive device_put / jit directly
     assert jax.tree_util.tree_structure(sh) == jax.tree_util.tree_structure(tiny_state)
     specs = layout.param_specs(tiny_state, Layout(tensor=8))
-    assert specs["model"]["layers"][0]["attn"]["k"].value == P()  # kv_heads=2 not divisible by 8
+    assert specs["model"]["layers"]["attn"]["k"].value == P()  # kv_heads=2 not divisible by 8
 
 
 def test_activation_resolver_inside_constrain(devices):

@@ -1,0 +1,45 @@
+"""Scanned layers and remat: every remat policy gives the same loss and gradients as none."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model, positions_from_mask, remat_policy
+
+
+def _loss_and_grads(remat: str):
+    cfg = preset("tiny", num_layers=3)
+    model = build_model(cfg, seed=1, remat=remat)
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, cfg.vocab_size)
+    mask = jnp.ones((2, 7), bool).at[1, :2].set(False)
+
+    def loss(state):
+        logits, _ = nnx.merge(graphdef, state)(tokens, positions_from_mask(mask), mask)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) * mask)
+
+    return jax.jit(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_policies_match_no_remat(policy):
+    ref_loss, ref_grads = _loss_and_grads("none")
+    loss, grads = _loss_and_grads(policy)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_layers_are_stacked_on_a_leading_axis():
+    model = build_model(preset("tiny", num_layers=3))
+    assert model.model.layers.mlp.up[...].shape[0] == 3
+    assert model.model.layers.mlp.up.get_metadata()["logical_axes"][0] == "layers"
+
+
+def test_remat_policy_reads_old_booleans_and_rejects_typos():
+    assert remat_policy(True) == "full" and remat_policy(False) == "none"
+    with pytest.raises(ValueError, match="dots"):
+        remat_policy("dot")
