@@ -84,6 +84,7 @@ class RunConfig:
     platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
     devices: int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
+    compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
     tensorboard: bool = True
     export_hf: bool = True  # write the final actor as an HF checkpoint
 
@@ -97,6 +98,8 @@ class PlanConfig:
     offpolicy: bool = False  # generate step i+1 while training step i (disaggregated)
     hardware: str | None = None  # planner hardware profile; null = detect from the platform
     axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
+    # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
+    offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,7 @@ class AlgorithmConfig:
     value_clip_eps: float | None = _field(0.2, check=positive)  # null = unclipped value loss
     minibatches: int = _field(4, check=positive)
     epochs: int = _field(1, check=positive)
+    micro_batch_size: int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
     ratio_early_stop: float | None = _field(5.0, check=positive)  # null = never stop early
     whiten_advantages: bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
     normalize_values: bool = False
@@ -141,7 +145,8 @@ class RoleModelConfig:
     overrides: dict[str, Any] = _field(factory=dict)  # ModelConfig fields to replace
     dtype: Dtype | None = None  # compute dtype; null = the model's own
     param_dtype: Dtype | None = None
-    remat: bool = False  # rematerialise layers in training to save memory
+    # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
+    remat: Literal["none", "full", "dots"] = "none"
 
     @property
     def source(self) -> str | None:
@@ -177,6 +182,7 @@ class OptimConfig:
     warmup_steps: int = _field(0, check=non_negative)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     max_grad_norm: float | None = _field(1.0, check=positive)  # null = no clipping
+    master_weights: bool = True  # bf16/fp16 params: AdamW on an fp32 master copy (no effect on fp32 params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -709,6 +715,17 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
         algorithm.validate()
     except AlgorithmConfigError as e:
         raise ConfigError(str(e)) from None
+    micro = alg.micro_batch_size
+    if micro is not None:
+        sizes = {"a minibatch": algorithm.batch_rows // algorithm.minibatches, "a step's batch": algorithm.batch_rows}
+        if config.sft.steps:
+            sizes["a warm-up batch (sft.batch_size)"] = config.sft.batch_size
+        for what, rows in sizes.items():
+            if micro < rows and rows % micro:
+                raise ConfigError(
+                    f"algorithm.micro_batch_size={micro} must divide {what} ({rows} rows); "
+                    f"divisors: {[d for d in range(1, rows + 1) if rows % d == 0]}"
+                )
     roles = algorithm.roles()
     for role, spec in roles.items():
         _check_role(config, role, spec.why)

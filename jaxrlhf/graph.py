@@ -49,6 +49,9 @@ class CallSpec:
     outputs: tuple[str, ...] = ()
     deps: tuple[str, ...] = ()  # calls of the same step this one waits for (derived from inputs + explicit)
     seqs_per_row: int = 1  # sequences the call sees per batch row (2 for chosen + rejected pairs)
+    # lm head: which positions get full-vocabulary logits ("response": only those predicting the
+    # response, as RL calls compute them; "all": every position, as SFT and DPO do)
+    logit_positions: str = "response"
 
     def __post_init__(self):
         if self.kind not in CALL_KINDS:
@@ -61,6 +64,8 @@ class CallSpec:
             raise ValueError(f"a role trains in one call named '{self.role}.train', not {self.name!r}")
         if self.seqs_per_row < 1:
             raise ValueError(f"call {self.name!r}: seqs_per_row must be >= 1")
+        if self.logit_positions not in ("response", "all"):
+            raise ValueError(f"call {self.name!r}: logit_positions must be 'response' or 'all'")
 
 
 @dataclasses.dataclass(frozen=True)

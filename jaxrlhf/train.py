@@ -31,8 +31,27 @@ def setup_devices(run: cfglib.RunConfig) -> None:
             jax.config.update("jax_num_cpu_devices", run.devices)
     elif run.platform in ("gpu", "tpu"):
         jax.config.update("jax_platforms", "cuda" if run.platform == "gpu" else "tpu")
+    enable_compile_cache(run.compile_cache)
     if run.distributed:
         jax.distributed.initialize()
+
+
+def enable_compile_cache(folder: str | None) -> None:
+    """JAX's persistent compilation cache in `folder` (None: off), so a second run of the same config
+    loads its executables instead of compiling them. Any executable that took over 0.5 s is kept."""
+    import jax
+
+    if folder is None:
+        return
+    path = os.path.expanduser(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise cfglib.ConfigError(f"run.compile_cache={folder!r}: cannot create the folder ({e.strerror}); "
+                                 "choose another folder or set run.compile_cache=null") from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 # --------------------------------------------------------------------------- model configs
@@ -100,19 +119,19 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     batch = algorithm.batch_rows
     if cfg.plan.file:
         plan = ExecutionPlan.load(cfg.plan.file)
-        validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
-        return plan
-    if cfg.plan.strategy == "auto":
-        return search_plan(cfg, algorithm, models, num_devices, devices_per_host)
-    return build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
-                      devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+    elif cfg.plan.strategy == "auto":
+        plan = search_plan(cfg, algorithm, models, num_devices, devices_per_host)
+    else:
+        plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
+                          devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+    plan = with_offload(cfg, algorithm, plan, models, devices_per_host)
+    validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    return plan
 
 
-def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int,
-                devices_per_host: int | None = None):
-    """`plan.strategy=auto`: the planner's best plan for these devices, models and workload."""
+def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None):
+    """The planner's profile of this machine: `plan.hardware`, else the one of the platform JAX runs on."""
     from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.planner.search import search
 
     if cfg.plan.hardware:
         hw = get_profile(cfg.plan.hardware)
@@ -120,8 +139,30 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
         import jax
 
         hw = get_profile(DEFAULT_HARDWARE.get(jax.devices()[0].platform, "cpu"))
-    if devices_per_host:
-        hw = dataclasses.replace(hw, devices_per_host=devices_per_host)
+    return dataclasses.replace(hw, devices_per_host=devices_per_host) if devices_per_host else hw
+
+
+def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], devices_per_host: int | None = None):
+    """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
+    when set, else the plan file's own list, else what the memory model needs for the plan to fit."""
+    from jaxrlhf.planner.memory import plan_memory
+
+    if cfg.plan.offload is not None:
+        return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
+    if plan.offload_roles or plan.strategy == "searched":
+        return plan
+    report = plan_memory(plan, algorithm.graph(), models, algorithm.workload(), hardware_profile(cfg, devices_per_host))
+    if not report.feasible:
+        print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
+    return dataclasses.replace(plan, offload_roles=report.offloaded)
+
+
+def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int,
+                devices_per_host: int | None = None):
+    """`plan.strategy=auto`: the planner's best plan for these devices, models and workload."""
+    from jaxrlhf.planner.search import search
+
+    hw = hardware_profile(cfg, devices_per_host)
     result = search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
                     time_budget_s=30.0, allow_offpolicy=cfg.plan.offpolicy)
     print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
@@ -226,13 +267,16 @@ def init_depth(cfg: cfglib.Config, role: str) -> int:
     return depth
 
 
-def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int):
+def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int, model_config):
+    """The role's AdamW; fp32 master weights only where its parameters are low precision."""
     from jaxrlhf.algorithms.optim import build_optimizer
 
     o = getattr(cfg.optimizer, role)
+    low_precision = model_config.param_dtype in ("bfloat16", "float16")
     return build_optimizer(
         lr=o.lr, total_updates=total_updates, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
         warmup_steps=o.warmup_steps, schedule=o.schedule, max_grad_norm=o.max_grad_norm,
+        master_weights=o.master_weights and low_precision,
     )
 
 
@@ -332,7 +376,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     for name, spec in specs.items():
         role = Role(name, built[name].graphdef, built[name].params)
         if spec.trained:
-            role.optimizer = build_optimizer_for(cfg, name, total_updates)
+            role.optimizer = build_optimizer_for(cfg, name, total_updates, model_configs[name])
             role.opt_state = init_opt_state(role, cache.placed(plan.home_call(name)))
         roles[name] = role
     for name in [r for r in built if r not in specs]:
@@ -362,6 +406,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             roles[name].params = saved["params"]
             if "opt_state" in saved:
                 roles[name].opt_state = saved["opt_state"]
+        executor.offload_idle()
         executor.sync_shadows()
         data.load_state_dict(meta["data"])
         start = int(meta["step"])

@@ -66,7 +66,7 @@ def main() -> None:
           f"latency {hw.kernel_latency * 1e6:.0f} us")
 
     cfg = preset("small", hidden_size=512, intermediate_size=1376, vocab_size=4096, num_layers=4)
-    wl = Workload(batch_size=16, prompt_len=64, gen_len=16, minibatches=2, remat=False, micro_tokens=1 << 30)
+    wl = Workload(batch_size=16, prompt_len=64, gen_len=16, minibatches=2, remat="none")
     n = args.devices
     placements = [(n, Layout(data=n)), (n, Layout(fsdp=n)), (n, Layout(data=n // 2, tensor=2)),
                   (n, Layout(data=n // 4, tensor=4)), (n // 2, Layout(data=n // 2)),

@@ -76,9 +76,15 @@ class Algorithm(abc.ABC):
         from jaxrlhf.planner.cost import Workload
 
         cfg = self.cfg
+        roles = list(self.roles())
+        trained = [c.role for c in self.graph().calls if c.kind == "train"]
         return Workload(
             batch_size=self.batch_rows, prompt_len=cfg.data.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
             minibatches=self.minibatches, ppo_epochs=self.epochs,
+            micro_batch=cfg.algorithm.micro_batch_size,
+            remat={r: getattr(cfg.model, r).remat for r in roles},
+            donate=True,  # the executor always donates parameters and optimizer state to train calls
+            adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
         )
 
     @property

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
 from jaxrlhf.algorithms.pairs import PAIR, pair_arrays, pair_logprobs
-from jaxrlhf.algorithms.update import minibatch_updates
+from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.graph import CallGraph, CallSpec
 
 REF = ("ref_chosen_logp", "ref_rejected_logp")
@@ -57,9 +57,14 @@ def dpo_loss(
     return loss, jax.lax.stop_gradient(stats)
 
 
-def ref_pair_logprobs(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
-    logp, _ = pair_logprobs(graphdef, params, inputs)
-    return {"ref_chosen_logp": logp[0], "ref_rejected_logp": logp[1]}
+def ref_pair_logprobs(
+    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, jax.Array]:
+    def one(b):
+        logp, _ = pair_logprobs(graphdef, params, b)
+        return {"ref_chosen_logp": logp[0], "ref_rejected_logp": logp[1]}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 def dpo_train(
@@ -68,6 +73,7 @@ def dpo_train(
     beta: float,
     label_smoothing: float,
     kind: str,
+    micro_batch: int | None,
     params: nnx.State,
     opt_state: Any,
     inputs: dict[str, Any],
@@ -79,15 +85,21 @@ def dpo_train(
         logp, lengths = pair_logprobs(graphdef, params, mb)
         ref = jnp.stack([mb["ref_chosen_logp"], mb["ref_rejected_logp"]])
         loss, stats = dpo_loss(logp, ref, lengths, beta=beta, label_smoothing=label_smoothing, kind=kind)
-        return loss, (stats, jnp.array(False))
+        return loss, loss_aux(stats, mb["chosen_tokens"].shape[0])
 
-    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"])
+    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"],
+                                                 micro_batch=micro_batch)
     return params, opt_state, {"actor_stats": stats}
 
 
-def policy_pair_logprobs(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
-    logp, _ = pair_logprobs(graphdef, params, inputs)
-    return {"chosen": logp[0], "rejected": logp[1]}
+def policy_pair_logprobs(
+    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, jax.Array]:
+    def one(b):
+        logp, _ = pair_logprobs(graphdef, params, b)
+        return {"chosen": logp[0], "rejected": logp[1]}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 @register_algorithm
@@ -103,18 +115,19 @@ class DPO(Algorithm):
 
     def graph(self) -> CallGraph:
         calls = (
-            CallSpec("ref.inference", "ref", "inference", inputs=PAIR, outputs=REF, seqs_per_row=2),
+            CallSpec("ref.inference", "ref", "inference", inputs=PAIR, outputs=REF, seqs_per_row=2,
+                     logit_positions="all"),
             CallSpec("actor.train", "actor", "train", inputs=(*PAIR, *REF, "rng_actor"), outputs=("actor_stats",),
-                     seqs_per_row=2),
+                     seqs_per_row=2, logit_positions="all"),
         )
         return CallGraph(calls, feed=(*PAIR, "rng_actor"))
 
     def functions(self) -> dict[str, Any]:
         alg, m = self.cfg.algorithm, self.models
         return {
-            "ref.inference": functools.partial(ref_pair_logprobs, m["ref"].graphdef),
+            "ref.inference": functools.partial(ref_pair_logprobs, m["ref"].graphdef, alg.micro_batch_size),
             "actor.train": functools.partial(dpo_train, m["actor"].graphdef, m["actor"].optimizer, alg.dpo_beta,
-                                             alg.dpo_label_smoothing, alg.dpo_loss),
+                                             alg.dpo_label_smoothing, alg.dpo_loss, alg.micro_batch_size),
         }
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
@@ -151,5 +164,6 @@ class DPO(Algorithm):
 
     @functools.cached_property
     def _eval_fns(self) -> tuple[Any, Any]:
-        return (functools.partial(ref_pair_logprobs, self.models["ref"].graphdef),
-                functools.partial(policy_pair_logprobs, self.models["actor"].graphdef))
+        micro = self.cfg.algorithm.micro_batch_size
+        return (functools.partial(ref_pair_logprobs, self.models["ref"].graphdef, micro),
+                functools.partial(policy_pair_logprobs, self.models["actor"].graphdef, micro))

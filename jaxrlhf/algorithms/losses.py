@@ -58,6 +58,19 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
 
 
+def aggregation_weight(mask: Mask, agg: str = "token-mean") -> Float[Array, ""]:
+    """The share of a micro-batch in `aggregate`'s normaliser: tokens for a token mean, sequences
+    with tokens for a sequence mean, rows for the Dr. GRPO constant normaliser."""
+    m = jnp.asarray(mask).astype(jnp.float32)
+    if agg == "token-mean":
+        return jnp.sum(m)
+    if agg == "seq-mean-token-mean":
+        return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
+    if agg == "seq-mean-token-sum-norm":
+        return jnp.asarray(m.shape[0], jnp.float32)
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+
+
 class PolicyLossFn(Protocol):
     def __call__(
         self,

@@ -3,7 +3,7 @@ and a non-finite guard that leaves parameters and optimizer state untouched."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +35,52 @@ def build_optimizer(
     warmup_steps: int = 0,
     schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
+    master_weights: bool = False,
 ) -> optax.GradientTransformation:
-    """AdamW with a learning-rate schedule over `total_updates` optimizer updates."""
+    """AdamW with a learning-rate schedule over `total_updates` optimizer updates.
+
+    `master_weights`: keep an fp32 master copy (for bf16 parameters; see `with_fp32_master`).
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
     sched = SCHEDULES[schedule](lr, warmup_steps, total_updates)
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-    return optax.chain(*parts)
+    chain = optax.chain(*parts)
+    return with_fp32_master(chain) if master_weights else chain
+
+
+class MasterWeightsState(NamedTuple):
+    """fp32 master copy of low-precision parameters, and the inner optimizer's state over it."""
+
+    master: Any
+    inner: Any
+
+
+def with_fp32_master(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Mixed precision: `inner` updates an fp32 master copy; the (bf16) parameters follow it.
+
+    Small updates that would vanish in bf16 (an lr of 1e-6 on weights near 1
+    is below bf16's resolution) accumulate in the master, and the returned
+    updates take each parameter exactly to its master rounded to the
+    parameter's dtype. Optimizer state (moments) lives in fp32 over the master.
+    """
+
+    def init(params):
+        master = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return MasterWeightsState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        # p + (round(m) - p) in fp32 is round(m) exactly: both are representable in the param dtype
+        to_params = jax.tree_util.tree_map(
+            lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), master, params
+        )
+        return to_params, MasterWeightsState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
 from jaxrlhf.algorithms.pairs import PAIR, pair_arrays, pair_scores
-from jaxrlhf.algorithms.update import minibatch_updates
+from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.graph import CallGraph, CallSpec
 
 
@@ -42,6 +42,7 @@ def pairwise_loss(chosen: jax.Array, rejected: jax.Array) -> tuple[jax.Array, di
 def rm_train(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
+    micro_batch: int | None,
     params: nnx.State,
     opt_state: Any,
     inputs: dict[str, Any],
@@ -51,15 +52,21 @@ def rm_train(
 
     def loss_fn(params, mb):
         loss, stats = pairwise_loss(*pair_scores(graphdef, params, mb))
-        return loss, (stats, jnp.array(False))
+        return loss, loss_aux(stats, mb["chosen_tokens"].shape[0])
 
-    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_reward"])
+    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_reward"],
+                                                 micro_batch=micro_batch)
     return params, opt_state, {"reward_stats": stats}
 
 
-def rm_eval(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
-    chosen, rejected = pair_scores(graphdef, params, inputs)
-    return {"chosen": chosen, "rejected": rejected}
+def rm_eval(
+    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, jax.Array]:
+    def one(b):
+        chosen, rejected = pair_scores(graphdef, params, b)
+        return {"chosen": chosen, "rejected": rejected}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 @register_algorithm
@@ -77,7 +84,8 @@ class RewardModelling(Algorithm):
 
     def functions(self) -> dict[str, Any]:
         reward = self.models["reward"]
-        return {"reward.train": functools.partial(rm_train, reward.graphdef, reward.optimizer)}
+        return {"reward.train": functools.partial(rm_train, reward.graphdef, reward.optimizer,
+                                                  self.cfg.algorithm.micro_batch_size)}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
         from jaxrlhf.data import PreferenceDataset
@@ -108,4 +116,4 @@ class RewardModelling(Algorithm):
 
     @functools.cached_property
     def _eval_fn(self) -> Any:
-        return functools.partial(rm_eval, self.models["reward"].graphdef)
+        return functools.partial(rm_eval, self.models["reward"].graphdef, self.cfg.algorithm.micro_batch_size)

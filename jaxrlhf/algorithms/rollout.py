@@ -43,13 +43,13 @@ from jaxtyping import Array, Float
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
-from jaxrlhf.algorithms.losses import get_loss, importance_ratio_exploded, value_loss
+from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
 from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, shape_scores
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
-from jaxrlhf.algorithms.update import minibatch_updates
+from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.generation import generate_tokens
-from jaxrlhf.models.sampling import SamplingParams, entropy, response_logprobs, token_logprobs
+from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 SEQUENCE = ("tokens", "mask", "positions")
 RESPONSE = ("response_tokens", "response_mask")
@@ -76,6 +76,7 @@ class RLSettings:
     max_new_tokens: int = 32
     minibatches: int = 4
     epochs: int = 1
+    micro_batch: int | None = None  # rows per micro-batch in train and inference calls
     ratio_early_stop: float | None = 5.0
     normalize_values: bool = False
     entropy_coef: float = 0.0
@@ -89,6 +90,13 @@ class RLSettings:
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
     """Outputs at positions P-1 .. L-2: the ones that predict (or value) response tokens."""
     return x[:, prompt_len - 1 : -1]
+
+
+def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "batch new vocab"]:
+    """The logits that predict the response tokens, computed for those positions only (the prompt's
+    full-vocabulary logits are never built)."""
+    logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
+    return logits[:, :-1]
 
 
 # ---------------------------------------------------------------- generate and inference calls
@@ -117,34 +125,50 @@ def generate_call(
 
 
 def policy_logprobs(
-    graphdef: nnx.GraphDef, sampling: SamplingParams, params: nnx.State, inputs: dict[str, Any]
+    graphdef: nnx.GraphDef, sampling: SamplingParams, micro_batch: int | None, params: nnx.State,
+    inputs: dict[str, Any],
 ) -> dict[str, Float[Array, "batch new"]]:
     """Log-probs of the response under a policy (the reference model), same logits processing as sampling."""
-    logits, _ = nnx.merge(graphdef, params)(inputs["tokens"], inputs["positions"], inputs["mask"])
-    return {"ref_logp": response_logprobs(logits, inputs["response_tokens"], inputs["response_mask"], sampling)}
+    model = nnx.merge(graphdef, params)
+    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+
+    def one(b):
+        logp = token_logprobs(response_logits(model, b, p), b["response_tokens"], sampling)
+        return {"ref_logp": jnp.where(b["response_mask"], logp, 0.0)}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
-def critic_values(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
+def critic_values(
+    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, jax.Array]:
     """V(s_t) for every response token, and V after the last response token (for bootstrapping)."""
-    tokens, response_mask = inputs["tokens"], inputs["response_mask"]
-    v = nnx.merge(graphdef, params)(tokens, inputs["positions"], inputs["mask"])
-    n = response_mask.shape[1]
-    p = tokens.shape[1] - n
-    values = jnp.where(response_mask, _response_slice(v, p), 0.0)
-    last = p - 1 + jnp.sum(response_mask, axis=1).astype(jnp.int32)
-    bootstrap = jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
-    return {"values": values, "bootstrap_values": bootstrap}
+    model = nnx.merge(graphdef, params)
+
+    def one(b):
+        tokens, response_mask = b["tokens"], b["response_mask"]
+        v = model(tokens, b["positions"], b["mask"])
+        n = response_mask.shape[1]
+        p = tokens.shape[1] - n
+        values = jnp.where(response_mask, _response_slice(v, p), 0.0)
+        last = p - 1 + jnp.sum(response_mask, axis=1).astype(jnp.int32)
+        bootstrap = jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
+        return {"values": values, "bootstrap_values": bootstrap}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 def reward_scores(
-    graphdef: nnx.GraphDef, prefixes: tuple[str, ...], params: nnx.State, inputs: dict[str, Any]
+    graphdef: nnx.GraphDef, prefixes: tuple[str, ...], micro_batch: int | None, params: nnx.State,
+    inputs: dict[str, Any],
 ) -> dict[str, Float[Array, "batch"]]:
     """Reward-model score of each sequence (read at its last real token), for every prefix's sequences."""
     model = nnx.merge(graphdef, params)
-    return {
-        f"{p}model_scores": model(inputs[f"{p}tokens"], inputs[f"{p}positions"], inputs[f"{p}mask"])
-        for p in prefixes
-    }
+
+    def one(b):
+        return {f"{p}model_scores": model(b[f"{p}tokens"], b[f"{p}positions"], b[f"{p}mask"]) for p in prefixes}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 # ---------------------------------------------------------------- rewards and advantages
@@ -211,8 +235,7 @@ def actor_train(
         loss_kwargs.update(kl_coef=kl_coef, kl_kind=s.kl_estimator)
 
     def loss_fn(params, mb):
-        logits, _ = nnx.merge(graphdef, params)(mb["tokens"], mb["positions"], mb["mask"])
-        logits = _response_slice(logits, p)
+        logits = response_logits(nnx.merge(graphdef, params), mb, p)
         logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
         logp = jnp.where(mb["response_mask"], logp, 0.0)
         ent = entropy(logits, s.sampling)
@@ -227,7 +250,9 @@ def actor_train(
             if s.ratio_early_stop is not None
             else jnp.array(False)
         )
-        return loss, (stats, jax.lax.stop_gradient(exploded))
+        weight = aggregation_weight(mb["response_mask"], s.loss_agg)
+        tokens = aggregation_weight(mb["response_mask"])
+        return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
 
     data = {
         "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
@@ -238,7 +263,7 @@ def actor_train(
         data["ref_logp"] = inputs["ref_logp"]
     params, opt_state, stats = minibatch_updates(
         loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"], minibatches=s.minibatches,
-        epochs=s.epochs, early_stop=s.ratio_early_stop is not None,
+        epochs=s.epochs, micro_batch=s.micro_batch, early_stop=s.ratio_early_stop is not None,
     )
     mask = inputs["response_mask"].astype(jnp.float32)
     stats["kl/mean"] = jnp.mean(jnp.sum(kl * mask, axis=1))  # per-sequence KL, averaged
@@ -271,7 +296,7 @@ def critic_train(
         loss, stats = value_loss(
             _response_slice(v, p), mb["old_values"], mb["returns"], mb["response_mask"], clip_eps=s.value_clip_eps
         )
-        return loss, (stats, jnp.array(False))
+        return loss, loss_aux(stats, aggregation_weight(mb["response_mask"]))
 
     data = {
         "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
@@ -279,7 +304,7 @@ def critic_train(
     }
     params, opt_state, stats = minibatch_updates(
         loss_fn, optimizer, params, opt_state, data, inputs["rng_critic"], minibatches=s.minibatches,
-        epochs=s.epochs,
+        epochs=s.epochs, micro_batch=s.micro_batch,
     )
     stats = {f"critic/{k}" if not k.startswith(("loss/", "value/")) else k: v for k, v in stats.items()}
     stats["returns/mean"] = masked_mean(returns, mask)
@@ -450,7 +475,8 @@ class RolloutAlgorithm(Algorithm):
             value_clip_eps=alg.value_clip_eps, kl_estimator=alg.kl_estimator or self.default_kl_estimator,
             kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
             loss_agg=alg.loss_agg or self.default_loss_agg, max_new_tokens=gen.max_new_tokens,
-            minibatches=alg.minibatches, epochs=alg.epochs, ratio_early_stop=alg.ratio_early_stop,
+            minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
+            ratio_early_stop=alg.ratio_early_stop,
             normalize_values=alg.normalize_values, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
         )
@@ -471,13 +497,13 @@ class RolloutAlgorithm(Algorithm):
                                        s.max_new_tokens, tok.eos_id, tok.pad_id)
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if "ref" in m:
-            fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling)
+            fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
         if "critic" in m:
-            fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef)
+            fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef, s.micro_batch)
             fns["critic.train"] = functools.partial(critic_train, m["critic"].graphdef, m["critic"].optimizer, s)
         if "reward" in m:
             prefixes = ("", "greedy_") if self.greedy_baseline else ("",)
-            fns["reward.inference"] = functools.partial(reward_scores, m["reward"].graphdef, prefixes)
+            fns["reward.inference"] = functools.partial(reward_scores, m["reward"].graphdef, prefixes, s.micro_batch)
         return fns
 
     def host_steps(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
 from jaxrlhf.algorithms.stats import masked_mean
-from jaxrlhf.algorithms.update import minibatch_updates
+from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.sampling import next_token_logprobs
 
@@ -45,6 +45,7 @@ def sft_nll(
 def sft_train(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
+    micro_batch: int | None,
     params: nnx.State,
     opt_state: Any,
     inputs: dict[str, Any],
@@ -54,19 +55,26 @@ def sft_train(
 
     def loss_fn(params, mb):
         loss, tokens = sft_nll(graphdef, params, mb)
-        return loss, ({"loss/sft": loss, "sft/target_tokens": tokens}, jnp.array(False))
+        return loss, loss_aux({"loss/sft": loss, "sft/target_tokens": tokens}, tokens)
 
-    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"])
+    params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"],
+                                                 micro_batch=micro_batch)
     return params, opt_state, {"actor_stats": stats}
 
 
-def sft_eval(graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]) -> dict[str, jax.Array]:
+def sft_eval(
+    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+) -> dict[str, jax.Array]:
     """Summed NLL and target count of a held-out batch, per row (rows weighted on the host)."""
     model = nnx.merge(graphdef, params)
-    logits, _ = model(inputs["tokens"], inputs["positions"], inputs["mask"], segment_ids=inputs.get("segment_ids"))
-    targets = inputs["loss_mask"][:, 1:].astype(jnp.float32)
-    nll = -next_token_logprobs(logits, inputs["tokens"]) * targets
-    return {"nll": jnp.sum(nll, axis=1), "targets": jnp.sum(targets, axis=1)}
+
+    def one(b):
+        logits, _ = model(b["tokens"], b["positions"], b["mask"], segment_ids=b.get("segment_ids"))
+        targets = b["loss_mask"][:, 1:].astype(jnp.float32)
+        nll = -next_token_logprobs(logits, b["tokens"]) * targets
+        return {"nll": jnp.sum(nll, axis=1), "targets": jnp.sum(targets, axis=1)}
+
+    return map_microbatches(one, inputs, micro_batch)
 
 
 @register_algorithm
@@ -92,13 +100,15 @@ class SFT(Algorithm):
     def graph(self) -> CallGraph:
         inputs = ("tokens", "mask", "loss_mask", "positions") + (("segment_ids",) if self.packing else ())
         return CallGraph(
-            (CallSpec("actor.train", "actor", "train", inputs=inputs + ("rng_actor",), outputs=("actor_stats",)),),
+            (CallSpec("actor.train", "actor", "train", inputs=inputs + ("rng_actor",), outputs=("actor_stats",),
+                      logit_positions="all"),),
             feed=inputs + ("rng_actor",),
         )
 
     def functions(self) -> dict[str, Any]:
         actor = self.models["actor"]
-        return {"actor.train": functools.partial(sft_train, actor.graphdef, actor.optimizer)}
+        return {"actor.train": functools.partial(sft_train, actor.graphdef, actor.optimizer,
+                                                 self.cfg.algorithm.micro_batch_size)}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
         from jaxrlhf.data import SFTDataset
@@ -135,4 +145,4 @@ class SFT(Algorithm):
 
     @functools.cached_property
     def _eval_fn(self) -> Any:
-        return functools.partial(sft_eval, self.models["actor"].graphdef)
+        return functools.partial(sft_eval, self.models["actor"].graphdef, self.cfg.algorithm.micro_batch_size)

@@ -1,10 +1,22 @@
-"""The optimizer loop every train call shares: epochs x minibatches as one `lax.scan`.
+"""The loops every train and inference call shares: minibatch updates and micro-batches.
 
-One optimizer update per minibatch. An update is skipped (parameters and
-optimizer state unchanged) when its loss or gradients are non-finite; a loss
-may also report that the minibatch is too far off-policy (PPO's importance
-ratio early stop), after which every later update of the call is skipped.
-Both are counted in the returned stats (`skipped_nonfinite`, `skipped_ratio`).
+Updates: epochs x minibatches as one `lax.scan`, one optimizer update per
+minibatch. An update is skipped (parameters and optimizer state unchanged)
+when its loss or gradients are non-finite; a loss may also report that the
+minibatch is too far off-policy (PPO's importance ratio early stop), after
+which every later update of the call is skipped. Both are counted in the
+returned stats (`skipped_nonfinite`, `skipped_ratio`).
+
+Micro-batches: with `micro_batch` rows, each minibatch is split into
+micro-batches whose gradients are accumulated inside the compiled update (a
+scan), so peak activation memory is set by the micro-batch, not the
+minibatch. A loss reports the *weight* of its micro-batch in the minibatch's
+normaliser (its token count for a token mean, its sequence count for a
+sequence mean, its rows for a per-pair loss); the accumulated loss and
+gradient are the weight-averaged micro-batch ones, which is exactly the
+un-micro-batched value. Micro-batches take rows j, j + k, j + 2k, ... so a
+batch split over the data axes stays evenly split in every micro-batch.
+Inference calls map over micro-batches the same way (`map_microbatches`).
 """
 
 from __future__ import annotations
@@ -18,10 +30,28 @@ from jaxtyping import Array, Int
 
 from jaxrlhf.algorithms.optim import guarded_update
 
-# loss_fn(params, minibatch) -> (loss, (stats dict, stop flag))
-LossFn = Callable[[Any, Any], tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]]
+# loss_fn(params, minibatch) -> (loss, {"stats": {...}, "stop": bool scalar, "weight": scalar})
+LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, Any]]]
 
 SUMMED_STATS = ("skipped_nonfinite", "skipped_ratio")
+
+
+def loss_aux(
+    stats: dict[str, jax.Array],
+    weight: jax.Array | float,
+    stop: jax.Array | bool = False,
+    stats_weight: jax.Array | float | None = None,
+) -> dict[str, Any]:
+    """The auxiliary output every loss function returns (see the module docstring).
+
+    `stats` named "loss/..." are normalised like the loss and combine over
+    micro-batches with `weight`; the others (token means such as clipfrac or
+    entropy) combine with `stats_weight` (default: `weight`).
+    """
+    return {
+        "stats": stats, "stop": jnp.asarray(stop), "weight": jnp.asarray(weight, jnp.float32),
+        "stats_weight": jnp.asarray(weight if stats_weight is None else stats_weight, jnp.float32),
+    }
 
 
 def minibatch_indices(rng: jax.Array, batch: int, minibatches: int, epochs: int) -> Int[Array, "updates size"]:
@@ -37,6 +67,88 @@ def take_rows(tree: Any, idx: jax.Array) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.take(x, idx, axis=0), tree)
 
 
+def num_microbatches(rows: int, micro_batch: int | None) -> int:
+    """Micro-batches of `micro_batch` rows in `rows` (1 without micro-batching)."""
+    if micro_batch is None or micro_batch >= rows:
+        return 1
+    if rows % micro_batch:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_batch}")
+    return rows // micro_batch
+
+
+def _rows(tree: Any) -> int:
+    """Rows of a batch: the leading size of its arrays (scalars such as a KL coefficient do not count)."""
+    return max((x.shape[0] for x in jax.tree_util.tree_leaves(tree) if jnp.ndim(x)), default=1)
+
+
+def split_microbatches(tree: Any, k: int) -> Any:
+    """[B, ...] -> [k, B / k, ...], micro-batch j holding rows j, j + k, ... (strided)."""
+    return jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), tree)
+
+
+def merge_microbatches(tree: Any) -> Any:
+    """The inverse of `split_microbatches`."""
+    return jax.tree_util.tree_map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def _scan_microbatches(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, batch: Any, k: int) -> tuple[Any, Any]:
+    """`lax.scan` of `fn(carry, micro_batch)` over k micro-batches; scalars are shared, not split."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    split = [i for i, x in enumerate(leaves) if jnp.ndim(x)]
+    parts = split_microbatches([leaves[i] for i in split], k)
+
+    def body(carry, xs):
+        full = list(leaves)
+        for i, x in zip(split, xs):
+            full[i] = x
+        return fn(carry, jax.tree_util.tree_unflatten(treedef, full))
+
+    return jax.lax.scan(body, init, parts)
+
+
+def map_microbatches(fn: Callable[[Any], Any], batch: Any, micro_batch: int | None) -> Any:
+    """`fn(batch)` computed micro-batch by micro-batch (outputs batch-major, in the original row order)."""
+    k = num_microbatches(_rows(batch), micro_batch)
+    if k == 1:
+        return fn(batch)
+    _, out = _scan_microbatches(lambda carry, b: (carry, fn(b)), None, batch, k)
+    return merge_microbatches(out)
+
+
+def _combine_stats(stats: dict[str, jax.Array], loss_weights: jax.Array, stats_weights: jax.Array) -> dict:
+    """Micro-batch stats -> minibatch stats: weighted means (see `loss_aux`), maxima for `.../max`."""
+
+    def combine(key: str, v: jax.Array) -> jax.Array:
+        if key.endswith("/max"):
+            return jnp.max(v)
+        w = loss_weights if key.startswith("loss/") else stats_weights
+        return jnp.sum(v * w) / jnp.maximum(jnp.sum(w), 1e-30)
+
+    return {k: combine(k, v) for k, v in stats.items()}
+
+
+def accumulated_grad(loss_fn: LossFn, params: Any, batch: Any, micro_batch: int | None) -> tuple[Any, ...]:
+    """(loss, stats, stop, gradient) of `batch`, accumulated over micro-batches in fp32."""
+    k = num_microbatches(_rows(batch), micro_batch)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux["stats"], aux["stop"], grads
+
+    def one(acc, micro):
+        (loss, aux), grads = grad_fn(params, micro)
+        w = aux["weight"]
+        acc = jax.tree_util.tree_map(lambda a, g: a + w * g.astype(jnp.float32), acc, grads)
+        return acc, (loss, aux["stats"], aux["stop"], w, aux["stats_weight"])
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    acc, (losses, stats, stops, weights, stats_weights) = _scan_microbatches(one, zeros, batch, k)
+    total = jnp.maximum(jnp.sum(weights), 1e-30)
+    grads = jax.tree_util.tree_map(lambda a, p: (a / total).astype(p.dtype), acc, params)
+    stats = _combine_stats(stats, weights, stats_weights)
+    return jnp.sum(losses * weights) / total, stats, jnp.any(stops), grads
+
+
 def minibatch_updates(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -47,21 +159,21 @@ def minibatch_updates(
     *,
     minibatches: int = 1,
     epochs: int = 1,
+    micro_batch: int | None = None,
     early_stop: bool = False,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Run the updates; stats are averaged over updates except the skip counters (summed).
 
     With `early_stop` the stop flag a loss returns skips that update and every later one.
     """
-    batch = jax.tree_util.tree_leaves(data)[0].shape[0]
+    batch = _rows(data)
     if batch % minibatches:
         raise ValueError(f"batch of {batch} rows does not split into {minibatches} minibatches")
     idx = minibatch_indices(rng, batch, minibatches, epochs)
 
     def one(carry, rows):
         params, opt_state, stopped = carry
-        mb = take_rows(data, rows)
-        (loss, (stats, stop)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        loss, stats, stop, grads = accumulated_grad(loss_fn, params, take_rows(data, rows), micro_batch)
         if early_stop:
             stopped = stopped | stop
         params, opt_state, finite = guarded_update(optimizer, grads, opt_state, params, loss, ~stopped)

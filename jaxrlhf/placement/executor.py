@@ -3,7 +3,8 @@
 For every model call it asks the plan where the call runs, brings the role's
 parameters there (no move when the call runs where they live; the persistent
 shadow copy for roles the plan shadows; otherwise a reallocation whose copy
-is dropped after the call), moves the call's inputs to that placement,
+is dropped after the call; for a role the plan offloads, a device copy of
+its host-resident parameters), moves the call's inputs to that placement,
 dispatches the function compiled for it and times it. Host steps run in
 between on the values they name. Which function a call or host step runs is
 the algorithm's business (`functions`, `host_steps`); the executor knows
@@ -39,7 +40,7 @@ from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
-from jaxrlhf.placement.realloc import move_where_needed
+from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, reload
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 
 CallFn = Callable[..., Any]
@@ -93,16 +94,18 @@ class CallTimer:
 
 @dataclasses.dataclass
 class MoveStats:
-    """Parameter moves (reallocation, shadow sync) and batch moves (transfers) of one step."""
+    """Parameter moves (reallocation, shadow sync, reloads from host) and batch moves (transfers) of one step."""
 
     realloc_seconds: float = 0.0
     realloc_bytes: int = 0
     transfer_seconds: float = 0.0
     transfer_bytes: int = 0
+    reload_seconds: float = 0.0  # offloaded roles brought back from host memory
 
     def metrics(self) -> dict[str, float]:
         return {
             "time/realloc_s": self.realloc_seconds,
+            "time/reload_s": self.reload_seconds,
             "realloc/bytes": float(self.realloc_bytes),
             "time/transfer_s": self.transfer_seconds,
             "transfer/bytes": float(self.transfer_bytes),
@@ -167,6 +170,7 @@ class Executor:
             raise ValueError(f"no initial value for carried state {missing}")
         self.moves = MoveStats()
         self._training = graph.downstream_of_training()
+        self.offload_idle()
         self._pending: tuple[dict[str, Any], CallTimer] | None = None  # next step's collect phase (off-policy)
 
     # ---------------------------------------------------------------- placement helpers
@@ -209,10 +213,26 @@ class Executor:
             out[name] = self.move(value, jax.tree_util.tree_map(target, value), params=False)
         return out
 
+    def offload_idle(self) -> None:
+        """Keep the roles the plan offloads in host memory (they come back for each of their calls).
+
+        Call again after replacing their parameters (a checkpoint restore)."""
+        for name in self.plan.offload_roles:
+            role = self.roles.get(name)
+            if role is not None and not is_offloaded(role.params):
+                role.params = offload(role.params)
+
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
         """The role's parameters on `call`'s placement, and whether that copy is temporary."""
         role = self.roles[role_name]
         placed = self.placed(call)
+        if is_offloaded(role.params):  # host -> device for this call only; the host copy stays
+            t0 = time.perf_counter()
+            home = reload(role.params, free_source=False)
+            self.moves.reload_seconds += time.perf_counter() - t0
+            if placed.placement == self.home_placed(role_name).placement:
+                return home, True
+            return self.move(home, placed.param_shardings(role.params), free_source=True), True
         if placed.placement == self.home_placed(role_name).placement:
             return role.params, False
         shardings = placed.param_shardings(role.params)
@@ -233,8 +253,13 @@ class Executor:
             delete_tree(old)
 
     def function(self, call: str) -> PlacedFunction:
-        """The call's function compiled for its placement; shardings follow the (committed) arguments."""
-        return self.cache.function(call, self.functions[call], in_shardings=None, out_shardings=None)
+        """The call's function compiled for its placement; shardings follow the (committed) arguments.
+
+        Train calls donate parameters and optimizer state: the update is written into their buffers,
+        so one copy of each exists during a step (what the planner's memory model assumes)."""
+        donate = (0, 1) if self.graph[call].kind == "train" else ()
+        return self.cache.function(call, self.functions[call], in_shardings=None, out_shardings=None,
+                                   donate_argnums=donate)
 
     def commit_state(self) -> dict[str, Any]:
         """Make every carried value a device array (replicated where the first call that reads it

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -41,27 +41,73 @@ OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, p
 TP_ALLREDUCES_PER_LAYER = 2  # attention output and MLP output
 
 
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+def _per_role(value: Any, role: str | None, default: Any) -> Any:
+    """A Workload setting given for every role, or as a mapping role -> setting."""
+    return value.get(role, default) if isinstance(value, Mapping) else value
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """What one RLHF step processes. `batch_size` counts sequences (prompt + response)."""
+    """What one RLHF step processes, and how the runtime executes it.
+
+    `batch_size` counts batch rows (sequences, or pairs for calls with
+    `seqs_per_row=2`). The execution fields mirror the runtime settings of the
+    same name (an algorithm's `workload()` fills them from the run config), so
+    a plan never assumes what the runtime does not do:
+    - `micro_batch`: rows per micro-batch in train (gradient accumulation) and
+      inference calls; None = a whole minibatch (train) or batch (inference).
+      Generation is never micro-batched.
+    - `remat`: "none" / "full" / "dots" (save matmul outputs) for every role, or
+      a mapping role -> policy.
+    - `donate`: train calls donate parameters and optimizer state (one copy).
+    - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
+      AdamW moments (mixed precision); otherwise the moments use the param dtype.
+      A bool for every role, or a mapping role -> bool.
+    """
 
     batch_size: int = 512
     prompt_len: int = 128
     gen_len: int = 128
     minibatches: int = 4  # optimizer steps per train call and PPO epoch
     ppo_epochs: int = 1
-    remat: bool = True  # recompute each layer's activations in the backward pass
-    micro_tokens: int = 16384  # most tokens one device feeds through a forward/backward at once
-    adam_master_fp32: bool = True  # keep an fp32 master copy for low-precision params (mixed precision)
+    micro_batch: int | None = None
+    remat: Any = "full"
+    donate: bool = True
+    adam_master_fp32: Any = True
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs", "micro_tokens"):
+        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs"):
             if getattr(self, f) < 1:
                 raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"workload.micro_batch must be >= 1 or None, got {self.micro_batch}")
         if self.batch_size % self.minibatches:
             raise ValueError(
                 f"workload.batch_size={self.batch_size} must divide into minibatches={self.minibatches}"
             )
+        policies = self.remat.values() if isinstance(self.remat, Mapping) else [self.remat]
+        for p in policies:
+            if p not in REMAT_POLICIES and not isinstance(p, bool):
+                raise ValueError(f"workload.remat {p!r} is not one of {REMAT_POLICIES}")
+
+    def remat_for(self, role: str) -> str:
+        """The remat policy of `role` (booleans read as "full" / "none")."""
+        p = _per_role(self.remat, role, "none")
+        return {True: "full", False: "none"}.get(p, p) if isinstance(p, bool) else p
+
+    def master_for(self, role: str | None) -> bool:
+        """Whether `role`'s optimizer keeps fp32 master weights (when its params are low precision)."""
+        return bool(_per_role(self.adam_master_fp32, role, True))
+
+    def micro_batches(self, call: CallSpec) -> int:
+        """How many micro-batches one step of `call` runs (1 for generation)."""
+        rows = self.call_batch(call.kind)
+        if call.kind == "generate" or self.micro_batch is None or self.micro_batch >= rows:
+            return 1
+        return math.ceil(rows / self.micro_batch)
 
     @property
     def seq_len(self) -> int:
@@ -203,10 +249,6 @@ class _Ctx:
         }
 
 
-def _micro(tokens_dev: float, wl: Workload) -> int:
-    return max(1, math.ceil(tokens_dev / wl.micro_tokens))
-
-
 def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float) -> CallCost:
     return CallCost(sum(parts.values()), flops, hbm, comm_bytes, parts)
 
@@ -214,7 +256,7 @@ def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float
 def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw = c.cfg, c.hw
     seqs = wl.call_seqs(call) / c.batch_ways
-    pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, _micro(seqs * wl.prompt_len, wl))
+    pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, 1)
     # Decode: step s attends to prompt_len + s cached tokens.
     ctx_len = wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64)
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
@@ -242,17 +284,17 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
 def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     seqs = wl.call_seqs(call) / c.batch_ways
     tokens = seqs * wl.seq_len
-    f = c.forward(tokens, wl.seq_len, seqs, _micro(tokens, wl))
+    f = c.forward(tokens, wl.seq_len, seqs, wl.micro_batches(call))
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "overhead": f["overhead"]}
     return _finish(parts, f["flops"], f["hbm"], f["tp_bytes"] + f["fsdp_bytes"])
 
 
-def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload) -> float:
-    """AdamW state per parameter: m and v in the param dtype, plus an fp32 master copy if asked."""
+def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
+    """AdamW state per parameter: m and v in the param dtype, or with mixed precision an fp32
+    master copy and fp32 m and v (what `jaxrlhf.algorithms.optim` builds)."""
     pb = DTYPE_BYTES[cfg.param_dtype]
-    master = 4 if wl.adam_master_fp32 and pb < 4 else 0
-    return 2 * pb + master
+    return 3 * 4 if wl.master_for(role) and pb < 4 else 2 * pb
 
 
 def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
@@ -260,17 +302,18 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     steps = wl.minibatches * wl.ppo_epochs
     seqs = wl.call_seqs(call) / c.batch_ways
     tokens = seqs * wl.seq_len
-    micro = _micro(tokens, wl)
+    micro = wl.micro_batches(call)
     f = c.forward(tokens, wl.seq_len, seqs, micro)
-    passes = 3 + (1 if wl.remat else 0)  # forward, backward = 2 forwards, recomputed forward
-    tp_passes = 2 + (1 if wl.remat else 0)  # forward, backward, recomputed forward all-reduce activations
+    recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
+    passes = 3 + recompute  # forward, backward = 2 forwards, recomputed forward
+    tp_passes = 2 + recompute  # forward, backward, recomputed forward all-reduce activations
     # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch.
     fsdp = 2 * f["fsdp_comm"] + _ring_gather(micro * c.w_tensor, lay.fsdp, c.bw["fsdp"], hw,
                                               count=cfg.num_layers * micro)
     grad_shard = param_bytes(cfg, c.head) / c.shards
     dp = _ring_allreduce(grad_shard, lay.data, c.bw["data"], hw)
     n_params_dev = param_count(cfg, c.head) / c.shards
-    opt_bytes = n_params_dev * (3 * DTYPE_BYTES[cfg.param_dtype] + 2 * optimizer_bytes_per_param(cfg, wl))
+    opt_bytes = n_params_dev * (3 * DTYPE_BYTES[cfg.param_dtype] + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
     per_step = {
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],

@@ -16,13 +16,12 @@ infeasible, with the reason.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Mapping
 
 import numpy as np
 
 from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, kv_bytes_per_token, optimizer_bytes_per_param, param_bytes, param_count,
+    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, param_bytes, param_count,
 )
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
@@ -30,14 +29,13 @@ from jaxrlhf.planner.plan import ExecutionPlan, Layout
 from jaxrlhf.models.config import ModelConfig
 
 GiB = 2**30
-LOGIT_COPIES_INFER = 2  # float32 logits and their log-softmax
+LOGIT_COPIES_INFER = 1  # float32 logits (XLA fuses the log-softmax into their consumer)
 LOGIT_COPIES_TRAIN = 3  # plus their gradient
 
 
-def _tokens_per_micro(seqs_dev: float, seq_len: int, wl: Workload) -> float:
-    tokens = seqs_dev * seq_len
-    micro = max(1, math.ceil(tokens / wl.micro_tokens))
-    return tokens / micro
+def _tokens_per_micro(call: CallSpec, seqs_dev: float, seq_len: int, wl: Workload) -> float:
+    """Tokens one device feeds through one forward (one micro-batch) of `call`."""
+    return seqs_dev * seq_len / wl.micro_batches(call)
 
 
 def _per_token_widths(cfg: ModelConfig, t: int) -> tuple[float, float, float, float]:
@@ -65,6 +63,13 @@ def layer_saved_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> flo
     return tokens * (ab * (8 * d + 2 * q + kv + 5 * f) + keys * cfg.num_heads / t * 4 * 2)
 
 
+def layer_matmul_bytes(cfg: ModelConfig, tokens: float, t: int) -> float:
+    """Bytes of one layer's matmul outputs (q, k, v, attention output, gate, up, down): what the
+    dots-saveable remat policy keeps for the backward pass."""
+    d, q, kv, f = _per_token_widths(cfg, t)
+    return tokens * DTYPE_BYTES[cfg.dtype] * (q + kv + 2 * d + 2 * f)
+
+
 def _logit_bytes(cfg: ModelConfig, head: str, tokens: float, t: int, copies: int) -> float:
     return tokens * cfg.vocab_size / t * 4 * copies if head == "lm" else 0.0
 
@@ -73,8 +78,22 @@ def params_per_device(cfg: ModelConfig, head: str, layout: Layout) -> float:
     return param_bytes(cfg, head) / (layout.fsdp * layout.tensor)
 
 
-def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload) -> float:
-    return param_count(cfg, head) * optimizer_bytes_per_param(cfg, wl) / (layout.fsdp * layout.tensor)
+def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload, role: str | None = None) -> float:
+    return param_count(cfg, head) * optimizer_bytes_per_param(cfg, wl, role) / (layout.fsdp * layout.tensor)
+
+
+def _logit_tokens(call: CallSpec, tokens: float, wl: Workload) -> float:
+    """Of `tokens` fed through a forward, how many get full-vocabulary logits (see CallSpec)."""
+    if call.kind == "generate":  # the prefill's last position only
+        return tokens / wl.prompt_len
+    return tokens if call.logit_positions == "all" else tokens * wl.gen_len / wl.seq_len
+
+
+def head_gather_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    """The LM head (or tied embedding) gathered whole over FSDP for the logits matmul."""
+    if head != "lm" or layout.fsdp == 1:
+        return 0.0
+    return cfg.hidden_size * cfg.vocab_size * DTYPE_BYTES[cfg.param_dtype] / layout.tensor
 
 
 def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) -> dict[str, float]:
@@ -83,26 +102,39 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     t = layout.tensor
     batch_ways = layout.data * layout.fsdp
     ab = DTYPE_BYTES[cfg.dtype]
-    gathered = param_bytes(cfg, head) / t / cfg.num_layers * 2 if layout.fsdp > 1 else 0.0  # FSDP layer buffers
+    # FSDP: two decoder layers gathered at a time (the one computing, the next one arriving)
+    layer_bytes = (matmul_params(cfg, "value") - cfg.hidden_size) / cfg.num_layers * DTYPE_BYTES[cfg.param_dtype]
+    gathered = 2 * layer_bytes / t if layout.fsdp > 1 else 0.0
+    head_gathered = head_gather_bytes(cfg, head, layout)
     seqs = wl.call_seqs(call) / batch_ways
-    if call.kind == "generate":
-        kv = seqs * wl.seq_len * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
-        tok = _tokens_per_micro(seqs, wl.prompt_len, wl)
-        prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(cfg, head, tok, t, 1)
-        return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered}
+    if call.kind == "generate":  # the decode loop carries the cache in and out: two copies
+        kv = 2 * seqs * wl.seq_len * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
+        tok = _tokens_per_micro(call, seqs, wl.prompt_len, wl)
+        prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(
+            cfg, head, _logit_tokens(call, tok, wl), t, 1)
+        return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered + head_gathered}
+    tok = _tokens_per_micro(call, seqs, wl.seq_len, wl)
+    logit_tok = _logit_tokens(call, tok, wl)
     if call.kind == "inference":
-        tok = _tokens_per_micro(seqs, wl.seq_len, wl)
-        act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_INFER)
-        return {"activations": act, "fsdp_buffers": gathered}
-    tok = _tokens_per_micro(seqs, wl.seq_len, wl)
+        act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
+        return {"activations": act, "fsdp_buffers": gathered + head_gathered}
     layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
-    if wl.remat:  # layer inputs kept, one layer recomputed at a time
+    remat = wl.remat_for(call.role)
+    if remat == "full":  # layer inputs kept, one layer recomputed at a time
         saved = cfg.num_layers * tok * cfg.hidden_size * ab + layer
+    elif remat == "dots":  # matmul outputs kept, elementwise results recomputed
+        saved = cfg.num_layers * layer_matmul_bytes(cfg, tok, layout.tensor) + layer
     else:
         saved = cfg.num_layers * layer
-    act = saved + _logit_bytes(cfg, head, tok, t, LOGIT_COPIES_TRAIN)
+    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN)
     grads = params_per_device(cfg, head, layout)
-    return {"gradients": grads, "activations": act, "fsdp_buffers": gathered}
+    # the gathered head and its gradient at full size, before the gradient is reduce-scattered
+    out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
+    if wl.micro_batches(call) > 1:  # the fp32 accumulated gradient beside each micro-batch's own
+        out["gradient_accumulator"] = param_count(cfg, head) * 4 / (layout.fsdp * layout.tensor)
+    if not wl.donate:  # new params and optimizer state are written beside the old ones
+        out["undonated_state"] = grads + optimizer_per_device(cfg, head, layout, wl, call.role)
+    return out
 
 
 @dataclasses.dataclass
@@ -127,7 +159,11 @@ class MemoryReport:
 
 def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
                 hw: HardwareProfile) -> MemoryReport:
-    """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit."""
+    """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit.
+
+    The roles the plan already offloads (`plan.offload_roles`) start offloaded;
+    `MemoryReport.offloaded` is what the runtime must offload for the estimate to hold.
+    """
     n = plan.num_devices
     cap = hw.usable_memory
     trained = {c.role for c in graph.calls if c.kind == "train"}
@@ -146,7 +182,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         arr = np.zeros(n)
         per = params_per_device(cfg, head, home.layout)
         if role in trained:
-            per += optimizer_per_device(cfg, head, home.layout, wl)
+            per += optimizer_per_device(cfg, head, home.layout, wl, role)
         arr[span(home_call)] += per
         if role in plan.shadow_roles:
             seen = {(plan.group_of(home_call).start, plan.group_of(home_call).size, home.layout)}
@@ -173,8 +209,10 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
             w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 
-    offloaded: list[str] = []
-    frozen = [r for r in roles if r not in trained]
+    offloaded: list[str] = [r for r in plan.offload_roles if r in resident_by_role]  # the plan's own choice
+    for r in offloaded:
+        resident_by_role[r] = np.zeros(n)
+    frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles]
     while True:
         resident = sum(resident_by_role.values(), np.zeros(n))
         peak = resident.copy()

@@ -94,6 +94,7 @@ class ExecutionPlan:
     calls: dict[str, Placement]
     shadow_roles: tuple[str, ...] = ()  # roles whose off-home copies persist (disaggregated)
     offpolicy: bool = False  # generate step i+1 while training step i (needs a shadow actor)
+    offload_roles: tuple[str, ...] = ()  # frozen roles kept in host memory between their calls
     notes: str = ""
 
     # ---- queries -----------------------------------------------------------------
@@ -122,12 +123,13 @@ class ExecutionPlan:
             },
             "shadow_roles": list(self.shadow_roles),
             "offpolicy": self.offpolicy,
+            "offload_roles": list(self.offload_roles),
             "notes": self.notes,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
-        known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "notes"}
+        known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -160,6 +162,7 @@ class ExecutionPlan:
             calls=calls,
             shadow_roles=tuple(d.get("shadow_roles", ()) or ()),
             offpolicy=bool(d.get("offpolicy", False)),
+            offload_roles=tuple(d.get("offload_roles", ()) or ()),
             notes=str(d.get("notes", "") or ""),
         )
 
@@ -200,6 +203,8 @@ class ExecutionPlan:
         lines = [f"strategy: {self.strategy} on {self.num_devices} devices"]
         if self.shadow_roles:
             lines[0] += f"; shadow copies: {', '.join(self.shadow_roles)}"
+        if self.offload_roles:
+            lines[0] += f"; offloaded to host between calls: {', '.join(self.offload_roles)}"
         if self.offpolicy:
             lines[0] += "; one-step off-policy"
         for i, r in enumerate(rows):
@@ -382,6 +387,17 @@ def validate(
                 f"shadow role {role!r} has no call placed away from its home {home.group}:{home.layout}; "
                 "a shadow copy would be identical, so drop it from shadow_roles"
             )
+    trained = {c.role for c in graph.calls if c.kind == "train"}
+    for role in plan.offload_roles:
+        if role not in graph.roles:
+            raise PlanError(f"offload role {role!r} is not a role of the graph {list(graph.roles)}")
+        if role in trained:
+            raise PlanError(
+                f"offload role {role!r} is trained every step: only frozen roles "
+                f"{sorted(set(graph.roles) - trained)} can wait in host memory between their calls"
+            )
+        if role in plan.shadow_roles:
+            raise PlanError(f"role {role!r} is both offloaded and shadowed; choose one")
     if plan.offpolicy:
         gens = [c.name for c in graph.calls if c.kind == "generate"]
         if not gens:

@@ -310,7 +310,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     best = feasible[0][1]
     origin = best.plan.strategy
     best = dataclasses.replace(best, plan=dataclasses.replace(
-        best.plan, strategy="searched",
+        best.plan, strategy="searched", offload_roles=best.memory.offloaded if best.memory else (),
         notes=f"searched (seed {seed}, {len(ann.seen)} plans evaluated; best found from {origin!r})"))
     runners: list[PlanEstimate] = []
     seen_times = {round(feasible[0][0], 9)}

@@ -68,8 +68,13 @@ def test_two_steps_and_second_placement_match_colocated(algorithm, tmp_path):
     assert [r["step"] for r in colocated] == [r["step"] for r in records] == [1, 2]
     for ref, got in zip(colocated, records):
         for key in keys:
+            if key == "rewards/accuracy" and ref["step"] == 1:
+                continue  # policy == reference: every DPO margin is 0 up to float noise, whose sign this counts
             assert np.isfinite(ref[key]), (algorithm, key, ref[key])
-            assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (algorithm, other, ref["step"], key)
+            # clipfrac counts tokens; one whose advantage is 0 up to float noise (a KL of ~1e-7 between
+            # equal policies) is counted by the noise's sign, so one token (1/32) may differ
+            tol = 1.5 / 32 if key == "clipfrac" else 2e-5
+            assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=tol), (algorithm, other, ref["step"], key)
     # Something was learned from: updates were applied, not all skipped.
     skipped = [k for k in colocated[-1] if k.endswith("skipped_nonfinite")]
     assert skipped and all(colocated[-1][k] == 0 for k in skipped)

@@ -81,4 +81,6 @@ def test_dpo_implicit_reward_accuracy_rises(tmp_path):
     assert acc[:5].mean() < 0.6, acc  # the policy starts as its reference: no preference yet
     assert acc[-10:].mean() > acc[:5].mean() + 0.15, acc
     assert margin[-10:].mean() > margin[:5].mean(), margin
-    assert held_out[-1] > 0.6 and held_out[-1] >= held_out[0], held_out
+    # held out (90 pairs): above chance at every evaluation; between evaluations it moves by a few
+    # pairs either way (0.63-0.70 over 120 steps), so its trend over 60 steps is not a signal
+    assert min(held_out) > 0.6, held_out

@@ -39,7 +39,7 @@ def test_values_are_aligned_with_response_tokens(critic):
     graphdef, state = critic
     tokens, mask, response_mask = _batch()
     positions = positions_from_mask(mask)
-    out = rollout.critic_values(graphdef, state, {"tokens": tokens, "mask": mask, "positions": positions,
+    out = rollout.critic_values(graphdef, None, state, {"tokens": tokens, "mask": mask, "positions": positions,
                                                   "response_mask": response_mask})
     values, bootstrap = out["values"], out["bootstrap_values"]
     full = nnx.merge(graphdef, state)(tokens, positions, mask)

@@ -293,7 +293,7 @@ def grpo_step():
     for name, spec in specs.items():
         role = Role(name, built[name].graphdef, built[name].params)
         if spec.trained:
-            role.optimizer = train.build_optimizer_for(cfg, name, algorithm.updates_per_step)
+            role.optimizer = train.build_optimizer_for(cfg, name, algorithm.updates_per_step, model_configs[name])
             role.opt_state = train.init_opt_state(role, cache.placed(plan.home_call(name)))
         roles[name] = role
     algorithm.bind(tokenizer, roles)

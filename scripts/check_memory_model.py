@@ -1,0 +1,189 @@
+"""The planner's memory model against XLA's, at real model sizes, without weights.
+
+For LLaMA-shaped models (default: a 1B and an 8B) on 8 devices under two
+layouts, this compiles the runtime's own train, inference and generate
+functions (the algorithm's `functions()`, through the executor's
+`PlacedFunction`, with donation) for shape-only inputs, and compares the
+per-device bytes XLA's `memory_analysis()` reports (arguments + outputs +
+temporaries - donated aliases) with the planner's estimate (resident
+parameters and optimizer state + the call's working set). Nothing is
+allocated, so an 8B model checks on a laptop CPU.
+
+    python scripts/check_memory_model.py [--models llama3.2-1b,llama3-8b] [--json out.json]
+
+Prints a table and JSON; numbers go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+LAYOUTS = {"fsdp8": dict(fsdp=8), "fsdp2_tp4": dict(fsdp=2, tensor=4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama3.2-1b,llama3-8b")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64, help="prompts per step")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--minibatches", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (0 = none)")
+    ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+    ap.add_argument("--calls", default="actor.train,ref.inference,actor.generate")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="parameter and compute dtype; float32 on CPU, whose XLA backend upcasts every bf16 "
+                         "matmul operand to f32 (whole stacked weights, hoisted out of loops), which GPUs and "
+                         "TPUs do not")
+    ap.add_argument("--no-donate", action="store_true", help="compile train calls without donation")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+
+    rows = []
+    for model in args.models.split(","):
+        for layout in args.layouts.split(","):
+            rows += check(model, layout, args)
+    errors = [abs(r["error"]) for r in rows]
+    print(f"\n{'model':<12} {'layout':<10} {'call':<15} {'xla GiB':>8} {'model GiB':>9} {'error':>7} {'compile s':>9}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['layout']:<10} {r['call']:<15} {r['xla_gib']:8.2f} {r['estimate_gib']:9.2f} "
+              f"{r['error']:+7.1%} {r['compile_s']:9.1f}")
+    summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
+    print(f"median |error| {summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
+    out = {"settings": vars(args), "rows": rows, "summary": summary}
+    print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def _config(model: str, args):
+    from jaxrlhf import config as cfglib
+
+    micro = args.micro_batch or None
+    return cfglib.load_config(None, [
+        "algorithm.name=ppo", f"model.actor.preset={model}", f"model.actor.remat={args.remat}",
+        f"model.actor.dtype={args.dtype}", f"model.actor.param_dtype={args.dtype}",
+        f"model.critic.remat={args.remat}", f"data.batch_size={args.batch}",
+        f"data.max_prompt_len={args.prompt_len}", f"generation.max_new_tokens={args.gen_len}",
+        f"algorithm.minibatches={args.minibatches}", f"algorithm.micro_batch_size={micro if micro else 'null'}",
+    ])
+
+
+def _abstract_inputs(batch: int, prompt: int, new: int):
+    """Shape-only values of every input a PPO call reads (a superset; each call takes its own)."""
+    import jax
+    import jax.numpy as jnp
+
+    S = jax.ShapeDtypeStruct
+    seq = prompt + new
+    f32, i32, b = jnp.float32, jnp.int32, jnp.bool_
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return {
+        "prompt_tokens": S((batch, prompt), i32), "prompt_mask": S((batch, prompt), b),
+        "tokens": S((batch, seq), i32), "mask": S((batch, seq), b), "positions": S((batch, seq), i32),
+        "response_tokens": S((batch, new), i32), "response_mask": S((batch, new), b),
+        "behaviour_logp": S((batch, new), f32), "ref_logp": S((batch, new), f32), "values": S((batch, new), f32),
+        "bootstrap_values": S((batch,), f32), "rewards": S((batch,), f32), "scores": S((batch,), f32),
+        "rule_scores": S((batch,), f32), "ended_with_eos": S((batch,), b), "kl_coef": S((), f32),
+        "value_moments": {"mean": S((), f32), "std": S((), f32), "count": S((), f32)},
+        "rng_generate": key, "rng_actor": key, "rng_critic": key,
+    }
+
+
+def check(model: str, layout_name: str, args) -> list[dict]:
+    import jax
+    from flax import nnx
+
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.models.transformer import build_model
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.placement.executor import Role
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+    from jaxrlhf.train import build_optimizer_for, role_configs
+
+    cfg = _config(model, args)
+    algorithm = build_algorithm(cfg)
+    graph = algorithm.graph()
+    specs = algorithm.roles()
+    configs = role_configs(cfg, list(specs))
+    layout = Layout(**LAYOUTS[layout_name])
+    plan = ExecutionPlan("check", args.devices, {"all": DeviceGroup("all", 0, args.devices)},
+                         {c: Placement("all", layout) for c in graph.names})
+    cache = CallCache(plan)
+    wl = dataclasses.replace(algorithm.workload(), donate=not args.no_donate)
+    roles = {}
+    for name, spec in specs.items():
+        remat = getattr(cfg.model, name).remat
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(configs[name], spec.head, remat=remat)))
+        role = Role(name, graphdef, abstract)
+        if spec.trained:
+            role.optimizer = build_optimizer_for(cfg, name, 100, configs[name])
+        roles[name] = role
+    algorithm.bind(load_tokenizer(cfg.model.tokenizer), roles)
+    functions = algorithm.functions()
+    everything = _abstract_inputs(algorithm.batch_rows, args.prompt_len, args.gen_len)
+    hw = get_profile("h100")
+    rows = []
+    for call in args.calls.split(","):
+        spec = graph[call]
+        role = roles[spec.role]
+        placed = cache.placed(call)
+
+        def shaped(tree, shardings):
+            return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                          tree, shardings)
+
+        params = shaped(role.params, placed.param_shardings(role.params))
+        inputs = {}
+        for name in spec.inputs:
+            value = everything[name]
+            inputs[name] = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed.batch_sharding(len(x.shape))
+                                               if x.shape else placed.replicated()), value)
+        if spec.kind == "train":
+            opt_abstract = jax.eval_shape(role.optimizer.init, role.params)
+            opt_state = shaped(opt_abstract, placed.opt_state_shardings(role.optimizer, role.params))
+            fn_args, donate = (params, opt_state, inputs), (() if args.no_donate else (0, 1))
+        else:
+            fn_args, donate = (params, inputs), ()
+        fn = cache.function(call, functions[call], in_shardings=None, out_shardings=None, donate_argnums=donate)
+        t0 = time.perf_counter()
+        mem = fn.compiled(*fn_args).memory_analysis()
+        compile_s = time.perf_counter() - t0
+        xla = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes)
+        cfg_m = configs[spec.role]
+        estimate = params_per_device(cfg_m, spec.head, layout) + sum(working_set(spec, cfg_m, layout, wl).values())
+        if spec.kind == "train":
+            estimate += optimizer_per_device(cfg_m, spec.head, layout, wl, spec.role)
+        rows.append({
+            "model": model, "layout": layout_name, "call": call, "xla_gib": xla / 2**30,
+            "estimate_gib": estimate / 2**30, "error": estimate / xla - 1, "compile_s": compile_s,
+            "xla": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+                    "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes},
+            "model_parts": {k: float(v) for k, v in working_set(spec, cfg_m, layout, wl).items()},
+            "fits_h100": estimate < hw.usable_memory,
+        })
+        print(f"{model} {layout_name} {call}: xla {xla / 2**30:.2f} GiB, model {estimate / 2**30:.2f} GiB, "
+              f"compiled in {compile_s:.1f} s", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
