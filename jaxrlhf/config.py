@@ -1,13 +1,13 @@
-"""Typed run configuration: nested frozen dataclasses, YAML files and dotted
-`key=value` command-line overrides.
+"""Typed run configuration: YAML files and dotted `key=value` command-line overrides,
+validated against the dataclass schema in `jaxrlhf.config_schema`.
 
     cfg = load_config("configs/quickstart.yaml", ["run.steps=20", "algorithm.kl_coef=0.05"])
     print(format_config(cfg))          # what --print-config shows
 
-The dataclasses below are the schema: field types (including `Literal`
-choices) drive type checking, `_check` metadata holds per-key value rules and
-`validate()` the rules that span keys. Every user mistake is a `ConfigError`
-whose message names the dotted key, so the CLI prints it without a traceback.
+pydantic checks the types (including `Literal` choices) and refuses unknown keys; this module
+turns its errors into one line per mistake naming the dotted key, then runs the per-key value
+rules (`_field(check=...)`) and `validate()`, the rules that span keys. Every user mistake is a
+`ConfigError`, so the CLI prints it without a traceback.
 """
 
 from __future__ import annotations
@@ -15,12 +15,48 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import pathlib
 import types
 import typing
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, Union
+from typing import Any, Iterable, Literal, Mapping, Sequence, Union
 
+import pydantic
 import yaml
+
+from jaxrlhf.config_schema import (
+    ROLES,
+    AlgorithmConfig,
+    Check,
+    Config,
+    DataConfig,
+    Dtype,
+    GenerationConfig,
+    ModelsConfig,
+    OptimConfig,
+    OptimizersConfig,
+    PlanConfig,
+    RewardRule,
+    RewardsConfig,
+    RoleModelConfig,
+    RunConfig,
+    SFTConfig,
+    closed_unit_interval,
+    non_negative,
+    not_empty,
+    positive,
+    unit_interval,
+)
+
+__all__ = [
+    # the schema (jaxrlhf.config_schema)
+    "ROLES", "AlgorithmConfig", "Check", "Config", "DataConfig", "Dtype", "GenerationConfig", "ModelsConfig",
+    "OptimConfig", "OptimizersConfig", "PlanConfig", "RewardRule", "RewardsConfig", "RoleModelConfig", "RunConfig",
+    "SFTConfig", "closed_unit_interval", "non_negative", "not_empty", "positive", "unit_interval",
+    # loading
+    "MAX_ALIAS_NODES", "REMOVED_KEYS", "CliArgs", "ConfigError", "apply_overrides", "config_keys", "format_config",
+    "from_dict", "load_config", "parse_cli", "parse_override", "read_yaml", "to_dict", "validate", "with_overrides",
+]
 
 
 class ConfigError(ValueError):
@@ -28,267 +64,26 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-key value checks (attached to fields as metadata)
-
-Check = Callable[[Any], str | None]  # returns a complaint ("must be > 0") or None
-
-
-def positive(value: Any) -> str | None:
-    return None if value is None or value > 0 else "must be > 0"
-
-
-def non_negative(value: Any) -> str | None:
-    return None if value is None or value >= 0 else "must be >= 0"
-
-
-def unit_interval(value: Any) -> str | None:
-    """(0, 1]: probabilities such as top_p, discount factors."""
-    return None if value is None or 0 < value <= 1 else "must be in (0, 1]"
-
-
-def closed_unit_interval(value: Any) -> str | None:
-    return None if value is None or 0 <= value <= 1 else "must be in [0, 1]"
-
-
-def not_empty(value: Any) -> str | None:
-    return None if value is None or len(value) > 0 else "must not be empty"
-
-
-def _field(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory: Any = None) -> Any:
-    """A dataclass field with an optional value check."""
-    metadata = {"check": check} if check else {}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Schema
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """Where outputs go, how long to run and on which devices."""
-
-    output_dir: str = "runs/default"
-    steps: int = _field(100, check=positive)
-    seed: int = 0
-    resume: bool = False  # continue from the latest checkpoint in output_dir
-    checkpoint_every: int = _field(50, check=non_negative)  # steps; 0 = only at the end
-    keep_checkpoints: int = _field(3, check=positive)
-    log_every: int = _field(1, check=positive)
-    eval_every: int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
-    platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
-    devices: int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
-    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-    compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
-    tensorboard: bool = True
-    export_hf: bool = True  # write the final actor as an HF checkpoint
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanConfig:
-    """How model calls are placed on devices (see jaxrlhf.mesh)."""
-
-    strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "auto"] = "colocated"
-    file: str | None = None  # a plan YAML; overrides strategy
-    offpolicy: bool = False  # generate step i+1 while training step i (disaggregated)
-    hardware: str | None = None  # planner hardware profile; null = detect from the platform
-    axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
-    # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
-    offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmConfig:
-    """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
-
-    RL algorithms: ppo, grpo, rloo, reinforce_pp, remax (defaults follow
-    ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
-    not use are ignored by it; null means "the algorithm's own default".
-    """
-
-    name: str = _field("ppo", check=not_empty)  # a name in jaxrlhf.algorithms.ALGORITHMS
-    kl_coef: float = _field(0.1, check=non_negative)  # 0 (and no kl_target) = no reference model
-    kl_target: float | None = _field(None, check=positive)  # null = fixed coefficient
-    kl_horizon: int = _field(10000, check=positive)  # adaptive controller horizon (samples)
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
-    gamma: float = _field(1.0, check=closed_unit_interval)
-    lam: float = _field(1.0, check=closed_unit_interval)
-    clip_eps: float = _field(0.2, check=positive)
-    value_clip_eps: float | None = _field(0.2, check=positive)  # null = unclipped value loss
-    minibatches: int = _field(4, check=positive)
-    epochs: int = _field(1, check=positive)
-    micro_batch_size: int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
-    ratio_early_stop: float | None = _field(5.0, check=positive)  # null = never stop early
-    whiten_advantages: bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
-    normalize_values: bool = False
-    group_size: int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
-    norm_adv_by_std: bool = True  # grpo: divide by the group's std (false = Dr. GRPO)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    entropy_coef: float = _field(0.0, check=non_negative)
-    dpo_beta: float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
-    dpo_label_smoothing: float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
-    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleModelConfig:
-    """Where one role's weights come from: a size preset, an HF checkpoint, or another role."""
-
-    preset: str | None = None  # a name from jaxrlhf.models.config.PRESETS (random init)
-    path: str | None = None  # HF checkpoint folder (config.json + *.safetensors)
-    init_from: Literal["actor", "critic", "ref", "reward"] | None = None  # copy that role's trunk
-    overrides: dict[str, Any] = _field(factory=dict)  # ModelConfig fields to replace
-    dtype: Dtype | None = None  # compute dtype; null = the model's own
-    param_dtype: Dtype | None = None
-    # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
-    remat: Literal["none", "full", "dots"] = "none"
-
-    @property
-    def source(self) -> str | None:
-        """A short description of where the weights come from, or None if unset."""
-        if self.init_from:
-            return f"init_from {self.init_from}"
-        return self.path or (f"preset {self.preset}" if self.preset else None)
-
-
-ROLES = ("actor", "critic", "ref", "reward")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelsConfig:
-    """The four roles and the tokenizer they share."""
-
-    actor: RoleModelConfig = _field(factory=lambda: RoleModelConfig(preset="tiny"))
-    critic: RoleModelConfig = _field(factory=lambda: RoleModelConfig(init_from="actor"))
-    ref: RoleModelConfig = _field(factory=lambda: RoleModelConfig(init_from="actor"))
-    reward: RoleModelConfig = _field(factory=RoleModelConfig)  # used when rewards.model is true
-    tokenizer: str = "byte"  # "byte" or a path to tokenizer.json (or its folder)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with warmup and a decay schedule, for one trained role."""
-
-    lr: float = _field(1e-5, check=positive)
-    weight_decay: float = _field(0.0, check=non_negative)
-    b1: float = _field(0.9, check=closed_unit_interval)
-    b2: float = _field(0.95, check=closed_unit_interval)
-    eps: float = _field(1e-8, check=positive)
-    warmup_steps: int = _field(0, check=non_negative)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float | None = _field(1.0, check=positive)  # null = no clipping
-    master_weights: bool = True  # bf16/fp16 params: AdamW on an fp32 master copy (no effect on fp32 params)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizersConfig:
-    """One optimizer per trained role (the reward model is trained by the `rm` stage)."""
-
-    actor: OptimConfig = _field(factory=OptimConfig)
-    critic: OptimConfig = _field(factory=lambda: OptimConfig(lr=5e-5))
-    reward: OptimConfig = _field(factory=lambda: OptimConfig(lr=1e-5))
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Prompt data for rollouts (see jaxrlhf.data.sources for what `source` accepts)."""
-
-    source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
-    split: str = "train"
-    eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
-    prompt_key: str = _field("prompt", check=not_empty)
-    answer_key: str | None = "answer"  # null = no reference answers (reward model only)
-    answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
-    prompt_template: str = "{prompt}"
-    add_bos: bool = True
-    batch_size: int = _field(32, check=positive)  # prompts per step (global)
-    max_prompt_len: int = _field(64, check=positive)  # tokens; longer prompts are skipped
-    pad_multiple: int = _field(16, check=positive)  # prompt lengths pad to multiples of this
-    shuffle: bool = True
-    seed: int | None = None  # null = run.seed
-    data_dir: str | None = None  # TFDS data dir; null = $JAXRLHF_DATA_DIR or ~/.cache/jaxrlhf/tfds
-    chosen_key: str = _field("chosen", check=not_empty)  # preference pairs (rm, dpo)
-    rejected_key: str = _field("rejected", check=not_empty)
-    max_seq_len: int | None = _field(None, check=positive)  # sft/rm/dpo; null = max_prompt_len + max_new_tokens
-    packing: bool = False  # sft: several demonstrations per row
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """Optional supervised warm-up of the actor before RL: the `sft` stage run first, on the
-    actor's training placement (the reference then copies the warmed-up actor)."""
-
-    steps: int = _field(0, check=non_negative)  # 0 = no warm-up
-    source: str | None = None  # null = data.source
-    split: str = "sft"
-    completion_key: str | None = None  # null = data.answer_key
-    batch_size: int = _field(32, check=positive)
-    lr: float = _field(1e-3, check=positive)
-    packing: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationConfig:
-    """Sampling for rollouts; the loss recomputes log-probs with the same processing."""
-
-    max_new_tokens: int = _field(32, check=positive)
-    temperature: float = _field(1.0, check=positive)
-    top_k: int = _field(0, check=non_negative)  # 0 = off
-    top_p: float = _field(1.0, check=unit_interval)  # 1 = off
-    greedy: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardRule:
-    """One rule reward by registry name, its weight and keyword arguments."""
-
-    name: str = _field(check=not_empty)
-    weight: float = 1.0
-    args: dict[str, Any] = _field(factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardsConfig:
-    """Reward = (sum of weighted rules [+ reward model] - bias) * scale, clipped."""
-
-    model: bool = False  # score with the reward model (model.reward)
-    rules: tuple[RewardRule, ...] = (RewardRule("exact_match"),)
-    scale: float = 1.0
-    bias: float = 0.0
-    clip: float | None = _field(20.0, check=positive)  # |reward| bound; null = no clipping
-    eos_only: bool = True  # sequences that did not end with EOS get no score
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """A whole run."""
-
-    run: RunConfig = _field(factory=RunConfig)
-    plan: PlanConfig = _field(factory=PlanConfig)
-    algorithm: AlgorithmConfig = _field(factory=AlgorithmConfig)
-    model: ModelsConfig = _field(factory=ModelsConfig)
-    optimizer: OptimizersConfig = _field(factory=OptimizersConfig)
-    data: DataConfig = _field(factory=DataConfig)
-    sft: SFTConfig = _field(factory=SFTConfig)
-    generation: GenerationConfig = _field(factory=GenerationConfig)
-    rewards: RewardsConfig = _field(factory=RewardsConfig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Types: checking and coercion driven by the annotations
+# Types: pydantic validates; its errors become messages that name the dotted key
 
 
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """Field types with the pydantic annotations stripped (Int -> int)."""
     return typing.get_type_hints(cls)
+
+
+def _without_none(tp: Any) -> Any:
+    """`X` for `X | None`, else `tp`."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) == 1:
+            return options[0]
+    return tp
 
 
 def _type_name(tp: Any) -> str:
@@ -302,7 +97,7 @@ def _type_name(tp: Any) -> str:
     if origin in (list, tuple):
         return f"a list of {_type_name(args[0])}"
     if origin is dict or tp is dict:
-        return "a mapping"
+        return "a mapping with string keys"
     if _is_dataclass_type(tp):
         return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
     return getattr(tp, "__name__", str(tp))
@@ -312,92 +107,95 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """`value` as type `tp`, or ConfigError naming the key, the expected type and the value."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as e:
-                errors.append(e)
-        if len(options) == 1 and (typing.get_origin(options[0]) is Literal or _is_dataclass_type(options[0])):
-            raise errors[0]  # its own message is more specific (choices, nested keys)
-        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_describe(value)}")
-    if origin is Literal:
-        if value in args and isinstance(value, str) == isinstance(args[0], str):
-            return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+@functools.cache
+def _validator() -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(Config)
+
+
+def _build(data: Mapping[str, Any]) -> Config:
+    """A Config from a complete nested mapping: types by pydantic, then each field's value check."""
+    try:
+        config = _validator().validate_python(data)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_explain(e.errors(include_url=False), data)) from None
+    _check_values(config)
+    return config
+
+
+# pydantic's error types for a key that the schema does not have
+_UNKNOWN_KEY_ERRORS = ("unexpected_keyword_argument", "extra_forbidden", "invalid_key")
+
+
+def _explain(errors: list[Any], data: Mapping[str, Any]) -> str:
+    """Every unknown key (with suggestions), else the first type error, one line each."""
+    unknown = [e for e in errors if e["type"] in _UNKNOWN_KEY_ERRORS]
+    if unknown:
+        lines = []
+        for error in unknown:
+            loc = error["loc"]
+            section, section_type, _ = _locate(loc[:-1], data)
+            key = f"{section}.{loc[-1]}" if section else str(loc[-1])
+            value = error["input"] if error["type"] != "invalid_key" else None
+            keys = [f"{key}.{p}" for p in _leaf_paths(value)] if isinstance(value, Mapping) and value else [key]
+            # inside a list item (rewards.rules[0]) only that item's keys are candidates
+            in_item = any(isinstance(part, int) for part in loc[:-1])
+            valid = config_keys(section_type, section) if in_item else config_keys()
+            lines += [_unknown_key_message(k, valid) for k in keys]
+        return "\n".join(lines)
+    error = errors[0]
+    key, tp, value = _locate(error["loc"], data)
+    if error["type"] == "missing":
+        return f"config key '{key}' is required"
+    choices = _without_none(tp)
+    if typing.get_origin(choices) is Literal:
+        args = [str(a) for a in typing.get_args(choices)]
+        close = difflib.get_close_matches(str(value), args, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"config key '{key}' must be one of {', '.join(str(a) for a in args)}; got {value!r}{hint}"
-        )
-    if _is_dataclass_type(tp):
-        if isinstance(value, str) and tp is RewardRule:  # shorthand: a rule by name
-            value = {"name": value}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_describe(value)}")
-        unknown = _unknown_keys(tp, value, key)
-        if unknown:
-            valid = config_keys(tp, key)
-            raise ConfigError("\n".join(_unknown_key_message(k, valid) for k in unknown))
-        return _build(tp, value, key)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_describe(value)}")
-        items = [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"config key '{key}' expects a mapping with string keys, got {_describe(value)}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"config key '{key}' expects float, got {_describe(value)}") from None
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_describe(value)}")
+        return f"config key '{key}' must be one of {', '.join(args)}; got {value!r}{hint}"
+    return f"config key '{key}' expects {_type_name(tp)}, got {_describe(value)}"
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """An instance of dataclass `cls` from a mapping already checked for unknown keys."""
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
+def _locate(loc: Sequence[Any], data: Any) -> tuple[str, Any, Any]:
+    """The dotted key, schema type and given value at a pydantic error location.
+
+    Parts below the schema's leaves (a mapping's key, a validator's name) are dropped, so the
+    message is about the key the user wrote.
+    """
+    key, tp, value = "", Config, data
+    for part in loc:
+        inner = _without_none(tp)
+        if _is_dataclass_type(inner) and part in _hints(inner):
+            key, tp = (f"{key}.{part}" if key else part), _hints(inner)[part]
+        elif typing.get_origin(inner) is tuple and isinstance(part, int):
+            key, tp = f"{key}[{part}]", typing.get_args(inner)[0]
+        else:
+            break
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            value = None  # a missing key
+    return key, tp, value
+
+
+def _check_values(obj: Any, prefix: str = "") -> None:
+    """Run each field's `check` (from `_field(check=...)`), sections and list items included."""
+    for f in dataclasses.fields(obj):
         key = f"{prefix}.{f.name}" if prefix else f.name
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"config key '{key}' is required")
-            continue
-        value = _coerce(data[f.name], hints[f.name], key)
+        value = getattr(obj, f.name)
         check = f.metadata.get("check")
         complaint = check(value) if check else None
         if complaint:
             raise ConfigError(f"config key '{key}' {complaint}, got {value!r}")
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        if dataclasses.is_dataclass(value):
+            _check_values(value, key)
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _check_values(item, f"{key}[{i}]")
 
 
 # ---------------------------------------------------------------------------------------------
-# Keys: the dotted key list, unknown-key detection with suggestions
+# Keys: the dotted key list, unknown-key messages with suggestions
 
 
 def config_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -442,22 +240,6 @@ def _unknown_key_message(key: str, valid: Sequence[str]) -> str:
     return f"unknown config key '{key}'; did you mean {options}?"
 
 
-def _unknown_keys(cls: type, data: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dotted paths in `data` that the schema does not have (walking into unknown sections)."""
-    hints = _hints(cls)
-    unknown = []
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in hints:
-            if isinstance(value, Mapping) and value:
-                unknown += [f"{key}.{k}" for k in _leaf_paths(value)]
-            else:
-                unknown.append(key)
-        elif _is_dataclass_type(hints[name]) and isinstance(value, Mapping):
-            unknown += _unknown_keys(hints[name], value, key)
-    return unknown
-
-
 def _leaf_paths(data: Mapping[str, Any]) -> list[str]:
     paths = []
     for name, value in data.items():
@@ -466,6 +248,66 @@ def _leaf_paths(data: Mapping[str, Any]) -> list[str]:
         else:
             paths.append(str(name))
     return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML with input limits
+
+# Nodes that aliases may add to a document. Normal configs use a handful; nested anchors
+# ("billion laughs") would otherwise expand a few lines into billions of nodes once walked.
+MAX_ALIAS_NODES = 10_000
+
+
+class _InputLimit(yaml.MarkedYAMLError):
+    """A YAML document that parses but is refused: a repeated key, an oversized alias expansion."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one without a word) and
+    bounds what aliases expand to; both are checked while composing, before any value is built."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}  # id(node) -> nodes in its full expansion
+        self._alias_nodes = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        is_alias = self.check_event(yaml.AliasEvent)
+        mark = self.peek_event().start_mark
+        node = super().compose_node(parent, index)
+        if is_alias:
+            if id(node) not in self._sizes:
+                raise _InputLimit(problem="an alias refers to a node that contains it", problem_mark=mark)
+            self._alias_nodes += self._sizes[id(node)]
+            if self._alias_nodes > MAX_ALIAS_NODES:
+                raise _InputLimit(
+                    problem=f"YAML aliases expand to more than {MAX_ALIAS_NODES:,} nodes; write the values out instead",
+                    problem_mark=mark,
+                )
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+            if isinstance(node, yaml.MappingNode):
+                children = [child for pair in node.value for child in pair]
+            self._sizes[id(node)] = 1 + sum(self._sizes[id(child)] for child in children)
+        return node
+
+    def compose_mapping_node(self, anchor: Any) -> Any:
+        node = super().compose_mapping_node(anchor)
+        first_line: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            if (key.tag, key.value) in first_line:
+                raise _InputLimit(
+                    problem=f"duplicate key {key.value!r} (first set on line {first_line[key.tag, key.value]})",
+                    problem_mark=key.start_mark,
+                )
+            first_line[key.tag, key.value] = key.start_mark.line + 1
+        return node
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader subclass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,11 +326,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like key=value (e.g. run.steps=10)")
     wants_str = _accepts_str(_schema_type(key))
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         if wants_str:
             return key, raw
-        raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e.problem})") from None
+        raise ConfigError(f"override {key}: cannot parse value {raw!r} ({getattr(e, 'problem', e)})") from None
     if wants_str and value is not None and not isinstance(value, str):
         return key, raw
     return key, value
@@ -496,12 +338,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def _schema_type(key: str) -> Any:
     """The annotated type of a dotted key, or None if the schema has no such key."""
-    tp: Any = Config
-    for part in key.split("."):
-        if not _is_dataclass_type(tp) or part not in _hints(tp):
-            return None
-        tp = _hints(tp)[part]
-    return tp
+    found, tp, _ = _locate(key.split("."), {})
+    return tp if found == key else None
 
 
 def _accepts_str(tp: Any) -> bool:
@@ -545,11 +383,7 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     data = data or {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {_describe(data)}")
-    valid = config_keys()
-    unknown = _unknown_keys(Config, data)
-    if unknown:
-        raise ConfigError("\n".join(_unknown_key_message(key, valid) for key in unknown))
-    config = _build(Config, _merge(Config, to_dict(Config()), data))
+    config = _build(_merge(Config, to_dict(Config()), data))
     validate(config)
     return config
 
@@ -577,14 +411,26 @@ def _merge(cls: type, base: Mapping[str, Any], update: Mapping[str, Any]) -> dic
 
 
 def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
-    """A config file's contents (an empty file is an empty config)."""
+    """A config file's contents (an empty file is an empty config); every refusal names the file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
+    try:
+        data = _load_yaml(text)
+    except _InputLimit as e:
+        raise ConfigError(f"config file {path}, line {e.problem_mark.line + 1}: {e.problem}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
+        problem = problem or " ".join(str(e).split())  # errors without a mark span lines
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -1,6 +1,7 @@
 """Config: YAML + overrides, printing, and the specific message of each mistake."""
 
 import pathlib
+import time
 
 import pytest
 import yaml
@@ -208,4 +209,50 @@ def test_with_overrides_and_frozen():
 def test_a_file_setting_two_weight_sources_is_an_error(tmp_path):
     path = _write(tmp_path, "model:\n  actor:\n    preset: tiny\n    path: /somewhere\n")
     with pytest.raises(ConfigError, match="model.actor: set only one of model.actor.preset, model.actor.path"):
+        load_config(path)
+
+
+def test_type_error_names_the_full_dotted_key(tmp_path):
+    path = _write(tmp_path, "model:\n  actor:\n    remat: true\n")
+    message = r"^config key 'model.actor.remat' must be one of none, full, dots; got True$"
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^config key 'rewards.rules\[0\].weight' expects float, got 'x' \(str\)$"):
+        load_config(None, ["rewards.rules=[{name: exact_match, weight: x}]"])
+    with pytest.raises(ConfigError, match=r"config key 'plan.offload\[1\]' must be one of actor, critic, ref, reward"):
+        load_config(None, ["plan.offload=[ref, rewrd]"])
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    path = _write(tmp_path, "run:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"config file {path}, line 4: duplicate key 'steps' (first set on line 2)"
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):
+        load_config(None, ["plan.axis_rules={a: fsdp, a: tensor}"])
+
+
+def test_anchors_load_but_an_alias_bomb_fails_fast(tmp_path):
+    path = _write(tmp_path, "optimizer:\n  actor: &opt {lr: 2.0e-5, b1: 0.8}\n  critic: *opt\n"
+                            "  reward:\n    <<: *opt\n    lr: 3.0e-5\n")
+    config = load_config(path)
+    assert config.optimizer.critic.lr == 2e-5 and config.optimizer.reward.lr == 3e-5
+    assert config.optimizer.reward.b1 == 0.8
+    lines = ["a: &a [" + ", ".join(['"x"'] * 9) + "]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")  # 9**9 strings once expanded
+    bomb = _write(tmp_path, "\n".join(lines) + "\n")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"config file .*config.yaml, line \d+: YAML aliases expand to more than"):
+        load_config(bomb)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_file_must_be_a_utf8_mapping(tmp_path):
+    for text in ("- a\n- b\n", "just text\n", "42\n"):
+        with pytest.raises(ConfigError, match=r"^config file .*config.yaml must hold a mapping of sections, got \w+$"):
+            load_config(_write(tmp_path, text))
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  output_dir: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^config file .*latin1.yaml is not UTF-8 text \(line 2\)"):
         load_config(path)

@@ -1,0 +1,317 @@
+"""The run configuration's schema: nested frozen dataclasses, one per YAML section.
+
+Field types drive validation (`jaxrlhf.config` hands them to pydantic), `_field(check=...)`
+attaches a per-key value rule, and comments say what a key means. Loading, overrides and the
+rules that span keys live in `jaxrlhf.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Callable, Literal, TypeVar
+
+import pydantic
+
+# ---------------------------------------------------------------------------------------------
+# Scalar types: YAML values are taken as written, not converted ("10" is no int, 1 no bool).
+# `str` needs no marker: pydantic never turns a number into a string.
+
+
+def _float_from_text(value: Any) -> Any:
+    """YAML 1.1 reads 1e-5 (no dot) as a string; take such text as the float it spells."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+Int = pydantic.StrictInt
+Bool = pydantic.StrictBool
+Float = Annotated[float, pydantic.Strict(), pydantic.BeforeValidator(_float_from_text)]
+
+_Section = TypeVar("_Section", bound=type)
+
+
+def _no_extra_keys(cls: _Section) -> _Section:
+    """A section refuses keys it does not have (jaxrlhf.config turns them into did-you-mean
+    messages). pydantic reads this attribute on stdlib dataclasses; `pydantic.with_config`
+    does the same but needs pydantic 2.7."""
+    cls.__pydantic_config__ = pydantic.ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-key value checks (attached to fields as metadata)
+
+Check = Callable[[Any], str | None]  # returns a complaint ("must be > 0") or None
+
+
+def positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else "must be > 0"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if value is None or value >= 0 else "must be >= 0"
+
+
+def unit_interval(value: Any) -> str | None:
+    """(0, 1]: probabilities such as top_p, discount factors."""
+    return None if value is None or 0 < value <= 1 else "must be in (0, 1]"
+
+
+def closed_unit_interval(value: Any) -> str | None:
+    return None if value is None or 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def not_empty(value: Any) -> str | None:
+    return None if value is None or len(value) > 0 else "must not be empty"
+
+
+def _field(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory: Any = None) -> Any:
+    """A dataclass field with an optional value check."""
+    metadata = {"check": check} if check else {}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where outputs go, how long to run and on which devices."""
+
+    output_dir: str = "runs/default"
+    steps: Int = _field(100, check=positive)
+    seed: Int = 0
+    resume: Bool = False  # continue from the latest checkpoint in output_dir
+    overwrite: Bool = False  # start afresh in an output_dir that holds another run (its files are removed)
+    checkpoint_every: Int = _field(50, check=non_negative)  # steps; 0 = only at the end
+    keep_checkpoints: Int = _field(3, check=positive)
+    log_every: Int = _field(1, check=positive)
+    eval_every: Int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
+    platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
+    devices: Int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
+    distributed: Bool = False  # call jax.distributed.initialize() (multi-host)
+    compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
+    tensorboard: Bool = True
+    export_hf: Bool = True  # write the final actor as an HF checkpoint
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """How model calls are placed on devices (see jaxrlhf.mesh)."""
+
+    strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "auto"] = "colocated"
+    file: str | None = None  # a plan YAML; overrides strategy
+    offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
+    hardware: str | None = None  # planner hardware profile; null = detect from the platform
+    axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
+    # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
+    offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
+
+    RL algorithms: ppo, grpo, rloo, reinforce_pp, remax (defaults follow
+    ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
+    not use are ignored by it; null means "the algorithm's own default".
+    """
+
+    name: str = _field("ppo", check=not_empty)  # a name in jaxrlhf.algorithms.ALGORITHMS
+    kl_coef: Float = _field(0.1, check=non_negative)  # 0 (and no kl_target) = no reference model
+    kl_target: Float | None = _field(None, check=positive)  # null = fixed coefficient
+    kl_horizon: Int = _field(10000, check=positive)  # adaptive controller horizon (samples)
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
+    gamma: Float = _field(1.0, check=closed_unit_interval)
+    lam: Float = _field(1.0, check=closed_unit_interval)
+    clip_eps: Float = _field(0.2, check=positive)
+    value_clip_eps: Float | None = _field(0.2, check=positive)  # null = unclipped value loss
+    minibatches: Int = _field(4, check=positive)
+    epochs: Int = _field(1, check=positive)
+    micro_batch_size: Int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
+    ratio_early_stop: Float | None = _field(5.0, check=positive)  # null = never stop early
+    whiten_advantages: Bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
+    normalize_values: Bool = False
+    group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
+    norm_adv_by_std: Bool = True  # grpo: divide by the group's std (false = Dr. GRPO)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    entropy_coef: Float = _field(0.0, check=non_negative)
+    dpo_beta: Float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
+    dpo_label_smoothing: Float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class RoleModelConfig:
+    """Where one role's weights come from: a size preset, an HF checkpoint, or another role."""
+
+    preset: str | None = None  # a name from jaxrlhf.models.config.PRESETS (random init)
+    path: str | None = None  # HF checkpoint folder (config.json + *.safetensors)
+    init_from: Literal["actor", "critic", "ref", "reward"] | None = None  # copy that role's trunk
+    overrides: dict[str, Any] = _field(factory=dict)  # ModelConfig fields to replace
+    dtype: Dtype | None = None  # compute dtype; null = the model's own
+    param_dtype: Dtype | None = None
+    # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
+    remat: Literal["none", "full", "dots"] = "none"
+
+    @property
+    def source(self) -> str | None:
+        """A short description of where the weights come from, or None if unset."""
+        if self.init_from:
+            return f"init_from {self.init_from}"
+        return self.path or (f"preset {self.preset}" if self.preset else None)
+
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class ModelsConfig:
+    """The four roles and the tokenizer they share."""
+
+    actor: RoleModelConfig = _field(factory=lambda: RoleModelConfig(preset="tiny"))
+    critic: RoleModelConfig = _field(factory=lambda: RoleModelConfig(init_from="actor"))
+    ref: RoleModelConfig = _field(factory=lambda: RoleModelConfig(init_from="actor"))
+    reward: RoleModelConfig = _field(factory=RoleModelConfig)  # used when rewards.model is true
+    tokenizer: str = "byte"  # "byte" or a path to tokenizer.json (or its folder)
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup and a decay schedule, for one trained role."""
+
+    lr: Float = _field(1e-5, check=positive)
+    weight_decay: Float = _field(0.0, check=non_negative)
+    b1: Float = _field(0.9, check=closed_unit_interval)
+    b2: Float = _field(0.95, check=closed_unit_interval)
+    eps: Float = _field(1e-8, check=positive)
+    warmup_steps: Int = _field(0, check=non_negative)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_grad_norm: Float | None = _field(1.0, check=positive)  # null = no clipping
+    master_weights: Bool = True  # bf16/fp16 params: AdamW on an fp32 master copy (no effect on fp32 params)
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class OptimizersConfig:
+    """One optimizer per trained role (the reward model is trained by the `rm` stage)."""
+
+    actor: OptimConfig = _field(factory=OptimConfig)
+    critic: OptimConfig = _field(factory=lambda: OptimConfig(lr=5e-5))
+    reward: OptimConfig = _field(factory=lambda: OptimConfig(lr=1e-5))
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompt data for rollouts (see jaxrlhf.data.sources for what `source` accepts)."""
+
+    source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
+    split: str = "train"
+    eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
+    prompt_key: str = _field("prompt", check=not_empty)
+    answer_key: str | None = "answer"  # null = no reference answers (reward model only)
+    answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
+    prompt_template: str = "{prompt}"
+    add_bos: Bool | None = None  # null = as the tokenizer does (its post-processor / add_bos_token)
+    batch_size: Int = _field(32, check=positive)  # prompts per step (global)
+    max_prompt_len: Int = _field(64, check=positive)  # tokens; longer prompts are skipped
+    pad_multiple: Int = _field(16, check=positive)  # prompt lengths pad to multiples of this
+    shuffle: Bool = True
+    seed: Int | None = None  # null = run.seed
+    data_dir: str | None = None  # TFDS data dir; null = $JAXRLHF_DATA_DIR or ~/.cache/jaxrlhf/tfds
+    chosen_key: str = _field("chosen", check=not_empty)  # preference pairs (rm, dpo)
+    rejected_key: str = _field("rejected", check=not_empty)
+    max_seq_len: Int | None = _field(None, check=positive)  # sft/rm/dpo; null = max_prompt_len + max_new_tokens
+    packing: Bool = False  # sft: several demonstrations per row
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Optional supervised warm-up of the actor before RL: the `sft` stage run first, on the
+    actor's training placement (the reference then copies the warmed-up actor)."""
+
+    steps: Int = _field(0, check=non_negative)  # 0 = no warm-up
+    source: str | None = None  # null = data.source
+    split: str = "sft"
+    completion_key: str | None = None  # null = data.answer_key
+    batch_size: Int = _field(32, check=positive)
+    lr: Float = _field(1e-3, check=positive)
+    packing: Bool = False
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling for rollouts; the loss recomputes log-probs with the same processing."""
+
+    max_new_tokens: Int = _field(32, check=positive)
+    temperature: Float = _field(1.0, check=positive)
+    top_k: Int = _field(0, check=non_negative)  # 0 = off
+    top_p: Float = _field(1.0, check=unit_interval)  # 1 = off
+    greedy: Bool = False
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class RewardRule:
+    """One rule reward by registry name, its weight and keyword arguments."""
+
+    name: str = _field(check=not_empty)
+    weight: Float = 1.0
+    args: dict[str, Any] = _field(factory=dict)
+
+
+def _rule_by_name(value: Any) -> Any:
+    """A rule may be given by its name alone: `rules: [exact_match]`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+RuleOrName = Annotated[RewardRule, pydantic.BeforeValidator(_rule_by_name)]
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    """Reward = (sum of weighted rules [+ reward model] - bias) * scale, clipped."""
+
+    model: Bool = False  # score with the reward model (model.reward)
+    rules: tuple[RuleOrName, ...] = (RewardRule("exact_match"),)
+    scale: Float = 1.0
+    bias: Float = 0.0
+    clip: Float | None = _field(20.0, check=positive)  # |reward| bound; null = no clipping
+    eos_only: Bool = True  # sequences that did not end with EOS get no score
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    run: RunConfig = _field(factory=RunConfig)
+    plan: PlanConfig = _field(factory=PlanConfig)
+    algorithm: AlgorithmConfig = _field(factory=AlgorithmConfig)
+    model: ModelsConfig = _field(factory=ModelsConfig)
+    optimizer: OptimizersConfig = _field(factory=OptimizersConfig)
+    data: DataConfig = _field(factory=DataConfig)
+    sft: SFTConfig = _field(factory=SFTConfig)
+    generation: GenerationConfig = _field(factory=GenerationConfig)
+    rewards: RewardsConfig = _field(factory=RewardsConfig)
+
