@@ -4,10 +4,14 @@
         [--greedy | --temperature T --top-p P --top-k K] [--seed S] [--json]
 
 Conventions (chosen to match `transformers` `generate`):
-- the prompt is the tokenizer's encoding of TEXT, preceded by BOS when the
-  tokenizer has one (what Llama-style HF tokenizers do by default);
-- generation stops at the model's EOS id; `token_ids` are the generated ids
+- the prompt is the tokenizer's encoding of TEXT with the special tokens the
+  tokenizer itself puts before a text: BOS for Llama-style tokenizers and the
+  byte tokenizer, nothing for Qwen2-style ones (`AutoTokenizer` does the same);
+- generation stops at any of the model's EOS ids (config.json and
+  generation_config.json may list several); `token_ids` are the generated ids
   only and include that EOS when it was produced (HF does the same);
+- a prompt whose length plus --max-new-tokens exceeds the model's
+  max_position_embeddings is an error, not silently degraded output;
 - without `--greedy`, tokens are sampled (temperature 1, no top-k/top-p
   unless given) with `--seed`.
 The tokenizer is DIR/tokenizer.json when present, else the built-in byte
@@ -72,9 +76,9 @@ def run(args: argparse.Namespace) -> dict:
         raise _BadInput(f"model directory not found: {model_dir}")
     sampling = _sampling(args)
 
-    from jaxrlhf.models.generation import generate
+    from jaxrlhf.models.generation import GenerationError, generate
     from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint
-    from jaxrlhf.models.tokenizer import TokenizerError, load_tokenizer
+    from jaxrlhf.models.tokenizer import TokenizerError, load_tokenizer, prompt_prefix
 
     try:
         model, config = load_hf_checkpoint(model_dir, head="lm")
@@ -82,22 +86,32 @@ def run(args: argparse.Namespace) -> dict:
     except (CheckpointError, TokenizerError) as e:
         raise _BadInput(str(e)) from None
 
-    prompt_ids = ([tok.bos_id] if tok.bos_id is not None else []) + list(tok.encode(args.prompt))
+    prompt_ids = prompt_prefix(tok) + list(tok.encode(args.prompt))
     if not prompt_ids:
-        raise _BadInput("the prompt is empty and the tokenizer has no BOS token")
+        raise _BadInput("the prompt is empty and the tokenizer puts no BOS token before it")
     if max(prompt_ids) >= config.vocab_size:
         raise _BadInput(
             f"tokenizer produces id {max(prompt_ids)} but the model's vocab_size is {config.vocab_size}"
         )
-    eos_id = config.eos_token_id if config.eos_token_id is not None else tok.eos_id
+    eos_ids = config.eos_token_ids or tok.eos_ids
     pad_id = config.pad_token_id if config.pad_token_id is not None else tok.pad_id
-    out = generate(model, [prompt_ids], args.max_new_tokens, sampling, args.seed, eos_id=eos_id, pad_id=pad_id)
+    try:
+        out = generate(model, [prompt_ids], args.max_new_tokens, sampling, args.seed, eos_id=eos_ids, pad_id=pad_id)
+    except GenerationError as e:
+        raise _BadInput(str(e)) from None
     n = int(out.lengths[0])
     token_ids = [int(t) for t in out.response_tokens[0, :n]]
     return {"prompt_ids": prompt_ids, "token_ids": token_ids, "text": tok.decode(token_ids)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxrlhf.generate`: exit 0, or 2 with one line for a user's mistake (see jaxrlhf.errors)."""
+    from jaxrlhf.errors import run_cli
+
+    return run_cli("jaxrlhf.generate", _main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
     args = _parse_args(argv)
     try:
         result = run(args)

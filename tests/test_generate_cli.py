@@ -49,6 +49,49 @@ def test_greedy_json_matches_transformers_generate(checkpoint):
     assert 1 <= len(out["token_ids"]) <= 12
 
 
+@pytest.fixture(scope="module")
+def checkpoints_with_tokenizer(tmp_path_factory):
+    """Tiny checkpoints with a tokenizer.json beside them. The Qwen2 one names a BOS id in config.json
+    (= EOS, as Qwen2 does) that its tokenizer never adds; the Llama 3 one prepends <|begin_of_text|>."""
+    pytest.importorskip("transformers")
+    from jaxrlhf.testing.models import save_tiny_hf_checkpoint, save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("cli-tok")
+    ids = {"qwen2": dict(bos_token_id=0, eos_token_id=0, pad_token_id=0),
+           "llama": dict(bos_token_id=0, eos_token_id=1, extra_eos_token_ids=(3,), pad_token_id=None)}
+    out = {}
+    for arch, style in (("qwen2", "qwen2"), ("llama", "llama3")):
+        path = save_tiny_hf_checkpoint(root, arch, seed=2, **ids[arch])
+        out[style] = save_tiny_tokenizer(path, style)
+    return out
+
+
+@pytest.mark.parametrize("style", ["qwen2", "llama3"])
+def test_prompt_ids_and_tokens_match_transformers(checkpoints_with_tokenizer, style):
+    import torch
+    import transformers
+
+    path = checkpoints_with_tokenizer[style]
+    res = _cli("--model", str(path), "--prompt", "the cat sat", "--greedy", "--max-new-tokens", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    expected = transformers.AutoTokenizer.from_pretrained(str(path))("the cat sat")["input_ids"]
+    assert out["prompt_ids"] == expected  # Qwen2: no BOS although config.json has bos_token_id
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([expected])
+    with torch.no_grad():  # stop ids from generation_config.json, as transformers does by default
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    assert out["token_ids"] == ref[0, ids.shape[1]:].tolist()
+
+
+def test_past_max_positions_is_one_clear_line(checkpoint):
+    res = _cli("--model", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "600", "--json")
+    assert res.returncode == 2 and res.stdout == ""
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "max_position_embeddings 512" in err[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_sampling_flags(checkpoint):
     res = _cli("--model", str(checkpoint), "--prompt", "hi", "--temperature", "0.8", "--top-p", "0.9",
                "--top-k", "20", "--max-new-tokens", "6", "--seed", "3", "--json")

@@ -190,11 +190,17 @@ class CombinedReward:
 
 
 def sequence_ended_with_eos(
-    tokens: Int[Array, "batch time"], mask: Float[Array, "batch time"] | Bool[Array, "batch time"], eos_token_id: int
+    tokens: Int[Array, "batch time"],
+    mask: Float[Array, "batch time"] | Bool[Array, "batch time"],
+    eos_token_id: int | Sequence[int],
 ) -> Bool[Array, "batch"]:
-    """True where the last response token is EOS (the model chose to stop, it was not cut off)."""
+    """True where the last response token is an EOS (the model chose to stop, it was not cut off).
+
+    `eos_token_id` may list several ids (Llama 3.1 ends turns with any of three); each counts.
+    """
     onehot = last_token_onehot(mask)
-    is_eos = (tokens == eos_token_id).astype(jnp.float32)
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+    is_eos = jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32)).astype(jnp.float32)
     return jnp.sum(is_eos * onehot, axis=-1) > 0
 
 

@@ -106,13 +106,14 @@ def generate_call(
     graphdef: nnx.GraphDef,
     sampling: SamplingParams,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: int | tuple[int, ...] | None,
     pad_id: int,
     prefix: str,
     params: nnx.State,
     inputs: dict[str, Any],
 ) -> dict[str, jax.Array]:
-    """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`."""
+    """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`.
+    A response ends on any of the ids in `eos_id`."""
     out = generate_tokens(
         graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
@@ -315,9 +316,10 @@ def critic_train(
 
 
 def decode_responses(tokenizer: Any, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
-    """Response text of every row (padding and EOS dropped)."""
-    eos = tokenizer.eos_id
-    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t != eos]) for row, mrow in zip(tokens, mask)]
+    """Response text of every row (padding and every EOS id dropped)."""
+    eos = set(tokenizer.eos_ids)
+    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t not in eos])
+            for row, mrow in zip(tokens, mask)]
 
 
 def repeat_rows(batch: Any, g: int) -> Any:
@@ -486,7 +488,7 @@ class RolloutAlgorithm(Algorithm):
         s = self.settings()
         m = self.models
         tok = self.tokenizer
-        gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_id,
+        gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
                                 tok.pad_id)
         fns: dict[str, Any] = {
             "actor.generate": functools.partial(gen, ""),
@@ -494,7 +496,7 @@ class RolloutAlgorithm(Algorithm):
         }
         if self.greedy_baseline:
             greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-                                       s.max_new_tokens, tok.eos_id, tok.pad_id)
+                                       s.max_new_tokens, tok.eos_ids, tok.pad_id)
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
@@ -608,7 +610,7 @@ class RolloutAlgorithm(Algorithm):
         s = self.settings()
         return functools.partial(
             generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-            s.max_new_tokens, self.tokenizer.eos_id, self.tokenizer.pad_id, "")
+            s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

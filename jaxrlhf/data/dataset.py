@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxrlhf.data.answers import ANSWER_EXTRACTORS
 from jaxrlhf.data.sources import DataError, RowError, RowSource, open_source
-from jaxrlhf.models.tokenizer import Tokenizer
+from jaxrlhf.models.tokenizer import Tokenizer, TokenizerError, prompt_prefix
 
 if TYPE_CHECKING:
     from jaxrlhf.config import Config
@@ -49,6 +49,15 @@ def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[n
             tokens[row, length - len(seq):] = seq
             mask[row, length - len(seq):] = True
     return tokens, mask
+
+
+def _prompt_prefix(tokenizer: Tokenizer, add_bos: bool | None) -> list[int]:
+    """What every sequence starts with: the tokenizer's own BOS convention (add_bos=None, as
+    `transformers` encodes a prompt) or BOS forced on / off (`data.add_bos`)."""
+    try:
+        return prompt_prefix(tokenizer, add_bos)
+    except TokenizerError as e:
+        raise DataError(f"data.add_bos: {e}") from None
 
 
 def _text_field(row: Any, key: str, *, numbers_ok: bool = False) -> str:
@@ -160,7 +169,9 @@ class _BatchStream(abc.ABC):
             except RowError as e:
                 self.skipped[e.reason] += 1
                 invalid_in_a_row += 1
-                if invalid_in_a_row >= n:
+                # any 2n - 1 consecutive draws hold one whole epoch (epochs reshuffle, so a run of n
+                # invalid draws can straddle two epochs while valid rows exist)
+                if invalid_in_a_row >= 2 * n - 1:
                     raise DataError(
                         f"no valid row in a whole pass over {self.source!r}; skipped: {dict(self.skipped)}"
                     ) from None
@@ -286,7 +297,7 @@ class PromptDataset(_BatchStream):
         answer_key: str | None = "answer",
         answer_extract: str = "none",
         template: str = "{prompt}",
-        add_bos: bool = True,
+        add_bos: bool | None = None,
         pad_multiple: int = 16,
         shuffle: bool = True,
         seed: int = 0,
@@ -305,7 +316,7 @@ class PromptDataset(_BatchStream):
         self.answer_key = answer_key
         self.extract = ANSWER_EXTRACTORS[answer_extract]
         self.template = template
-        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        self.prefix = _prompt_prefix(tokenizer, add_bos)
 
     @classmethod
     def from_config(
@@ -410,7 +421,7 @@ class SFTDataset(_BatchStream):
         prompt_key: str = "prompt",
         completion_key: str = "answer",
         template: str = "{prompt}",
-        add_bos: bool = True,
+        add_bos: bool | None = None,
         packing: bool = False,
         pad_multiple: int = 16,
         shuffle: bool = True,
@@ -428,7 +439,7 @@ class SFTDataset(_BatchStream):
         self.completion_key = completion_key
         self.template = template
         self.packing = packing
-        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        self.prefix = _prompt_prefix(tokenizer, add_bos)
 
     @classmethod
     def from_config(
@@ -565,7 +576,7 @@ class PreferenceDataset(_BatchStream):
         chosen_key: str = "chosen",
         rejected_key: str = "rejected",
         template: str = "{prompt}",
-        add_bos: bool = True,
+        add_bos: bool | None = None,
         pad_multiple: int = 16,
         shuffle: bool = True,
         seed: int = 0,
@@ -582,7 +593,7 @@ class PreferenceDataset(_BatchStream):
         self.chosen_key = chosen_key
         self.rejected_key = rejected_key
         self.template = template
-        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        self.prefix = _prompt_prefix(tokenizer, add_bos)
 
     @classmethod
     def from_config(

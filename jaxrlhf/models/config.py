@@ -46,10 +46,19 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | None = 2  # the primary EOS: what data appends after a completion
+    # Further ids that also end a sequence (HF lists them all in `eos_token_id`, e.g. Llama 3.1's
+    # [128001, 128008, 128009]); generation stops on any of `eos_token_ids`.
+    extra_eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = 0
 
     def __post_init__(self):
+        self._normalize_eos()
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"model.architecture={self.architecture!r} is not supported; choose one of {ARCHITECTURES}"
@@ -61,6 +70,25 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+
+    def _normalize_eos(self) -> None:
+        """Accept HF's list form (`eos_token_id: [a, b]`, e.g. from overrides); keep one canonical form:
+        the primary id in `eos_token_id`, the others, without repeats, in a tuple (hashable, so configs
+        stay usable as static arguments)."""
+        eos, extra = self.eos_token_id, list(self.extra_eos_token_ids or ())
+        if isinstance(eos, (list, tuple)):
+            eos, extra = (eos[0] if eos else None), [*eos[1:], *extra]
+        if eos is None and extra:
+            raise ValueError(f"extra_eos_token_ids={extra} needs an eos_token_id")
+        eos = None if eos is None else int(eos)
+        extra = tuple(i for i in dict.fromkeys(int(i) for i in extra) if i != eos)
+        object.__setattr__(self, "eos_token_id", eos)
+        object.__setattr__(self, "extra_eos_token_ids", extra)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence, the primary first; empty when the model has no EOS."""
+        return () if self.eos_token_id is None else (self.eos_token_id, *self.extra_eos_token_ids)
 
     @property
     def dim_per_head(self) -> int:

@@ -7,6 +7,10 @@ Design choices:
   count real tokens only, so padding changes nothing for the real tokens.
 - The decode loop is a `lax.while_loop` that stops when every row has hit
   EOS or `max_new_tokens` is reached; nothing is synced to host per token.
+  A row ends on any of several EOS ids (Llama 3.1 has three), as in transformers.
+- Generating past `max_position_embeddings` raises `GenerationError` before
+  anything compiles: rotary positions the model never saw degrade it silently,
+  and in RL the policy would then be trained on that output.
 - The model enters the jitted functions as `(graphdef, state)`: the graphdef
   is static, the state an ordinary argument, so parameters may be sharded on
   any mesh and a trained state can be swapped in without recompiling.
@@ -40,6 +44,31 @@ _TRACES: collections.Counter[str] = collections.Counter()
 def trace_count(name: str | None = None) -> int:
     """How many times the jitted prefill/decode functions were traced (each trace is a compile)."""
     return sum(_TRACES.values()) if name is None else _TRACES[name]
+
+
+class GenerationError(ValueError):
+    """Generation asked for more than the model supports (positions beyond its maximum)."""
+
+
+def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """EOS ids as a hashable tuple: None or a negative id (never stop early) give ()."""
+    ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
+    return tuple(dict.fromkeys(int(i) for i in ids if int(i) >= 0))
+
+
+def check_max_positions(max_position_embeddings: int, prompt_length: int, max_new_tokens: int) -> None:
+    """Raise unless `prompt_length` real prompt tokens plus `max_new_tokens` fit the model's positions.
+
+    Rotary positions count real tokens only, so the bucket's left padding does
+    not count: the last generated token sits at prompt_length + max_new_tokens - 1.
+    """
+    total = prompt_length + max_new_tokens
+    if total > max_position_embeddings:
+        raise GenerationError(
+            f"a prompt of up to {prompt_length} tokens + max_new_tokens {max_new_tokens} = {total} exceeds the "
+            f"model's max_position_embeddings {max_position_embeddings}; shorten the prompts or generate fewer "
+            "tokens (in training: data.max_prompt_len, generation.max_new_tokens)"
+        )
 
 
 def bucket_length(length: int, min_bucket: int = 16) -> int:
@@ -124,11 +153,11 @@ def _decode(
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
-    eos_id: int | None,
+    eos_ids: tuple[int, ...],
     pad_id: int,
     tag: Hashable = None,
 ) -> GenerationOutput:
-    """Sample up to `max_new_tokens` tokens on device, stopping early when every row has ended."""
+    """Sample up to `max_new_tokens` tokens on device; a row ends on any of `eos_ids`, the loop when all have."""
     _TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
     batch, n = prompt_tokens.shape[0], max_new_tokens
@@ -142,8 +171,8 @@ def _decode(
         outs = tuple(
             jax.lax.dynamic_update_slice_in_dim(o, x[:, None], i, axis=1) for o, x in zip(outs, (token, logp, valid))
         )
-        if eos_id is not None:
-            done = done | (token == eos_id)
+        if eos_ids:
+            done = done | jnp.isin(token, jnp.asarray(eos_ids, jnp.int32))
         return token, valid, done, outs
 
     outs = (
@@ -187,19 +216,25 @@ def generate_tokens(
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
     pad_id: int,
     min_bucket: int = 16,
 ) -> GenerationOutput:
     """Prefill and decode as one pure function: the form a placed call compiles (one program
-    per placement and prompt bucket). Prompts may be padded on either side (see `Generator`)."""
+    per placement and prompt bucket). Prompts may be padded on either side (see `Generator`).
+
+    eos_id: one id or all the ids that end a row. Raises `GenerationError` at trace time when
+    the prompt width plus `max_new_tokens` exceeds the model's `max_position_embeddings`.
+    """
+    config = nnx.merge(graphdef, state).config
+    check_max_positions(config.max_position_embeddings, prompt_tokens.shape[1], max_new_tokens)
     bucket = bucket_length(prompt_tokens.shape[1], min_bucket)
     tokens, mask, last_logits, cache = _prefill(
         graphdef, state, prompt_tokens, prompt_mask, bucket=bucket, max_new_tokens=max_new_tokens, pad_id=pad_id
     )
     return _decode(
         graphdef, state, tokens, mask, last_logits, cache, rng,
-        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+        max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id,
     )
 
 
@@ -207,7 +242,7 @@ def generate_tokens(
 # under different `activation_sharding` resolvers needs a distinct tag per resolver.
 prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max_new_tokens", "pad_id", "tag"))
 decode_fn = jax.jit(
-    _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id", "tag")
+    _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_ids", "pad_id", "tag")
 )
 
 
@@ -233,30 +268,31 @@ class Generator:
     current (possibly sharded) actor state each step. Same shapes and
     settings never recompile. `tag` (any hashable) keeps separate compiled
     programs per tag: use one per placement when tracing under different
-    `axes.activation_sharding` resolvers.
+    `axes.activation_sharding` resolvers. `eos_id` is one id or all the ids
+    that end a row (None or -1: never stop early).
     """
 
     def __init__(
         self,
         graphdef: nnx.GraphDef,
         *,
-        eos_id: int | None,
+        eos_id: int | Sequence[int] | None,
         pad_id: int,
         min_bucket: int = 16,
         tag: Hashable = None,
     ):
         self.graphdef = graphdef
         self.tag = tag
-        self.eos_id = None if eos_id is None else int(eos_id)
+        self.eos_ids = eos_tuple(eos_id)
         self.pad_id = int(pad_id)
         self.min_bucket = min_bucket
 
     @classmethod
     def for_model(cls, model: nnx.Module, **kwargs: Any) -> tuple["Generator", nnx.State]:
-        """Split a model; eos/pad default to its config's ids (pad falls back to 0)."""
+        """Split a model; eos/pad default to its config's ids (every EOS id; pad falls back to 0)."""
         graphdef, state = nnx.split(model)
         cfg = model.config
-        kwargs.setdefault("eos_id", cfg.eos_token_id)
+        kwargs.setdefault("eos_id", cfg.eos_token_ids)
         kwargs.setdefault("pad_id", cfg.pad_token_id if cfg.pad_token_id is not None else 0)
         return cls(graphdef, **kwargs), state
 
@@ -274,14 +310,22 @@ class Generator:
 
         An array may be padded on either side (its mask says which tokens are
         real); it is left-aligned on device and padded to the bucket of its width.
-        Every row needs at least one real token.
+        Every row needs at least one real token. Raises `GenerationError` when the
+        longest prompt plus `max_new_tokens` exceeds the model's `max_position_embeddings`.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if prompt_mask is None:
             if isinstance(prompt_tokens, (np.ndarray, jax.Array)):
                 raise ValueError("pass prompt_mask with an array of prompt tokens")
+            longest = max((len(p) for p in prompt_tokens), default=0)
             prompt_tokens, prompt_mask = pad_prompts(prompt_tokens, self.pad_id, self.min_bucket)
+        elif isinstance(prompt_mask, np.ndarray):
+            longest = int(prompt_mask.sum(axis=1).max(initial=0))
+        else:  # a device array: its width bounds the prompt length without a device-to-host copy
+            longest = prompt_tokens.shape[1]
+        max_positions = nnx.merge(self.graphdef, state).config.max_position_embeddings
+        check_max_positions(max_positions, longest, max_new_tokens)
         if isinstance(rng, int):
             rng = jax.random.key(rng)
         bucket = bucket_length(prompt_tokens.shape[1], self.min_bucket)
@@ -291,7 +335,7 @@ class Generator:
         )
         return decode_fn(
             self.graphdef, state, tokens, mask, last_logits, cache, rng,
-            max_new_tokens=max_new_tokens, sampling=sampling, eos_id=self.eos_id, pad_id=self.pad_id,
+            max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids, pad_id=self.pad_id,
             tag=self.tag,
         )
 
@@ -303,15 +347,16 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     rng: PRNGKeyArray | int = 0,
     *,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int | None = None,
     prompt_mask: Bool[Array, "batch length"] | np.ndarray | None = None,
     min_bucket: int = 16,
 ) -> GenerationOutput:
     """One-call generation from an nnx model or a (graphdef, state) pair.
 
-    eos_id/pad_id default to the model config's ids (pad falls back to 0).
-    Pass eos_id=-1 to never stop early.
+    eos_id (one id or several: a row stops on any) and pad_id default to the
+    model config's ids (all its EOS ids; pad falls back to 0). Pass eos_id=-1
+    to never stop early.
     """
     if isinstance(model, tuple):
         graphdef, state = model
@@ -320,11 +365,10 @@ def generate(
         graphdef, state = nnx.split(model)
         config = model.config
     if eos_id is None:
-        eos_id = config.eos_token_id
+        eos_id = config.eos_token_ids
     if pad_id is None:
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    gen = Generator(graphdef, eos_id=None if eos_id is not None and eos_id < 0 else eos_id,
-                    pad_id=pad_id, min_bucket=min_bucket)
+    gen = Generator(graphdef, eos_id=eos_id, pad_id=pad_id, min_bucket=min_bucket)
     return gen(state, prompt_tokens, prompt_mask, max_new_tokens=max_new_tokens, sampling=sampling, rng=rng)
 
 

@@ -116,10 +116,21 @@ def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, wher
 
 
 def _first_id(value: Any) -> int | None:
-    """Token ids may be lists in HF configs (Llama 3.1 has several EOS ids); we keep the first."""
+    """Token ids may be lists in HF configs; BOS and pad use the first."""
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
     return None if value is None else int(value)
+
+
+def _id_list(value: Any) -> list[int]:
+    """An HF `eos_token_id` (int, null or list: Llama 3.1 has three) as a list of every id."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if v is not None]
+
+
+def _hf_ids(ids: tuple[int, ...]) -> int | list[int] | None:
+    """The HF form of a set of EOS ids: one id as an int (what most configs hold), several as a list."""
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
 def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
@@ -170,10 +181,33 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             dtype=dtype,
             bos_token_id=_first_id(hf.get("bos_token_id")),
             eos_token_id=_first_id(hf.get("eos_token_id")),
+            extra_eos_token_ids=tuple(_id_list(hf.get("eos_token_id"))[1:]),
             pad_token_id=_first_id(hf.get("pad_token_id")),
         )
     except KeyError as e:
         raise CheckpointError(f"{where}: required key {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # a string where a number belongs, zero heads
+        raise CheckpointError(f"{where}: {_hf_value_problem(hf, e)}") from None
+
+
+# ModelConfig field -> the config.json key it is read from, to name the key a user must fix.
+_HF_KEYS = {"num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "num_layers": "num_hidden_layers"}
+
+
+def _hf_value_problem(hf: dict[str, Any], e: Exception) -> str:
+    """Name the config.json key behind a conversion error (int("abc") does not say which key it was)."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "head_dim", "rms_norm_eps"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key}={value!r} must be a number"
+        if value is not None and key != "rms_norm_eps" and value < 1:
+            return f"{key}={value!r} must be at least 1"
+    text = str(e)
+    for ours, theirs in _HF_KEYS.items():
+        text = text.replace(f"{ours}=", f"{theirs}=")
+    return text
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -202,7 +236,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
+        "eos_token_id": _hf_ids(config.eos_token_ids),
         "pad_token_id": config.pad_token_id,
         "dtype": config.param_dtype,
         "torch_dtype": config.param_dtype,
@@ -416,14 +450,28 @@ def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: 
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The raw `config.json` dict of a checkpoint directory."""
+    """The `config.json` dict of a checkpoint directory, its `eos_token_id` widened by the EOS ids of
+    `generation_config.json` (where transformers' `generate` takes its stop ids from; Llama 3 and Qwen2
+    instruct models list more there), so the planner and the loader see the same ids."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise CheckpointError(f"{file}: not found (is {path} a Hugging Face checkpoint directory?)")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(hf).__name__}, but a model config is a JSON object")
+    generation = Path(path) / GENERATION_CONFIG_FILE
+    if isinstance(hf, dict) and generation.is_file():
+        try:
+            more = _id_list(json.loads(generation.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{generation}: cannot read eos_token_id ({e!r})") from None
+        ids = list(dict.fromkeys(_id_list(hf.get("eos_token_id")) + more))
+        if ids:
+            hf["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+    return hf
 
 
 def _fresh_head(path: tuple, shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
@@ -525,10 +573,10 @@ def _head_of(model: nnx.Module) -> str:
 
 def _reward_config(hf: dict[str, Any], config: ModelConfig, path: Path) -> None:
     """Make `hf` a transformers num_labels=1 sequence-classification config; warn where pooling differs."""
-    pad, eos = config.pad_token_id, config.eos_token_id
-    if pad is None or pad == eos:
+    pad, eos = config.pad_token_id, config.eos_token_ids
+    if pad is None or pad in eos:
         why = "is None: transformers refuses batches of more than one sequence" if pad is None else (
-            f"== eos_token_id ({eos}): transformers pools at the last token that is not pad_token_id, so it "
+            f"== eos_token_id ({pad}): transformers pools at the last token that is not pad_token_id, so it "
             "would score the token before the final EOS, not the position we read"
         )
         warnings.warn(f"{path}: reward model exported with pad_token_id {why}", stacklevel=3)
@@ -539,9 +587,10 @@ def _reward_config(hf: dict[str, Any], config: ModelConfig, path: Path) -> None:
 
 
 def _generation_config(config: ModelConfig) -> dict[str, Any]:
+    """transformers' `generate` stops on this file's `eos_token_id`: every EOS id."""
     return {
         "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
+        "eos_token_id": _hf_ids(config.eos_token_ids),
         "pad_token_id": config.pad_token_id,
     }
 

@@ -4,12 +4,19 @@ Both follow one small protocol so data loading, rewards and generation never
 care which is in use. `encode` adds no special tokens (callers add BOS/EOS
 explicitly, so prompts and completions concatenate predictably); `decode`
 drops special tokens (what a rule reward wants to read).
+
+Whether a prompt starts with BOS is the tokenizer's own convention
+(`special_prefix`), as in `transformers`: Llama-style `tokenizer.json` files
+prepend `<s>` / `<|begin_of_text|>` in their post-processor, Qwen2-style ones
+prepend nothing. `prompt_prefix` applies it, or forces BOS on or off.
+Several ids may end a sequence (Llama 3.1 lists three); `eos_ids` holds them all.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 
@@ -31,7 +38,17 @@ class Tokenizer(Protocol):
     def eos_id(self) -> int: ...
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence, `eos_id` first."""
+        ...
+
+    @property
     def pad_id(self) -> int: ...
+
+    @property
+    def special_prefix(self) -> tuple[int, ...]:
+        """The special ids this tokenizer itself puts before a text (its BOS, or nothing)."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -42,7 +59,7 @@ class ByteTokenizer:
     """UTF-8 bytes offset by 3: pad=0, bos=1, eos=2, byte b -> b + 3 (vocab 259).
 
     Needs no files, so bundled tasks and the tiny presets (vocab 384) work out
-    of the box.
+    of the box. Its convention is to start every prompt with BOS.
     """
 
     PAD, BOS, EOS = 0, 1, 2
@@ -61,8 +78,16 @@ class ByteTokenizer:
         return self.EOS
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    @property
     def pad_id(self) -> int:
         return self.PAD
+
+    @property
+    def special_prefix(self) -> tuple[int, ...]:
+        return (self.BOS,)
 
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
@@ -84,11 +109,10 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
-def _first_id(value: Any) -> int | None:
-    """config.json ids may be an int or a list (several EOS ids); take the first."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _all_ids(value: Any) -> list[int]:
+    """config.json ids may be an int, null or a list (several EOS ids): all of them, in order."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 class HFTokenizer:
@@ -97,6 +121,14 @@ class HFTokenizer:
     Special token ids come from, in order: `tokenizer_config.json` (token
     strings), `config.json` / `generation_config.json` (ids), then explicit
     arguments. A missing pad token falls back to EOS, as for Llama models.
+    `eos_ids` is the EOS token plus every `eos_token_id` those two files list,
+    so generation stops where `transformers` would.
+
+    `special_prefix` is what `tokenizer.json`'s post-processor puts before a
+    text (what `AutoTokenizer` of transformers 5 does: it ignores
+    `tokenizer_config.json`'s `add_bos_token` when `tokenizer.json` exists;
+    we warn when the two disagree). Tokens it appends after a text (an
+    `add_eos_token` template) are not part of a prompt, which is continued.
     """
 
     def __init__(
@@ -117,9 +149,11 @@ class HFTokenizer:
             self._tok = _RawTokenizer.from_file(str(file))
         except Exception as e:  # the Rust library raises plain Exceptions with its reason
             raise TokenizerError(f"cannot read tokenizer {file}: {e}") from None
+        self._tok.no_padding()  # we pad and cut ourselves, as transformers does per call
+        self._tok.no_truncation()
         self.path = file
         folder = file.parent
-        ids = self._special_ids_from_files(folder)
+        ids, listed_eos = self._special_ids_from_files(folder)
         explicit = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
         for role, token in explicit.items():
             if token is not None:
@@ -129,9 +163,14 @@ class HFTokenizer:
                 f"no EOS token known for {file}: add tokenizer_config.json (eos_token) or "
                 "config.json (eos_token_id) beside it, or pass eos_token"
             )
+        self._prefix = self._post_processor_prefix()
         self._bos = ids.get("bos")
+        if self._bos is None and len(self._prefix) == 1:
+            self._bos = self._prefix[0]  # the post-processor names the BOS token
         self._eos = ids["eos"]
+        self._eos_ids = tuple(dict.fromkeys([self._eos, *listed_eos]))
         self._pad = ids["pad"] if ids.get("pad") is not None else self._eos
+        self._warn_if_add_bos_token_disagrees(folder)
 
     def _require_id(self, token: str, what: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -139,19 +178,46 @@ class HFTokenizer:
             raise TokenizerError(f"{what} {token!r} is not in the vocabulary of {self.path}")
         return token_id
 
-    def _special_ids_from_files(self, folder: pathlib.Path) -> dict[str, int | None]:
+    def _special_ids_from_files(self, folder: pathlib.Path) -> tuple[dict[str, int | None], list[int]]:
+        """Special ids by role, and every EOS id listed in config.json / generation_config.json."""
         ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
+        listed_eos: list[int] = []
         for name in ("config.json", "generation_config.json"):
             data = _read_json(folder / name)
+            listed_eos += _all_ids(data.get("eos_token_id"))
             for role in ids:
-                if ids[role] is None:
-                    ids[role] = _first_id(data.get(f"{role}_token_id"))
+                found = _all_ids(data.get(f"{role}_token_id"))
+                if ids[role] is None and found:
+                    ids[role] = found[0]
         config = _read_json(folder / "tokenizer_config.json")
         for role in ids:
             content = _token_content(config.get(f"{role}_token"))
             if content is not None and self._tok.token_to_id(content) is not None:
                 ids[role] = self._tok.token_to_id(content)  # the tokenizer's own config wins
-        return ids
+        return ids, listed_eos
+
+    def _post_processor_prefix(self) -> tuple[int, ...]:
+        """The ids `encode(text, add_special_tokens=True)` puts before the text's own ids."""
+        for probe in ("hello", "a", "0"):
+            plain = self._tok.encode(probe, add_special_tokens=False).ids
+            if not plain:
+                continue  # the probe is outside this vocabulary: try another
+            full = self._tok.encode(probe, add_special_tokens=True).ids
+            for start in range(len(full) - len(plain) + 1):
+                if full[start:start + len(plain)] == plain:
+                    return tuple(full[:start])
+        return ()
+
+    def _warn_if_add_bos_token_disagrees(self, folder: pathlib.Path) -> None:
+        add_bos_token = _read_json(folder / "tokenizer_config.json").get("add_bos_token")
+        adds_bos = self._bos is not None and self._prefix[:1] == (self._bos,)
+        if isinstance(add_bos_token, bool) and add_bos_token != adds_bos:
+            warnings.warn(
+                f"{folder / 'tokenizer_config.json'} sets add_bos_token={str(add_bos_token).lower()}, but the "
+                f"post-processor of {self.path} {'adds' if adds_bos else 'does not add'} BOS; following "
+                "tokenizer.json as transformers 5 does (set data.add_bos to force BOS on or off)",
+                stacklevel=3,
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -166,8 +232,16 @@ class HFTokenizer:
         return self._eos
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
     def pad_id(self) -> int:
         return self._pad
+
+    @property
+    def special_prefix(self) -> tuple[int, ...]:
+        return self._prefix
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -177,6 +251,21 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
+
+
+def prompt_prefix(tokenizer: Tokenizer, add_bos: bool | None = None) -> list[int]:
+    """The ids every prompt starts with: the tokenizer's own convention (None), or BOS forced on or off.
+
+    None matches what `transformers` gives for `tokenizer(prompt)`, so a model
+    sees prompts as it was trained on them (no BOS for Qwen2, BOS for Llama).
+    """
+    if add_bos is None:
+        return list(tokenizer.special_prefix)
+    if not add_bos:
+        return []
+    if tokenizer.bos_id is None:
+        raise TokenizerError(f"add_bos=true, but {tokenizer!r} has no BOS token")
+    return [tokenizer.bos_id]
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

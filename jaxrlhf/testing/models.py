@@ -6,6 +6,7 @@ inside the functions that need them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,8 @@ def hf_config(config: ModelConfig):
         num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
         rope_parameters=rope, tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        eos_token_id=list(config.eos_token_ids) if config.extra_eos_token_ids else config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
     if config.architecture == "llama":
         return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **common)
@@ -157,3 +159,74 @@ def load_transformers_model(path: str | os.PathLike, dtype: str = "float32"):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", dtype=getattr(torch, dtype)
     ).eval()
+
+
+# Tiny tokenizers laid out like real checkpoints' (tokenizer.json + tokenizer_config.json).
+# llama2: SentencePiece-style BPE, post-processor prepends <s>, add_bos_token=true.
+# llama3: byte-level BPE, post-processor prepends <|begin_of_text|> (no add_bos_token key).
+# qwen2: byte-level BPE, post-processor adds nothing; bos_token null.
+_TOKENIZER_STYLES: dict[str, dict[str, Any]] = {
+    "llama2": {
+        "special": ["<unk>", "<s>", "</s>"], "bos": "<s>",
+        "config": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                   "add_eos_token": False, "legacy": False, "tokenizer_class": "LlamaTokenizerFast"},
+    },
+    "llama3": {
+        "special": ["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "bos": "<|begin_of_text|>",
+        "config": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                   "tokenizer_class": "PreTrainedTokenizerFast"},
+    },
+    "qwen2": {
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None,
+        "config": {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                   "add_prefix_space": False, "tokenizer_class": "Qwen2Tokenizer"},
+    },
+}
+TOKENIZER_STYLES = tuple(_TOKENIZER_STYLES)
+# Qwen2's pre-tokenizer split (digits one by one), as in its published tokenizer.json.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+_TOKENIZER_CORPUS = ["the cat sat on the mat", "a dog and a cat", "12 + 7 = 19", "hello world, héllo ✓"] * 20
+
+
+def save_tiny_tokenizer(folder: str | os.PathLike, style: str = "qwen2", vocab_size: int = 300) -> Path:
+    """Train a tiny BPE tokenizer in `style` (see TOKENIZER_STYLES), save tokenizer.json and
+    tokenizer_config.json into `folder` (created), return the folder. Special tokens get ids 0, 1, ..."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    spec = _TOKENIZER_STYLES[style]
+    special = spec["special"]
+    if style == "llama2":  # SentencePiece-converted BPE (no byte tokens here, so keep to the corpus' characters)
+        raw = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special)
+    else:
+        raw = Tokenizer(models.BPE())
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if style == "qwen2":  # Qwen2's own pipeline, which transformers' Qwen2Tokenizer rebuilds on load
+            raw.normalizer = normalizers.NFC()
+            raw.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        raw.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(_TOKENIZER_CORPUS, trainer)
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if spec["bos"] is None:
+        raw.post_processor = byte_level
+    else:
+        bos = spec["bos"]
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, raw.token_to_id(bos))]
+        )
+        raw.post_processor = template if style == "llama2" else processors.Sequence([byte_level, template])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(spec["config"], indent=2) + "\n")
+    return folder

@@ -38,10 +38,10 @@ def _rows(n):
     return [{"prompt": f"{i}+1=", "answer": str(i + 1), "id": i} for i in range(n)]
 
 
-def _dataset(source, **kw):
+def _dataset(source, tokenizer=TOK, **kw):
     args = dict(batch_size=4, max_prompt_len=16, process_index=0, process_count=1, seed=3)
     args.update(kw)
-    return PromptDataset(source, TOK, **args)
+    return PromptDataset(source, tokenizer, **args)
 
 
 def test_bucket_length_and_left_pad():
@@ -186,3 +186,69 @@ def test_from_config_reads_the_bundled_task(tmp_path):
     assert prompts.seed == 5
     sft = SFTDataset.from_config(config, TOK, process_index=0, process_count=1)
     assert sft.next_batch().loss_mask.any()
+
+
+# ---------------------------------------------------------------- BOS: as the tokenizer does, or forced
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama3"])
+def hf_tok(request, tmp_path_factory):
+    """A tokenizer.json beside a config.json naming a BOS id, as Qwen2 checkpoints ship it."""
+    from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.testing.models import save_tiny_tokenizer
+
+    folder = save_tiny_tokenizer(tmp_path_factory.mktemp("tok") / request.param, request.param)
+    (folder / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
+    return folder, load_tokenizer(folder)
+
+
+def test_prompts_are_encoded_as_auto_tokenizer_encodes_them(hf_tok):
+    transformers = pytest.importorskip("transformers")
+    folder, tok = hf_tok
+    rows = [{"prompt": "the cat sat", "answer": "1"}, {"prompt": "12 + 7 =", "answer": "19"}]
+    batch = _dataset(ListSource(rows), tokenizer=tok, batch_size=2, shuffle=False).next_batch()
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for row, text in enumerate(["the cat sat", "12 + 7 ="]):
+        assert batch.input_ids[row][batch.attention_mask[row]].tolist() == hf(text)["input_ids"]
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_add_bos_forces_bos_in_every_dataset(hf_tok, add_bos):
+    _, tok = hf_tok
+    expect = list(tok.special_prefix) if add_bos is None else [tok.bos_id] if add_bos else []
+    rows = [{"prompt": "the cat", "answer": "a dog", "chosen": "a dog", "rejected": "a mat"}]
+    kw = dict(batch_size=1, shuffle=False, process_index=0, process_count=1, add_bos=add_bos)
+    prompt = PromptDataset(ListSource(rows), tok, max_prompt_len=32, **kw).next_batch()
+    assert prompt.input_ids[0][prompt.attention_mask[0]].tolist() == expect + tok.encode("the cat")
+    completed = expect + tok.encode("the cat") + tok.encode("a dog") + [tok.eos_id]
+    sft = SFTDataset(ListSource(rows), tok, max_len=32, **kw).next_batch()
+    assert sft.input_ids[0][sft.attention_mask[0]].tolist() == completed
+    pairs = PreferenceDataset(ListSource(rows), tok, max_len=32, **kw).next_batch()
+    assert pairs.chosen_ids[0][pairs.chosen_mask[0]].tolist() == completed
+
+
+def test_data_add_bos_from_config():
+    """data.add_bos: null keeps the byte tokenizer's BOS (our convention), false drops it, true keeps it."""
+    row = ListSource([{"prompt": "1+1=", "answer": "2"}])
+    for value, expect in (("null", [TOK.bos_id]), ("false", []), ("true", [TOK.bos_id])):
+        config = load_config(None, [f"data.add_bos={value}"])
+        ds = PromptDataset(row, TOK, batch_size=1, max_prompt_len=16, shuffle=False, process_index=0,
+                           process_count=1, add_bos=config.data.add_bos)
+        batch = ds.next_batch()
+        assert batch.input_ids[0][batch.attention_mask[0]].tolist() == expect + TOK.encode("1+1="), value
+
+
+def test_forcing_bos_on_a_tokenizer_without_one_is_a_data_error(tmp_path):
+    from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.testing.models import save_tiny_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "q", "qwen2"))
+    with pytest.raises(DataError, match="data.add_bos: add_bos=true, but .* has no BOS token"):
+        _dataset(ListSource(_rows(4)), tokenizer=tok, add_bos=True)
+
+
+def test_few_valid_rows_are_found_across_reshuffled_epochs():
+    rows = [{"nope": i} for i in range(9)] + [{"prompt": "1+1=", "answer": "2"}]
+    ds = _dataset(ListSource(rows), batch_size=4, max_prompt_len=16, seed=3)
+    for _ in range(20):  # every batch is the one valid row, whatever the epochs' orders
+        assert ds.next_batch().answers == ("2",) * 4

@@ -137,6 +137,57 @@ def test_all_rows_stopped_exits_early(model, greedy_out):
     assert out.response_tokens[0, 1:].tolist() == [0] * 11
 
 
+def test_any_of_several_eos_ids_stops_the_row(model, greedy_out):
+    """Llama 3.1 lists three EOS ids: a row ends on whichever comes first, here the second id."""
+    ref = np.asarray(greedy_out.response_tokens)
+    second = int(ref[0, 4])
+    unused = next(t for t in range(3, 384) if t not in ref)  # the primary EOS never comes
+    n = int(np.flatnonzero(ref[0] == second)[0]) + 1
+    out = gen.generate(model, PROMPTS, 12, GREEDY, eos_id=(unused, second))
+    assert int(out.lengths[0]) == n <= 5 and bool(out.ended_with_eos[0])
+    assert out.response_tokens[0, :n].tolist() == ref[0, :n].tolist()
+    # The same from the model's own config: eos_token_id plus extra_eos_token_ids.
+    config = preset("tiny").replace(eos_token_id=unused, extra_eos_token_ids=(second,))
+    assert config.eos_token_ids == (unused, second)
+    same_weights = build_model(config, seed=0)
+    by_config = gen.generate(same_weights, PROMPTS, 12, GREEDY)
+    np.testing.assert_array_equal(by_config.response_tokens, out.response_tokens)
+    np.testing.assert_array_equal(by_config.ended_with_eos, out.ended_with_eos)
+    generator, state = gen.Generator.for_model(same_weights)
+    assert generator.eos_ids == (unused, second)
+    # Reward shaping's own test of "ended with EOS" agrees, for every EOS id.
+    from jaxrlhf.algorithms.rewards import sequence_ended_with_eos
+
+    ended = sequence_ended_with_eos(out.response_tokens, out.response_mask, (unused, second))
+    np.testing.assert_array_equal(ended, out.ended_with_eos)
+    assert not bool(sequence_ended_with_eos(out.response_tokens, out.response_mask, unused)[0])
+
+
+def test_eos_tuple():
+    assert gen.eos_tuple(None) == gen.eos_tuple(-1) == gen.eos_tuple([]) == ()
+    assert gen.eos_tuple(5) == gen.eos_tuple(np.int32(5)) == (5,)
+    assert gen.eos_tuple([7, 5, 7, -1]) == (7, 5)
+
+
+def test_generating_past_max_positions_is_an_error():
+    """Positions count real tokens only: a 20-token prompt (bucket 32) + 20 new fits 40 positions, + 21 does not."""
+    model = build_model(preset("tiny").replace(max_position_embeddings=40), seed=0)
+    prompt = [[1] + list(range(10, 29))]
+    out = gen.generate(model, prompt, 20, GREEDY, eos_id=NO_EOS)
+    assert out.prompt_length == 32 and out.lengths.tolist() == [20]
+    with pytest.raises(gen.GenerationError, match=r"20 tokens \+ max_new_tokens 21 = 41 exceeds .* 40"):
+        gen.generate(model, prompt, 21, GREEDY, eos_id=NO_EOS)
+    # A device array: its width bounds the prompt (no host copy); generate_tokens (the rollout's call) the same.
+    tokens, mask = gen.pad_prompts(prompt, 0, min_bucket=24)
+    with pytest.raises(gen.GenerationError, match="24 tokens"):
+        gen.generate(model, jnp.asarray(tokens), 20, GREEDY, prompt_mask=jnp.asarray(mask), eos_id=NO_EOS)
+    graphdef, state = nnx.split(model)
+    with pytest.raises(gen.GenerationError, match="max_position_embeddings 40"):
+        jax.jit(lambda s, t, m: gen.generate_tokens(
+            graphdef, s, t, m, jax.random.key(0), max_new_tokens=20, sampling=GREEDY, eos_id=None, pad_id=0,
+        ))(state, tokens, mask)
+
+
 def test_bucket_padding_bounds_recompiles():
     model = build_model(preset("tiny"), seed=3)
     generator, state = gen.Generator.for_model(model)
@@ -220,6 +271,35 @@ def hf_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {arch: save_tiny_hf_checkpoint(root, arch, seed=1) for arch in ("llama", "qwen2", "mistral")}
+
+
+def test_eos_list_stops_like_transformers_generate(tmp_path):
+    """A config.json eos_token_id list survives export/import, and generation stops on its second id
+    exactly where transformers' generate (reading generation_config.json) stops."""
+    import torch
+    import transformers
+
+    from jaxrlhf.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+    from jaxrlhf.testing.models import random_model, tiny_config
+
+    prompt, n = PROMPTS[0], 12
+    free = random_model(tiny_config("llama"), seed=5)
+    ref = gen.generate(free, [prompt], n, GREEDY, eos_id=NO_EOS).response_tokens[0].tolist()
+    second = ref[3]
+    unused = next(t for t in range(3, 384) if t not in ref)
+    config = tiny_config("llama", eos_token_id=unused, extra_eos_token_ids=(second,))
+    path = save_hf_checkpoint(random_model(config, seed=5), config, tmp_path / "ckpt")
+    model, loaded = load_hf_checkpoint(path)
+    assert loaded.eos_token_ids == (unused, second)
+    ours = gen.generate(model, [prompt], n, GREEDY)
+    length = int(ours.lengths[0])
+    assert length == ref.index(second) + 1 and bool(ours.ended_with_eos[0])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert list(hf.generation_config.eos_token_id) == [unused, second]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    assert ours.response_tokens[0, :length].tolist() == theirs[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -76,6 +76,28 @@ def test_config_from_legacy_keys():
     config = config_from_hf(hf)
     assert config.rope_scaling == RopeScaling() and config.rope_theta == 500000.0
     assert config.param_dtype == "bfloat16" and config.eos_token_id == 128001 and config.head_dim is None
+    assert config.eos_token_ids == (128001, 128009)  # every EOS id kept, the first is the primary
+
+
+def test_eos_list_config_round_trip():
+    """Llama 3.1 lists three EOS ids in config.json: config_to_hf writes the list back, one id stays an int."""
+    config = PRESETS["llama3-8b"].replace(eos_token_id=128001, extra_eos_token_ids=(128008, 128009))
+    hf = config_to_hf(config)
+    assert hf["eos_token_id"] == [128001, 128008, 128009]
+    assert config_from_hf(hf) == config
+    assert config_to_hf(PRESETS["llama3-8b"])["eos_token_id"] == 128001
+    assert config_to_hf(PRESETS["tiny"].replace(eos_token_id=None))["eos_token_id"] is None
+
+
+def test_model_config_eos_normal_form():
+    """The HF list form is accepted (model.<role>.overrides may give one); repeats and the primary drop out."""
+    config = tiny_config("llama", eos_token_id=[5, 6, 5], extra_eos_token_ids=[7, 6])
+    assert (config.eos_token_id, config.extra_eos_token_ids, config.eos_token_ids) == (5, (6, 7), (5, 6, 7))
+    assert config == tiny_config("llama", eos_token_id=5, extra_eos_token_ids=(6, 7))
+    hash(config)  # a static argument of jitted functions
+    assert tiny_config("llama", eos_token_id=None).eos_token_ids == ()
+    with pytest.raises(ValueError, match="needs an eos_token_id"):
+        tiny_config("llama", eos_token_id=None, extra_eos_token_ids=(3,))
 
 
 def test_qwen2_sliding_window_config():
@@ -118,6 +140,32 @@ def test_import_export_import_is_bitwise_identity(checkpoints, tmp_path, arch):
     if config.tie_word_embeddings:
         theirs.pop("lm_head.weight", None)
     assert_bitwise_equal(ours, theirs)
+
+
+def test_eos_list_export_import_round_trip(tmp_path):
+    config = tiny_config("llama", eos_token_id=2, extra_eos_token_ids=(7, 9))
+    path = save_hf_checkpoint(random_model(config), config, tmp_path / "out")
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((path / name).read_text())["eos_token_id"] == [2, 7, 9]
+    _, loaded = load_hf_checkpoint(path)
+    assert loaded == config
+    import transformers
+
+    assert transformers.AutoConfig.from_pretrained(path).eos_token_id == [2, 7, 9]
+
+
+def test_generation_config_eos_ids_are_read(checkpoints, tmp_path):
+    """transformers' generate stops on generation_config.json's ids; instruct models list more there."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["qwen2"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2]}))
+    _, loaded = load_hf_checkpoint(path)
+    assert loaded.eos_token_ids == (2, 5)  # config.json's id stays the primary
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: cannot read eos_token_id"):
+        load_hf_checkpoint(path)
 
 
 def test_sharded_round_trip(checkpoints, tmp_path):
