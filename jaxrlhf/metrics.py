@@ -41,9 +41,19 @@ def _jsonable(v: Any) -> Any:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All step records of a metrics.jsonl file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All step records of a metrics.jsonl file; a half-written last line (a run killed while writing
+    it) is dropped, a damaged line anywhere else is an error naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record") from None
+    return records
 
 
 class MetricsWriter:

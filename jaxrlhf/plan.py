@@ -23,6 +23,7 @@ import sys
 from typing import Any, Sequence
 
 from jaxrlhf import config as cfglib
+from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.search import SearchResult, search
 from jaxrlhf.planner.simulator import Timeline
@@ -44,14 +45,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxrlhf.plan", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="training config YAML (defaults apply to anything it leaves out)")
     p.add_argument("--hardware", help="hardware profile name or profile file (default: plan.hardware, else h100)")
-    p.add_argument("--devices", type=int, help="number of devices (default: run.devices, else 8)")
+    p.add_argument("--devices", type=_positive_int, help="number of devices (default: run.devices, else 8)")
     p.add_argument("--model-preset", help="one model preset for every role with its own weights")
     p.add_argument("--algorithm", help="algorithm.name: ppo, grpo, rloo, reinforce_pp, remax, sft, rm, dpo")
-    p.add_argument("--gen-len", type=int, help="generated tokens per sequence (generation.max_new_tokens)")
-    p.add_argument("--prompt-len", type=int, help="prompt tokens per sequence (data.max_prompt_len)")
-    p.add_argument("--batch", type=int, help="prompts (or pairs) per step (data.batch_size)")
-    p.add_argument("--minibatches", type=int, help="optimizer steps per train call (algorithm.minibatches)")
-    p.add_argument("--iterations", type=int, default=4000, help="annealing iterations (split over seeds)")
+    p.add_argument("--gen-len", type=_positive_int, help="generated tokens per sequence (generation.max_new_tokens)")
+    p.add_argument("--prompt-len", type=_positive_int, help="prompt tokens per sequence (data.max_prompt_len)")
+    p.add_argument("--batch", type=_positive_int, help="prompts (or pairs) per step (data.batch_size)")
+    p.add_argument("--minibatches", type=_positive_int, help="optimizer steps per train call (algorithm.minibatches)")
+    p.add_argument("--iterations", type=_positive_int, default=4000, help="annealing iterations (split over seeds)")
     p.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="directory for plan.yaml and timeline.png")
@@ -161,7 +162,20 @@ def draw_timeline(timeline: Timeline, path: str, steps: int = 2, title: str = ""
     plt.close(fig)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxrlhf.plan`: exit 0, or 2 with one line for a user's mistake (see jaxrlhf.errors)."""
+    return run_cli("jaxrlhf.plan", _main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     try:
         from jaxrlhf.algorithms import build_algorithm

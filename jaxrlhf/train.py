@@ -18,6 +18,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
+from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
 
 
 def setup_devices(run: cfglib.RunConfig) -> None:
@@ -33,7 +34,27 @@ def setup_devices(run: cfglib.RunConfig) -> None:
         jax.config.update("jax_platforms", "cuda" if run.platform == "gpu" else "tpu")
     enable_compile_cache(run.compile_cache)
     if run.distributed:
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except (RuntimeError, ValueError) as e:
+            raise RunError(
+                f"run.distributed=true, but jax.distributed could not start ({_first_line(e)}); on one host set "
+                "run.distributed=false, on a cluster run where JAX detects it (Cloud TPU, SLURM) or set its "
+                "coordinator environment"
+            ) from None
+    if run.platform in ("gpu", "tpu"):
+        try:
+            jax.devices()
+        except Exception as e:  # RuntimeError, or an AssertionError from a backend that never initialised
+            raise RunError(
+                f"run.platform={run.platform}, but JAX has no {run.platform.upper()} backend here "
+                f"({_first_line(e)}); set run.platform=cpu (or auto), or install jax with {run.platform} support"
+            ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def enable_compile_cache(folder: str | None) -> None:
@@ -134,7 +155,10 @@ def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None):
     from jaxrlhf.planner.hardware import get_profile
 
     if cfg.plan.hardware:
-        hw = get_profile(cfg.plan.hardware)
+        try:
+            hw = get_profile(cfg.plan.hardware)
+        except (KeyError, OSError, ValueError) as e:
+            raise cfglib.ConfigError(f"plan.hardware={cfg.plan.hardware!r}: {e.args[0] if e.args else e}") from None
     else:
         import jax
 
@@ -352,8 +376,11 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     print(plan.table(), flush=True)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
 
+    prepare_output_dir(cfg.run)
     ckpt = CheckpointManager(os.path.join(cfg.run.output_dir, "checkpoints"), max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
+    if cfg.run.resume and resume_step is None:
+        _set_aside_log(cfg.run.output_dir)
 
     # Models on their home placements: sources first, then the roles that copy them (after a warm-up).
     builder = RoleBuilder(cfg, specs, model_configs, cache, plan)
@@ -400,7 +427,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 
     start = 0
     if resume_step is not None:
-        restored, meta = ckpt.restore(resume_step, arrays())
+        resume_step, restored, meta = ckpt.restore_latest(arrays())
         executor.state = dict(restored.pop("state"))
         for name, saved in restored.items():
             roles[name].params = saved["params"]
@@ -421,7 +448,10 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     offpolicy = plan.offpolicy
     batch = None
+    stop = StopRequest()
+    saved_step, dead_steps = start, 0
     try:
+        stop.install()
         for step in range(start + 1, steps + 1):
             batch = batch if (offpolicy and batch is not None) else data.next_batch()
             data_state = data.state_dict()
@@ -440,9 +470,24 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             _check_finite(metrics, step)
             if step % cfg.run.log_every == 0 or step == steps:
                 writer.write(step, metrics)
-            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps:
+            dead_steps = dead_steps + 1 if _all_updates_skipped(metrics, algorithm.updates_per_step) else 0
+            if dead_steps >= MAX_DEAD_STEPS:
+                raise RunError(
+                    f"every update of the last {dead_steps} steps (to step {step}) had a non-finite loss or "
+                    f"gradient and was skipped, so the model stopped changing; nothing was exported. Lower the "
+                    f"learning rate (optimizer.<role>.lr) or check the data"
+                    + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
+                )
+            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stop.requested:
                 save(step, data_state)
+                saved_step = step
+            if stop.requested and step < steps:
+                raise Interrupted(
+                    f"stopped by {stop.requested} after step {step}; checkpoint saved in {ckpt.directory}. "
+                    f"Resume with the same command and run.resume=true"
+                )
     finally:
+        stop.uninstall()
         writer.close()
         ckpt.close()
 
@@ -476,6 +521,93 @@ def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
     print(f"{role.name} exported to {out}", flush=True)
 
 
+MAX_DEAD_STEPS = 5  # consecutive steps whose every update was skipped before a run gives up
+
+
+def _all_updates_skipped(metrics: Mapping[str, Any], updates_per_step: int) -> bool:
+    """True when every trained role skipped every one of its updates this step."""
+    counts = [v for k, v in metrics.items() if k.endswith("skipped_nonfinite")]
+    return bool(counts) and all(c >= updates_per_step for c in counts)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM during training: the first finishes the current step, saves a checkpoint and stops
+    (the loop checks `requested`); a second one exits at once."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread; embedded callers keep their own handling
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.requested:  # the second signal: no more waiting
+            print(f"\n{name} again: exiting now without saving", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        self.requested = name
+        print(f"\n{name}: finishing the current step, then saving a checkpoint (send it again to exit now)",
+              file=sys.stderr, flush=True)
+
+
+def _set_aside_log(out: str) -> None:
+    """run.resume=true with no checkpoint starts at step 0; the old log is kept beside the new one."""
+    log = os.path.join(out, "metrics.jsonl")
+    print(f"run.resume=true, but {out} has no checkpoint: starting from step 0", flush=True)
+    if os.path.exists(log):
+        kept = os.path.join(out, f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        os.replace(log, kept)
+        print(f"the previous metrics.jsonl (no checkpoint) is kept as {kept}", flush=True)
+
+
+def prepare_output_dir(run_cfg: cfglib.RunConfig) -> None:
+    """Refuse to start a new run over another run's files (nothing is changed), unless asked to resume
+    it or to overwrite it."""
+    import shutil
+
+    out = run_cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunError(f"run.output_dir={out!r} is a file, not a folder; choose another run.output_dir")
+    if run_cfg.resume or not os.path.isdir(out):
+        return
+
+    def holds(name: str) -> bool:  # empty leftovers of a run that failed at start-up do not count
+        path = os.path.join(out, name)
+        return bool(os.listdir(path)) if os.path.isdir(path) else os.path.exists(path) and os.path.getsize(path) > 0
+
+    found = [n for n in ("checkpoints", "metrics.jsonl", "tensorboard") if holds(n)]
+    if not found:
+        return
+    if not run_cfg.overwrite:
+        raise RunError(
+            f"run.output_dir={out!r} holds another run ({', '.join(found)}); nothing was changed. Continue it "
+            "with run.resume=true, choose another run.output_dir, or replace it with run.overwrite=true"
+        )
+    for name in found + [n for n in os.listdir(out) if n.endswith("_hf")]:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    print(f"run.overwrite=true: removed the previous run's {', '.join(found)} from {out}", flush=True)
+
+
 def _check_finite(metrics: dict[str, Any], step: int) -> None:
     """Non-finite updates were skipped on device; say so on the console, keep going."""
     skipped = sum(v for k, v in metrics.items() if k.endswith("skipped_nonfinite"))
@@ -488,24 +620,20 @@ def _check_finite(metrics: dict[str, Any], step: int) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from jaxrlhf.data.sources import DataError
-    from jaxrlhf.models.hf_io import CheckpointError
-    from jaxrlhf.models.tokenizer import TokenizerError
-    from jaxrlhf.planner.plan import PlanError
-
-    try:
-        args = cfglib.parse_cli(argv)
-        if args.print_config:
-            print(cfglib.format_config(args.config), end="")
-            return 0
-        setup_devices(args.config.run)
-        run(args.config)
-    except (cfglib.ConfigError, PlanError, DataError, CheckpointError, TokenizerError) as e:
-        kind = type(e).__name__.replace("Error", " error").lower()
-        print(f"jaxrlhf.train: {kind}: {e}", file=sys.stderr)
-        return 2
+def _main(argv: Sequence[str]) -> int:
+    args = cfglib.parse_cli(argv)
+    if args.print_config:
+        print(cfglib.format_config(args.config), end="")
+        return 0
+    setup_devices(args.config.run)
+    run(args.config)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxrlhf.train`: exit 0 on success, 2 for a user's mistake (one line saying what to fix),
+    130 when stopped by a signal (after saving a checkpoint)."""
+    return run_cli("jaxrlhf.train", _main, argv)
 
 
 if __name__ == "__main__":

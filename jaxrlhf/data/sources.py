@@ -54,8 +54,8 @@ class JsonlSource:
         if not self.path.is_file():
             raise DataError(f"data file not found: {self.path}")
         opener = gzip.open if self.path.suffix == ".gz" else open
-        try:
-            with opener(self.path, "rt", encoding="utf-8", errors="replace") as f:
+        try:  # bytes: a row that is not valid UTF-8 is skipped and counted, not read with replacement chars
+            with opener(self.path, "rb") as f:
                 self._lines = [line for line in f if line.strip()]
         except OSError as e:
             raise DataError(f"cannot read {self.path}: {e}") from None
@@ -65,7 +65,11 @@ class JsonlSource:
 
     def __getitem__(self, index: int) -> Any:
         try:
-            return json.loads(self._lines[index])
+            text = self._lines[index].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RowError("invalid_utf8", f"{self.path} line {index + 1}: not valid UTF-8 ({e.reason})") from None
+        try:
+            return json.loads(text)
         except json.JSONDecodeError as e:
             raise RowError("bad_json", f"{self.path} line {index + 1}: {e}") from None
 
@@ -148,8 +152,18 @@ def _open_tfds(spec: str, split: str, data_dir: str | None) -> RowSource:
     directory = data_dir if data_dir is not None else str(default_data_dir())
     try:
         builder = tfds.builder(spec, data_dir=directory)
-    except Exception as e:  # DatasetNotFoundError and friends
-        raise DataError(f"data.source {spec!r}: no such TFDS builder ({e.__class__.__name__}: {e})") from None
+    except Exception as e:  # DatasetNotFoundError and friends: TFDS lists hundreds of names; offer close ones
+        import difflib
+
+        from jaxrlhf.data.tasks import TASKS
+
+        names = list(TASKS) + list(tfds.list_builders(with_community_datasets=False))
+        close = difflib.get_close_matches(spec.split("/")[0].split(":")[0], names, n=3)
+        hint = f"; did you mean {close}?" if close else ""
+        raise DataError(
+            f"data.source {spec!r} is no bundled task, no existing .jsonl/.parquet file or folder, and no TFDS "
+            f"builder ({e.__class__.__name__}){hint} Bundled tasks: {sorted(TASKS)}"
+        ) from None
     if not builder.is_prepared():
         try:
             builder.download_and_prepare(file_format="array_record")

@@ -1,0 +1,87 @@
+"""The one error boundary of the command-line entry points (train, plan, generate).
+
+A user's mistake (a config key, a data file, model files, a plan, the
+platform, a checkpoint, a full disk) ends in one or two lines that name the
+file or key and the fix, with exit code 2. Anything else is a bug and keeps
+its traceback. `--debug` (or JAXRLHF_DEBUG=1) shows the traceback of
+expected errors too. Each module defines its own error class; this module
+only lists them, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+from typing import Callable, Sequence
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
+
+
+class RunError(ValueError):
+    """A run cannot start or go on as asked: its output folder, its platform, or training that stopped
+    making progress."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped a run cleanly; the message says what was saved and how to resume."""
+
+
+def _expected() -> tuple[type[BaseException], ...]:
+    from jaxrlhf.algorithms.base import AlgorithmConfigError
+    from jaxrlhf.config import ConfigError
+    from jaxrlhf.data.sources import DataError
+    from jaxrlhf.models.generation import GenerationError
+    from jaxrlhf.models.hf_io import CheckpointError
+    from jaxrlhf.models.tokenizer import TokenizerError
+    from jaxrlhf.planner.plan import PlanError
+
+    return (ConfigError, PlanError, DataError, CheckpointError, TokenizerError, GenerationError,
+            AlgorithmConfigError, RunError)
+
+
+# OS errors a user fixes (space, permissions, a path that is a file), with the fix to print.
+_OS_FIXES = {
+    errno.ENOSPC: "the disk is full: free space or choose another run.output_dir",
+    errno.EDQUOT: "the disk quota is exceeded: free space or choose another run.output_dir",
+    errno.EACCES: "permission denied: choose a folder you can write to",
+    errno.EROFS: "the file system is read-only: choose another folder",
+    errno.ENOTDIR: "a path component is a file, not a folder: choose another path",
+    errno.EISDIR: "a folder is in the way where a file is expected: choose another path",
+}
+
+
+def _kind(e: BaseException) -> str:
+    return type(e).__name__.replace("Error", " error").lower()
+
+
+def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
+    """Run `body(argv)` (argv without `--debug`) inside the error boundary; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("JAXRLHF_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return body(argv)
+    except Interrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (nothing was being trained yet, so nothing needed saving)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as e:
+        if e.errno not in _OS_FIXES:
+            raise
+        if debug:
+            traceback.print_exc()
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"{prog}: {_OS_FIXES[e.errno]}{where}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except _expected() as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: {_kind(e)}: {e}", file=sys.stderr)
+        if not debug:
+            print(f"{prog}: (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_USER_ERROR

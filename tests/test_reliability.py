@@ -1,0 +1,215 @@
+"""No lost runs: a new run never overwrites another, SIGINT saves a checkpoint of the step reached,
+a damaged newest checkpoint falls back to the previous one with the same metrics as an uninterrupted
+run, and a run whose updates are all skipped stops instead of exporting a dead model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import train
+from jaxrlhf.errors import RunError
+from jaxrlhf.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = [
+    "model.actor.preset=tiny", "run.tensorboard=false", "run.export_hf=false", "data.batch_size=8",
+    "data.max_prompt_len=16", "generation.max_new_tokens=4", "algorithm.minibatches=2", "sft.steps=0",
+    "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3", "rewards.eos_only=false",
+    'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
+]
+
+
+def _run(out, *overrides: str) -> list[dict]:
+    train.run(cfglib.load_config(None, [*BASE, f"run.output_dir={out}", *overrides]))
+    return read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def _strip_times(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records]
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 4-step run with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    records = _run(out, "run.steps=4", "run.checkpoint_every=2")
+    return out, records
+
+
+def test_a_new_run_into_another_runs_folder_changes_nothing(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    before = _snapshot(out)
+    with pytest.raises(RunError, match=r"holds another run \(checkpoints, metrics.jsonl\); nothing was changed"):
+        _run(out, "run.steps=2")
+    assert _snapshot(out) == before
+    records = _run(out, "run.steps=1", "run.overwrite=true")  # the explicit way to replace it
+    assert [r["step"] for r in records] == [1]
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    with pytest.raises(RunError, match="is a file, not a folder"):
+        _run(path, "run.steps=1")
+    assert path.read_text() == "mine"
+
+
+def _damage_truncated_array(step_dir):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "arrays", "d")) for f in fs]
+    assert files
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.truncate(max(os.path.getsize(f) // 3, 1))
+
+
+def _damage_missing_arrays(step_dir):
+    shutil.rmtree(os.path.join(step_dir, "arrays", "d"))
+
+
+def _damage_missing_metadata(step_dir):
+    shutil.rmtree(os.path.join(step_dir, "meta"))
+
+
+def _damage_empty_step(step_dir):
+    for name in os.listdir(step_dir):
+        path = os.path.join(step_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [_damage_truncated_array, _damage_missing_arrays, _damage_missing_metadata,
+                                    _damage_empty_step], ids=lambda f: f.__name__.removeprefix("_damage_"))
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, damage, tmp_path, capsys):
+    ref_out, ref_records = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    damage(os.path.join(out, "checkpoints", "4"))
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "reward/me')  # and a half-written line from a run killed mid-write
+    records = _run(out, "run.steps=4", "run.checkpoint_every=2", "run.resume=true")
+    err = capsys.readouterr().err
+    assert "checkpoint step 4" in err and "using step 2" in err
+    assert _strip_times(records) == _strip_times(ref_records)
+
+
+def test_resume_with_other_model_shapes_names_the_difference(reference, tmp_path):
+    from jaxrlhf.models.hf_io import CheckpointError
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    with pytest.raises(CheckpointError, match=r"shape .* but this config builds"):
+        _run(out, "run.steps=5", "run.resume=true", "model.actor.overrides={hidden_size: 32}")
+
+
+def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match="every update of the last 5 steps"):
+        _run(out, "run.steps=12", "optimizer.actor.lr=1e30", "optimizer.critic.lr=1e30", "run.export_hf=true")
+    assert not os.path.exists(out / "actor_hf")
+    assert len(read_metrics(os.path.join(out, "metrics.jsonl"))) < 12
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigint_saves_the_step_reached_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE, "run.devices=8",
+           f"run.output_dir={out}", "run.checkpoint_every=0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*cmd, "run.steps=200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    log = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+        if os.path.exists(log) and len(read_metrics(log)) >= 2:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "checkpoint saved" in stderr and "run.resume=true" in stderr
+    reached = read_metrics(log)[-1]["step"]
+    assert os.listdir(os.path.join(out, "checkpoints")) == [str(reached)]
+    # the checkpoint restores: one more step continues the same run
+    subprocess.run([*cmd, f"run.steps={reached + 1}", "run.resume=true"], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=600)
+    assert [r["step"] for r in read_metrics(log)] == list(range(1, reached + 2))
+
+
+def test_jsonl_rows_with_invalid_utf8_are_skipped_and_counted(tmp_path):
+    from jaxrlhf.data.sources import JsonlSource, RowError
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff\xfe1+2=", "answer": "3"}\n')
+    source = JsonlSource(path)
+    assert source[0]["answer"] == "2"
+    with pytest.raises(RowError) as e:
+        source[1]
+    assert e.value.reason == "invalid_utf8" and "line 2" in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "0", "--model-preset", "tiny"], "--devices: must be at least 1"),
+    (["--model-preset", "tiny", "plan.hardware=h101"], "unknown hardware 'h101'"),
+])
+def test_plan_cli_mistakes_are_one_line(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", "--out", str(tmp_path), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_train_cli_platform_and_output_folder_mistakes_are_one_line(tmp_path):
+    file = tmp_path / "taken"
+    file.write_text("x")
+    for extra, message in ([f"run.output_dir={file}"], "is a file, not a folder"), (
+            ["run.platform=tpu", "run.devices=null", f"run.output_dir={tmp_path / 'o'}"], "no TPU backend"):
+        proc = subprocess.run([sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(vocab_size="abc"), "vocab_size='abc' must be a number"),
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads=0 must be at least 1"),
+    (lambda c: c.update(num_key_value_heads=3), "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+    (None, "holds a JSON list"),
+])
+def test_bad_hf_config_values_name_the_key(edit, message, tmp_path):
+    import json
+
+    from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint
+    from jaxrlhf.testing.models import save_tiny_hf_checkpoint
+
+    path = save_tiny_hf_checkpoint(tmp_path, "llama", seed=0)
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    if edit is None:
+        cfg = [cfg]
+    else:
+        edit(cfg)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="config.json: " + message.replace("(", r"\(")):
+        load_hf_checkpoint(path)
+
