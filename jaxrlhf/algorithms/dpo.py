@@ -57,14 +57,20 @@ def dpo_loss(
     return loss, jax.lax.stop_gradient(stats)
 
 
-def ref_pair_logprobs(
-    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
+def named_pair_logprobs(
+    names: tuple[str, str], graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State,
+    inputs: dict[str, Any],
 ) -> dict[str, jax.Array]:
+    """Summed response log-probs of the chosen and rejected sequences, under `names`."""
     def one(b):
         logp, _ = pair_logprobs(graphdef, params, b)
-        return {"ref_chosen_logp": logp[0], "ref_rejected_logp": logp[1]}
+        return dict(zip(names, (logp[0], logp[1])))
 
     return map_microbatches(one, inputs, micro_batch)
+
+
+ref_pair_logprobs = functools.partial(named_pair_logprobs, REF)
+policy_pair_logprobs = functools.partial(named_pair_logprobs, ("chosen", "rejected"))
 
 
 def dpo_train(
@@ -90,16 +96,6 @@ def dpo_train(
     params, opt_state, stats = minibatch_updates(loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"],
                                                  micro_batch=micro_batch)
     return params, opt_state, {"actor_stats": stats}
-
-
-def policy_pair_logprobs(
-    graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
-) -> dict[str, jax.Array]:
-    def one(b):
-        logp, _ = pair_logprobs(graphdef, params, b)
-        return {"chosen": logp[0], "rejected": logp[1]}
-
-    return map_microbatches(one, inputs, micro_batch)
 
 
 @register_algorithm

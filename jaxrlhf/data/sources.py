@@ -19,7 +19,7 @@ import gzip
 import json
 import os
 import pathlib
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 
 class DataError(ValueError):
@@ -44,6 +44,22 @@ class RowSource(Protocol):
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class ListSource:
+    """Rows already in memory (a list of dicts): for programmatic use and tests."""
+
+    def __init__(self, rows: Sequence[Any]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+    def __repr__(self) -> str:
+        return f"ListSource(rows={len(self)})"
 
 
 class JsonlSource:

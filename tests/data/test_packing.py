@@ -9,26 +9,13 @@ import pytest
 from flax import nnx
 
 from jaxrlhf.algorithms import sft
-from jaxrlhf.data import SFTDataset
+from jaxrlhf.data import ListSource, SFTDataset
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.tokenizer import ByteTokenizer
 from jaxrlhf.models.transformer import build_model
 
 TOK = ByteTokenizer()
 BOS, EOS, PAD = TOK.bos_id, TOK.eos_id, TOK.pad_id
-
-
-class ListSource:
-    """An in-memory row source."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 # (prompt, answer) -> ids = BOS + prompt + answer + EOS, prompt part = BOS + prompt

@@ -10,6 +10,7 @@ from jaxrlhf.config import load_config
 from jaxrlhf.data import (
     DataError,
     JsonlSource,
+    ListSource,
     PreferenceDataset,
     PromptDataset,
     SFTDataset,
@@ -19,19 +20,6 @@ from jaxrlhf.data import (
 from jaxrlhf.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
-
-
-class ListSource:
-    """An in-memory row source."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def _rows(n):
