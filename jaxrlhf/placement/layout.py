@@ -114,14 +114,14 @@ DEFAULT_RULES = AxisRules(
 
 # ---- meshes ---------------------------------------------------------------------------
 def make_mesh(group: DeviceGroup, layout: Layout, devices: Sequence[Device] | None = None) -> Mesh:
-    """Mesh ("data", "fsdp", "tensor") over the group's devices, tensor innermost."""
+    """Mesh ("stage", "data", "fsdp", "tensor") over the group's devices, tensor innermost."""
     if layout.num_devices != group.size:
         raise PlanError(
             f"layout {layout} uses {layout.num_devices} devices but group {group.name!r} has {group.size}; "
-            f"make data*fsdp*tensor = {group.size}"
+            f"make stage*data*fsdp*tensor = {group.size}"
         )
     devs = np.array(group_devices(group, devices), dtype=object)
-    shape = (layout.data, layout.fsdp, layout.tensor)
+    shape = tuple(layout.axis_sizes[a] for a in MESH_AXES)
     return Mesh(devs.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from jaxrlhf.graph import CallGraph
     from jaxrlhf.models.config import ModelConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")  # stage outermost: pipeline stages may span hosts
 BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over (placement's default axis rules)
 
 
@@ -60,22 +60,31 @@ class DeviceGroup:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Mesh axis sizes over a group: data parallel x FSDP x tensor parallel."""
+    """Mesh axis sizes over a group: pipeline stages x data parallel x FSDP x tensor parallel.
+
+    `stage` splits the stacked decoder layers into consecutive pipeline stages (1 = no pipeline).
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    stage: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.stage * self.data * self.fsdp * self.tensor
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    @property
+    def serialised(self) -> dict[str, int]:
+        """Axis sizes as plan files write them: `stage` only when pipelined."""
+        return {a: n for a, n in self.axis_sizes.items() if a != "stage" or n > 1}
 
     def __str__(self) -> str:
-        return f"d{self.data}f{self.fsdp}t{self.tensor}"
+        return f"d{self.data}f{self.fsdp}t{self.tensor}" + (f"p{self.stage}" if self.stage > 1 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +128,7 @@ class ExecutionPlan:
             "num_devices": self.num_devices,
             "groups": {n: {"start": g.start, "size": g.size} for n, g in self.groups.items()},
             "calls": {
-                c: {"group": p.group, **p.layout.axis_sizes} for c, p in self.calls.items()
+                c: {"group": p.group, **p.layout.serialised} for c, p in self.calls.items()
             },
             "shadow_roles": list(self.shadow_roles),
             "offpolicy": self.offpolicy,

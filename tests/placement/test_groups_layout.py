@@ -19,9 +19,12 @@ def test_global_devices_sorted_by_process_then_id(devices):
 
 def test_make_mesh_axes_and_device_order(devices):
     mesh = layout.make_mesh(DeviceGroup("g", 2, 4), Layout(data=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 1, "tensor": 2}
     assert [d.id for d in mesh.devices.flat] == [2, 3, 4, 5]  # tensor peers are neighbours
-    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 3
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 4
+    piped = layout.make_mesh(DeviceGroup("g", 0, 8), Layout(fsdp=2, tensor=2, stage=2))
+    assert dict(piped.shape) == {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2}
+    assert [d.id for d in piped.devices[1].flat] == [4, 5, 6, 7]  # a stage is a contiguous block
     with pytest.raises(PlanError, match="uses 8 devices but group 'g' has 4"):
         layout.make_mesh(DeviceGroup("g", 0, 4), Layout(fsdp=8))
 
