@@ -154,6 +154,9 @@ class Executor:
         if unplaced:
             raise PlanError(f"plan has no placement for call(s) {unplaced}")
         for c in graph.calls:
+            if c.kind == "generate" and plan.calls[c.name].layout.stage > 1:
+                raise PlanError(f"call {c.name!r}: generation is never pipelined; give it a layout with stage=1 "
+                                f"(got {plan.calls[c.name].layout})")
             if c.role not in roles:
                 raise ValueError(f"call {c.name!r} needs role {c.role!r}; roles given: {sorted(roles)}")
             if c.kind == "train" and not roles[c.role].trainable:
