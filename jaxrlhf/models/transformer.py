@@ -13,9 +13,10 @@ parallelism can shard heads without reshapes.
 The decoder layers are one module whose parameters are stacked along a
 leading "layers" axis, run by `jax.lax.scan`: the compiled program holds one
 layer body whatever the depth, so compile time does not grow with
-`num_layers`, and pipeline parallelism splits that axis into stages (under a
-placement with stage > 1 the layers run as a GPipe schedule, `pipeline.py`). The KV cache is stacked the same way and carried through the scan,
-so each layer writes only its new slots in place.
+`num_layers`. Pipeline parallelism splits that axis into stages: under a
+placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
+The KV cache is stacked the same way and carried through the scan, so each
+layer writes only its new slots in place.
 """
 
 from __future__ import annotations
@@ -282,7 +283,7 @@ class Transformer(nnx.Module):
 
         if pipeline.is_pipelined():
             if cache is not None:
-                raise ValueError("generation (a KV-cache forward) is never pipelined; place it on a layout with stage=1")
+                raise ValueError("generation (a KV-cache forward) is never pipelined; use a layout with stage=1")
 
             def layer(layer_state, x, rows):
                 pos, valid, seg = rows
