@@ -75,6 +75,23 @@ def _assert_same_metrics(ref_records, records, label):
 
 
 @pytest.mark.slow
+def test_pipelined_actor_and_critic_match_colocated(colocated, tmp_path):
+    """Actor and critic train (critic and reference infer) as 2-stage GPipe pipelines over 2 micro-batches;
+    the actor is reallocated to an unstaged tensor-parallel layout to generate. Micro-batching and
+    pipelining change no math, so the colocated run (neither) is the reference."""
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+
+    staged = Layout(stage=2, data=2, tensor=2)
+    calls = {c: Placement("all", staged) for c in ("actor.train", "critic.train", "critic.inference", "ref.inference")}
+    calls["actor.generate"] = Placement("all", Layout(data=4, tensor=2))
+    plan = tmp_path / "plan.yaml"
+    ExecutionPlan("pipelined", 8, {"all": DeviceGroup("all", 0, 8)}, calls).save(str(plan))
+    records = _run(tmp_path, "pipelined", f"plan.file={plan}", "algorithm.micro_batch_size=2", "run.steps=2")
+    _assert_same_metrics(colocated[:2], records, "pipelined")
+    assert all(r["realloc/bytes"] > 0 for r in records)  # the actor moved between its staged home and generation
+
+
+@pytest.mark.slow
 def test_offpolicy_disaggregated_trains_on_previous_weights(colocated, tmp_path):
     """Step 1 is identical to on-policy; later rollouts come from the one-step-stale shadow actor."""
     records = _run(tmp_path, "offpolicy", "plan.strategy=disaggregated", "plan.offpolicy=true")

@@ -17,6 +17,17 @@ gradient are the weight-averaged micro-batch ones, which is exactly the
 un-micro-batched value. Micro-batches take rows j, j + k, j + 2k, ... so a
 batch split over the data axes stays evenly split in every micro-batch.
 Inference calls map over micro-batches the same way (`map_microbatches`).
+
+Under a pipelined placement (stage > 1, `jaxrlhf.models.pipeline`) the
+micro-batches are the pipeline's: the call runs the loss (or inference
+function) once on the whole minibatch with `pipeline.microbatches(k)` set,
+and every model forward inside runs its decoder layers as a GPipe schedule
+over those k micro-batches, re-assembling the batch before the heads. The
+loss is then computed on the re-assembled minibatch, which is by
+construction the value the weighted accumulation reproduces (token-mean,
+sequence-mean, Dr.GRPO alike), so both paths give the same loss, gradient
+and stats up to float reduction order. The price: the heads' activations
+(full-vocabulary logits) of the whole minibatch exist at once.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import optax
 from jaxtyping import Array, Int
 
 from jaxrlhf.algorithms.optim import guarded_update
+from jaxrlhf.models import pipeline
 
 # loss_fn(params, minibatch) -> (loss, {"stats": {...}, "stop": bool scalar, "weight": scalar})
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, Any]]]
@@ -81,14 +93,9 @@ def _rows(tree: Any) -> int:
     return max((x.shape[0] for x in jax.tree_util.tree_leaves(tree) if jnp.ndim(x)), default=1)
 
 
-def split_microbatches(tree: Any, k: int) -> Any:
-    """[B, ...] -> [k, B / k, ...], micro-batch j holding rows j, j + k, ... (strided)."""
-    return jax.tree_util.tree_map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), tree)
-
-
-def merge_microbatches(tree: Any) -> Any:
-    """The inverse of `split_microbatches`."""
-    return jax.tree_util.tree_map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+# [B, ...] <-> [k, B / k, ...], micro-batch j holding rows j, j + k, ... (strided); the pipeline splits the same way.
+split_microbatches = pipeline.split_rows
+merge_microbatches = pipeline.merge_rows
 
 
 def _scan_microbatches(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, batch: Any, k: int) -> tuple[Any, Any]:
@@ -109,8 +116,9 @@ def _scan_microbatches(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, bat
 def map_microbatches(fn: Callable[[Any], Any], batch: Any, micro_batch: int | None) -> Any:
     """`fn(batch)` computed micro-batch by micro-batch (outputs batch-major, in the original row order)."""
     k = num_microbatches(_rows(batch), micro_batch)
-    if k == 1:
-        return fn(batch)
+    if k == 1 or pipeline.is_pipelined():
+        with pipeline.microbatches(k):
+            return fn(batch)
     _, out = _scan_microbatches(lambda carry, b: (carry, fn(b)), None, batch, k)
     return merge_microbatches(out)
 
@@ -131,8 +139,9 @@ def accumulated_grad(loss_fn: LossFn, params: Any, batch: Any, micro_batch: int 
     """(loss, stats, stop, gradient) of `batch`, accumulated over micro-batches in fp32."""
     k = num_microbatches(_rows(batch), micro_batch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if k == 1:
-        (loss, aux), grads = grad_fn(params, batch)
+    if k == 1 or pipeline.is_pipelined():  # a pipeline splits the micro-batches inside the forward
+        with pipeline.microbatches(k):
+            (loss, aux), grads = grad_fn(params, batch)
         return loss, aux["stats"], aux["stop"], grads
 
     def one(acc, micro):

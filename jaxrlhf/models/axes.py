@@ -20,10 +20,10 @@ from flax import nnx
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
 # The leading axis of the stacked decoder-layer parameters and KV cache (the axis the layer scan runs over).
 LAYERS = "layers"
-# Activation axes.
-BATCH, LENGTH = "batch", "length"
+# Activation axes. STAGE is the leading axis of a pipeline's per-stage activations (see `pipeline.py`).
+BATCH, LENGTH, STAGE = "batch", "length", "stage"
 PARAM_AXES = (LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP)
-ACTIVATION_AXES = (BATCH, LENGTH)
+ACTIVATION_AXES = (BATCH, LENGTH, STAGE)
 
 LogicalAxes = tuple[str | None, ...]
 Resolver = Callable[[LogicalAxes], Any]  # logical names -> jax.sharding.Sharding (or None)

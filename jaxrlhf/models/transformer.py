@@ -13,9 +13,10 @@ parallelism can shard heads without reshapes.
 The decoder layers are one module whose parameters are stacked along a
 leading "layers" axis, run by `jax.lax.scan`: the compiled program holds one
 layer body whatever the depth, so compile time does not grow with
-`num_layers` (and pipeline parallelism can later split that axis into
-stages). The KV cache is stacked the same way and carried through the scan,
-so each layer writes only its new slots in place.
+`num_layers`. Pipeline parallelism splits that axis into stages: under a
+placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
+The KV cache is stacked the same way and carried through the scan, so each
+layer writes only its new slots in place.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
+from jaxrlhf.models import pipeline
 from jaxrlhf.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
@@ -277,16 +279,33 @@ class Transformer(nnx.Module):
             key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.index, axis=1)
             offset, kv = cache.index, (cache.k, cache.v)
         graphdef, layer_states = nnx.split(self.layers)
+        remat = self.remat != "none" and cache is None
 
-        def step(carry, xs):
-            x, kv = carry
-            layer_state, layer = xs
-            x, kv = nnx.merge(graphdef, layer_state)(x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids)
-            return (x, kv), None
+        if pipeline.is_pipelined():
+            if cache is not None:
+                raise ValueError("generation (a KV-cache forward) is never pipelined; use a layout with stage=1")
 
-        if self.remat != "none" and cache is None:
-            step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
-        (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)))
+            def layer(layer_state, x, rows):
+                pos, valid, seg = rows
+                return nnx.merge(graphdef, layer_state)(x, pos, valid, inv_freq, None, 0, 0, seg)[0]
+
+            if remat:
+                layer = jax.checkpoint(layer, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
+            x = pipeline.gpipe(layer, layer_states, x, (positions, key_valid, segment_ids),
+                               stages=pipeline.current_stages(), microbatches=pipeline.current_microbatches())
+        else:
+
+            def step(carry, xs):
+                x, kv = carry
+                layer_state, layer = xs
+                x, kv = nnx.merge(graphdef, layer_state)(
+                    x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids
+                )
+                return (x, kv), None
+
+            if remat:
+                step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
+            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)))
         x = self.final_norm(x)
         if cache is not None:
             cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])

@@ -24,9 +24,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.placement.devices import Device
-from jaxrlhf.placement.layout import AxisRules, DEFAULT_RULES, activation_resolver, batch_spec, make_mesh, param_shardings
+from jaxrlhf.placement.layout import (
+    DEFAULT_RULES, STAGE_AXIS, AxisRules, activation_resolver, batch_spec, make_mesh, param_shardings,
+)
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
 from jaxrlhf.models import axes as ax
+from jaxrlhf.models import pipeline
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -70,6 +73,11 @@ class Placed:
     def resolver(self) -> ax.Resolver:
         return activation_resolver(self.mesh, self.rules)
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of this placement (1: not pipelined)."""
+        return self.mesh.shape[STAGE_AXIS]
+
 
 class PlacedFunction:
     """`fn` jitted for one placement, compiled once per argument signature."""
@@ -86,7 +94,8 @@ class PlacedFunction:
         self.fn = fn
 
         # A function object of its own: jax.jit shares traces between jit objects of the same Python
-        # function, and a trace made under another placement's activation rules must not be reused.
+        # function, and a trace made under another placement's activation rules (or pipeline stages)
+        # must not be reused.
         def placed_fn(*args):
             return fn(*args)
 
@@ -111,7 +120,7 @@ class PlacedFunction:
         key = self.signature(args)
         with self._lock:
             if key not in self._compiled:
-                with ax.activation_sharding(self.placed.resolver()):
+                with ax.activation_sharding(self.placed.resolver()), pipeline.staged(self.placed.stages, STAGE_AXIS):
                     self._compiled[key] = self._jitted.lower(*args).compile()
             return self._compiled[key]
 

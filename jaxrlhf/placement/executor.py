@@ -40,7 +40,7 @@ from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
-from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, reload
+from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, reallocate, reload
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 
 CallFn = Callable[..., Any]
@@ -154,6 +154,9 @@ class Executor:
         if unplaced:
             raise PlanError(f"plan has no placement for call(s) {unplaced}")
         for c in graph.calls:
+            if c.kind == "generate" and plan.calls[c.name].layout.stage > 1:
+                raise PlanError(f"call {c.name!r}: generation is never pipelined; give it a layout with stage=1 "
+                                f"(got {plan.calls[c.name].layout})")
             if c.role not in roles:
                 raise ValueError(f"call {c.name!r} needs role {c.role!r}; roles given: {sorted(roles)}")
             if c.kind == "train" and not roles[c.role].trainable:
@@ -180,12 +183,20 @@ class Executor:
     def home_placed(self, role: str) -> Placed:
         return self.placed(self.plan.home_call(role))
 
-    def move(self, tree: Any, shardings: Any, *, free_source: bool = False, params: bool = True) -> Any:
+    def move(
+        self, tree: Any, shardings: Any, *, free_source: bool = False, params: bool = True, copy: bool = False
+    ) -> Any:
         """Reshard `tree` device to device (no host round trip); no-op where already in place.
 
+        With `copy` a leaf already in place is copied too, so the result shares no buffer with `tree`:
+        needed for a copy that is deleted after its call or outlives a train call that donates `tree`
+        (two layouts can lay a leaf out identically, e.g. one replicated over both meshes' extra axes).
         Parameter moves count as reallocation, batch moves as transfers (separate metrics).
         """
-        moved, stats = move_where_needed(tree, shardings, free_source=free_source)
+        if copy:
+            moved, stats = reallocate(tree, shardings, free_source=free_source)
+        else:
+            moved, stats = move_where_needed(tree, shardings, free_source=free_source)
         if params:
             self.moves.realloc_seconds += stats.seconds
             self.moves.realloc_bytes += stats.bytes
@@ -238,9 +249,9 @@ class Executor:
         shardings = placed.param_shardings(role.params)
         if role_name in self.plan.shadow_roles:
             if role.shadow is None:
-                role.shadow = self.move(role.params, shardings)
+                role.shadow = self.move(role.params, shardings, copy=True)
             return role.shadow, False
-        return self.move(role.params, shardings), True
+        return self.move(role.params, shardings, copy=True), True
 
     def sync_shadows(self) -> None:
         """Push freshly trained weights to every shadow copy (disaggregated plans)."""
@@ -249,7 +260,7 @@ class Executor:
             if role is None or role.shadow is None:
                 continue
             old = role.shadow
-            role.shadow = self.move(role.params, jax.tree_util.tree_map(lambda x: x.sharding, old))
+            role.shadow = self.move(role.params, jax.tree_util.tree_map(lambda x: x.sharding, old), copy=True)
             delete_tree(old)
 
     def function(self, call: str) -> PlacedFunction:

@@ -1,8 +1,10 @@
 """Layouts become meshes; logical axis names become PartitionSpecs.
 
-A `Layout` (data x fsdp x tensor) over a `DeviceGroup` is a
-`jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), tensor innermost
-so tensor-parallel peers are neighbouring devices (same host). Meshes are
+A `Layout` (stage x data x fsdp x tensor) over a `DeviceGroup` is a
+`jax.sharding.Mesh` with axes ("stage", "data", "fsdp", "tensor"), tensor
+innermost so tensor-parallel peers are neighbouring devices (same host), stage
+outermost. The stage axis shards only the stacked decoder layers ("layers");
+everything else is replicated over it (see `jaxrlhf.models.pipeline`). Meshes are
 always built with explicit `axis_types` (Auto: the compiler propagates
 shardings from parameters and `constrain` hints), because the defaults of
 `Mesh` and `jax.make_mesh` differ between JAX versions.
@@ -32,6 +34,7 @@ from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, 
 from jaxrlhf.models import axes as ax
 
 MeshAxes = tuple[str, ...]
+STAGE_AXIS = "stage"  # the mesh axis of pipeline stages
 RuleTable = Mapping[str, MeshAxes]
 
 
@@ -85,7 +88,7 @@ class AxisRules:
 DEFAULT_RULES = AxisRules(
     params=_table(
         {
-            ax.LAYERS: None,  # scanned over: every device holds its shard of every layer
+            ax.LAYERS: "stage",  # pipeline stages own consecutive blocks of layers (replicated when stage=1)
             ax.VOCAB: "tensor",
             ax.EMBED: "fsdp",
             ax.HEADS: "tensor",
@@ -98,6 +101,7 @@ DEFAULT_RULES = AxisRules(
     activations=_table(
         {
             ax.LAYERS: None,
+            ax.STAGE: "stage",  # a pipeline's per-stage activations
             ax.BATCH: ("data", "fsdp"),
             ax.LENGTH: None,
             ax.EMBED: None,

@@ -49,6 +49,11 @@ MATRIX = {
     "2 -> 8, fsdp4 x tensor2": (G("a", 6, 2), Layout(tensor=2), G("b", 0, 8), Layout(fsdp=4, tensor=2)),
     "1 -> 8, data parallel": (G("a", 3, 1), Layout(), G("b", 0, 8), Layout(data=8)),
     "identical": (G("a", 0, 4), Layout(fsdp=4), G("b", 0, 4), Layout(fsdp=4)),
+    # Pipeline stages split the stacked layers only: staged <-> unstaged moves them between stage blocks.
+    "stage2 x data2 x fsdp2 -> tensor2 x data4, same devices": (
+        G("a", 0, 8), Layout(stage=2, data=2, fsdp=2), G("b", 0, 8), Layout(data=4, tensor=2)),
+    "fsdp4 -> stage2 x tensor2, disjoint": (G("a", 0, 4), Layout(fsdp=4), G("b", 4, 4), Layout(stage=2, tensor=2)),
+    "stage2 x fsdp4 -> tensor2, 8 -> 2 devices": (G("a", 0, 8), Layout(stage=2, fsdp=4), G("b", 2, 2), Layout(tensor=2)),
 }
 
 
@@ -74,6 +79,9 @@ def test_reallocation_matrix_bit_identical_without_host(case, host_params):
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(src))
     assert_same(out, host_params, target)
     assert_same(src, host_params, shardings_on(host_params, ga, la))  # source untouched
+    if "stage" in case:  # the staged side really splits the stacked layers over its stages
+        staged = src if la.stage > 1 else out
+        assert staged["model"]["layers"]["mlp"]["up"].sharding.spec[0] == "stage"
 
 
 @pytest.mark.parametrize("case", ["fsdp4 -> tensor2 x data2, disjoint", "2 -> 4 devices, more blocks than sources",
