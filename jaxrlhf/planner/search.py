@@ -212,31 +212,35 @@ class _Annealer:
         return min(self.seen, key=lambda st: self.seen[st][0])
 
     def polish(self, deadline: float) -> bool:
-        """Coordinate descent from the best state: every other layout of each call on its group, and
-        each role's calls moved together onto every layout of their shared group, until nothing
-        improves. Makes chains that ended near the same optimum agree on it; True if cut short."""
+        """Coordinate descent from the best state until nothing improves: each call alone, and with
+        the calls of its role that share its placement, moved to every slot (every layout of its
+        group when a call has more than POLISH_SLOTS slots). Makes chains that ended in the same
+        basin agree on its bottom; True if the deadline cut it short."""
         cur = self.best_state()
         e_cur, _ = self.energy(cur)
         improved = True
         while improved:
             improved = False
-            for call, (start, size, _) in cur.slots:
-                role = call.split(".")[0]
-                for lay in self.space.layouts[(call, size)]:
+            for call, _ in cur.slots:
+                start, size, _ = cur.get(call)
+                slots = self.slots[call] if len(self.slots[call]) <= POLISH_SLOTS else [
+                    (start, size, lay) for lay in self.space.layouts[(call, size)]]
+                for slot in slots:
                     if time.perf_counter() > deadline:
                         return True
-                    cands = [cur.with_slot(call, (start, size, lay))]
-                    together = cur
-                    for c, (s0, n0, _) in cur.slots:  # the role's calls on the same group, one layout
-                        if c.split(".")[0] == role and (s0, n0) == (start, size) and lay in self.space.layouts[(c, n0)]:
-                            together = together.with_slot(c, (start, size, lay))
-                    cands.append(together)
-                    for cand in cands:
+                    for cand in (cur.with_slot(call, slot), self._move_role(cur, call, slot)):
                         e, _ = self.energy(cand)
                         if e < e_cur * (1 - 1e-9):
                             cur, e_cur, improved = cand, e, True
-                            start, size = cur.get(call)[:2]
         return False
+
+    def _move_role(self, st: State, call: str, slot: Slot) -> State:
+        """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
+        role, old = call.split(".")[0], st.get(call)
+        for c, s in st.slots:
+            if c.split(".")[0] == role and s == old and slot[2] in self.space.layouts[(c, slot[1])]:
+                st = st.with_slot(c, slot)
+        return st
 
     def propose(self, st: State, rng: random.Random) -> State:
         calls = [c for c, _ in st.slots]
@@ -289,6 +293,7 @@ class _Annealer:
 
 
 DEFAULT_ITERATIONS = 8000
+POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 
 

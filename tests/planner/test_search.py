@@ -46,7 +46,8 @@ def test_layouts_divide_the_model_and_batch():
 
 def _small_instance():
     hw = dataclasses.replace(H100, devices_per_host=4)
-    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    # 3 layers: no pipeline stage divides them, which keeps the exhaustive enumeration small
+    models = {"actor": preset("llama-100m", num_layers=3), "critic": preset("llama-100m", num_layers=3)}
     wl = Workload(batch_size=16, prompt_len=64, gen_len=64, minibatches=2)
     return hw, models, wl
 
@@ -96,8 +97,8 @@ def test_more_devices_are_never_estimated_slower_and_seeds_repeat():
     hw = dataclasses.replace(H100, devices_per_host=4)
     models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
     wl = Workload(batch_size=32, prompt_len=64, gen_len=64, minibatches=2)
-    best = {n: search(models, wl, hw, n, GRAPH, iterations=300, seed=3).best.step_s for n in (2, 4, 8, 16)}
-    for n in (4, 8, 16):
+    best = {n: search(models, wl, hw, n, GRAPH, iterations=200, seed=3).best.step_s for n in (2, 4, 8)}
+    for n in (4, 8):
         assert best[n] <= best[n // 2] + 1e-12, best
     search_module._RESULTS.clear()  # really search again, not the remembered result
-    assert search(models, wl, hw, 16, GRAPH, iterations=300, seed=3).best.step_s == best[16]
+    assert search(models, wl, hw, 8, GRAPH, iterations=200, seed=3).best.step_s == best[8]
