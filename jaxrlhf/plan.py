@@ -2,6 +2,7 @@
 
     python -m jaxrlhf.plan --config configs/x.yaml [--hardware h100] [--devices 64] [key=value ...]
     python -m jaxrlhf.plan --model-preset llama2-7b --algorithm grpo --devices 8 --gen-len 384 --json
+    python -m jaxrlhf.plan --model-preset llama2-70b --devices 128 --inter-node-gbps 1600   # 8 x 200 Gb/s nodes
 
 The config is resolved exactly as `python -m jaxrlhf.train` resolves it (the
 same file, defaults and `key=value` overrides), and the planner plans the
