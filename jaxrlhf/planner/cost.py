@@ -210,7 +210,9 @@ def _geometry(start: int, size: int, layout: Layout, devices_per_host: int
     for i, k in enumerate(shape):
         rings = np.moveaxis(hosts, i, -1).reshape(-1, k)
         crosses.append(bool(np.any(rings != rings[:, :1])))
-        members.append(min(int(np.unique(r, return_counts=True)[1].min()) for r in rings))
+        # Rings with the same host pattern (relative to their first host) have the same counts.
+        patterns = np.unique(rings - rings[:, :1], axis=0)
+        members.append(min(int(np.unique(r, return_counts=True)[1].min()) for r in patterns))
     _, counts = np.unique(hosts, return_counts=True)
     return tuple(crosses), tuple(members), int(counts.max()), len(counts)
 
