@@ -2,6 +2,7 @@
 
     python -m jaxrlhf.plan --config configs/x.yaml [--hardware h100] [--devices 64] [key=value ...]
     python -m jaxrlhf.plan --model-preset llama2-7b --algorithm grpo --devices 8 --gen-len 384 --json
+    python -m jaxrlhf.plan --model-preset llama2-70b --devices 128 --inter-node-gbps 1600   # 8 x 200 Gb/s nodes
 
 The config is resolved exactly as `python -m jaxrlhf.train` resolves it (the
 same file, defaults and `key=value` overrides), and the planner plans the
@@ -25,7 +26,8 @@ from typing import Any, Sequence
 from jaxrlhf import config as cfglib
 from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.hardware import get_profile
-from jaxrlhf.planner.search import SearchResult, search
+from jaxrlhf.planner.hardware import GB
+from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult, search
 from jaxrlhf.planner.simulator import Timeline
 
 GiB = 2**30
@@ -52,7 +54,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=_positive_int, help="prompt tokens per sequence (data.max_prompt_len)")
     p.add_argument("--batch", type=_positive_int, help="prompts (or pairs) per step (data.batch_size)")
     p.add_argument("--minibatches", type=_positive_int, help="optimizer steps per train call (algorithm.minibatches)")
-    p.add_argument("--iterations", type=_positive_int, default=4000, help="annealing iterations (split over seeds)")
+    p.add_argument("--inter-node-gbps", metavar="GBPS",
+                   help="all NICs of one node together, Gb/s one direction (e.g. 3200 for 8 x 400 Gb/s); "
+                        "overrides the hardware profile's inter-node bandwidth")
+    p.add_argument("--iterations", type=_positive_int, default=DEFAULT_ITERATIONS,
+                   help="annealing iterations (half split over seeds, half from the best found)")
     p.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="directory for plan.yaml and timeline.png")
@@ -170,6 +176,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _bandwidth_gbps(text: str) -> float:
+    """--inter-node-gbps as a number: finite and > 0 (ValueError with the fix otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--inter-node-gbps: expected a number of Gb/s (e.g. 3200 for 8 x 400 Gb/s), "
+                         f"got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"--inter-node-gbps: must be a positive number of Gb/s (e.g. 3200), got {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxrlhf.plan`: exit 0, or 2 with one line for a user's mistake (see jaxrlhf.errors)."""
     return run_cli("jaxrlhf.plan", _main, argv)
@@ -185,6 +203,8 @@ def _main(argv: Sequence[str]) -> int:
         algorithm = build_algorithm(cfg)
         graph = algorithm.graph()
         hw = get_profile(cfg.plan.hardware or "h100")
+        if args.inter_node_gbps is not None:
+            hw = hw.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
         devices = args.devices or cfg.run.devices or 8
         models = role_configs(cfg, graph.roles)
         res = search({r: models[r] for r in graph.roles}, algorithm.workload(), hw, devices, graph, seed=args.seed,

@@ -17,7 +17,7 @@ def test_json_output_and_plan_file(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"algorithm", "searched", "presets", "search_s"} and out["algorithm"] == "ppo"
     assert out["searched"]["step_s"] > 0 and out["search_s"] > 0
-    assert {"colocated", "interleaved", "disaggregated", "reallocated"} <= set(out["presets"])
+    assert {"colocated", "interleaved", "disaggregated", "reallocated", "heuristic"} <= set(out["presets"])
     for p in out["presets"].values():
         assert p["step_s"] is None and p["reason"] or p["step_s"] > 0
         assert out["searched"]["step_s"] <= p["step_s"] + 1e-12 if p["step_s"] else True
@@ -65,6 +65,8 @@ def test_plans_the_graph_of_any_algorithm(algorithm, calls, tmp_path, capsys):
     (["--model-preset", "llama9"], "Known presets"),
     (["--model-preset", "tiny", "--algorithm", "trpo"], "not a known algorithm"),
     ([], "--config"),
+    (["--model-preset", "tiny", "--inter-node-gbps", "0"], "must be a positive number of Gb/s"),
+    (["--model-preset", "tiny", "--inter-node-gbps", "fast"], "expected a number of Gb/s"),
 ])
 def test_user_mistakes_get_clear_errors(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path)]) == 2

@@ -13,13 +13,26 @@ the layout's collectives and a per-kernel dispatch cost:
   minibatch of every PPO epoch, the AdamW update, FSDP all-gathers /
   reduce-scatters per micro-batch and the data-parallel gradient all-reduce
   per optimizer step.
+- pipelines (layout.stage = S > 1, train and inference only): each stage
+  holds num_layers / S consecutive layers (embedding and heads on every
+  stage); a GPipe schedule over the call's M micro-batches runs M + S - 1
+  iterations, in each every stage runs its block on one micro-batch and
+  sends the activation [micro rows, seq, hidden] to the next stage, so the
+  block time is paid M + S - 1 times (bubble (S - 1) / (M + S - 1)); the
+  backward repeats the schedule in reverse. Gradients are reduced over
+  data / fsdp inside a stage; the replicated embedding and head over stages.
 - reallocation / shadow sync: the receiving devices' shard bytes over the
   link between the two groups (NVLink inside a host, the NICs across).
+
+Network: inside a host a ring runs at one device's NVLink/ICI share; across
+hosts a host's NICs are shared by its devices that send at once, and a ring
+pools the shares of its members on that host (`HardwareProfile.link_bandwidth`).
 - host offload / reload: shard bytes over the device <-> host link.
 
-Device order inside a group follows the mesh (data, fsdp, tensor): tensor
-neighbours are adjacent devices, so tensor collectives stay inside a host
-whenever the tensor size fits in one.
+Device order inside a group follows the mesh (stage, data, fsdp, tensor):
+tensor neighbours are adjacent devices, so tensor collectives stay inside a
+host whenever the tensor size fits in one, and stages are the outermost
+blocks, so stage boundaries are the ones that cross hosts.
 """
 
 from __future__ import annotations
@@ -151,6 +164,27 @@ def param_bytes(cfg: ModelConfig, head: str) -> float:
     return param_count(cfg, head) * DTYPE_BYTES[cfg.param_dtype]
 
 
+def layer_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the stacked decoder layers: what pipeline stages split."""
+    return cfg.num_params(with_lm_head=False) - cfg.vocab_size * cfg.hidden_size - cfg.hidden_size
+
+
+def stage_param_count(cfg: ModelConfig, head: str, stage: int) -> float:
+    """Parameters one pipeline stage holds: its share of the layers plus the embedding, final norm
+    and head, which every stage keeps (the runtime replicates them over the stage axis)."""
+    layers = layer_param_count(cfg)
+    return layers / stage + (param_count(cfg, head) - layers)
+
+
+def shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    """Parameters one device holds under `layout` (stage, then fsdp x tensor shards)."""
+    return stage_param_count(cfg, head, layout.stage) / (layout.fsdp * layout.tensor)
+
+
+def shard_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    return shard_count(cfg, head, layout) * DTYPE_BYTES[cfg.param_dtype]
+
+
 def attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
     """Scores + weighted values for `queries` tokens attending to `keys` slots each."""
     return 4.0 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * queries * keys
@@ -162,13 +196,25 @@ def kv_bytes_per_token(cfg: ModelConfig) -> float:
 
 # ---- device geometry -------------------------------------------------------------------------
 
+AXES = ("stage", "data", "fsdp", "tensor")
+
+
 @functools.lru_cache(maxsize=65536)
-def _geometry(start: int, size: int, layout: Layout, devices_per_host: int) -> tuple[tuple[bool, bool, bool], int, int]:
-    """(axis crosses hosts for data/fsdp/tensor, devices per host used, hosts used)."""
-    hosts = (np.arange(start, start + size) // devices_per_host).reshape(layout.data, layout.fsdp, layout.tensor)
-    crosses = tuple(bool(np.any(np.diff(hosts, axis=a) != 0)) for a in range(3))
+def _geometry(start: int, size: int, layout: Layout, devices_per_host: int
+              ) -> tuple[tuple[bool, ...], tuple[int, ...], int, int]:
+    """(axis crosses hosts, fewest members one ring of the axis has on a host it touches) per mesh
+    axis, devices per host used, hosts used."""
+    shape = tuple(layout.axis_sizes[a] for a in AXES)
+    hosts = (np.arange(start, start + size) // devices_per_host).reshape(shape)
+    crosses, members = [], []
+    for i, k in enumerate(shape):
+        rings = np.moveaxis(hosts, i, -1).reshape(-1, k)
+        crosses.append(bool(np.any(rings != rings[:, :1])))
+        # Rings with the same host pattern (relative to their first host) have the same counts.
+        patterns = np.unique(rings - rings[:, :1], axis=0)
+        members.append(min(int(np.unique(r, return_counts=True)[1].min()) for r in patterns))
     _, counts = np.unique(hosts, return_counts=True)
-    return crosses, int(counts.max()), len(counts)  # type: ignore[return-value]
+    return tuple(crosses), tuple(members), int(counts.max()), len(counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +222,7 @@ class Geometry:
     """How a layout over a group sits on hosts: what each mesh axis' collectives cross."""
 
     crosses: Mapping[str, bool]
+    members: Mapping[str, int]  # members of one ring of the axis on one host (they share its NICs)
     devices_on_host: int
     hosts: int
 
@@ -183,8 +230,8 @@ class Geometry:
     def of(cls, group: DeviceGroup, layout: Layout, hw: HardwareProfile) -> "Geometry":
         if layout.num_devices != group.size:
             raise ValueError(f"layout {layout} has {layout.num_devices} devices but group {group.name!r} has {group.size}")
-        crosses, per_host, hosts = _geometry(group.start, group.size, layout, hw.devices_per_host)
-        return cls(dict(zip(("data", "fsdp", "tensor"), crosses)), per_host, hosts)
+        crosses, members, per_host, hosts = _geometry(group.start, group.size, layout, hw.devices_per_host)
+        return cls(dict(zip(AXES, crosses)), dict(zip(AXES, members)), per_host, hosts)
 
 
 def _ring_allreduce(nbytes: float, k: int, bw: float, hw: HardwareProfile, count: float = 1) -> float:
@@ -217,36 +264,65 @@ class _Ctx:
     def __init__(self, cfg: ModelConfig, head: str, layout: Layout, geo: Geometry, hw: HardwareProfile):
         self.cfg, self.head, self.layout, self.geo, self.hw = cfg, head, layout, geo, hw
         self.t = layout.tensor
-        self.shards = layout.fsdp * layout.tensor  # a parameter's shards
+        self.stages = layout.stage
+        self.shards = layout.fsdp * layout.tensor  # a parameter's shards inside a stage
         self.batch_ways = layout.data * layout.fsdp  # the batch's shards
         self.flops_s = hw.matmul_flops(cfg.dtype, geo.devices_on_host)
         self.mem_bw = hw.memory_bandwidth(geo.devices_on_host)
-        self.bw = {a: hw.link_bandwidth(geo.crosses[a], geo.devices_on_host) for a in ("data", "fsdp", "tensor")}
-        self.w_full = param_bytes(cfg, head)  # whole model, param dtype
-        self.w_tensor = self.w_full / self.t  # one device's weights when FSDP is gathered
+        self.bw = {a: hw.link_bandwidth(geo.crosses[a], geo.devices_on_host, geo.members[a]) for a in AXES}
+        # Stage hand-offs are point to point: every device sends its own activation at once.
+        self.bw_hand_off = hw.link_bandwidth(geo.crosses["stage"], geo.devices_on_host)
+        pb = DTYPE_BYTES[cfg.param_dtype]
+        self.w_layers = layer_param_count(cfg) * pb / self.t  # all layers, one tensor shard, FSDP gathered
+        self.w_rest = (param_count(cfg, head) - layer_param_count(cfg)) * pb / self.t  # embedding, norm, head
         self.act_bytes = DTYPE_BYTES[cfg.dtype]
-        self.mm = matmul_params(cfg, head)
+        self.mm_head = cfg.hidden_size * cfg.vocab_size if head == "lm" else cfg.hidden_size
+        self.mm_layer = (matmul_params(cfg, head) - self.mm_head) / cfg.num_layers
 
-    def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
-        """One forward over `tokens_dev` tokens per device in `micro` micro-batches."""
-        cfg = self.cfg
-        flops = (2 * self.mm * tokens_dev + attention_flops(cfg, tokens_dev, keys)) / self.t
-        hbm = micro * self.w_tensor + tokens_dev * cfg.hidden_size * self.act_bytes * cfg.num_layers * 4
-        tp = _ring_allreduce(
-            TP_ALLREDUCES_PER_LAYER * cfg.num_layers * tokens_dev * cfg.hidden_size * self.act_bytes,
-            self.t, self.bw["tensor"], self.hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * micro,
-        )
-        fsdp = _ring_gather(micro * self.w_tensor, self.layout.fsdp, self.bw["fsdp"], self.hw,
-                            count=cfg.num_layers * micro)
+    def _block(self, tokens: float, keys: float, layers: float, runs: int) -> dict[str, float]:
+        """`runs` passes of `tokens` tokens per device through `layers` decoder layers."""
+        cfg, hw = self.cfg, self.hw
+        w = self.w_layers * layers / cfg.num_layers
+        flops = runs * (2 * self.mm_layer * layers * tokens
+                        + attention_flops(cfg, tokens, keys) * layers / cfg.num_layers) / self.t
+        hbm = runs * (w + tokens * cfg.hidden_size * self.act_bytes * layers * 4)
+        tp_bytes = TP_ALLREDUCES_PER_LAYER * layers * tokens * cfg.hidden_size * self.act_bytes * runs
         return {
             "flops": flops, "hbm": hbm,
-            "compute": max(flops / self.flops_s, hbm / self.mem_bw),
-            "tensor_comm": tp, "fsdp_comm": fsdp,
-            "overhead": micro * cfg.num_layers * OPS_PER_LAYER * self.hw.kernel_latency,
-            "tp_bytes": 2 * (self.t - 1) / self.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * tokens_dev
-            * cfg.hidden_size * self.act_bytes if self.t > 1 else 0.0,
-            "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * micro * self.w_tensor,
+            "tensor_comm": _ring_allreduce(tp_bytes, self.t, self.bw["tensor"], hw,
+                                           count=TP_ALLREDUCES_PER_LAYER * layers * runs),
+            "fsdp_comm": _ring_gather(runs * w, self.layout.fsdp, self.bw["fsdp"], hw, count=layers * runs),
+            "overhead": runs * layers * OPS_PER_LAYER * hw.kernel_latency,
+            "tp_bytes": 2 * (self.t - 1) / self.t * tp_bytes,
+            "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * w,
         }
+
+    def _head(self, tokens: float, runs: int) -> dict[str, float]:
+        """The embedding lookup and output head for `runs` passes of `tokens` tokens per device."""
+        flops = runs * 2 * self.mm_head * tokens / self.t
+        hbm = runs * self.w_rest
+        return {"flops": flops, "hbm": hbm, "tensor_comm": 0.0,
+                "fsdp_comm": _ring_gather(runs * self.w_rest, self.layout.fsdp, self.bw["fsdp"], self.hw, count=runs),
+                "overhead": runs * OPS_PER_LAYER * self.hw.kernel_latency,
+                "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest}
+
+    def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
+        """One forward over `tokens_dev` tokens per device in `micro` micro-batches.
+
+        Pipelined (S stages): M + S - 1 iterations of a block of num_layers / S layers,
+        each followed by the hand-off of one micro-batch's activation to the next stage.
+        """
+        cfg, S = self.cfg, self.stages
+        tok = tokens_dev / micro
+        runs = micro + S - 1
+        parts = [self._block(tok, keys, cfg.num_layers / S, runs), self._head(tok, micro)]
+        out = {k: sum(p[k] for p in parts) for k in parts[0]}
+        out["compute"] = max(out["flops"] / self.flops_s, out["hbm"] / self.mem_bw)
+        hand_off = tok * cfg.hidden_size * self.act_bytes
+        out["stage_comm"] = runs * (hand_off / self.bw_hand_off + self.hw.collective_latency) if S > 1 else 0.0
+        out["stage_bytes"] = runs * hand_off if S > 1 else 0.0
+        out["bubble"] = (S - 1) / runs
+        return out
 
 
 def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float) -> CallCost:
@@ -255,19 +331,22 @@ def _finish(parts: dict[str, float], flops: float, hbm: float, comm_bytes: float
 
 def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw = c.cfg, c.hw
+    if c.stages > 1:
+        raise ValueError(f"{call.name}: generation is never pipelined; layout {c.layout} has stage={c.stages}")
     seqs = wl.call_seqs(call) / c.batch_ways
     pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, 1)
     # Decode: step s attends to prompt_len + s cached tokens.
     ctx_len = wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64)
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
-    flops_steps = (2 * c.mm * seqs + attention_flops(cfg, seqs, ctx_len)) / c.t
+    w_tensor = c.w_layers + c.w_rest
+    flops_steps = (2 * matmul_params(cfg, c.head) * seqs + attention_flops(cfg, seqs, ctx_len)) / c.t
     kv = seqs * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
-    hbm_steps = c.w_tensor + kv
+    hbm_steps = w_tensor + kv
     decode = float(np.maximum(flops_steps / c.flops_s, hbm_steps / c.mem_bw).sum())
     n = wl.gen_len
     tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n,
                          c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
-    fsdp = _ring_gather(n * c.w_tensor, c.layout.fsdp, c.bw["fsdp"], hw, count=cfg.num_layers * n)
+    fsdp = _ring_gather(n * w_tensor, c.layout.fsdp, c.bw["fsdp"], hw, count=cfg.num_layers * n)
     parts = {
         "prefill": pre["compute"],
         "decode": decode,
@@ -277,7 +356,7 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     }
     comm = pre["tp_bytes"] + pre["fsdp_bytes"] + (
         2 * (c.t - 1) / c.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n
-    ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * c.w_tensor
+    ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * w_tensor
     return _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
 
 
@@ -286,8 +365,8 @@ def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     tokens = seqs * wl.seq_len
     f = c.forward(tokens, wl.seq_len, seqs, wl.micro_batches(call))
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
-             "overhead": f["overhead"]}
-    return _finish(parts, f["flops"], f["hbm"], f["tp_bytes"] + f["fsdp_bytes"])
+             "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
+    return _finish(parts, f["flops"], f["hbm"], f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"])
 
 
 def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
@@ -307,24 +386,29 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
     passes = 3 + recompute  # forward, backward = 2 forwards, recomputed forward
     tp_passes = 2 + recompute  # forward, backward, recomputed forward all-reduce activations
-    # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch.
-    fsdp = 2 * f["fsdp_comm"] + _ring_gather(micro * c.w_tensor, lay.fsdp, c.bw["fsdp"], hw,
-                                              count=cfg.num_layers * micro)
-    grad_shard = param_bytes(cfg, c.head) / c.shards
+    # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch run.
+    fsdp = 3 * f["fsdp_comm"]
+    pb = DTYPE_BYTES[cfg.param_dtype]
+    grad_shard = shard_count(cfg, c.head, lay) * pb
     dp = _ring_allreduce(grad_shard, lay.data, c.bw["data"], hw)
-    n_params_dev = param_count(cfg, c.head) / c.shards
-    opt_bytes = n_params_dev * (3 * DTYPE_BYTES[cfg.param_dtype] + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
+    # The embedding and head live on every stage: their gradients are summed over stages.
+    rest_shard = (param_count(cfg, c.head) - layer_param_count(cfg)) * pb / c.shards
+    stage_ar = _ring_allreduce(rest_shard, c.stages, c.bw["stage"], hw)
+    n_params_dev = shard_count(cfg, c.head, lay)
+    opt_bytes = n_params_dev * (3 * pb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
     per_step = {
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],
         "fsdp_comm": fsdp,
-        "grad_allreduce": dp,
+        "grad_allreduce": dp + stage_ar,
+        "stage_comm": 2 * f["stage_comm"],  # activations forward, their gradients backward
         "optimizer": opt_bytes / c.mem_bw + hw.kernel_latency * OPS_PER_LAYER,
         "overhead": passes * f["overhead"],
     }
     parts = {k: v * steps for k, v in per_step.items()}
-    comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"]
-                    + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0))
+    comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
+                    + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
+                    + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
 
 
@@ -346,7 +430,7 @@ def _hosts(group: DeviceGroup, hw: HardwareProfile) -> set[int]:
 
 def transfer_bytes(cfg: ModelConfig, head: str, dst_layout: Layout) -> float:
     """Bytes each destination device receives: its shard of the (data-replicated) parameters."""
-    return param_bytes(cfg, head) / (dst_layout.fsdp * dst_layout.tensor)
+    return shard_bytes(cfg, head, dst_layout)
 
 
 def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
@@ -366,7 +450,7 @@ def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layo
     dst_on_host = min(dst.size, hw.devices_per_host)
     bw_recv = hw.link_bandwidth(crosses, dst_on_host)
     bw_send = hw.link_bandwidth(crosses, min(src.size, hw.devices_per_host))
-    src_shard = param_bytes(cfg, head) / (src_layout.fsdp * src_layout.tensor)
+    src_shard = shard_bytes(cfg, head, src_layout)
     reshard = 2 * src_shard / hw.memory_bandwidth(min(src.size, hw.devices_per_host))
     if src.start == dst.start and src.size == dst.size:
         # Same devices, other layout: a reshuffle among the group's own devices.
@@ -378,7 +462,7 @@ def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layo
 
 def offload_cost(cfg: ModelConfig, head: str, layout: Layout, hw: HardwareProfile) -> float:
     """Seconds to bring a device's shard back from host memory (the host copy stays, so offload is free)."""
-    return param_bytes(cfg, head) / (layout.fsdp * layout.tensor) / hw.host_bandwidth
+    return shard_bytes(cfg, head, layout) / hw.host_bandwidth
 
 
 class CostCache:
@@ -389,6 +473,7 @@ class CostCache:
         self.models, self.wl, self.hw = models, wl, hw
         self._calls: dict[tuple, CallCost] = {}
         self._moves: dict[tuple, float] = {}
+        self.memory: dict = {}  # per-(call, layout) byte counts for `memory.plan_memory`
 
     def call(self, call: CallSpec, group: DeviceGroup, layout: Layout) -> CallCost:
         key = (call, group.start, group.size, layout)

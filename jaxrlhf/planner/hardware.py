@@ -33,7 +33,7 @@ class HardwareProfile:
     hbm_bandwidth: float  # device memory bytes/s
     hbm_capacity: float  # device memory bytes
     intra_host_bandwidth: float  # per device, one direction, to a device of the same host
-    inter_host_bandwidth: float  # per host (NICs together), one direction
+    inter_host_bandwidth: float  # per host: all its NICs together, one direction (8 x 400 Gb/s = 400 GB/s)
     devices_per_host: int
     host_bandwidth: float = 25 * GB  # device <-> host memory (PCIe / DMA), per device
     matmul_efficiency: float = 0.6  # fraction of peak FLOP/s large matmuls reach
@@ -64,12 +64,27 @@ class HardwareProfile:
             bw = min(bw, self.host_memory_bandwidth * self.memory_efficiency / max(devices_on_host, 1))
         return bw
 
-    def link_bandwidth(self, crosses_hosts: bool, devices_on_host: int = 1) -> float:
-        """Bytes/s one device sends while `devices_on_host` of its host's devices send at once."""
+    def link_bandwidth(self, crosses_hosts: bool, devices_on_host: int = 1, members_on_host: int = 1) -> float:
+        """Bytes/s one ring (or point-to-point stream) reaches over the links it uses.
+
+        Inside a host a ring runs at one device's link. Across hosts the host's NICs are
+        shared by every device of the host that sends at once (`devices_on_host`); a ring
+        with `members_on_host` members on one host pools their shares, because its bytes
+        cross the host boundary once however many of its members sit there (NCCL stripes
+        a ring over all NICs). So a 16-member FSDP ring over two full hosts gets the whole
+        NIC, and 8 concurrent 2-member rings (fsdp=2 x tensor=8) get 1/8 of it each.
+        """
         if not crosses_hosts:
             return self.intra_host_bandwidth * self.link_efficiency
-        share = self.inter_host_bandwidth / max(min(devices_on_host, self.devices_per_host), 1)
+        sharing = max(min(devices_on_host, self.devices_per_host), 1)
+        share = self.inter_host_bandwidth * min(max(members_on_host, 1), sharing) / sharing
         return min(share, self.intra_host_bandwidth) * self.link_efficiency
+
+    def with_inter_host_bandwidth(self, bytes_per_s: float) -> "HardwareProfile":
+        """This profile with another per-node NIC bandwidth (a cluster's own network)."""
+        if not bytes_per_s > 0 or bytes_per_s == float("inf"):
+            raise ValueError(f"inter-node bandwidth must be a positive number of bytes/s, got {bytes_per_s}")
+        return dataclasses.replace(self, inter_host_bandwidth=float(bytes_per_s))
 
     @property
     def usable_memory(self) -> float:
@@ -127,15 +142,17 @@ def _tpu(name: str, bf16: float, hbm_bw: float, hbm_gb: float, ici: float, per_h
     )
 
 
-# Link numbers for the GPUs follow the ReaLHF cluster of DESIGN.md §5: ~1800 Gb/s
-# NVLink inside a node and ~200 Gb/s per node across (bytes/s below).
+# NVLink as in the ReaLHF cluster of DESIGN.md §5 (~1800 Gb/s per device). Across nodes the
+# profile states the whole node's NICs: a current H100 / H200 node has 8 x 400 Gb/s
+# (400 GB/s), an A100 node 8 x 200 Gb/s. Clusters differ: `python -m jaxrlhf.plan
+# --inter-node-gbps` overrides it.
 PROFILES: dict[str, HardwareProfile] = {
-    "h100": _gpu("h100", 989e12, 495e12, 3.35e12, 80, 225 * GB, 25 * GB,
-                 notes="H100 SXM; links as in the ReaLHF cluster (1800 Gb/s NVLink, 200 Gb/s per node)"),
+    "h100": _gpu("h100", 989e12, 495e12, 3.35e12, 80, 225 * GB, 400 * GB,
+                 notes="H100 SXM; 1800 Gb/s NVLink per device, 8x400 Gb/s NICs per node"),
     "h200": _gpu("h200", 989e12, 495e12, 4.8e12, 141, 450 * GB, 400 * GB,
                  notes="H200 SXM; NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s per node"),
-    "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 25 * GB,
-                     notes="A100 SXM 80 GB; links as in the ReaLHF cluster"),
+    "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 200 * GB,
+                     notes="A100 SXM 80 GB; 1800 Gb/s NVLink per device, 8x200 Gb/s NICs per node"),
     "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, notes="TPU v4; 6 ICI links"),
     "tpu-v5e": _tpu("tpu-v5e", 197e12, 0.82e12, 16, 100 * GB, 4, notes="TPU v5e; 4 ICI links"),
     "tpu-v5p": _tpu("tpu-v5p", 459e12, 2.76e12, 95, 300 * GB, 4, notes="TPU v5p; 6 ICI links"),

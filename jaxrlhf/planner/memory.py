@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, param_bytes, param_count,
+    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, shard_bytes, shard_count,
 )
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
@@ -75,11 +75,13 @@ def _logit_bytes(cfg: ModelConfig, head: str, tokens: float, t: int, copies: int
 
 
 def params_per_device(cfg: ModelConfig, head: str, layout: Layout) -> float:
-    return param_bytes(cfg, head) / (layout.fsdp * layout.tensor)
+    """A device's parameter shard: its stage's layers (all of them without a pipeline) plus the
+    embedding and head, over fsdp x tensor."""
+    return shard_bytes(cfg, head, layout)
 
 
 def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload, role: str | None = None) -> float:
-    return param_count(cfg, head) * optimizer_bytes_per_param(cfg, wl, role) / (layout.fsdp * layout.tensor)
+    return shard_count(cfg, head, layout) * optimizer_bytes_per_param(cfg, wl, role)
 
 
 def _logit_tokens(call: CallSpec, tokens: float, wl: Workload) -> float:
@@ -115,26 +117,36 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered + head_gathered}
     tok = _tokens_per_micro(call, seqs, wl.seq_len, wl)
     logit_tok = _logit_tokens(call, tok, wl)
+    # Pipeline: the current micro-batch's activation and the one arriving from the previous stage.
+    hand_off = 2 * tok * cfg.hidden_size * ab if layout.stage > 1 else 0.0
     if call.kind == "inference":
         act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
-        return {"activations": act, "fsdp_buffers": gathered + head_gathered}
+        return {"activations": act + hand_off, "fsdp_buffers": gathered + head_gathered}
     layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
+    # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
+    # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined
+    # keep only one micro-batch's, as gradient accumulation frees them after each).
+    kept = (wl.micro_batches(call) + layout.stage - 1) * cfg.num_layers / layout.stage if layout.stage > 1 \
+        else cfg.num_layers
     remat = wl.remat_for(call.role)
     if remat == "full":  # layer inputs kept, one layer recomputed at a time
-        saved = cfg.num_layers * tok * cfg.hidden_size * ab + layer
+        saved = kept * tok * cfg.hidden_size * ab + layer
     elif remat == "dots":  # matmul outputs kept, elementwise results recomputed
-        saved = cfg.num_layers * layer_matmul_bytes(cfg, tok, layout.tensor) + layer
+        saved = kept * layer_matmul_bytes(cfg, tok, layout.tensor) + layer
     else:
-        saved = cfg.num_layers * layer
-    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN)
+        saved = kept * layer
+    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off
     grads = params_per_device(cfg, head, layout)
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
     if wl.micro_batches(call) > 1:  # the fp32 accumulated gradient beside each micro-batch's own
-        out["gradient_accumulator"] = param_count(cfg, head) * 4 / (layout.fsdp * layout.tensor)
+        out["gradient_accumulator"] = shard_count(cfg, head, layout) * 4
     if not wl.donate:  # new params and optimizer state are written beside the old ones
         out["undonated_state"] = grads + optimizer_per_device(cfg, head, layout, wl, call.role)
     return out
+
+
+_params_per_device, _optimizer_per_device = params_per_device, optimizer_per_device
 
 
 @dataclasses.dataclass
@@ -158,16 +170,32 @@ class MemoryReport:
 
 
 def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
-                hw: HardwareProfile) -> MemoryReport:
+                hw: HardwareProfile, memo: dict | None = None) -> MemoryReport:
     """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit.
 
     The roles the plan already offloads (`plan.offload_roles`) start offloaded;
     `MemoryReport.offloaded` is what the runtime must offload for the estimate to hold.
+    `memo` keeps per-(call, layout) byte counts between calls for the same models and
+    workload (the search evaluates thousands of plans).
     """
+    memo = {} if memo is None else memo
+
+    def cached(key: tuple, fn, *args) -> float:
+        if key not in memo:
+            memo[key] = fn(*args)
+        return memo[key]
+
+    def params_per_device(cfg, head, layout):  # noqa: F811 - the memoised form of the module function
+        return cached(("params", id(cfg), head, layout), _params_per_device, cfg, head, layout)
+
+    def optimizer_per_device(cfg, head, layout, wl, role):  # noqa: F811
+        return cached(("opt", role, head, layout), _optimizer_per_device, cfg, head, layout, wl, role)
+
     n = plan.num_devices
     cap = hw.usable_memory
     trained = {c.role for c in graph.calls if c.kind == "train"}
     roles = [r for r in graph.roles if any(c.role == r for c in graph.calls if c.name in plan.calls)]
+    homes = {r: plan.home_call(r) for r in roles}
 
     def span(call_name: str) -> slice:
         g = plan.group_of(call_name)
@@ -177,7 +205,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     resident_by_role: dict[str, np.ndarray] = {}
     for role in roles:
         cfg, head = models[role], graph.head(role)
-        home_call = plan.home_call(role)
+        home_call = homes[role]
         home = plan.calls[home_call]
         arr = np.zeros(n)
         per = params_per_device(cfg, head, home.layout)
@@ -201,8 +229,8 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         if c.name not in plan.calls:
             continue
         cfg, lay = models[c.role], plan.calls[c.name].layout
-        w = sum(working_set(c, cfg, lay, wl).values())
-        home_call = plan.home_call(c.role)
+        w = cached(("work", c.name, lay), lambda: sum(working_set(c, cfg, lay, wl).values()))
+        home_call = homes[c.role]
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
         if moved and c.role not in plan.shadow_roles:

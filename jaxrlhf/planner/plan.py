@@ -112,11 +112,16 @@ class ExecutionPlan:
 
     def home_call(self, role: str) -> str:
         """The call whose placement holds `role`'s parameters."""
-        names = [c for c in self.calls if c.split(".")[0] == role]
-        if not names:
+        first = None
+        prefix = role + "."
+        for c in self.calls:  # the search asks this ~10^5 times: one pass, no lists
+            if c.startswith(prefix):
+                if c.endswith(".train"):
+                    return c
+                first = first or c
+        if first is None:
             raise PlanError(f"plan has no call for role {role!r}")
-        trains = [c for c in names if c.endswith(".train")]
-        return trains[0] if trains else names[0]
+        return first
 
     def home(self, role: str) -> Placement:
         return self.calls[self.home_call(role)]
@@ -203,11 +208,12 @@ class ExecutionPlan:
 
     # ---- display -----------------------------------------------------------------
     def table(self) -> str:
-        rows = [("call", "group", "devices", "layout (data x fsdp x tensor)")]
+        rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages])")]
         for c, p in self.calls.items():
             g = self.groups.get(p.group)
             span = f"{g.start}-{g.stop - 1}" if g else "?"
-            rows.append((c, p.group, span, f"{p.layout.data} x {p.layout.fsdp} x {p.layout.tensor}"))
+            stages = f" x {p.layout.stage}" if p.layout.stage > 1 else ""
+            rows.append((c, p.group, span, f"{p.layout.data} x {p.layout.fsdp} x {p.layout.tensor}{stages}"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"strategy: {self.strategy} on {self.num_devices} devices"]
         if self.shadow_roles:
@@ -292,11 +298,19 @@ def layout_misfit(
     config: "ModelConfig | None" = None,
     batch_size: int | None = None,
     batch_axes: Sequence[str] = BATCH_AXES,
+    kind: str | None = None,
 ) -> str | None:
-    """Why `layout` cannot run `config` at `batch_size`, or None when it fits."""
+    """Why `layout` cannot run `config` at `batch_size` in a call of `kind`, or None when it fits."""
     for a, size in layout.axis_sizes.items():
         if size < 1:
             return f"mesh axis {a}={size}; every axis needs size >= 1"
+    if layout.stage > 1 and kind == "generate":
+        return (f"generation is never pipelined but the layout has stage={layout.stage}; "
+                f"use stage=1 (e.g. data={layout.data * layout.stage}) for the generate call")
+    if config is not None and config.num_layers % layout.stage:
+        ok = [s for s in range(1, config.num_layers + 1) if config.num_layers % s == 0]
+        return (f"stage={layout.stage} does not divide num_layers={config.num_layers}; "
+                f"pipeline stages that fit: {ok}")
     if config is not None and layout.tensor > 1:
         dims = {
             "num_heads": config.num_heads,
@@ -373,9 +387,9 @@ def validate(
                 raise PlanError(f"call {call!r}: mesh axis {axis}={size}; every axis needs size >= 1")
         if p.layout.num_devices != g.size:
             raise PlanError(
-                f"call {call!r}: layout data={p.layout.data} x fsdp={p.layout.fsdp} x tensor={p.layout.tensor} "
-                f"uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
-                f"make data*fsdp*tensor = {g.size}"
+                f"call {call!r}: layout stage={p.layout.stage} x data={p.layout.data} x fsdp={p.layout.fsdp} x "
+                f"tensor={p.layout.tensor} uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
+                f"make stage*data*fsdp*tensor = {g.size}"
             )
         role = graph[call].role
         cfg = None
@@ -383,7 +397,7 @@ def validate(
             if role not in models:
                 raise PlanError(f"no model config for role {role!r} (call {call!r}); given: {sorted(models)}")
             cfg = models[role]
-        reason = layout_misfit(p.layout, cfg, batch_size, batch_axes)
+        reason = layout_misfit(p.layout, cfg, batch_size, batch_axes, kind=graph[call].kind)
         if reason:
             raise PlanError(f"call {call!r} on group {p.group!r} (role {role!r}): {reason}")
 

@@ -10,11 +10,14 @@ They are heuristics (the planner's search starts from them and improves):
   only for the part of the group the batch cannot be split over;
 - group sizes follow a rough FLOP share per call: train 3 units per
   parameter, generate 3 (memory-bound decoding is slow per FLOP), inference 1.
+
+`heuristic` is the fair baseline the search is measured against: the
+Megatron-style plan ReaLHF compares with (see its docstring).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.planner.plan import host_rule_violation, valid_group_sizes
@@ -22,9 +25,15 @@ from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, 
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.registry import Registry
 
+if TYPE_CHECKING:
+    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.hardware import HardwareProfile
+
 Builder = Callable[..., ExecutionPlan]
 STRATEGIES: Registry[Builder] = Registry("strategy", PlanError)
-register_strategy = STRATEGIES.register  # fn(num_devices, models, graph, *, batch_size, devices_per_host[, offpolicy])
+# fn(num_devices, models, graph, *, batch_size, devices_per_host, workload, hardware[, offpolicy]);
+# workload and hardware may be None (then a preset that sizes itself by memory assumes it fits).
+register_strategy = STRATEGIES.register
 
 KIND_WEIGHT = {"train": 3.0, "generate": 3.0, "inference": 1.0}
 
@@ -38,8 +47,12 @@ def build_plan(
     batch_size: int | None = None,
     devices_per_host: int | None = None,
     offpolicy: bool = False,
+    workload: "Workload | None" = None,
+    hardware: "HardwareProfile | None" = None,
 ) -> ExecutionPlan:
-    """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply."""
+    """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply.
+
+    `workload` and `hardware` let presets that size themselves by memory (heuristic) check it."""
     builder = STRATEGIES.get(strategy)
     if num_devices < 1:
         raise PlanError(f"{strategy}: num_devices={num_devices}; need at least one device")
@@ -52,7 +65,7 @@ def build_plan(
         raise PlanError(
             f"{strategy}: offpolicy=true needs a shadow actor on its own devices; use strategy 'disaggregated'"
         )
-    kwargs = dict(batch_size=batch_size, devices_per_host=devices_per_host)
+    kwargs = dict(batch_size=batch_size, devices_per_host=devices_per_host, workload=workload, hardware=hardware)
     if strategy == "disaggregated":
         kwargs["offpolicy"] = offpolicy
     plan = builder(num_devices, models, graph, **kwargs)
@@ -139,19 +152,28 @@ def _trainers(graph: CallGraph) -> list[str]:
 
 # ---- presets ----------------------------------------------------------------------------
 @register_strategy("colocated")
-def colocated(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
-    """Every call on all devices; one FSDP layout per role (the DeepSpeed-Chat baseline)."""
+def colocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+    """Every call on all devices, one FSDP layout per role, as DeepSpeed-Chat's hybrid engine runs
+    it: generation gathers the weights once into a tensor-parallel layout (a reallocation before
+    the call, dropped after) instead of gathering them for every generated token."""
     group = DeviceGroup("all", 0, n)
     layouts = {
         r: _require(sharded_layout(models[r], n, batch_size), "colocated", f"role {r!r}", models[r], n, batch_size)
         for r in graph.roles
     }
-    calls = {c.name: Placement("all", layouts[c.role]) for c in graph.calls}
-    return ExecutionPlan("colocated", n, {"all": group}, calls, notes="every call on all devices")
+    calls = {}
+    for c in graph.calls:
+        layout = layouts[c.role]
+        if c.kind == "generate":
+            layout = _require(generation_layout(models[c.role], n, batch_size, devices_per_host), "colocated",
+                              f"call {c.name!r}", models[c.role], n, batch_size)
+        calls[c.name] = Placement("all", layout)
+    return ExecutionPlan("colocated", n, {"all": group}, calls,
+                         notes="every call on all devices; generation on a tensor-parallel copy (hybrid engine)")
 
 
 @register_strategy("interleaved")
-def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
+def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
     """Trained models on exclusive groups (their train calls run concurrently); frozen
     models share the first trainer's group, apart from the other trainer, so inference
     calls overlap too. With one trainer, the frozen models get the second group."""
@@ -187,7 +209,7 @@ def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None) -> 
 
 
 @register_strategy("disaggregated")
-def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, offpolicy=False) -> ExecutionPlan:
+def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, offpolicy=False, **_) -> ExecutionPlan:
     """Generation on its own group with a shadow copy of the generating model in a
     tensor-parallel layout (refreshed after each train call); everything else on the rest."""
     gens = [c for c in graph.calls if c.kind == "generate"]
@@ -221,7 +243,7 @@ def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, o
 
 
 @register_strategy("reallocated")
-def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None) -> ExecutionPlan:
+def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
     """Each call its own layout (ReaLHF): generation tensor-parallel and train calls FSDP,
     both on all devices (parameters resharded before generation, copy dropped after);
     frozen models' inference calls on two disjoint halves so they run concurrently."""
@@ -247,6 +269,92 @@ def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None) -> 
             where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, batch_size)
         )
     return ExecutionPlan("reallocated", n, groups, calls, notes="per-call layouts; parameters resharded between calls")
+
+
+def _heuristic_tensor(cfg: ModelConfig, head: str, n: int, dph: int) -> int:
+    """Widest tensor parallelism up to min(8, devices per host) that divides the model and `n`."""
+    for t in _divisors_desc(min(8, dph, n)):
+        dims = [cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size] + ([cfg.vocab_size] if head == "lm" else [])
+        if n % t == 0 and all(v % t == 0 for v in dims):
+            return t
+    return 1
+
+
+def _heuristic_ladder(cfg: ModelConfig, n: int, t: int, dph: int, batches: list[int | None]) -> list[Layout]:
+    """A role's layouts from least to most memory-saving, Megatron practice: tensor inside a node,
+    then pipeline stages across nodes (2, 4, ... up to one stage per node), then FSDP on top."""
+    rest = n // t
+    hosts = max(n // dph, 1)
+    stages = [s for s in range(1, rest + 1) if rest % s == 0 and cfg.num_layers % s == 0 and (s == 1 or s <= hosts)]
+    top = stages[-1]
+    ladder = [Layout(data=rest // s, tensor=t, stage=s) for s in stages]
+    ladder += [Layout(data=rest // top // f, fsdp=f, tensor=t, stage=top) for f in range(2, rest // top + 1)
+               if (rest // top) % f == 0 and cfg.hidden_size % f == 0]
+    return [lay for lay in ladder if all(layout_misfit(lay, cfg, b) is None for b in batches)]
+
+
+@register_strategy("heuristic")
+def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workload=None, hardware=None,
+              **_) -> ExecutionPlan:
+    """The Megatron-style plan ReaLHF compares against, as a fair baseline for the search.
+
+    All calls on all devices; one layout per role for all its calls: tensor parallel inside a node
+    (min(8, devices per host), dividing the heads), pipeline stages across nodes only when memory
+    needs them, FSDP only where memory still forces it, data parallel for the rest. Generation
+    is never pipelined (the runtime refuses it) and never FSDP: it runs on the role's layout with
+    stages and FSDP turned into data parallelism, a reshard before the call (once per generation,
+    like DeepSpeed-Chat's hybrid engine). Roles start at the cheapest rung of their ladder; while
+    the plan does not fit `hardware`'s memory, the role with the most bytes on the fullest device
+    climbs one rung. Without `workload` and `hardware` the cheapest rungs are taken as they are.
+    """
+    # memory imports the cost model; imported here so the other presets stay light
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory
+
+    dph = devices_per_host or (hardware.devices_per_host if hardware else n)
+    ladders: dict[str, list[Layout]] = {}
+    for r in graph.roles:
+        cfg, head = models[r], graph.head(r)
+        kinds = {c.kind for c in graph.calls if c.role == r}
+        batches = [workload.call_batch(k) for k in kinds] if workload else [batch_size]
+        ladders[r] = _heuristic_ladder(cfg, n, _heuristic_tensor(cfg, head, n, dph), dph, batches)
+        if not ladders[r]:
+            raise PlanError(f"heuristic: no layout of {n} devices fits role {r!r} and its batch {batches}; "
+                            "try another device count or batch size")
+    rung = {r: 0 for r in graph.roles}
+
+    def make() -> ExecutionPlan:
+        calls = {}
+        for c in graph.calls:
+            lay = ladders[c.role][rung[c.role]]
+            if c.kind == "generate":
+                lay = Layout(data=lay.data * lay.stage * lay.fsdp, tensor=lay.tensor)
+                if layout_misfit(lay, models[c.role], workload.batch_size if workload else batch_size):
+                    lay = _require(generation_layout(models[c.role], n, batch_size, dph), "heuristic",
+                                   f"call {c.name!r}", models[c.role], n, batch_size)
+            calls[c.name] = Placement("all", lay)
+        return ExecutionPlan("heuristic", n, {"all": DeviceGroup("all", 0, n)}, calls,
+                             notes="Megatron-style: tensor in a node, stages across nodes, data parallel rest")
+
+    plan = make()
+    if workload is None or hardware is None:
+        return plan
+    while True:
+        mem = plan_memory(plan, graph, models, workload, hardware)
+        if mem.feasible:
+            return plan
+        climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
+        if not climbable:
+            raise PlanError(f"heuristic: does not fit even with the most memory-saving layouts ({mem.reason})")
+
+        def held(r: str) -> float:
+            lay = ladders[r][rung[r]]
+            trained = graph.train_call(r) is not None
+            return params_per_device(models[r], graph.head(r), lay) + (
+                optimizer_per_device(models[r], graph.head(r), lay, workload, r) if trained else 0.0)
+
+        r = max(climbable, key=held)  # every call uses every device: each device holds every role
+        rung[r] += 1
+        plan = make()
 
 
 def preset_names() -> list[str]:

@@ -6,7 +6,8 @@ The search space gives each call a device group and a layout:
 - layouts divide the model: tensor size divides heads, kv heads, the MLP and
   the vocabulary and stays inside a host; data x fsdp divides the call's
   batch (a minibatch for train); generation uses no FSDP (it would gather all
-  weights for every token).
+  weights for every token) and no pipeline (the runtime never pipelines it);
+  train and inference calls may use pipeline stages that divide the layers.
 Moves: re-place one call, change its layout, copy another call's placement,
 move a role's home together with the calls that share it, toggle a shadow
 copy for a trained role. The energy is the simulated steady-state step time;
@@ -28,7 +29,7 @@ from typing import Mapping
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import presets
-from jaxrlhf.planner.cost import CostCache, Workload
+from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_bytes_per_param, shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
 from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
@@ -60,19 +61,23 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, dev
     """Layouts of `size` devices under which `call` can run with model `cfg`."""
     batch = wl.call_batch(call.kind)
     out = []
+    stages = [1] if call.kind == "generate" else [s for s in _divisors(size) if cfg.num_layers % s == 0]
     for t in _divisors(size):
         if t > devices_per_host or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
             continue
         if call.head == "lm" and cfg.vocab_size % t:
             continue
-        rest = size // t
-        for f in _divisors(rest):
-            d = rest // f
-            if batch % (d * f) or cfg.hidden_size % f:
+        for p in stages:
+            if (size // t) % p:
                 continue
-            if call.kind == "generate" and f > 1:
-                continue
-            out.append(Layout(d, f, t))
+            rest = size // t // p
+            for f in _divisors(rest):
+                d = rest // f
+                if batch % (d * f) or cfg.hidden_size % f:
+                    continue
+                if call.kind == "generate" and f > 1:
+                    continue
+                out.append(Layout(d, f, t, p))
     return out
 
 
@@ -147,7 +152,7 @@ def preset_plans(num_devices: int, models: Mapping[str, ModelConfig], graph: Cal
     for name in presets.STRATEGIES:
         try:
             out[name] = presets.build_plan(name, num_devices, models, graph, batch_size=wl.batch_size,
-                                           devices_per_host=hw.devices_per_host)
+                                           devices_per_host=hw.devices_per_host, workload=wl, hardware=hw)
         except (PlanError, ValueError) as e:
             out[name] = str(e)
     return out
@@ -202,6 +207,41 @@ class _Annealer:
             self.seen[state] = (e, est)
         return self.seen[state]
 
+    def best_state(self) -> State:
+        """The lowest-energy state seen (ties broken by the order states were first seen)."""
+        return min(self.seen, key=lambda st: self.seen[st][0])
+
+    def polish(self, deadline: float) -> bool:
+        """Coordinate descent from the best state until nothing improves: each call alone, and with
+        the calls of its role that share its placement, moved to every slot (every layout of its
+        group when a call has more than POLISH_SLOTS slots). Makes chains that ended in the same
+        basin agree on its bottom; True if the deadline cut it short."""
+        cur = self.best_state()
+        e_cur, _ = self.energy(cur)
+        improved = True
+        while improved:
+            improved = False
+            for call, _ in cur.slots:
+                start, size, _ = cur.get(call)
+                slots = self.slots[call] if len(self.slots[call]) <= POLISH_SLOTS else [
+                    (start, size, lay) for lay in self.space.layouts[(call, size)]]
+                for slot in slots:
+                    if time.perf_counter() > deadline:
+                        return True
+                    for cand in (cur.with_slot(call, slot), self._move_role(cur, call, slot)):
+                        e, _ = self.energy(cand)
+                        if e < e_cur * (1 - 1e-9):
+                            cur, e_cur, improved = cand, e, True
+        return False
+
+    def _move_role(self, st: State, call: str, slot: Slot) -> State:
+        """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
+        role, old = call.split(".")[0], st.get(call)
+        for c, s in st.slots:
+            if c.split(".")[0] == role and s == old and slot[2] in self.space.layouts[(c, slot[1])]:
+                st = st.with_slot(c, slot)
+        return st
+
     def propose(self, st: State, rng: random.Random) -> State:
         calls = [c for c, _ in st.slots]
         call = rng.choice(calls)
@@ -252,25 +292,65 @@ class _Annealer:
         return False
 
 
+DEFAULT_ITERATIONS = 8000
+POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
+_RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
+
+
+def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
+                n: int) -> bool:
+    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+    total = 0.0
+    for role in graph.roles:
+        cfg, head = models[role], graph.head(role)
+        total += shard_count(cfg, head, Layout()) * DTYPE_BYTES[cfg.param_dtype]
+        if graph.train_call(role) is not None:
+            total += shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
+    return total > n * hw.usable_memory
+
+
+def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionPlan:
+    """`plan` on the first devices of a larger machine, the rest idle: same groups and layouts."""
+    return state_to_plan(plan_to_state(plan, graph), num_devices, strategy="embedded",
+                         notes=f"the best plan for {plan.num_devices} devices, the others idle")
+
+
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
-           graph: CallGraph, *, seed: int = 0, iterations: int = 4000, time_budget_s: float = 60.0,
+           graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
            top_k: int = 4, steps: int = 3, allow_offpolicy: bool = False,
            seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
-    `iterations` is split over one annealing chain per seed plan (every preset
-    that applies, plus a greedy one). `seeds` replaces the presets, e.g. for
-    tests. One-step off-policy plans are explored only with `allow_offpolicy`,
-    because they change the algorithm, not just its speed.
+    Half of `iterations` is split over one annealing chain per seed plan (every
+    preset that applies, a greedy one, and the best plan for half the devices
+    embedded in these, so more devices are never estimated slower than fewer);
+    the other half continues from the best state found, then a coordinate
+    descent polishes it. The half-size search is the same call for
+    num_devices / 2 (reused when already done in this process). `seeds`
+    replaces the presets and the half-size seed, e.g. for tests. One-step
+    off-policy plans are explored only with `allow_offpolicy`, because they
+    change the algorithm, not just its speed.
     """
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
         raise PlanError(f"no model config for roles {sorted(set(missing))}")
+    key = repr((sorted(models.items()), wl, hw, num_devices, graph.calls, seed, iterations, steps, allow_offpolicy))
+    if seeds is None and key in _RESULTS:
+        return _RESULTS[key]
     t_start = time.perf_counter()
+    raw: dict[str, ExecutionPlan | str] = dict(seeds) if seeds is not None else preset_plans(
+        num_devices, models, graph, wl, hw)
+    half = num_devices // 2
+    if seeds is None and num_devices % 2 == 0 and half >= 1 and not _cannot_fit(models, graph, wl, hw, half):
+        try:
+            smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations, top_k=top_k,
+                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s)
+            raw[f"best of {half}"] = embed(smaller.best.plan, graph, num_devices)
+        except PlanError:
+            pass
     space = SearchSpace.build(graph, models, wl, num_devices, hw)
     ann = _Annealer(space, models, wl, hw, steps, allow_offpolicy)
 
-    raw = dict(seeds) if seeds is not None else preset_plans(num_devices, models, graph, wl, hw)
     presets: dict[str, PlanEstimate | str] = {}
     starts: list[State] = []
     for name, plan in raw.items():
@@ -293,13 +373,20 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
 
     rng_root = random.Random(seed)
     deadline = t_start + time_budget_s
-    per_chain = max(1, iterations // len(starts))
+    # Explore from every start, then intensify from the best found, then polish it.
+    per_chain = max(1, iterations // 2 // len(starts))
     budget_hit = False
     for s in starts:
         budget_hit |= ann.chain(s, per_chain, random.Random(rng_root.getrandbits(64)), deadline)
         if budget_hit:
             break
+    if not budget_hit:
+        budget_hit = ann.chain(ann.best_state(), iterations - per_chain * len(starts),
+                               random.Random(rng_root.getrandbits(64)), deadline, t0=0.01)
+    if not budget_hit:
+        budget_hit = ann.polish(deadline)
 
+    presets.pop(f"best of {half}", None)  # a seed, not a preset
     feasible = sorted(((e, est) for e, est in ann.seen.values() if est.feasible), key=lambda x: x[0])
     if not feasible:
         reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
@@ -320,4 +407,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
         if round(e, 9) not in seen_times:
             seen_times.add(round(e, 9))
             runners.append(est)
-    return SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit)
+    result = SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit)
+    if seeds is None and not budget_hit:
+        _RESULTS[key] = result
+    return result

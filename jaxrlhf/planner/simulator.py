@@ -24,7 +24,7 @@ from jaxrlhf.planner.cost import CallCost, CostCache, Workload, offload_cost
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import MemoryReport, plan_memory
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit
 from jaxrlhf.models.config import ModelConfig
 
 
@@ -201,6 +201,10 @@ def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             return f"group {g.name!r} ({g.start}..{g.stop - 1}) lies outside the plan's {plan.num_devices} devices"
         if p.layout.num_devices != g.size:
             return f"call {c.name!r}: layout {p.layout} has {p.layout.num_devices} devices, group {g.name!r} has {g.size}"
+        if p.layout.stage > 1:  # pipelines the cost model cannot price (the runtime would refuse them too)
+            reason = layout_misfit(p.layout, models[c.role], kind=c.kind)
+            if reason:
+                return f"call {c.name!r}: {reason}"
     return None
 
 
@@ -210,8 +214,9 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     problem = check_plan(plan, graph, models)
     if problem:
         return PlanEstimate(plan, False, problem, None, None, {}, {}, {}, None)
+    cache = cache or CostCache(models, wl, hw)
     costs, moves = call_durations(graph, plan, models, wl, hw, cache)
-    mem = plan_memory(plan, graph, models, wl, hw)
+    mem = plan_memory(plan, graph, models, wl, hw, cache.memory)
     reloads = {
         c.name: offload_cost(models[c.role], c.head, plan.calls[c.name].layout, hw)
         for c in graph.calls if c.role in mem.offloaded

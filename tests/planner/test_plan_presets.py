@@ -155,3 +155,34 @@ def test_invalid_yaml_messages():
         ExecutionPlan.from_yaml("num_devices: 8\ngroups: {a: {start: 0, size: 8}}\ncalls: {x: {fsdp: 8}}\n")
     with pytest.raises(PlanError, match="cannot read plan file"):
         ExecutionPlan.load("/nonexistent/plan.yaml")
+
+
+# ---- heuristic and colocated baselines -------------------------------------------------------
+@pytest.mark.parametrize("size,n", [("7b", 8), ("13b", 16), ("70b", 128)])
+def test_heuristic_is_megatron_style_and_fits(size, n):
+    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.memory import plan_memory
+
+    hw, models = get_profile("h100"), {r: preset(f"llama2-{size}") for r in ROLES}
+    wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)
+    plan = build_plan("heuristic", n, models, PPO_GRAPH, batch_size=wl.batch_size, devices_per_host=8,
+                      workload=wl, hardware=hw)
+    validate(plan, PPO_GRAPH, models, batch_size=wl.batch_size, devices_per_host=8)
+    assert plan_memory(plan, PPO_GRAPH, models, wl, hw).feasible
+    assert set(plan.groups) == {"all"}
+    for role in ROLES:  # one layout per role: tensor 8 inside a node
+        lays = {plan.calls[c.name].layout for c in PPO_GRAPH.calls if c.role == role and c.kind != "generate"}
+        assert len(lays) == 1 and lays.pop().tensor == 8
+    gen, train = plan.calls["actor.generate"].layout, plan.calls["actor.train"].layout
+    assert gen.stage == 1 and gen.fsdp == 1 and gen.tensor == train.tensor
+    if size == "70b":  # memory needs pipeline stages across nodes, not FSDP
+        assert train.stage > 1 and train.fsdp == 1 and train.num_devices // train.stage >= 8
+    else:
+        assert train.stage == 1 and train.fsdp == 1
+
+
+def test_colocated_generates_on_a_tensor_parallel_copy():
+    plan = build_plan("colocated", 8, TINY, PPO_GRAPH, batch_size=8)
+    assert plan.calls["actor.generate"].layout == Layout(data=4, tensor=2)  # gathered once per generation
+    assert plan.calls["actor.train"].layout.fsdp == 8

@@ -6,6 +6,7 @@ import pytest
 from jaxrlhf.planner.cost import CostCache, Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner import search as search_module
 from jaxrlhf.planner.plan import PlanError
 from jaxrlhf.planner.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
 from jaxrlhf.planner.simulator import estimate_plan
@@ -45,7 +46,8 @@ def test_layouts_divide_the_model_and_batch():
 
 def _small_instance():
     hw = dataclasses.replace(H100, devices_per_host=4)
-    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    # 3 layers: no pipeline stage divides them, which keeps the exhaustive enumeration small
+    models = {"actor": preset("llama-100m", num_layers=3), "critic": preset("llama-100m", num_layers=3)}
     wl = Workload(batch_size=16, prompt_len=64, gen_len=64, minibatches=2)
     return hw, models, wl
 
@@ -89,3 +91,14 @@ def test_impossible_instance_says_why():
     models = {r: preset("llama2-70b") for r in ("actor", "critic", "ref", "reward")}
     with pytest.raises(PlanError, match="no plan fits"):
         search(models, Workload(), H100, 2, ppo_graph(), iterations=100)
+
+
+def test_more_devices_are_never_estimated_slower_and_seeds_repeat():
+    hw = dataclasses.replace(H100, devices_per_host=4)
+    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    wl = Workload(batch_size=32, prompt_len=64, gen_len=64, minibatches=2)
+    best = {n: search(models, wl, hw, n, GRAPH, iterations=200, seed=3).best.step_s for n in (2, 4, 8)}
+    for n in (4, 8):
+        assert best[n] <= best[n // 2] + 1e-12, best
+    search_module._RESULTS.clear()  # really search again, not the remembered result
+    assert search(models, wl, hw, 8, GRAPH, iterations=200, seed=3).best.step_s == best[8]
