@@ -119,6 +119,15 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     logit_tok = _logit_tokens(call, tok, wl)
     # Pipeline: the current micro-batch's activation and the one arriving from the previous stage.
     hand_off = 2 * tok * cfg.hidden_size * ab if layout.stage > 1 else 0.0
+    staged_micro = wl.micro_batches(call) if layout.stage > 1 else 1
+    if layout.stage > 1:
+        # The runtime pipelines inside one forward over the whole minibatch (models/pipeline.py):
+        # the embedded input and the M + S - 1 collected outputs are whole-batch arrays on every
+        # stage, and the head and loss see the re-assembled minibatch, so micro-batches do not
+        # shrink the logits.
+        m = staged_micro
+        hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
+        logit_tok *= m
     if call.kind == "inference":
         act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
         return {"activations": act + hand_off, "fsdp_buffers": gathered + head_gathered}
@@ -139,7 +148,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     grads = params_per_device(cfg, head, layout)
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
-    if wl.micro_batches(call) > 1:  # the fp32 accumulated gradient beside each micro-batch's own
+    if wl.micro_batches(call) > 1 and staged_micro == 1:
+        # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
         out["gradient_accumulator"] = shard_count(cfg, head, layout) * 4
     if not wl.donate:  # new params and optimizer state are written beside the old ones
         out["undonated_state"] = grads + optimizer_per_device(cfg, head, layout, wl, call.role)
