@@ -33,13 +33,14 @@ def _expected() -> tuple[type[BaseException], ...]:
     from jaxrlhf.algorithms.base import AlgorithmConfigError
     from jaxrlhf.config import ConfigError
     from jaxrlhf.data.sources import DataError
+    from jaxrlhf.distributed import DistributedError
     from jaxrlhf.models.generation import GenerationError
     from jaxrlhf.models.hf_io import CheckpointError
     from jaxrlhf.models.tokenizer import TokenizerError
     from jaxrlhf.planner.plan import PlanError
 
     return (ConfigError, PlanError, DataError, CheckpointError, TokenizerError, GenerationError,
-            AlgorithmConfigError, RunError)
+            AlgorithmConfigError, RunError, DistributedError)
 
 
 # OS errors a user fixes (space, permissions, a path that is a file), with the fix to print.

@@ -610,7 +610,12 @@ def save_hf_checkpoint(
     split into `model-0000i-of-0000n.safetensors` with an index. Value/reward
     models record the head in config.json so `load_hf_checkpoint` restores the
     same model.
+
+    Multi-process: call it on every process; each parameter is gathered to host one at a time on all
+    of them (its shards may live on any host), and only process 0 writes.
     """
+    from jaxrlhf.distributed import host_get, is_main
+
     path = Path(path)
     head = _head_of(model)
     hf = config_to_hf(config)
@@ -619,14 +624,16 @@ def save_hf_checkpoint(
         _reward_config(hf, config, path)
     if head != "lm":
         hf[HEAD_KEY] = head
-    path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     host: dict[tuple, np.ndarray] = {}  # each (stacked) parameter fetched once
     for spec in _trunk_specs(config) + _head_layouts(config, head)[0]:
         if spec.path not in host:
-            host[spec.path] = np.asarray(jax.device_get(params[spec.path]))
+            host[spec.path] = np.asarray(host_get(params[spec.path]))
         value = host[spec.path] if spec.layer is None else host[spec.path][spec.layer]
         tensors[spec.key] = np.ascontiguousarray(spec.to_hf(value))
+    if not is_main():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
