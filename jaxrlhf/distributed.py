@@ -131,13 +131,25 @@ def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
         ) from None
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (a signal may reach only some hosts, but the
+    checkpoint it asks for is a collective all must join)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
 def host_get(tree: Any) -> Any:
     """Host (numpy) values of every array in `tree`, the same on every process.
 
-    With one process this is `jax.device_get`. Otherwise every array that has
-    shards on other processes is first copied, device to device, to a layout
-    that replicates it on one device of each process (so a group that lives
-    on one host is read by all), then read from the local copy. Call it on
+    With one process this is `jax.device_get`. Otherwise every device array is
+    first copied, device to device, to a layout that replicates it on one
+    device of each process (so a group that lives on one host is read by
+    all), then read from the local copy. Call it on
     every process with the same tree: it runs collectives.
     """
     import jax
@@ -149,7 +161,9 @@ def host_get(tree: Any) -> Any:
     if jax.process_count() == 1:
         return jax.device_get(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    remote = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    # Every committed array, on every process alike: which arrays are fully addressable differs between
+    # processes, and a gather one process skips would leave the others waiting in it.
+    remote = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
     if remote:
         firsts = {}
         for d in jax.devices():

@@ -353,7 +353,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.checkpoint import CheckpointManager
-    from jaxrlhf.distributed import HostValues, barrier, is_main
+    from jaxrlhf.distributed import HostValues, any_process, barrier, is_main
     from jaxrlhf.metrics import MetricsWriter
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.placement.calls import CallCache
@@ -483,6 +483,8 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
                     f"learning rate (optimizer.<role>.lr) or check the data"
                     + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
                 )
+            if any_process(bool(stop.requested)) and not stop.requested:
+                stop.requested = "a signal to another process"
             if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stop.requested:
                 save(step, data_state)
                 saved_step = step

@@ -432,7 +432,7 @@ def put_host(x: Any, sharding: Sharding) -> jax.Array:
     if sharding.is_fully_addressable:
         return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), sharding)
     value = np.asarray(x)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
 def _move_memory(tree: Any, memory_kind: str, free_source: bool) -> Any:

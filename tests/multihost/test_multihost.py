@@ -1,0 +1,125 @@
+"""Multi-process runs: 2 local processes x 4 CPU devices (gloo) against the 1-process 8-device run.
+
+One shared 2-process session (`session` fixture) trains every case and checks cross-host
+reallocation; the tests below read what it found. Kept small (tiny model, 3 steps, 8 prompts): the
+whole module must stay within a few minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import train
+from jaxrlhf.metrics import read_metrics
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+BASE = [
+    "model.actor.preset=tiny", "run.steps=3", "run.checkpoint_every=0", "run.tensorboard=false",
+    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
+    "algorithm.minibatches=2", "sft.steps=0", "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3",
+    "rewards.eos_only=false", 'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
+    "run.compile_cache=null",
+]
+GRPO = ["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.05"]
+PPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "entropy", "clipfrac", "approx_kl")
+GRPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean")
+# name -> (overrides, reference run, compared keys)
+CASES = {
+    "ppo-colocated": (["plan.strategy=colocated"], "ppo", PPO_KEYS),  # every group spans both processes
+    "ppo-interleaved": (["plan.strategy=interleaved"], "ppo", PPO_KEYS),  # actor on process 0, critic on 1
+    "ppo-disaggregated": (["plan.strategy=disaggregated"], "ppo", PPO_KEYS),  # generation on process 1
+    "grpo-disaggregated": ([*GRPO, "plan.strategy=disaggregated"], "grpo", GRPO_KEYS),
+}
+REFERENCES = {"ppo": ["plan.strategy=colocated"], "grpo": [*GRPO, "plan.strategy=colocated"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out, runs: dict, *, processes=2, devices=4, **extra) -> list[subprocess.Popen]:
+    """Start the worker processes of one run (they write worker-<i>.json and their logs into `out`)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in range(processes):
+        spec = dict(out=str(out), port=port, processes=processes, process_id=pid, devices=devices, runs=runs,
+                    **extra)
+        log = open(os.path.join(out, f"process-{pid}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_all(procs, out, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"processes still running after {timeout} s; logs in {out}")
+    return codes
+
+
+def log_of(out, pid: int) -> str:
+    with open(os.path.join(out, f"process-{pid}.log")) as f:
+        return f.read()
+
+
+def one_process(out, name: str, overrides: list[str]) -> list[dict]:
+    cfg = cfglib.load_config(None, [*BASE, *overrides, f"run.output_dir={out / name}"])
+    train.run(cfg)
+    return read_metrics(str(out / name / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """The 1-process references (here, 8 devices) and one 2-process session running every case."""
+    out = tmp_path_factory.mktemp("multihost")
+    t0 = time.perf_counter()
+    refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
+    ref_seconds = time.perf_counter() - t0
+    runs = {name: [*BASE, *o, f"run.output_dir={out / name}"] for name, (o, _, _) in CASES.items()}
+    procs = launch(out, runs, realloc=True)
+    codes = wait_all(procs, out, timeout=900)
+    assert codes == [0, 0], f"exit codes {codes}\n{log_of(out, 0)[-3000:]}\n{log_of(out, 1)[-3000:]}"
+    found = [json.load(open(out / f"worker-{i}.json")) for i in range(2)]
+    records = {name: read_metrics(str(out / name / "metrics.jsonl")) for name in CASES}
+    return dict(out=out, refs=refs, found=found, records=records, ref_seconds=ref_seconds)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_match_one(session, case):
+    _, ref, keys = CASES[case]
+    got, want = session["records"][case], session["refs"][ref]
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=2e-5), (case, a["step"], key)
+
+
+def test_only_process_zero_writes_metrics(session):
+    for case in CASES:  # one record per step, not one per process
+        assert [r["step"] for r in session["records"][case]] == [1, 2, 3]
+
+
+def test_cross_host_reallocation_is_exact_under_transfer_guards(session):
+    for found in session["found"]:
+        assert found["realloc"] and all(found["realloc"].values()), found["realloc"]
