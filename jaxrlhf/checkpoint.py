@@ -139,7 +139,7 @@ def _save_sharding(x: Any) -> NamedSharding | None:
     if jax.process_count() == 1 or len({d.process_index for d in x.sharding.device_set}) == jax.process_count():
         return None
     devices = global_devices()
-    mesh = Mesh(np.array(devices, dtype=object), ("all",), axis_types=(AxisType.Explicit,))
+    mesh = Mesh(np.array(devices, dtype=object), ("all",), axis_types=(AxisType.Auto,))
     spec: list[str | None] = [None] * len(x.shape)
     dims = [k for k in sorted(range(len(x.shape)), key=lambda k: -x.shape[k]) if x.shape[k] % len(devices) == 0]
     if dims:

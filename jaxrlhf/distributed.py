@@ -169,7 +169,7 @@ def host_get(tree: Any) -> Any:
         for d in jax.devices():
             firsts.setdefault(d.process_index, d)
         mesh = Mesh(np.array([firsts[p] for p in sorted(firsts)], dtype=object), ("process",),
-                    axis_types=(AxisType.Explicit,))
+                    axis_types=(AxisType.Auto,))
         everywhere = NamedSharding(mesh, PartitionSpec())
         moved, _ = reallocate([leaves[i] for i in remote], everywhere)
         for i, x in zip(remote, moved):

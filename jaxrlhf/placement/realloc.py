@@ -31,9 +31,11 @@ correct: one `device_put` per array (a list of arrays moving between
 different devices across processes hung or swapped data), each holding only
 shards that go from one process to one process (a put whose positions mix
 local and cross-process copies is split into per-(source process, target
-process) parts, carried as a stack of the shards along the first axis), and
-a barrier after a chunk that crossed processes, so the sender cannot run
-ahead into the next collective while the receiver still waits.
+process) parts, carried as a stack of the shards along the first axis; a
+part that stays inside one process is put by that process alone: the others
+may not call it), and a barrier after a chunk that crossed processes, so the
+sender cannot run ahead into the next collective while the receiver still
+waits.
 """
 
 from __future__ import annotations
@@ -304,6 +306,9 @@ def _put(view: jax.Array, dest: NamedSharding, may_alias: bool) -> tuple[list[ja
     pairs = {(a.process_index, b.process_index) for a, b in zip(srcs, tgts)}
     crossed = any(a != b for a, b in pairs)
     if len(pairs) == 1:
+        (a, b), = pairs
+        if a == b != jax.process_index():  # a copy inside another process: JAX refuses it here, and it is no
+            return [], crossed            # collective, so that process does it alone
         return [s.data for s in jax.device_put(view, dest, may_alias=may_alias).addressable_shards], crossed
     local = {s.device: s.data for s in view.addressable_shards}
     shard = tuple(view.sharding.shard_shape(view.shape))
@@ -312,7 +317,9 @@ def _put(view: jax.Array, dest: NamedSharding, may_alias: bool) -> tuple[list[ja
         parts.setdefault((a.process_index, b.process_index) if shard else k, []).append(k)
     received = []
     for positions in parts.values():
-        n = len(positions)
+        n, owner = len(positions), srcs[positions[0]].process_index
+        if owner == tgts[positions[0]].process_index != jax.process_index():
+            continue  # a copy inside another process (see above)
         carrier = (n * shard[0],) + shard[1:] if shard else ()
         spec = PartitionSpec("c") if shard else PartitionSpec()
 

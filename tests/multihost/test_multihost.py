@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,10 +39,12 @@ GRPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "ad
 CASES = {
     "ppo-colocated": (["plan.strategy=colocated"], "ppo", PPO_KEYS),  # every group spans both processes
     "ppo-interleaved": (["plan.strategy=interleaved"], "ppo", PPO_KEYS),  # actor on process 0, critic on 1
-    "ppo-disaggregated": (["plan.strategy=disaggregated"], "ppo", PPO_KEYS),  # generation on process 1
+    # generation on process 0, training on 1; checkpoints every step, for the 2 -> 1 process resume
+    "ppo-disaggregated": (["plan.strategy=disaggregated", "run.checkpoint_every=1"], "ppo", PPO_KEYS),
     "grpo-disaggregated": ([*GRPO, "plan.strategy=disaggregated"], "grpo", GRPO_KEYS),
 }
-REFERENCES = {"ppo": ["plan.strategy=colocated"], "grpo": [*GRPO, "plan.strategy=colocated"]}
+REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1"], "grpo": [*GRPO, "plan.strategy=colocated"]}
+RESUMED = "ppo-interleaved-resumed"  # the 1-process reference's step-2 checkpoint, continued on 2 processes
 
 
 def free_port() -> int:
@@ -83,6 +86,14 @@ def log_of(out, pid: int) -> str:
         return f.read()
 
 
+def without_last_checkpoint(src, dst):
+    """A copy of a run folder as if the run had died after step 2's checkpoint."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / "3")
+    if (dst / "ppo_hf").exists():
+        shutil.rmtree(dst / "ppo_hf")
+
+
 def one_process(out, name: str, overrides: list[str]) -> list[dict]:
     cfg = cfglib.load_config(None, [*BASE, *overrides, f"run.output_dir={out / name}"])
     train.run(cfg)
@@ -97,11 +108,13 @@ def session(tmp_path_factory):
     refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
     ref_seconds = time.perf_counter() - t0
     runs = {name: [*BASE, *o, f"run.output_dir={out / name}"] for name, (o, _, _) in CASES.items()}
+    without_last_checkpoint(out / "ref-ppo", out / RESUMED)
+    runs[RESUMED] = [*BASE, "plan.strategy=interleaved", "run.resume=true", f"run.output_dir={out / RESUMED}"]
     procs = launch(out, runs, realloc=True)
     codes = wait_all(procs, out, timeout=900)
     assert codes == [0, 0], f"exit codes {codes}\n{log_of(out, 0)[-3000:]}\n{log_of(out, 1)[-3000:]}"
     found = [json.load(open(out / f"worker-{i}.json")) for i in range(2)]
-    records = {name: read_metrics(str(out / name / "metrics.jsonl")) for name in CASES}
+    records = {name: read_metrics(str(out / name / "metrics.jsonl")) for name in runs}
     return dict(out=out, refs=refs, found=found, records=records, ref_seconds=ref_seconds)
 
 
@@ -111,8 +124,7 @@ def test_two_processes_match_one(session, case):
     got, want = session["records"][case], session["refs"][ref]
     assert [r["step"] for r in got] == [1, 2, 3]
     for a, b in zip(got, want):
-        for key in keys:
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=2e-5), (case, a["step"], key)
+        assert_same(a, b, keys, case)
 
 
 def test_only_process_zero_writes_metrics(session):
@@ -123,3 +135,50 @@ def test_only_process_zero_writes_metrics(session):
 def test_cross_host_reallocation_is_exact_under_transfer_guards(session):
     for found in session["found"]:
         assert found["realloc"] and all(found["realloc"].values()), found["realloc"]
+
+
+def assert_same(got: dict, want: dict, keys, label):
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-3, abs=2e-5), (label, got["step"], key)
+
+
+def test_checkpoint_from_one_process_resumes_on_two(session):
+    records = session["records"][RESUMED]
+    assert [r["step"] for r in records] == [1, 2, 3]  # steps 1-2 kept from the 1-process log, 3 trained
+    assert_same(records[2], session["refs"]["ppo"][2], PPO_KEYS, RESUMED)
+
+
+def test_checkpoint_from_two_processes_resumes_on_one(session):
+    out = session["out"]
+    without_last_checkpoint(out / "ppo-disaggregated", out / "resumed-on-one")
+    cfg = cfglib.load_config(None, [*BASE, "plan.strategy=colocated", "run.resume=true",
+                                    f"run.output_dir={out / 'resumed-on-one'}"])
+    train.run(cfg)
+    records = read_metrics(str(out / "resumed-on-one" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert_same(records[2], session["refs"]["ppo"][2], PPO_KEYS, "2 -> 1 process resume")
+
+
+def test_a_failed_or_killed_process_stops_the_other(tmp_path):
+    """An exception in process 1, and process 1 killed: process 0 exits non-zero within 60 s, saying why."""
+    runs = {"ppo": [*BASE, "plan.strategy=colocated", f"run.output_dir={tmp_path / 'run'}"]}
+    (tmp_path / "raises").mkdir()
+    (tmp_path / "killed").mkdir()
+    raising = launch(tmp_path / "raises", runs, fail=1, heartbeat_s=10)
+    killed = launch(tmp_path / "killed", {"ppo": [*runs["ppo"][:-1], f"run.output_dir={tmp_path / 'run2'}"]},
+                    heartbeat_s=10)
+    deadline = time.monotonic() + 300
+    while "joined" not in log_of(tmp_path / "killed", 1) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed[1].kill()
+    t_kill = time.monotonic()
+    code = killed[0].wait(timeout=120)
+    assert code != 0 and time.monotonic() - t_kill < 60, (code, time.monotonic() - t_kill)
+    # The raising process exits at once with its error; its peer stops on the missed heartbeats.
+    assert raising[1].wait(timeout=300) != 0
+    t_raise = time.monotonic()
+    assert "injected failure" in log_of(tmp_path / "raises", 1)
+    code = raising[0].wait(timeout=120)
+    assert code != 0 and time.monotonic() - t_raise < 60
+    for out in ("raises", "killed"):
+        assert "another task died" in log_of(tmp_path / out, 0) or "heartbeat" in log_of(tmp_path / out, 0).lower()

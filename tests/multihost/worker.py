@@ -28,7 +28,7 @@ def realloc_check() -> dict:
 
     def sharding(lo, hi, shape, names, spec):
         mesh = Mesh(np.array(devs[lo:hi], dtype=object).reshape(shape), names,
-                    axis_types=(AxisType.Explicit,) * len(names))
+                    axis_types=(AxisType.Auto,) * len(names))
         return NamedSharding(mesh, P(*spec))
 
     value = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
@@ -64,13 +64,14 @@ def main() -> int:
     )
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=True, compile_cache=None)
     train.setup_devices(run, dist)
+    print(f"process {pid} joined", flush=True)
     found: dict = {"runs": {}}
     if spec.get("realloc"):
         found["realloc"] = realloc_check()
     for name, overrides in spec.get("runs", {}).items():
         cfg = cfglib.load_config(None, overrides)
-        if spec.get("fail") == pid:  # an exception in this process only, in the middle of step 2
-            _fail_at_step(2)
+        if spec.get("fail") == pid:  # an exception in this process only, as step 1 starts
+            _fail_at_step(1)
         t0 = time.perf_counter()
         train.run(cfg)
         found["runs"][name] = {"seconds": time.perf_counter() - t0}
