@@ -237,18 +237,18 @@ class RoleBuilder:
 
     def direct(self, role: str, at: str) -> Built:
         """A role whose weights come from its own preset or checkpoint, on `at`'s home."""
-        import jax
         from flax import nnx
 
         from jaxrlhf.models.hf_io import load_hf_checkpoint
-        from jaxrlhf.placement.realloc import put_host
 
         rc, mc, head = getattr(self.cfg.model, role), self.model_configs[role], self.head(role)
         if rc.path:
+            # each parameter placed as it is read: no process holds the whole model
             model, _ = load_hf_checkpoint(rc.path, head, param_dtype=mc.param_dtype, dtype=mc.dtype, seed=self.seed,
-                                          remat=rc.remat, config_overrides=dict(rc.overrides))
+                                          remat=rc.remat, config_overrides=dict(rc.overrides),
+                                          shardings=lambda state: self.shardings(at, state))
             graphdef, state = nnx.split(model)
-            return Built(graphdef, jax.tree.map(put_host, state, self.shardings(at, state)), head)
+            return Built(graphdef, state, head)
         return self.fresh(role, head, self.seed + list(cfglib.ROLES).index(role), at)
 
     def fresh(self, role: str, head: str, seed: int, at: str) -> Built:
