@@ -19,7 +19,3 @@ die() {
   exit 2
 }
 
-# The training command every process runs; the rest of the line after the launcher's own options.
-train_cmd() {
-  echo python -m jaxrlhf.train "$@"
-}

@@ -1,8 +1,9 @@
 """Multi-process runs: 2 local processes x 4 CPU devices (gloo) against the 1-process 8-device run.
 
 One shared 2-process session (`session` fixture) trains every case and checks cross-host
-reallocation; the tests below read what it found. Kept small (tiny model, 3 steps, 8 prompts): the
-whole module must stay within a few minutes on 2 CPU cores.
+reallocation while this process trains the 1-process references; the tests below read what they
+found. Kept small (tiny model, 3 steps, 8 prompts), and every 2-process run covers more than one
+thing: interleaved is checked on the step it trains after resuming the reference's checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxrlhf import config as cfglib
@@ -37,14 +39,17 @@ PPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "entropy", "c
 GRPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean")
 # name -> (overrides, reference run, compared keys)
 CASES = {
-    "ppo-colocated": (["plan.strategy=colocated"], "ppo", PPO_KEYS),  # every group spans both processes
-    "ppo-interleaved": (["plan.strategy=interleaved"], "ppo", PPO_KEYS),  # actor on process 0, critic on 1
+    # every group spans both processes; the exported HF files are gathered across them
+    "ppo-colocated": (["plan.strategy=colocated", "run.export_hf=true"], "ppo", PPO_KEYS),
     # generation on process 0, training on 1; checkpoints every step, for the 2 -> 1 process resume
     "ppo-disaggregated": (["plan.strategy=disaggregated", "run.checkpoint_every=1"], "ppo", PPO_KEYS),
     "grpo-disaggregated": ([*GRPO, "plan.strategy=disaggregated"], "grpo", GRPO_KEYS),
 }
-REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1"], "grpo": [*GRPO, "plan.strategy=colocated"]}
-RESUMED = "ppo-interleaved-resumed"  # the 1-process reference's step-2 checkpoint, continued on 2 processes
+REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1", "run.export_hf=true"],
+              "grpo": [*GRPO, "plan.strategy=colocated"]}
+# The 1-process reference's step-2 checkpoint, continued on 2 processes with actor and critic on
+# different processes (interleaved).
+RESUMED = "ppo-interleaved-resumed"
 
 
 def free_port() -> int:
@@ -87,11 +92,14 @@ def log_of(out, pid: int) -> str:
 
 
 def without_last_checkpoint(src, dst):
-    """A copy of a run folder as if the run had died after step 2's checkpoint."""
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "checkpoints" / "3")
-    if (dst / "ppo_hf").exists():
-        shutil.rmtree(dst / "ppo_hf")
+    """A copy of a run folder as if the run had died after step 2's checkpoint (appears at once: the
+    workers wait for it)."""
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.copytree(src, tmp)
+    shutil.rmtree(tmp / "checkpoints" / "3")
+    if (tmp / "actor_hf").exists():
+        shutil.rmtree(tmp / "actor_hf")
+    os.rename(tmp, dst)
 
 
 def one_process(out, name: str, overrides: list[str]) -> list[dict]:
@@ -104,18 +112,22 @@ def one_process(out, name: str, overrides: list[str]) -> list[dict]:
 def session(tmp_path_factory):
     """The 1-process references (here, 8 devices) and one 2-process session running every case."""
     out = tmp_path_factory.mktemp("multihost")
-    t0 = time.perf_counter()
-    refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
-    ref_seconds = time.perf_counter() - t0
     runs = {name: [*BASE, *o, f"run.output_dir={out / name}"] for name, (o, _, _) in CASES.items()}
-    without_last_checkpoint(out / "ref-ppo", out / RESUMED)
     runs[RESUMED] = [*BASE, "plan.strategy=interleaved", "run.resume=true", f"run.output_dir={out / RESUMED}"]
-    procs = launch(out, runs, realloc=True)
-    codes = wait_all(procs, out, timeout=900)
+    # The workers start at once and wait for the reference's checkpoint only before the resumed run.
+    procs = launch(out, runs, realloc=True, wait_for={RESUMED: str(out / RESUMED)})
+    try:
+        refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
+        without_last_checkpoint(out / "ref-ppo", out / RESUMED)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    codes = wait_all(procs, out, timeout=1200)
     assert codes == [0, 0], f"exit codes {codes}\n{log_of(out, 0)[-3000:]}\n{log_of(out, 1)[-3000:]}"
     found = [json.load(open(out / f"worker-{i}.json")) for i in range(2)]
     records = {name: read_metrics(str(out / name / "metrics.jsonl")) for name in runs}
-    return dict(out=out, refs=refs, found=found, records=records, ref_seconds=ref_seconds)
+    return dict(out=out, refs=refs, found=found, records=records)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -142,6 +154,16 @@ def assert_same(got: dict, want: dict, keys, label):
         assert got[key] == pytest.approx(want[key], rel=1e-3, abs=2e-5), (label, got["step"], key)
 
 
+def test_export_gathers_every_tensor(session):
+    from safetensors.numpy import load_file
+
+    got = load_file(str(session["out"] / "ppo-colocated" / "actor_hf" / "model.safetensors"))
+    want = load_file(str(session["out"] / "ref-ppo" / "actor_hf" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
 def test_checkpoint_from_one_process_resumes_on_two(session):
     records = session["records"][RESUMED]
     assert [r["step"] for r in records] == [1, 2, 3]  # steps 1-2 kept from the 1-process log, 3 trained
@@ -164,9 +186,9 @@ def test_a_failed_or_killed_process_stops_the_other(tmp_path):
     runs = {"ppo": [*BASE, "plan.strategy=colocated", f"run.output_dir={tmp_path / 'run'}"]}
     (tmp_path / "raises").mkdir()
     (tmp_path / "killed").mkdir()
-    raising = launch(tmp_path / "raises", runs, fail=1, heartbeat_s=10)
+    raising = launch(tmp_path / "raises", runs, fail=1, heartbeat_s=5)
     killed = launch(tmp_path / "killed", {"ppo": [*runs["ppo"][:-1], f"run.output_dir={tmp_path / 'run2'}"]},
-                    heartbeat_s=10)
+                    heartbeat_s=5)
     deadline = time.monotonic() + 300
     while "joined" not in log_of(tmp_path / "killed", 1) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -180,5 +202,5 @@ def test_a_failed_or_killed_process_stops_the_other(tmp_path):
     assert "injected failure" in log_of(tmp_path / "raises", 1)
     code = raising[0].wait(timeout=120)
     assert code != 0 and time.monotonic() - t_raise < 60
-    for out in ("raises", "killed"):
-        assert "another task died" in log_of(tmp_path / out, 0) or "heartbeat" in log_of(tmp_path / out, 0).lower()
+    for out in ("raises", "killed"):  # JAX's message, or ours when a barrier notices first
+        assert any(m in log_of(tmp_path / out, 0) for m in ("another task died", "another process")), out

@@ -69,9 +69,12 @@ def main() -> int:
     if spec.get("realloc"):
         found["realloc"] = realloc_check()
     for name, overrides in spec.get("runs", {}).items():
+        folder = spec.get("wait_for", {}).get(name)
+        while folder and not os.path.isdir(folder):  # a folder the test process is still writing
+            time.sleep(0.5)
         cfg = cfglib.load_config(None, overrides)
-        if spec.get("fail") == pid:  # an exception in this process only, as step 1 starts
-            _fail_at_step(1)
+        if spec.get("fail") == pid:  # an exception in this process only, before its first collective
+            train.plan_for = _fails
         t0 = time.perf_counter()
         train.run(cfg)
         found["runs"][name] = {"seconds": time.perf_counter() - t0}
@@ -80,18 +83,8 @@ def main() -> int:
     return 0
 
 
-def _fail_at_step(step: int) -> None:
-    from jaxrlhf.placement.executor import Executor
-
-    original, calls = Executor.step, []
-
-    def step_or_fail(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == step:
-            raise RuntimeError(f"injected failure in step {step}")
-        return original(self, *args, **kwargs)
-
-    Executor.step = step_or_fail
+def _fails(*args, **kwargs):
+    raise RuntimeError("injected failure in process 1")
 
 
 if __name__ == "__main__":
