@@ -127,8 +127,8 @@ def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
         client.wait_at_barrier(barrier_id, int(timeout_s * 1000))
     except Exception as e:  # the coordination service reports a missing peer as a generic error
         raise DistributedError(
-            f"process {jax.process_index()}: another process did not reach {name!r} within {timeout_s:.0f} s "
-            f"({_first_line(e)}); look at the other processes' output for the first error"
+            f"process {jax.process_index()} stopped waiting for another process at {name!r} "
+            f"({_first_line(e)}); a process failed, was killed or is stuck: its output has the first error"
         ) from None
 
 
