@@ -4,6 +4,13 @@ Arrays (params, optimizer states, RNG keys) are saved with their shardings
 and restored onto whatever shardings the *current* plan wants, so a run can
 resume under a different placement. Small host-side state (step, data
 position, KL controller, counters) goes into a JSON item beside them.
+
+Multi-process: every process writes its own shards (the folder must be
+shared). Orbax refuses arrays whose devices are all on one process (a group
+of one host, as interleaved and disaggregated plans make), so those are
+copied, device to device, to a layout over all devices for the save, and
+restored through that layout; the files do not depend on the process count,
+so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.models.hf_io import CheckpointError
 
@@ -37,23 +46,26 @@ class CheckpointManager:
 
     def save(self, step: int, arrays: Any, meta: dict[str, Any]) -> None:
         """Save and block until the checkpoint is complete on disk (a SIGKILL after this loses nothing)."""
+        arrays, copies = _spread(arrays)
         self._mngr.save(
             step,
             args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
         self._mngr.wait_until_finished()
+        for x in copies:
+            x.delete()
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore arrays onto the shardings of `target` (arrays or ShapeDtypeStructs with shardings)."""
         abstract = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_save_sharding(x) or x.sharding), target
         )
         out = self._mngr.restore(
             step,
             args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
         )
-        return out["arrays"], dict(out["meta"])
+        return _gather_back(out["arrays"], target), dict(out["meta"])
 
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
@@ -117,6 +129,50 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._mngr.close()
+
+
+def _save_sharding(x: Any) -> NamedSharding | None:
+    """The layout `x` is saved from when its devices are not on every process (None: its own): all
+    devices, split along its largest dimension that divides evenly, replicated otherwise."""
+    from jaxrlhf.placement.devices import global_devices
+
+    if jax.process_count() == 1 or len({d.process_index for d in x.sharding.device_set}) == jax.process_count():
+        return None
+    devices = global_devices()
+    mesh = Mesh(np.array(devices, dtype=object), ("all",), axis_types=(AxisType.Auto,))
+    spec: list[str | None] = [None] * len(x.shape)
+    dims = [k for k in sorted(range(len(x.shape)), key=lambda k: -x.shape[k]) if x.shape[k] % len(devices) == 0]
+    if dims:
+        spec[dims[0]] = "all"
+    return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=x.sharding.memory_kind)
+
+
+def _spread(arrays: Any) -> tuple[Any, list[jax.Array]]:
+    """`arrays` with every one-process array copied to its save layout; returns the copies to delete."""
+    from jaxrlhf.placement.realloc import reallocate
+
+    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    todo = [(i, t) for i, x in enumerate(leaves) if (t := _save_sharding(x)) is not None]
+    if not todo:
+        return arrays, []
+    copies, _ = reallocate([leaves[i] for i, _ in todo], [t for _, t in todo])
+    for (i, _), y in zip(todo, copies):
+        leaves[i] = y
+    return jax.tree_util.tree_unflatten(treedef, leaves), copies
+
+
+def _gather_back(restored: Any, target: Any) -> Any:
+    """Restored arrays moved from their save layout to `target`'s shardings (where those differ)."""
+    from jaxrlhf.placement.realloc import reallocate
+
+    leaves, treedef = jax.tree_util.tree_flatten(restored)
+    wanted = jax.tree_util.tree_leaves(target)
+    todo = [i for i, t in enumerate(wanted) if _save_sharding(t) is not None]
+    if todo:
+        moved, _ = reallocate([leaves[i] for i in todo], [wanted[i].sharding for i in todo], free_source=True)
+        for i, y in zip(todo, moved):
+            leaves[i] = y
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _collect_quietly() -> None:

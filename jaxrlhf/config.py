@@ -30,6 +30,7 @@ from jaxrlhf.config_schema import (
     Check,
     Config,
     DataConfig,
+    DistributedConfig,
     Dtype,
     GenerationConfig,
     ModelsConfig,
@@ -50,7 +51,7 @@ from jaxrlhf.config_schema import (
 
 __all__ = [
     # the schema (jaxrlhf.config_schema)
-    "ROLES", "AlgorithmConfig", "Check", "Config", "DataConfig", "Dtype", "GenerationConfig", "ModelsConfig",
+    "ROLES", "AlgorithmConfig", "Check", "Config", "DataConfig", "DistributedConfig", "Dtype", "GenerationConfig", "ModelsConfig",
     "OptimConfig", "OptimizersConfig", "PlanConfig", "RewardRule", "RewardsConfig", "RoleModelConfig", "RunConfig",
     "SFTConfig", "closed_unit_interval", "non_negative", "not_empty", "positive", "unit_interval",
     # loading

@@ -100,10 +100,31 @@ class RunConfig:
     eval_every: Int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
     platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
     devices: Int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
-    distributed: Bool = False  # call jax.distributed.initialize() (multi-host)
+    distributed: Bool = False  # several processes form one run (jax.distributed); see the distributed section
     compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
     tensorboard: Bool = True
     export_hf: Bool = True  # write the final actor as an HF checkpoint
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How the processes of a multi-host run (`run.distributed=true`) find each other.
+
+    Null keys are detected (Cloud TPU, SLURM, or the JAXRLHF_COORDINATOR /
+    JAXRLHF_NUM_PROCESSES / JAXRLHF_PROCESS_ID environment variables the
+    launchers set). See docs/multihost.md.
+    """
+
+    coordinator_address: str | None = None  # host:port of process 0's coordination service
+    num_processes: Int | None = _field(None, check=positive)
+    process_id: Int | None = _field(None, check=non_negative)
+    # run.platform=cpu only: cross-process collectives over gloo, and each process's loopback port for
+    # cross-process device-to-device copies (port = transfer_port_base + process_id)
+    cpu_collectives: Literal["gloo", "mpi"] = "gloo"
+    transfer_port_base: Int = _field(47700, check=positive)
+    initialization_timeout_s: Int = _field(300, check=positive)  # how long to wait for every process to join
+    heartbeat_timeout_s: Int = _field(100, check=positive)  # a process silent this long counts as dead
 
 
 @_no_extra_keys
@@ -306,6 +327,7 @@ class Config:
     """A whole run."""
 
     run: RunConfig = _field(factory=RunConfig)
+    distributed: DistributedConfig = _field(factory=DistributedConfig)
     plan: PlanConfig = _field(factory=PlanConfig)
     algorithm: AlgorithmConfig = _field(factory=AlgorithmConfig)
     model: ModelsConfig = _field(factory=ModelsConfig)

@@ -33,13 +33,14 @@ def _expected() -> tuple[type[BaseException], ...]:
     from jaxrlhf.algorithms.base import AlgorithmConfigError
     from jaxrlhf.config import ConfigError
     from jaxrlhf.data.sources import DataError
+    from jaxrlhf.distributed import DistributedError
     from jaxrlhf.models.generation import GenerationError
     from jaxrlhf.models.hf_io import CheckpointError
     from jaxrlhf.models.tokenizer import TokenizerError
     from jaxrlhf.planner.plan import PlanError
 
     return (ConfigError, PlanError, DataError, CheckpointError, TokenizerError, GenerationError,
-            AlgorithmConfigError, RunError)
+            AlgorithmConfigError, RunError, DistributedError)
 
 
 # OS errors a user fixes (space, permissions, a path that is a file), with the fix to print.
@@ -58,7 +59,21 @@ def _kind(e: BaseException) -> str:
 
 
 def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
-    """Run `body(argv)` (argv without `--debug`) inside the error boundary; returns the exit code."""
+    """Run `body(argv)` (argv without `--debug`) inside the error boundary; returns the exit code.
+
+    In a multi-process run a process that fails exits at once, skipping JAX's orderly shutdown (which
+    waits for the others, which may be waiting in a collective for it): its heartbeats stop, and the
+    coordination service ends the other processes within `distributed.heartbeat_timeout_s`."""
+    try:
+        return _run_cli(prog, body, argv)
+    except BaseException:
+        if _multiprocess():
+            traceback.print_exc()
+            _exit_now(1)
+        raise
+
+
+def _run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("JAXRLHF_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -66,10 +81,10 @@ def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str]
         return body(argv)
     except Interrupted as e:
         print(f"{prog}: {e}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _failed(EXIT_INTERRUPTED)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (nothing was being trained yet, so nothing needed saving)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _failed(EXIT_INTERRUPTED)
     except OSError as e:
         if e.errno not in _OS_FIXES:
             raise
@@ -77,11 +92,34 @@ def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str]
             traceback.print_exc()
         where = f" ({e.filename})" if e.filename else ""
         print(f"{prog}: {_OS_FIXES[e.errno]}{where}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _failed(EXIT_USER_ERROR)
     except _expected() as e:
         if debug:
             traceback.print_exc()
         print(f"{prog}: {_kind(e)}: {e}", file=sys.stderr)
         if not debug:
             print(f"{prog}: (run with --debug for the traceback)", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _failed(EXIT_USER_ERROR)
+
+
+def _multiprocess() -> bool:
+    """Whether this process is one of several joined by jax.distributed (without importing JAX)."""
+    mod = sys.modules.get("jax._src.distributed")
+    state = getattr(mod, "global_state", None)
+    return state is not None and state.client is not None and (state.num_processes or 1) > 1
+
+
+def _exit_now(code: int) -> None:
+    import jax
+
+    print(f"process {jax.process_index()} failed and exits now (code {code}); the other processes stop when "
+          "the coordination service misses its heartbeats", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _failed(code: int) -> int:
+    """`code` for the caller to return; with several processes, exit at once instead (see run_cli)."""
+    if _multiprocess():
+        _exit_now(code)
+    return code

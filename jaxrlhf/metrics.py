@@ -57,7 +57,14 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str, total_steps: int, resume_step: int = 0, tensorboard: bool = True):
+    """Writes the run's metrics; `enabled=False` (every process but the first of a multi-process run)
+    writes nothing, so the files hold each step once."""
+
+    def __init__(self, output_dir: str, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._truncate_after(resume_step)
@@ -83,6 +90,8 @@ class MetricsWriter:
                 f.write(json.dumps(r) + "\n")
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
         record = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -101,6 +110,8 @@ class MetricsWriter:
             print(f"step {step}: {head}", flush=True)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._file.close()
         if self._tb is not None:
             self._tb.close()

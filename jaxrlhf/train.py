@@ -21,9 +21,12 @@ from jaxrlhf import config as cfglib
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
 
 
-def setup_devices(run: cfglib.RunConfig) -> None:
-    """Must run before any JAX backend starts (DESIGN §3 facts 1 and 5)."""
+def setup_devices(run: cfglib.RunConfig, dist: cfglib.DistributedConfig | None = None) -> None:
+    """Must run before any JAX backend starts (DESIGN §3 facts 1 and 5). `dist` says how the processes of a
+    `run.distributed` run find each other (see `jaxrlhf.distributed`)."""
     import jax
+
+    from jaxrlhf import distributed
 
     if run.platform == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,14 +37,7 @@ def setup_devices(run: cfglib.RunConfig) -> None:
         jax.config.update("jax_platforms", "cuda" if run.platform == "gpu" else "tpu")
     enable_compile_cache(run.compile_cache)
     if run.distributed:
-        try:
-            jax.distributed.initialize()
-        except (RuntimeError, ValueError) as e:
-            raise RunError(
-                f"run.distributed=true, but jax.distributed could not start ({_first_line(e)}); on one host set "
-                "run.distributed=false, on a cluster run where JAX detects it (Cloud TPU, SLURM) or set its "
-                "coordinator environment"
-            ) from None
+        distributed.initialize(dist or cfglib.DistributedConfig(), run.platform)
     if run.platform in ("gpu", "tpu"):
         try:
             jax.devices()
@@ -241,17 +237,18 @@ class RoleBuilder:
 
     def direct(self, role: str, at: str) -> Built:
         """A role whose weights come from its own preset or checkpoint, on `at`'s home."""
-        import jax
         from flax import nnx
 
         from jaxrlhf.models.hf_io import load_hf_checkpoint
 
         rc, mc, head = getattr(self.cfg.model, role), self.model_configs[role], self.head(role)
         if rc.path:
+            # each parameter placed as it is read: no process holds the whole model
             model, _ = load_hf_checkpoint(rc.path, head, param_dtype=mc.param_dtype, dtype=mc.dtype, seed=self.seed,
-                                          remat=rc.remat, config_overrides=dict(rc.overrides))
+                                          remat=rc.remat, config_overrides=dict(rc.overrides),
+                                          shardings=lambda state: self.shardings(at, state))
             graphdef, state = nnx.split(model)
-            return Built(graphdef, jax.device_put(state, self.shardings(at, state)), head)
+            return Built(graphdef, state, head)
         return self.fresh(role, head, self.seed + list(cfglib.ROLES).index(role), at)
 
     def fresh(self, role: str, head: str, seed: int, at: str) -> Built:
@@ -322,6 +319,7 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
 
     from jaxrlhf.algorithms.optim import build_optimizer
     from jaxrlhf.algorithms.sft import SFT
+    from jaxrlhf.distributed import host_get
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
 
@@ -340,7 +338,7 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     for i in range(cfg.sft.steps):
         result = executor.step(stage.feed(data.next_batch(), jax.random.fold_in(rng, i)))
         if (i + 1) % max(cfg.sft.steps // 5, 1) == 0 or i + 1 == cfg.sft.steps:
-            loss = float(jax.device_get(result.values["actor_stats"]["loss/sft"]))
+            loss = float(host_get(result.values["actor_stats"]["loss/sft"]))
             print(f"sft warm-up step {i + 1}/{cfg.sft.steps}: loss={loss:.4f}", flush=True)
     actor.params = role.params
     return {"sft/final_loss": loss, "sft/seconds": time.perf_counter() - t0}
@@ -355,10 +353,12 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.checkpoint import CheckpointManager
+    from jaxrlhf.distributed import HostValues, any_process, barrier, is_main
     from jaxrlhf.metrics import MetricsWriter
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role, delete_tree
+    from jaxrlhf.placement.devices import devices_per_host
     from jaxrlhf.placement.layout import AxisRules
 
     cfglib.validate(cfg)
@@ -372,14 +372,17 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
     graph = algorithm.graph()
-    plan = plan_for(cfg, algorithm, model_configs, jax.device_count())
+    # With several processes the planner checks that device groups respect host boundaries.
+    host_size = devices_per_host() if jax.process_count() > 1 else None
+    plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size)
     print(plan.table(), flush=True)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
 
-    prepare_output_dir(cfg.run)
+    prepare_output_dir(cfg.run, write=is_main())
+    barrier("output_dir")  # no process opens files in the folder before process 0 has cleared it
     ckpt = CheckpointManager(os.path.join(cfg.run.output_dir, "checkpoints"), max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
-    if cfg.run.resume and resume_step is None:
+    if cfg.run.resume and resume_step is None and is_main():
         _set_aside_log(cfg.run.output_dir)
 
     # Models on their home placements: sources first, then the roles that copy them (after a warm-up).
@@ -443,7 +446,8 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
         ckpt.save(step, arrays(), {"step": step, "data": data_state, "algorithm": cfg.algorithm.name})
 
     steps = cfg.run.steps
-    writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard)
+    writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard,
+                           enabled=is_main())
     base_rng = jax.random.key(cfg.run.seed)
     metrics: dict[str, Any] = {}
     offpolicy = plan.offpolicy
@@ -459,6 +463,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             feed = algorithm.feed(batch, jax.random.fold_in(base_rng, step))
             next_feed = algorithm.feed(nxt, jax.random.fold_in(base_rng, step + 1)) if nxt is not None else None
             result = executor.step(feed, next_feed)
+            result.values = HostValues(result.values)  # read on first use, gathered alike on every process
             metrics = algorithm.metrics(result)
             metrics.update(_timing(result))
             metrics.update(data.metrics())
@@ -478,6 +483,8 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
                     f"learning rate (optimizer.<role>.lr) or check the data"
                     + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
                 )
+            if any_process(bool(stop.requested)) and not stop.requested:
+                stop.requested = "a signal to another process"
             if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stop.requested:
                 save(step, data_state)
                 saved_step = step
@@ -491,7 +498,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
         writer.close()
         ckpt.close()
 
-    if cfg.run.export_hf and jax.process_index() == 0:
+    if cfg.run.export_hf:  # every process gathers each tensor; process 0 writes
         for name in algorithm.export_roles():
             export_role(cfg, roles[name], model_configs[name], os.path.join(cfg.run.output_dir, f"{name}_hf"))
     return metrics
@@ -508,12 +515,15 @@ def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
     """Write a role as an HF checkpoint (with the tokenizer, when it is a file)."""
     import shutil
 
-    import jax
     from flax import nnx
 
     from jaxrlhf.models.hf_io import save_hf_checkpoint
 
-    save_hf_checkpoint(nnx.merge(role.graphdef, jax.device_get(role.params)), model_config, out)
+    from jaxrlhf.distributed import is_main
+
+    save_hf_checkpoint(nnx.merge(role.graphdef, role.params), model_config, out)
+    if not is_main():
+        return
     tok_path = cfg.model.tokenizer
     if tok_path != "byte" and os.path.exists(tok_path):
         src = tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")
@@ -579,9 +589,9 @@ def _set_aside_log(out: str) -> None:
         print(f"the previous metrics.jsonl (no checkpoint) is kept as {kept}", flush=True)
 
 
-def prepare_output_dir(run_cfg: cfglib.RunConfig) -> None:
+def prepare_output_dir(run_cfg: cfglib.RunConfig, write: bool = True) -> None:
     """Refuse to start a new run over another run's files (nothing is changed), unless asked to resume
-    it or to overwrite it."""
+    it or to overwrite it. Every process checks (so all stop alike); only the one that `write`s removes."""
     import shutil
 
     out = run_cfg.output_dir
@@ -602,6 +612,8 @@ def prepare_output_dir(run_cfg: cfglib.RunConfig) -> None:
             f"run.output_dir={out!r} holds another run ({', '.join(found)}); nothing was changed. Continue it "
             "with run.resume=true, choose another run.output_dir, or replace it with run.overwrite=true"
         )
+    if not write:
+        return
     for name in found + [n for n in os.listdir(out) if n.endswith("_hf")]:
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
@@ -625,7 +637,11 @@ def _main(argv: Sequence[str]) -> int:
     if args.print_config:
         print(cfglib.format_config(args.config), end="")
         return 0
-    setup_devices(args.config.run)
+    setup_devices(args.config.run, args.config.distributed)
+    import jax
+
+    if jax.process_index() > 0:  # one process reports progress; the others' errors still reach stderr
+        sys.stdout = open(os.devnull, "w")
     run(args.config)
     return 0
 

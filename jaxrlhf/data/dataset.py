@@ -5,9 +5,12 @@ All three share one stream over a row source:
 - the order is a seeded permutation per epoch, so a position (epoch, index)
   plus the seed fully determines what comes next: checkpoints store
   `state_dict()` and resume exactly;
-- every process walks the same global order and builds the same global batch,
-  then keeps its own contiguous slice (`process_index`), so the per-process
-  shards always agree on padding length and position with no communication;
+- every process walks the same global order and builds the same global batch
+  (prompts are small next to the models). A training run keeps it whole on
+  every process: a call's group may live on other hosts, and the executor
+  builds only each process's own device shards from it. Given `process_index`
+  and `process_count` a stream keeps its own contiguous slice instead, and the
+  slices agree on padding length and position with no communication;
 - malformed rows (missing key, wrong type, empty, too long, unreadable) are
   skipped and counted by reason; `metrics()` exposes the counters. Only a
   source where a whole epoch holds no valid row is an error.
@@ -96,10 +99,9 @@ class _BatchStream(abc.ABC):
         process_count: int | None = None,
     ):
         if process_index is None or process_count is None:
-            import jax
-
-            process_index = jax.process_index() if process_index is None else process_index
-            process_count = jax.process_count() if process_count is None else process_count
+            # Unsliced by default: the executor places the global batch on whichever devices a call's
+            # group uses, possibly another host's, and each process builds only its own devices' shards.
+            process_index, process_count = 0, 1
         if len(source) == 0:
             raise DataError(f"data source {source!r} has no rows")
         if batch_size < 1 or batch_size % process_count:

@@ -490,6 +490,7 @@ def load_hf_checkpoint(
     seed: int = 0,
     remat: str | bool = "none",
     config_overrides: dict[str, Any] | None = None,
+    shardings: Callable[[nnx.State], Any] | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a HF Llama/Qwen2/Mistral checkpoint (or one of ours) as an NNX model.
 
@@ -498,6 +499,9 @@ def load_hf_checkpoint(
     checkpoint, else "lm". A value/reward head missing from the checkpoint (an
     actor checkpoint) is created fresh and `lm_head` ignored.
     param_dtype / dtype override the checkpoint's dtype (params) and compute dtype.
+    shardings(abstract state) -> shardings tree: place each parameter as it is read, each process
+    building only its own devices' shards, so host memory holds one tensor at a time and no device
+    the whole model (multi-host runs); without it parameters land on the default device.
     Raises `CheckpointError` naming the file and key for any missing or misshapen input.
     """
     path = Path(path)
@@ -532,6 +536,15 @@ def load_hf_checkpoint(
     for spec in trunk + head_specs:
         by_path.setdefault(spec.path, []).append(spec)
     target = np.dtype(config.jnp_param_dtype)
+    placement = {}
+    if shardings is not None:
+        from jaxrlhf.placement.realloc import put_host
+
+        placement = {tuple(p): sh.get_value() if isinstance(sh, nnx.Variable) else sh
+                     for p, sh in nnx.to_flat_state(shardings(state))}
+        place = lambda p, value: put_host(np.asarray(value), placement[tuple(p)])  # noqa: E731
+    else:
+        place = lambda p, value: jnp.asarray(value)  # noqa: E731
 
     def read(spec: _TensorSpec) -> np.ndarray:
         return np.asarray(spec.from_hf(weights.get(spec.key)), dtype=target)
@@ -542,15 +555,16 @@ def load_hf_checkpoint(
         specs = by_path.get(tuple(p))
         if fresh_head and p[0] != "model":
             value = _fresh_head(tuple(p), struct.shape, struct.dtype, seed)
+            value = place(p, jax.device_get(value)) if placement else value
         elif specs is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
         elif specs[0].layer is None:
-            value = jnp.asarray(np.asarray(read(specs[0]), order="C"))
+            value = place(p, np.asarray(read(specs[0]), order="C"))
         else:  # one HF tensor per layer, stacked along the leading layers axis
             stacked = np.empty(struct.shape, target)
             for spec in specs:
                 stacked[spec.layer] = read(spec)
-            value = jnp.asarray(stacked)
+            value = place(p, stacked)
         leaves.append((p, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves)), config
 
@@ -610,7 +624,12 @@ def save_hf_checkpoint(
     split into `model-0000i-of-0000n.safetensors` with an index. Value/reward
     models record the head in config.json so `load_hf_checkpoint` restores the
     same model.
+
+    Multi-process: call it on every process; each parameter is gathered to host one at a time on all
+    of them (its shards may live on any host), and only process 0 writes.
     """
+    from jaxrlhf.distributed import host_get, is_main
+
     path = Path(path)
     head = _head_of(model)
     hf = config_to_hf(config)
@@ -619,14 +638,16 @@ def save_hf_checkpoint(
         _reward_config(hf, config, path)
     if head != "lm":
         hf[HEAD_KEY] = head
-    path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     host: dict[tuple, np.ndarray] = {}  # each (stacked) parameter fetched once
     for spec in _trunk_specs(config) + _head_layouts(config, head)[0]:
         if spec.path not in host:
-            host[spec.path] = np.asarray(jax.device_get(params[spec.path]))
+            host[spec.path] = np.asarray(host_get(params[spec.path]))
         value = host[spec.path] if spec.layer is None else host[spec.path][spec.layer]
         tensors[spec.key] = np.ascontiguousarray(spec.to_hf(value))
+    if not is_main():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -40,7 +40,8 @@ from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
-from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, reallocate, reload
+from jaxrlhf.distributed import host_get
+from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, put_host, reallocate, reload
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 
 CallFn = Callable[..., Any]
@@ -280,7 +281,7 @@ class Executor:
             placed = self.placed(readers.get(name, self.graph.calls[0].name))
             self.state[name] = jax.tree_util.tree_map(
                 lambda x: x if isinstance(x, jax.Array) and x.committed
-                else jax.device_put(np.asarray(x), placed.replicated()),
+                else put_host(x, placed.replicated()),
                 value,
             )
         return self.state
@@ -307,7 +308,8 @@ class Executor:
         return self._checked(spec, out)
 
     def run_host(self, step: HostStep, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        return self._checked(step, self.host_steps[step.name](**inputs))
+        """A host step gets host values: device arrays are gathered (the same on every process)."""
+        return self._checked(step, self.host_steps[step.name](**host_get(dict(inputs))))
 
     @staticmethod
     def _checked(node: Node, out: Mapping[str, Any]) -> dict[str, Any]:
@@ -382,11 +384,12 @@ class Executor:
 
     def run_at(self, call: str, fn: CallFn, inputs: Mapping[str, Any]) -> Any:
         """Run `fn(params, inputs)` on `call`'s placement with its role's parameters brought there
-        (evaluation: work that is not part of the step graph). Blocks until done."""
+        (evaluation: work that is not part of the step graph). Returns host values, the same on every
+        process."""
         role = self.graph[call].role
         params, temporary = self.params_for(role, call)
         out = self.cache.function(call, fn, in_shardings=None, out_shardings=None)(params, self.place_inputs(inputs, call))
-        jax.block_until_ready(out)
+        out = host_get(out)
         if temporary:
             delete_tree(params)
         return out

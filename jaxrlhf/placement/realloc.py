@@ -23,9 +23,19 @@ device-to-device copy. So every leaf moves in two steps:
     intermediates are dropped.
 
 Leaves are processed in chunks of about `chunk_bytes`: step (a) of every leaf
-is dispatched, step (b) of the whole chunk is one batched `device_put`, and
-the chunk is waited for before the next starts, so peak extra memory stays
-near one chunk.
+is dispatched, then step (b) for the chunk, and the chunk is waited for
+before the next starts, so peak extra memory stays near one chunk.
+
+Across processes (multi-host) step (b) follows what JAX 0.10 needs to be
+correct: one `device_put` per array (a list of arrays moving between
+different devices across processes hung or swapped data), each holding only
+shards that go from one process to one process (a put whose positions mix
+local and cross-process copies is split into per-(source process, target
+process) parts, carried as a stack of the shards along the first axis; a
+part that stays inside one process is put by that process alone: the others
+may not call it), and a barrier after a chunk that crossed processes, so the
+sender cannot run ahead into the next collective while the receiver still
+waits.
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding, Sharding
+
+from jaxrlhf.distributed import barrier
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
@@ -167,6 +179,7 @@ def _views(
     local: dict[jax.Device, jax.Array],
     grid: tuple[int, ...],
     region_shape: tuple[int, ...],
+    dtype: Any,
     memory_kind: str | None,
     shard_bytes: int,
     move: _LeafMove,
@@ -188,7 +201,7 @@ def _views(
         view = NamedSharding(_auto_mesh(s_devs, grid + (1,), names + ("rep",)), spec)
         dest = NamedSharding(_auto_mesh(t_devs, grid + (1,), names + ("rep",)), spec, memory_kind=memory_kind)
         pieces = [local[d] for d in s_devs if d in local]
-        move.views.append(jax.make_array_from_single_device_arrays(region_shape, view, pieces))
+        move.views.append(jax.make_array_from_single_device_arrays(region_shape, view, pieces, dtype=dtype))
         move.dests.append(dest)
 
 
@@ -222,7 +235,7 @@ def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple
             holders.setdefault(_block_of(idx, shard), []).append(d)
         local = {s.device: s.data for s in x.addressable_shards}
         move = _LeafMove(may_alias=False, delete=x if free_source else None)
-        _views(all_blocks, wanted, holders, local, grid, shape, target.memory_kind, shard_bytes, move, stats)
+        _views(all_blocks, wanted, holders, local, grid, shape, x.dtype, target.memory_kind, shard_bytes, move, stats)
         return move, stats
 
     src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard_shape))
@@ -277,10 +290,48 @@ def _start_leaf(x: jax.Array, target: NamedSharding, free_source: bool) -> tuple
             holders.setdefault(tuple(o * g + p for o, g, p in zip(offset, sub, pos[:-1])), []).append(d)
         blocks = list(itertools.product(*(range(o * g, (o + 1) * g) for o, g in zip(offset, sub))))
         local = {s.device: s.data for s in y.addressable_shards}
-        _views(blocks, wanted, holders, local, sub, region_shape, target.memory_kind, shard_bytes, move, stats)
+        _views(blocks, wanted, holders, local, sub, region_shape, x.dtype, target.memory_kind, shard_bytes, move,
+               stats)
     if free_source and not x.is_deleted():
         move.delete = x  # y never aliases x unless donated, so deleting it later is safe
     return move, stats
+
+
+def _put(view: jax.Array, dest: NamedSharding, may_alias: bool) -> tuple[list[jax.Array], bool]:
+    """Step (b) for one congruent (view, dest) pair: the received shards this process holds, and whether
+    any shard crossed processes. One device_put when every position goes from one process to one
+    process; otherwise one per (source process, target process) part, each carrying its positions'
+    shards stacked along the first axis (scalars one position at a time)."""
+    srcs, tgts = list(view.sharding.mesh.devices.flat), list(dest.mesh.devices.flat)
+    pairs = {(a.process_index, b.process_index) for a, b in zip(srcs, tgts)}
+    crossed = any(a != b for a, b in pairs)
+    if len(pairs) == 1:
+        (a, b), = pairs
+        if a == b != jax.process_index():  # a copy inside another process: JAX refuses it here, and it is no
+            return [], crossed            # collective, so that process does it alone
+        return [s.data for s in jax.device_put(view, dest, may_alias=may_alias).addressable_shards], crossed
+    local = {s.device: s.data for s in view.addressable_shards}
+    shard = tuple(view.sharding.shard_shape(view.shape))
+    parts: dict[Any, list[int]] = {}
+    for k, (a, b) in enumerate(zip(srcs, tgts)):
+        parts.setdefault((a.process_index, b.process_index) if shard else k, []).append(k)
+    received = []
+    for positions in parts.values():
+        n, owner = len(positions), srcs[positions[0]].process_index
+        if owner == tgts[positions[0]].process_index != jax.process_index():
+            continue  # a copy inside another process (see above)
+        carrier = (n * shard[0],) + shard[1:] if shard else ()
+        spec = PartitionSpec("c") if shard else PartitionSpec()
+
+        def sharding(devices, memory_kind=None):
+            return NamedSharding(_auto_mesh(devices, (n,), ("c",)), spec, memory_kind=memory_kind)
+
+        pieces = [local[srcs[k]] for k in positions if srcs[k] in local]
+        stack = jax.make_array_from_single_device_arrays(carrier, sharding([srcs[k] for k in positions]), pieces,
+                                                         dtype=view.dtype)
+        moved = jax.device_put(stack, sharding([tgts[k] for k in positions], dest.memory_kind), may_alias=may_alias)
+        received += [s.data for s in moved.addressable_shards]
+    return received, crossed
 
 
 # ---- public API -------------------------------------------------------------------------
@@ -320,20 +371,24 @@ def reallocate(
     pending_bytes = 0
 
     def flush() -> None:
-        """Step (b) for the chunk in one batched device_put, then assemble, wait, free."""
+        """Step (b) for the chunk, one device_put per view; then assemble, wait, free."""
         nonlocal pending, pending_bytes
         if not pending:
             return
-        views = [v for _, m in pending for v in m.views]
-        dests = [d for _, m in pending for d in m.dests]
-        alias = [m.may_alias for _, m in pending for _ in m.views]
-        received = iter(jax.device_put(views, dests, may_alias=alias) if views else [])
+        crossed = False
         for i, m in pending:
             shards = m.shards
             if shards is None:
-                shards = [s.data for _ in m.views for s in next(received).addressable_shards]
-            out[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, targets[i], shards)
+                shards = []
+                for view, dest in zip(m.views, m.dests):
+                    received, cross = _put(view, dest, m.may_alias)
+                    shards += received
+                    crossed |= cross
+            out[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, targets[i], shards,
+                                                              dtype=leaves[i].dtype)
         jax.block_until_ready([out[i] for i, _ in pending])
+        if crossed:  # the same on every process: it depends only on the device assignment
+            barrier("reallocate")
         for _, m in pending:
             if m.delete is not None and not m.delete.is_deleted():
                 m.delete.delete()
@@ -364,7 +419,7 @@ def move_where_needed(tree: Any, target: Any, *, free_source: bool = False) -> t
     todo = []
     for i, (x, t) in enumerate(zip(leaves, targets)):
         if not isinstance(x, jax.Array) or not x.committed:
-            leaves[i] = jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), t)
+            leaves[i] = put_host(x, t)
         elif not (x.sharding.is_equivalent_to(t, x.ndim) and x.sharding.memory_kind == t.memory_kind):
             todo.append(i)
     stats = ReallocStats()
@@ -373,6 +428,18 @@ def move_where_needed(tree: Any, target: Any, *, free_source: bool = False) -> t
         for i, x in zip(todo, moved):
             leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves), stats
+
+
+def put_host(x: Any, sharding: Sharding) -> jax.Array:
+    """A host value (numpy, Python scalar, uncommitted array) placed on `sharding`. Every process passes
+    the same global value; each builds only the shards of its own devices (a plain device_put onto
+    devices of several processes is refused in multi-process runs)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put_host(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    if sharding.is_fully_addressable:
+        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), sharding)
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
 def _move_memory(tree: Any, memory_kind: str, free_source: bool) -> Any:

@@ -1,0 +1,206 @@
+"""Multi-process runs: 2 local processes x 4 CPU devices (gloo) against the 1-process 8-device run.
+
+One shared 2-process session (`session` fixture) trains every case and checks cross-host
+reallocation while this process trains the 1-process references; the tests below read what they
+found. Kept small (tiny model, 3 steps, 8 prompts), and every 2-process run covers more than one
+thing: interleaved is checked on the step it trains after resuming the reference's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import train
+from jaxrlhf.metrics import read_metrics
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+BASE = [
+    "model.actor.preset=tiny", "run.steps=3", "run.checkpoint_every=0", "run.tensorboard=false",
+    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
+    "algorithm.minibatches=2", "sft.steps=0", "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3",
+    "rewards.eos_only=false", 'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
+    "run.compile_cache=null",
+]
+GRPO = ["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.05"]
+PPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "entropy", "clipfrac", "approx_kl")
+GRPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean")
+# name -> (overrides, reference run, compared keys)
+CASES = {
+    # every group spans both processes; the exported HF files are gathered across them
+    "ppo-colocated": (["plan.strategy=colocated", "run.export_hf=true"], "ppo", PPO_KEYS),
+    # generation on process 0, training on 1; checkpoints every step, for the 2 -> 1 process resume
+    "ppo-disaggregated": (["plan.strategy=disaggregated", "run.checkpoint_every=1"], "ppo", PPO_KEYS),
+    "grpo-disaggregated": ([*GRPO, "plan.strategy=disaggregated"], "grpo", GRPO_KEYS),
+}
+REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1", "run.export_hf=true"],
+              "grpo": [*GRPO, "plan.strategy=colocated"]}
+# The 1-process reference's step-2 checkpoint, continued on 2 processes with actor and critic on
+# different processes (interleaved).
+RESUMED = "ppo-interleaved-resumed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out, runs: dict, *, processes=2, devices=4, **extra) -> list[subprocess.Popen]:
+    """Start the worker processes of one run (they write worker-<i>.json and their logs into `out`)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in range(processes):
+        spec = dict(out=str(out), port=port, processes=processes, process_id=pid, devices=devices, runs=runs,
+                    **extra)
+        log = open(os.path.join(out, f"process-{pid}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_all(procs, out, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"processes still running after {timeout} s; logs in {out}")
+    return codes
+
+
+def log_of(out, pid: int) -> str:
+    with open(os.path.join(out, f"process-{pid}.log")) as f:
+        return f.read()
+
+
+def without_last_checkpoint(src, dst):
+    """A copy of a run folder as if the run had died after step 2's checkpoint (appears at once: the
+    workers wait for it)."""
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.copytree(src, tmp)
+    shutil.rmtree(tmp / "checkpoints" / "3")
+    if (tmp / "actor_hf").exists():
+        shutil.rmtree(tmp / "actor_hf")
+    os.rename(tmp, dst)
+
+
+def one_process(out, name: str, overrides: list[str]) -> list[dict]:
+    cfg = cfglib.load_config(None, [*BASE, *overrides, f"run.output_dir={out / name}"])
+    train.run(cfg)
+    return read_metrics(str(out / name / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """The 1-process references (here, 8 devices) and one 2-process session running every case."""
+    out = tmp_path_factory.mktemp("multihost")
+    runs = {name: [*BASE, *o, f"run.output_dir={out / name}"] for name, (o, _, _) in CASES.items()}
+    runs[RESUMED] = [*BASE, "plan.strategy=interleaved", "run.resume=true", f"run.output_dir={out / RESUMED}"]
+    # The workers start at once and wait for the reference's checkpoint only before the resumed run.
+    procs = launch(out, runs, realloc=True, wait_for={RESUMED: str(out / RESUMED)})
+    try:
+        refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
+        without_last_checkpoint(out / "ref-ppo", out / RESUMED)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    codes = wait_all(procs, out, timeout=1200)
+    assert codes == [0, 0], f"exit codes {codes}\n{log_of(out, 0)[-3000:]}\n{log_of(out, 1)[-3000:]}"
+    found = [json.load(open(out / f"worker-{i}.json")) for i in range(2)]
+    records = {name: read_metrics(str(out / name / "metrics.jsonl")) for name in runs}
+    return dict(out=out, refs=refs, found=found, records=records)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_match_one(session, case):
+    _, ref, keys = CASES[case]
+    got, want = session["records"][case], session["refs"][ref]
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert_same(a, b, keys, case)
+
+
+def test_only_process_zero_writes_metrics(session):
+    for case in CASES:  # one record per step, not one per process
+        assert [r["step"] for r in session["records"][case]] == [1, 2, 3]
+
+
+def test_cross_host_reallocation_is_exact_under_transfer_guards(session):
+    for found in session["found"]:
+        assert found["realloc"] and all(found["realloc"].values()), found["realloc"]
+
+
+def assert_same(got: dict, want: dict, keys, label):
+    for key in keys:
+        assert got[key] == pytest.approx(want[key], rel=1e-3, abs=2e-5), (label, got["step"], key)
+
+
+def test_export_gathers_every_tensor(session):
+    from safetensors.numpy import load_file
+
+    got = load_file(str(session["out"] / "ppo-colocated" / "actor_hf" / "model.safetensors"))
+    want = load_file(str(session["out"] / "ref-ppo" / "actor_hf" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_checkpoint_from_one_process_resumes_on_two(session):
+    records = session["records"][RESUMED]
+    assert [r["step"] for r in records] == [1, 2, 3]  # steps 1-2 kept from the 1-process log, 3 trained
+    assert_same(records[2], session["refs"]["ppo"][2], PPO_KEYS, RESUMED)
+
+
+def test_checkpoint_from_two_processes_resumes_on_one(session):
+    out = session["out"]
+    without_last_checkpoint(out / "ppo-disaggregated", out / "resumed-on-one")
+    cfg = cfglib.load_config(None, [*BASE, "plan.strategy=colocated", "run.resume=true",
+                                    f"run.output_dir={out / 'resumed-on-one'}"])
+    train.run(cfg)
+    records = read_metrics(str(out / "resumed-on-one" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert_same(records[2], session["refs"]["ppo"][2], PPO_KEYS, "2 -> 1 process resume")
+
+
+def test_a_failed_or_killed_process_stops_the_other(tmp_path):
+    """An exception in process 1, and process 1 killed: process 0 exits non-zero within 60 s, saying why."""
+    runs = {"ppo": [*BASE, "plan.strategy=colocated", f"run.output_dir={tmp_path / 'run'}"]}
+    (tmp_path / "raises").mkdir()
+    (tmp_path / "killed").mkdir()
+    raising = launch(tmp_path / "raises", runs, fail=1, heartbeat_s=5)
+    killed = launch(tmp_path / "killed", {"ppo": [*runs["ppo"][:-1], f"run.output_dir={tmp_path / 'run2'}"]},
+                    heartbeat_s=5)
+    deadline = time.monotonic() + 300
+    while "joined" not in log_of(tmp_path / "killed", 1) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed[1].kill()
+    t_kill = time.monotonic()
+    code = killed[0].wait(timeout=120)
+    assert code != 0 and time.monotonic() - t_kill < 60, (code, time.monotonic() - t_kill)
+    # The raising process exits at once with its error; its peer stops on the missed heartbeats.
+    assert raising[1].wait(timeout=300) != 0
+    t_raise = time.monotonic()
+    assert "injected failure" in log_of(tmp_path / "raises", 1)
+    code = raising[0].wait(timeout=120)
+    assert code != 0 and time.monotonic() - t_raise < 60
+    for out in ("raises", "killed"):  # JAX's message, or ours when a barrier notices first
+        assert any(m in log_of(tmp_path / out, 0) for m in ("another task died", "another process")), out
