@@ -18,8 +18,9 @@ estimated vs measured over placements: the search only needs the ranking.
 
 On CPU, simulated devices share the host's cores (the calibrated profile
 caps their combined FLOP/s and bandwidth accordingly). Pipelined layouts
-(stage > 1) are not validated here yet: the runtime's pipeline lands on
-another branch.
+(stage > 1) run train and inference (never generation) as the runtime does:
+GPipe over micro-batches of a quarter minibatch, estimated with the same
+micro-batch count.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     _setup_devices(args.devices)
 
+    import dataclasses
     import json
     import statistics
 
@@ -69,7 +71,8 @@ def main() -> None:
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.placement.calibrate import best_time, calibrate
     from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.placement.layout import activation_resolver, batch_spec, make_mesh, param_shardings
+    from jaxrlhf.models import pipeline
+    from jaxrlhf.placement.layout import STAGE_AXIS, activation_resolver, batch_spec, make_mesh, param_shardings
     from jaxrlhf.planner.plan import DeviceGroup, Layout
     from jaxrlhf.models import axes as ax
     from jaxrlhf.models.config import preset
@@ -96,16 +99,41 @@ def main() -> None:
              (n, Layout(data=n // 4, tensor=4)), (n // 2, Layout(data=n // 2)),
              (n // 2, Layout(data=n // 8 or 1, tensor=4) if n >= 8 else Layout(tensor=n // 2)),
              (n // 4, Layout(data=n // 4))]
+    # Pipelines: micro-batches of a quarter minibatch, whose rows must still split over data x fsdp.
+    staged_wl = dataclasses.replace(wl, micro_batch=max(wl.minibatch_size // 4, 1))
+    staged = [(n, Layout(data=2, tensor=n // 4, stage=2)), (n, Layout(tensor=n // 2, stage=2)),
+              (n, Layout(data=2, tensor=n // 8 or 1, stage=4)), (n, Layout(tensor=n // 4 or 1, stage=4))]
     placements = list(dict.fromkeys(
-        (s, lay) for s, lay in sweep + mixed
-        if s >= 1 and lay.num_devices == s and args.heads % lay.tensor == 0 and wl.minibatch_size % (lay.data * lay.fsdp) == 0))
+        (s, lay) for s, lay in sweep + mixed + staged
+        if s >= 1 and lay.num_devices == s and args.heads % lay.tensor == 0 and args.layers % lay.stage == 0
+        and ((staged_wl.micro_batch if lay.stage > 1 else None) or wl.minibatch_size) % (lay.data * lay.fsdp) == 0))
 
     model = build_model(cfg, "lm")
     graphdef, params0 = nnx.split(model, nnx.Param)
     opt = optax.adamw(1e-4)
 
+    def compare(kind: str, measured: float, size: int, group, layout, call_wl, decode=None, roofline=None) -> dict:
+        """One row: the cost model's estimate of the call next to its measured time (printed)."""
+        cost = call_cost(CallSpec(f"actor.{kind}", "actor", kind), cfg, group, layout, call_wl, hw)
+        est = cost.seconds
+        row = {"call": kind, "devices": size, "layout": str(layout), "stage": layout.stage,
+               "micro_batch": call_wl.micro_batch, "measured_s": measured, "estimated_s": est,
+               "ratio": est / measured}
+        extra = ""
+        if decode is not None:
+            est_decode = cost.parts["decode"] / call_wl.gen_len
+            row.update(decode_s_per_token=decode, decode_est_s_per_token=est_decode,
+                       decode_roofline_s_per_token=roofline)
+            extra = f"  decode/token {decode * 1e3:6.2f} ms (est {est_decode * 1e3:6.2f}, roofline {roofline * 1e3:6.2f})"
+        print(f"{kind:10s} {size:2d} dev {str(layout):11s} measured {measured * 1e3:8.1f} ms  "
+              f"estimated {est * 1e3:8.1f} ms  ratio {est / measured:5.2f}{extra}", flush=True)
+        return row
+
     rows = []
     for size, layout in placements:
+        call_wl = staged_wl if layout.stage > 1 else wl
+        micro = {k: call_wl.micro_batches(CallSpec(f"actor.{k}", "actor", k)) if layout.stage > 1 else 1
+                 for k in ("inference", "train")}
         group = DeviceGroup("g", 0, size)
         mesh = make_mesh(group, layout)
         shard = param_shardings(params0, mesh)
@@ -118,20 +146,21 @@ def main() -> None:
             pos = jax.device_put(jnp.broadcast_to(jnp.arange(t), (b, t)), bsh)
             return tok, pos, jax.device_put(jnp.ones((b, t), bool), bsh)
 
-        def fwd(p, tok, pos, mask, cache=None):
-            with ax.activation_sharding(resolver):
+        def fwd(p, tok, pos, mask, cache=None, micro=1):
+            with ax.activation_sharding(resolver), pipeline.staged(layout.stage, STAGE_AXIS), \
+                    pipeline.microbatches(micro):
                 return nnx.merge(graphdef, p)(tok, pos, mask, cache)
 
-        # inference: one forward over the whole batch
+        # inference: one forward over the whole batch (a pipeline over its micro-batches when staged)
         tok, pos, mask = data(wl.batch_size, wl.seq_len)
-        infer = jax.jit(lambda p, t, q, m: fwd(p, t, q, m)[0])
+        infer = jax.jit(lambda p, t, q, m: fwd(p, t, q, m, micro=micro["inference"])[0])
         t_inf = best_time(lambda: infer(params, tok, pos, mask).block_until_ready(), args.repeats)
 
         # train: grad + AdamW per minibatch
         mtok, mpos, mmask = data(wl.minibatch_size, wl.seq_len)
 
         def step(p, s, t, q, m):
-            g = jax.grad(lambda p: -jax.nn.log_softmax(fwd(p, t, q, m)[0]).mean())(p)
+            g = jax.grad(lambda p: -jax.nn.log_softmax(fwd(p, t, q, m, micro=micro["train"])[0]).mean())(p)
             u, s = opt.update(g, s, p)
             return optax.apply_updates(p, u), s
 
@@ -139,6 +168,12 @@ def main() -> None:
         state = opt.init(params)
         t_train = best_time(lambda: jax.block_until_ready(train(params, state, mtok, mpos, mmask)), args.repeats)
         t_train *= wl.minibatches * wl.ppo_epochs
+
+        kinds = (("inference", t_inf), ("train", t_train))
+        if layout.stage > 1:  # generation is never pipelined (the runtime refuses it)
+            for kind, measured in kinds:
+                rows.append(compare(kind, measured, size, group, layout, call_wl))
+            continue
 
         # generate: prefill, then one jitted decode step per new token
         ptok, ppos, pmask = data(wl.batch_size, wl.prompt_len)
@@ -165,25 +200,14 @@ def main() -> None:
             logits.block_until_ready()
             return time.perf_counter() - t0
 
-        for kind, measured in (("generate", t_gen), ("inference", t_inf), ("train", t_train)):
-            cost = call_cost(CallSpec(f"actor.{kind}", "actor", kind), cfg, group, layout, wl, hw)
-            est = cost.seconds
-            row = {"call": kind, "devices": size, "layout": str(layout), "measured_s": measured,
-                   "estimated_s": est, "ratio": est / measured}
-            extra = ""
-            if kind == "generate":  # decode per token vs the HBM roofline of one decode step
-                decode = min(decode_only() for _ in range(args.repeats)) / wl.gen_len
-                seqs = wl.batch_size / (layout.data * layout.fsdp)
-                kv = seqs * (wl.prompt_len + wl.gen_len / 2) * kv_bytes_per_token(cfg) / min(layout.tensor,
-                                                                                                 cfg.num_kv_heads)
-                roof = (param_bytes(cfg, "lm") / (layout.tensor * layout.fsdp) + kv) / hw.memory_bandwidth(size)
-                row.update(decode_s_per_token=decode, decode_est_s_per_token=cost.parts["decode"] / wl.gen_len,
-                           decode_roofline_s_per_token=roof)
-                extra = (f"  decode/token {decode * 1e3:6.2f} ms (est {cost.parts['decode'] / wl.gen_len * 1e3:6.2f}, "
-                         f"roofline {roof * 1e3:6.2f})")
-            rows.append(row)
-            print(f"{kind:10s} {size:2d} dev {str(layout):9s} measured {measured * 1e3:8.1f} ms  "
-                  f"estimated {est * 1e3:8.1f} ms  ratio {est / measured:5.2f}{extra}", flush=True)
+        # decode per token vs the HBM roofline of one decode step
+        decode = min(decode_only() for _ in range(args.repeats)) / wl.gen_len
+        seqs = wl.batch_size / (layout.data * layout.fsdp)
+        kv = seqs * (wl.prompt_len + wl.gen_len / 2) * kv_bytes_per_token(cfg) / min(layout.tensor, cfg.num_kv_heads)
+        roof = (param_bytes(cfg, "lm") / (layout.tensor * layout.fsdp) + kv) / hw.memory_bandwidth(size)
+        rows.append(compare("generate", t_gen, size, group, layout, wl, decode=decode, roofline=roof))
+        for kind, measured in kinds:
+            rows.append(compare(kind, measured, size, group, layout, wl))
 
     errs = [abs(r["ratio"] - 1) for r in rows]
     kinds = ("generate", "inference", "train")
@@ -196,12 +220,16 @@ def main() -> None:
     print(f"\n|estimated/measured - 1|: median {statistics.median(errs):.2f}, max {max(errs):.2f}")
     for k, v in by_kind.items():
         print(f"  {k:10s} median {v['median']:.2f}, max {v['max']:.2f}, rank correlation {v['spearman']:+.2f}")
-    print("pipelined layouts (stage > 1): not validated (the runtime pipeline is not on this branch)")
+    piped = [r for r in rows if r["stage"] > 1]
+    if piped:
+        e = [abs(r["ratio"] - 1) for r in piped]
+        print(f"  pipelined placements (stage > 1, train and inference): median {statistics.median(e):.2f}, "
+              f"max {max(e):.2f} over {len(piped)} calls")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile": hw.to_dict(), "workload": wl.__dict__, "model": cfg.__dict__, "rows": rows,
                        "median_error": statistics.median(errs), "max_error": max(errs), "by_call": by_kind,
-                       "pipelines": "not validated"}, f, indent=1, default=str)
+                       "pipelines": "stage > 1 rows: train and inference"}, f, indent=1, default=str)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
