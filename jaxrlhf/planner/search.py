@@ -9,10 +9,19 @@ The search space gives each call a device group and a layout:
   weights for every token) and no pipeline (the runtime never pipelines it);
   train and inference calls may use pipeline stages that divide the layers.
 Moves: re-place one call, change its layout, copy another call's placement,
-move a role's home together with the calls that share it, toggle a shadow
-copy for a trained role. The energy is the simulated steady-state step time;
-infeasible plans (over memory) get a large energy that still shrinks as they
-approach fitting, so chains walk out of them, but they are never returned.
+move a role's home together with the calls that share it (half the time into
+one of its fastest layouts that fit), put two roles' homes side by side on
+disjoint groups, toggle a shadow copy for a trained role. The energy is the
+simulated steady-state step time; infeasible plans (over memory) get a large
+energy that still shrinks as they approach fitting, so chains walk out of
+them, but they are never returned.
+
+Plans whose roles live in different places (all on all devices vs actor and
+critic on disjoint halves, say) are separated by plans over memory, so a
+chain rarely crosses from one such basin to another. The search therefore
+starts from seeds in several basins, gives each a coordinate-descent sweep
+and a short chain, and narrows by successive halving that keeps the best of
+each basin before a second of any; the finalists are polished.
 
 Deterministic for a seed: the schedule is driven by iteration counts and the
 time budget only cuts a run short (reported in `SearchResult.budget_hit`).
@@ -21,6 +30,7 @@ time budget only cuts a run short (reported in `SearchResult.budget_hit`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -31,6 +41,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import presets
 from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_bytes_per_param, shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
 from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
 
@@ -158,16 +169,41 @@ def preset_plans(num_devices: int, models: Mapping[str, ModelConfig], graph: Cal
     return out
 
 
-def greedy_seed(space: SearchSpace, cache: CostCache) -> State:
-    """Every call on all devices in its own fastest layout: a sensible start when no preset fits."""
+def greedy_seed(ann: "_Annealer") -> State:
+    """Every call on all devices in its fastest layout that fits alone (any layout when none does):
+    a sensible start when no preset fits."""
+    space, n = ann.space, ann.space.num_devices
     slots = []
     for c in space.graph.calls:
-        cands = [s for s in space.slots(c.name) if s[1] == space.num_devices] or space.slots(c.name)
+        fitting = [(0, n, lay) for lay in ann.ranked(c.name, 0, n)[:1]]
+        cands = fitting or [s for s in space.slots(c.name) if s[1] == n] or space.slots(c.name)
         if not cands:
-            raise PlanError(f"no valid layout for {c.name} on {space.num_devices} devices with this model and batch")
-        best = min(cands, key=lambda s: cache.call(c, DeviceGroup("g", s[0], s[1]), s[2]).seconds)
+            raise PlanError(f"no valid layout for {c.name} on {n} devices with this model and batch")
+        best = min(cands, key=lambda s: ann.cache.call(c, DeviceGroup("g", s[0], s[1]), s[2]).seconds)
         slots.append((c.name, best))
     return State(tuple(slots))
+
+
+def split_seeds(ann: "_Annealer", greedy: State) -> list[State]:
+    """For every pair of trained roles: `greedy` with one role's home on the first half of the
+    devices and the other's on the second (each in its fastest layout that fits alone), both
+    keeping shadow copies for their other calls. The plans between such a split and all-on-all
+    starts are mostly over memory, so single-call moves rarely cross from one to the other."""
+    n, half = ann.space.num_devices, ann.space.num_devices // 2
+    if n % 2 or not {(0, half), (half, half)} <= ann.group_set:
+        return []
+    trained = [c for c in ann.space.graph.calls if c.kind == "train"]
+    out = []
+    for a, b in itertools.combinations(trained, 2):
+        st = greedy
+        for call, start in ((a, 0), (b, half)):
+            lays = ann.ranked(call.name, start, half)
+            if not lays:
+                break
+            st = ann.place_home(st, call.role, (start, half, lays[0]))
+        else:
+            out.append(dataclasses.replace(st, shadow=frozenset({a.role, b.role})))
+    return out
 
 
 # ---- annealing ------------------------------------------------------------------------------------
@@ -193,6 +229,33 @@ class _Annealer:
         # Trained roles with a call besides training: only those can keep a shadow copy somewhere else.
         self.trained = [c.role for c in space.graph.calls if c.kind == "train"
                         and any(o.role == c.role and o.kind != "train" for o in space.graph.calls)]
+        self.roles = list(dict.fromkeys(c.role for c in space.graph.calls))
+        self.group_set = set(space.groups)
+        self._ranked: dict[tuple[str, int, int], list[Layout]] = {}
+
+    def ranked(self, call: str, start: int, size: int) -> list[Layout]:
+        """`call`'s layouts on the group (start, size) that fit on their own, fastest first for the
+        call alone. Fitting alone: the role's parameters (and optimizer state, for a train call)
+        plus the call's working set within a device's usable memory."""
+        key = (call, start, size)
+        if key not in self._ranked:
+            spec, group = self.space.graph[call], DeviceGroup("g", start, size)
+            cfg = self.models[spec.role]
+
+            def alone(lay: Layout) -> float:
+                own = params_per_device(cfg, spec.head, lay) + sum(working_set(spec, cfg, lay, self.wl).values())
+                if spec.kind == "train":
+                    own += optimizer_per_device(cfg, spec.head, lay, self.wl, spec.role)
+                return own
+
+            fits = [lay for lay in self.space.layouts[(call, size)] if alone(lay) <= self.hw.usable_memory]
+            self._ranked[key] = sorted(fits, key=lambda lay: self.cache.call(spec, group, lay).seconds)
+        return self._ranked[key]
+
+    def good_slot(self, call: str, start: int, size: int, rng: random.Random) -> Slot | None:
+        """The group with one of `call`'s GOOD_LAYOUTS fastest layouts there (None if it has none)."""
+        lays = self.ranked(call, start, size)[:GOOD_LAYOUTS]
+        return (start, size, rng.choice(lays)) if lays else None
 
     def energy(self, state: State) -> tuple[float, PlanEstimate]:
         if state not in self.seen:
@@ -211,28 +274,33 @@ class _Annealer:
         """The lowest-energy state seen (ties broken by the order states were first seen)."""
         return min(self.seen, key=lambda st: self.seen[st][0])
 
-    def polish(self, deadline: float) -> bool:
-        """Coordinate descent from the best state until nothing improves: each call alone, and with
-        the calls of its role that share its placement, moved to every slot (every layout of its
-        group when a call has more than POLISH_SLOTS slots). Makes chains that ended in the same
-        basin agree on its bottom; True if the deadline cut it short."""
-        cur = self.best_state()
+    def polish(self, start: State, deadline: float, passes: int | None = None) -> tuple[State, bool]:
+        """Coordinate descent from `start` until nothing improves (or for `passes` sweeps, then over
+        the narrow slot set only): each call alone, and with the calls of its role that share its
+        placement, moved to every slot (when a call has more than POLISH_SLOTS slots, or in a
+        limited sweep: every layout of its group, and the GOOD_LAYOUTS fastest on every group the
+        plan uses and on all devices). Brings a start to the bottom of its basin; returns the state
+        reached and True if the deadline cut it short."""
+        cur = start
         e_cur, _ = self.energy(cur)
-        improved = True
-        while improved:
-            improved = False
+        improved, sweep = True, 0
+        while improved and (passes is None or sweep < passes):
+            improved, sweep = False, sweep + 1
             for call, _ in cur.slots:
-                start, size, _ = cur.get(call)
-                slots = self.slots[call] if len(self.slots[call]) <= POLISH_SLOTS else [
-                    (start, size, lay) for lay in self.space.layouts[(call, size)]]
+                start_, size, _ = cur.get(call)
+                slots = self.slots[call] if passes is None and len(self.slots[call]) <= POLISH_SLOTS else [
+                    (start_, size, lay) for lay in self.space.layouts[(call, size)]] + [
+                    (g0, gn, lay) for g0, gn in {(0, self.space.num_devices), *((s0, sn) for s0, sn, _ in
+                                                                                 dict(cur.slots).values())}
+                    for lay in self.ranked(call, g0, gn)[:GOOD_LAYOUTS]]
                 for slot in slots:
                     if time.perf_counter() > deadline:
-                        return True
+                        return cur, True
                     for cand in (cur.with_slot(call, slot), self._move_role(cur, call, slot)):
                         e, _ = self.energy(cand)
                         if e < e_cur * (1 - 1e-9):
                             cur, e_cur, improved = cand, e, True
-        return False
+        return cur, False
 
     def _move_role(self, st: State, call: str, slot: Slot) -> State:
         """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
@@ -241,6 +309,19 @@ class _Annealer:
             if c.split(".")[0] == role and s == old and slot[2] in self.space.layouts[(c, slot[1])]:
                 st = st.with_slot(c, slot)
         return st
+
+    def _move_home(self, st: State, role: str, group: tuple[int, int], rng: random.Random, fast: bool) -> State:
+        """`role`'s home and the calls sharing it moved to `group`, in one of the home call's fast
+        layouts (`fast`) or any layout; calls that cannot use that layout stay."""
+        home = state_to_plan(st, self.space.num_devices).home_call(role)
+        lays = self.ranked(home, *group)[:GOOD_LAYOUTS] if fast else self.space.layouts[(home, group[1])]
+        if not lays:
+            return st
+        return self.place_home(st, role, (*group, rng.choice(lays)))
+
+    def place_home(self, st: State, role: str, slot: Slot) -> State:
+        """`role`'s home and the calls sharing it moved to `slot` (those that can use its layout)."""
+        return self._move_role(st, state_to_plan(st, self.space.num_devices).home_call(role), slot)
 
     def propose(self, st: State, rng: random.Random) -> State:
         calls = [c for c, _ in st.slots]
@@ -258,15 +339,16 @@ class _Annealer:
             if other[2] in self.space.layouts[(call, other[1])]:
                 return st.with_slot(call, other)
             return st.with_slot(call, rng.choice(self.slots[call]))
-        if r < 0.92:  # move a role's home and the calls that share it
-            role = call.split(".")[0]
-            plan = state_to_plan(st, self.space.num_devices)
-            home = plan.home_call(role)
-            old = st.get(home)
-            new = rng.choice(self.slots[home])
-            for c, s in st.slots:
-                if c.split(".")[0] == role and s == old and (new[2] in self.space.layouts[(c, new[1])]):
-                    st = st.with_slot(c, new)
+        if r < 0.85:  # move a role's home and the calls that share it (half the time to a fast layout)
+            return self._move_home(st, call.split(".")[0], rng.choice(self.space.groups), rng,
+                                   fast=rng.random() < 0.5)
+        if r < 0.92 and len(self.roles) > 1:  # two roles' homes side by side on disjoint groups
+            start, size = rng.choice(self.space.groups)
+            nxt = (start + size, size) if (start + size, size) in self.group_set else (start - size, size)
+            if nxt in self.group_set:
+                first, second = rng.sample(self.roles, 2)
+                st = self._move_home(st, first, (start, size), rng, fast=True)
+                return self._move_home(st, second, nxt, rng, fast=True)
             return st
         if self.trained:  # shadow copies / off-policy
             role = rng.choice(self.trained)
@@ -277,23 +359,65 @@ class _Annealer:
         return st.with_slot(call, rng.choice(self.slots[call]))
 
     def chain(self, start: State, iterations: int, rng: random.Random, deadline: float,
-              t0: float = 0.05, t1: float = 0.0005) -> bool:
-        """One annealing chain; returns True if the deadline cut it short."""
-        cur = start
+              t0: float, t1: float) -> tuple[State, bool]:
+        """One annealing chain from `start`, cooling from t0 to t1; returns the best state it saw
+        and True if the deadline cut it short."""
+        cur = best = start
         e_cur, _ = self.energy(cur)
+        e_best = e_cur
         for i in range(iterations):
             if time.perf_counter() > deadline:
-                return True
+                return best, True
             temp = t0 * (t1 / t0) ** (i / max(iterations - 1, 1))
             cand = self.propose(cur, rng)
             e_new, _ = self.energy(cand)
             if e_new <= e_cur or rng.random() < math.exp(-(e_new / e_cur - 1.0) / temp):
                 cur, e_cur = cand, e_new
-        return False
+                if e_cur < e_best:
+                    best, e_best = cur, e_cur
+        return best, False
 
+    def basin(self, st: State) -> tuple:
+        """Where each role's parameters live: plans that differ here are separated by plans over
+        memory or by several coordinated moves, so the search keeps them apart while it narrows."""
+        plan = state_to_plan(st, self.space.num_devices)
+        return tuple(st.get(plan.home_call(r))[:2] for r in self.roles)
 
-DEFAULT_ITERATIONS = 8000
+    def successive_halving(self, starts: list[State], iterations: int, rng: random.Random,
+                           deadline: float) -> tuple[list[State], bool]:
+        """Anneal every start briefly, keep the better half (each continuing from the best state of
+        its own chain, cooler, with twice the iterations) until FINALISTS are left, which get a last
+        chain each. Survivors are picked best first but one per basin before a basin gets a second,
+        so a basin that descends slowly to a deeper bottom is not dropped for a fast shallow one.
+        The rounds share `iterations` equally. Returns the finalists' best states and True if the
+        deadline cut it short."""
+        pool = list(dict.fromkeys(starts))
+        rounds = max(0, math.ceil(math.log2(max(len(pool), 1) / FINALISTS))) + 1
+        temps = [T_START * (T_END / T_START) ** (k / rounds) for k in range(rounds + 1)]
+        for k in range(rounds):
+            per_chain = max(1, iterations // rounds // len(pool))
+            ends = []
+            for st in pool:
+                end, hit = self.chain(st, per_chain, random.Random(rng.getrandbits(64)), deadline,
+                                      temps[k], temps[k + 1])
+                ends.append(end)
+                if hit:
+                    return ends, True
+            ends = sorted(dict.fromkeys(ends), key=lambda st: self.energy(st)[0])
+            keep = max(FINALISTS, len(ends) // 2) if k < rounds - 1 else FINALISTS
+            firsts, seen = [], set()
+            for st in ends:  # the best of each basin, in order
+                if self.basin(st) not in seen:
+                    seen.add(self.basin(st))
+                    firsts.append(st)
+            pool = (firsts + [st for st in ends if st not in firsts])[:keep]
+        return pool, False
+
+DEFAULT_ITERATIONS = 16000
 POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
+T_START, T_END = 0.05, 0.0005  # annealing temperature, as a relative step-time increase accepted 1 time in e
+FINALISTS = 2  # plans (from different basins where there are) that get the last chain and a full polish
+GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this many fastest layouts there
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 
 
@@ -321,11 +445,13 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
            seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
-    Half of `iterations` is split over one annealing chain per seed plan (every
-    preset that applies, a greedy one, and the best plan for half the devices
-    embedded in these, so more devices are never estimated slower than fewer);
-    the other half continues from the best state found, then a coordinate
-    descent polishes it. The half-size search is the same call for
+    The seed plans are every preset that applies, a greedy one, splits of the
+    greedy one (two trained roles on disjoint halves) and the best plan for
+    half the devices embedded in these, so more devices are never estimated
+    slower than fewer. Each gets one coordinate-descent sweep, then
+    `iterations` annealing steps are shared by successive-halving rounds over
+    them (`_Annealer.successive_halving`) and the finalists are polished to
+    their bottom. The half-size search is the same call for
     num_devices / 2 (reused when already done in this process). `seeds`
     replaces the presets and the half-size seed, e.g. for tests. One-step
     off-policy plans are explored only with `allow_offpolicy`, because they
@@ -366,25 +492,25 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
             if allow_offpolicy or not state.offpolicy:
                 starts.append(state)
     try:
-        starts.append(greedy_seed(space, ann.cache))
+        greedy = greedy_seed(ann)
+        starts += [greedy, *split_seeds(ann, greedy)]
     except PlanError:
         if not starts:
             raise
-
-    rng_root = random.Random(seed)
     deadline = t_start + time_budget_s
-    # Explore from every start, then intensify from the best found, then polish it.
-    per_chain = max(1, iterations // 2 // len(starts))
     budget_hit = False
-    for s in starts:
-        budget_hit |= ann.chain(s, per_chain, random.Random(rng_root.getrandbits(64)), deadline)
+    polished = []
+    for st in starts:  # one sweep of coordinate descent shows roughly where each start's basin bottoms out
+        st, budget_hit = ann.polish(st, deadline, passes=1)
+        polished.append(st)
         if budget_hit:
             break
     if not budget_hit:
-        budget_hit = ann.chain(ann.best_state(), iterations - per_chain * len(starts),
-                               random.Random(rng_root.getrandbits(64)), deadline, t0=0.01)
-    if not budget_hit:
-        budget_hit = ann.polish(deadline)
+        finalists, budget_hit = ann.successive_halving(polished, iterations, random.Random(seed), deadline)
+        for st in finalists:
+            if budget_hit:
+                break
+            budget_hit = ann.polish(st, deadline)[1]
 
     presets.pop(f"best of {half}", None)  # a seed, not a preset
     feasible = sorted(((e, est) for e, est in ann.seen.values() if est.feasible), key=lambda x: x[0])
