@@ -1,5 +1,6 @@
 import dataclasses
 import itertools
+import random
 
 import pytest
 
@@ -102,3 +103,21 @@ def test_more_devices_are_never_estimated_slower_and_seeds_repeat():
         assert best[n] <= best[n // 2] + 1e-12, best
     search_module._RESULTS.clear()  # really search again, not the remembered result
     assert search(models, wl, hw, 8, GRAPH, iterations=200, seed=3).best.step_s == best[8]
+
+
+def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypatch):
+    """A basin whose start is worse than two starts of another basin still reaches the final."""
+    hw, models, wl = _small_instance()
+    space = SearchSpace.build(GRAPH, models, wl, 4, hw)
+    ann = search_module._Annealer(space, models, wl, hw, steps=3, allow_offpolicy=False)
+    together = search_module.greedy_seed(ann)  # everything on all 4 devices
+    others = [together.with_slot("critic.inference", (0, 4, lay))
+              for lay in space.layouts[("critic.inference", 4)] if lay != together.get("critic.inference")[2]]
+    apart = ann.place_home(ann.place_home(together, "actor", (0, 2, ann.ranked("actor.train", 0, 2)[0])),
+                           "critic", (2, 2, space.layouts[("critic.inference", 2)][0]))
+    pool = sorted([together, *others], key=lambda st: ann.energy(st)[0])[:3]
+    assert len({ann.basin(st) for st in pool}) == 1 and ann.basin(apart) != ann.basin(together)
+    assert ann.energy(apart)[0] > ann.energy(pool[1])[0]  # apart would lose a plain halving
+    monkeypatch.setattr(ann, "chain", lambda st, *args, **kw: (st, False))  # judge the starts as they are
+    finalists, hit = ann.successive_halving([*pool, apart], 400, random.Random(0), float("inf"))
+    assert not hit and finalists == [pool[0], apart]
