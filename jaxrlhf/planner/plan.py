@@ -95,8 +95,9 @@ class Placement:
 
 
 @functools.lru_cache(maxsize=4096)
-def _home_call(calls: tuple[str, ...], role: str) -> str:
-    """The role's train call if it has one, else its first call."""
+def home_call_of(calls: tuple[str, ...], role: str) -> str:
+    """Of the call names `calls`, the one holding `role`'s parameters: its train call if it has one,
+    else its first call."""
     mine = [c for c in calls if c.startswith(role + ".")]
     if not mine:
         raise PlanError(f"plan has no call for role {role!r}")
@@ -122,7 +123,7 @@ class ExecutionPlan:
 
     def home_call(self, role: str) -> str:
         """The call whose placement holds `role`'s parameters."""
-        return _home_call(tuple(self.calls), role)  # the search asks this ~10^6 times
+        return home_call_of(tuple(self.calls), role)  # the search asks this ~10^6 times
 
     def home(self, role: str) -> Placement:
         return self.calls[self.home_call(role)]

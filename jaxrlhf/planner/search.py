@@ -42,7 +42,7 @@ from jaxrlhf.planner import presets
 from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_bytes_per_param, shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of
 from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
@@ -230,6 +230,8 @@ class _Annealer:
         self.trained = [c.role for c in space.graph.calls if c.kind == "train"
                         and any(o.role == c.role and o.kind != "train" for o in space.graph.calls)]
         self.roles = list(dict.fromkeys(c.role for c in space.graph.calls))
+        names = tuple(c.name for c in space.graph.calls)  # every state places every call, so homes are fixed
+        self.home = {r: home_call_of(names, r) for r in self.roles}
         self.group_set = set(space.groups)
         self._ranked: dict[tuple[str, int, int], list[Layout]] = {}
 
@@ -251,11 +253,6 @@ class _Annealer:
             fits = [lay for lay in self.space.layouts[(call, size)] if alone(lay) <= self.hw.usable_memory]
             self._ranked[key] = sorted(fits, key=lambda lay: self.cache.call(spec, group, lay).seconds)
         return self._ranked[key]
-
-    def good_slot(self, call: str, start: int, size: int, rng: random.Random) -> Slot | None:
-        """The group with one of `call`'s GOOD_LAYOUTS fastest layouts there (None if it has none)."""
-        lays = self.ranked(call, start, size)[:GOOD_LAYOUTS]
-        return (start, size, rng.choice(lays)) if lays else None
 
     def energy(self, state: State) -> tuple[float, PlanEstimate]:
         if state not in self.seen:
@@ -313,15 +310,15 @@ class _Annealer:
     def _move_home(self, st: State, role: str, group: tuple[int, int], rng: random.Random, fast: bool) -> State:
         """`role`'s home and the calls sharing it moved to `group`, in one of the home call's fast
         layouts (`fast`) or any layout; calls that cannot use that layout stay."""
-        home = state_to_plan(st, self.space.num_devices).home_call(role)
+        home = self.home[role]
         lays = self.ranked(home, *group)[:GOOD_LAYOUTS] if fast else self.space.layouts[(home, group[1])]
         if not lays:
             return st
-        return self.place_home(st, role, (*group, rng.choice(lays)))
+        return self._move_role(st, home, (*group, rng.choice(lays)))
 
     def place_home(self, st: State, role: str, slot: Slot) -> State:
         """`role`'s home and the calls sharing it moved to `slot` (those that can use its layout)."""
-        return self._move_role(st, state_to_plan(st, self.space.num_devices).home_call(role), slot)
+        return self._move_role(st, self.home[role], slot)
 
     def propose(self, st: State, rng: random.Random) -> State:
         calls = [c for c, _ in st.slots]
@@ -380,8 +377,7 @@ class _Annealer:
     def basin(self, st: State) -> tuple:
         """Where each role's parameters live: plans that differ here are separated by plans over
         memory or by several coordinated moves, so the search keeps them apart while it narrows."""
-        plan = state_to_plan(st, self.space.num_devices)
-        return tuple(st.get(plan.home_call(r))[:2] for r in self.roles)
+        return tuple(st.get(self.home[r])[:2] for r in self.roles)
 
     def successive_halving(self, starts: list[State], iterations: int, rng: random.Random,
                            deadline: float) -> tuple[list[State], bool]:
@@ -412,6 +408,7 @@ class _Annealer:
                     firsts.append(st)
             pool = (firsts + [st for st in ends if st not in firsts])[:keep]
         return pool, False
+
 
 DEFAULT_ITERATIONS = 16000
 POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
@@ -472,7 +469,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
             smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations, top_k=top_k,
                              steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s)
             raw[f"best of {half}"] = embed(smaller.best.plan, graph, num_devices)
-        except PlanError:
+        except PlanError:  # nothing fits on half the devices: no half-size seed
             pass
     space = SearchSpace.build(graph, models, wl, num_devices, hw)
     ann = _Annealer(space, models, wl, hw, steps, allow_offpolicy)
