@@ -137,7 +137,7 @@ class CallGraph:
             deps = set(c.deps) | upstream_calls(c, {c.name})
             resolved.append(dataclasses.replace(c, deps=tuple(n for n in names if n in deps)))
         object.__setattr__(self, "calls", tuple(resolved))
-        self.order()  # raises on a cycle
+        object.__setattr__(self, "_order", self._resolve_order())  # raises on a cycle; the planner asks often
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -179,6 +179,9 @@ class CallGraph:
 
     def order(self) -> tuple[Node, ...]:
         """Every node in an order that respects data and call dependencies (stable in declaration order)."""
+        return self._order
+
+    def _resolve_order(self) -> tuple[Node, ...]:
         done: list[str] = []
         available = set(self.feed) | set(self.state)
         remaining = list(self.nodes)

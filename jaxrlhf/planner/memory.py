@@ -203,41 +203,48 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
 
     n = plan.num_devices
     cap = hw.usable_memory
+    calls = [c for c in graph.calls if c.name in plan.calls]
     trained = {c.role for c in graph.calls if c.kind == "train"}
-    roles = [r for r in graph.roles if any(c.role == r for c in graph.calls if c.name in plan.calls)]
+    roles = list(dict.fromkeys(c.role for c in calls))
     homes = {r: plan.home_call(r) for r in roles}
+    heads = {c.role: c.head for c in calls}
+    # Devices between consecutive group boundaries hold the same bytes: compute per such segment
+    # (a handful) rather than per device (hundreds), and expand to devices at the end.
+    cuts = sorted({0, n, *(x for c in plan.calls for x in (plan.group_of(c).start, plan.group_of(c).stop))})
+    index = {x: i for i, x in enumerate(cuts)}
+    segments = len(cuts) - 1
 
-    def span(call_name: str) -> slice:
+    def span(call_name: str) -> range:
         g = plan.group_of(call_name)
-        return slice(g.start, g.stop)
+        return range(index[g.start], index[g.stop])
 
     # Resident contributions per role (home params + optimizer state + persistent shadows).
-    resident_by_role: dict[str, np.ndarray] = {}
+    resident_by_role: dict[str, list[float]] = {}
     for role in roles:
-        cfg, head = models[role], graph.head(role)
+        cfg, head = models[role], heads[role]
         home_call = homes[role]
         home = plan.calls[home_call]
-        arr = np.zeros(n)
+        arr = [0.0] * segments
         per = params_per_device(cfg, head, home.layout)
         if role in trained:
             per += optimizer_per_device(cfg, head, home.layout, wl, role)
-        arr[span(home_call)] += per
+        for i in span(home_call):
+            arr[i] += per
         if role in plan.shadow_roles:
             seen = {(plan.group_of(home_call).start, plan.group_of(home_call).size, home.layout)}
-            for c in graph.calls:
-                if c.role != role or c.name not in plan.calls:
+            for c in calls:
+                if c.role != role:
                     continue
                 g, lay = plan.group_of(c.name), plan.calls[c.name].layout
                 if (g.start, g.size, lay) not in seen:
                     seen.add((g.start, g.size, lay))
-                    arr[g.start:g.stop] += params_per_device(cfg, head, lay)
+                    for i in span(c.name):
+                        arr[i] += params_per_device(cfg, head, lay)
         resident_by_role[role] = arr
 
     # Working sets per call; a call away from home without a shadow holds a temporary copy.
     work: dict[str, float] = {}
-    for c in graph.calls:
-        if c.name not in plan.calls:
-            continue
+    for c in calls:
         cfg, lay = models[c.role], plan.calls[c.name].layout
         w = cached(("work", c.name, lay), lambda: sum(working_set(c, cfg, lay, wl).values()))
         home_call = homes[c.role]
@@ -247,38 +254,43 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
             w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 
+    def per_device(values: list[float]) -> np.ndarray:
+        return np.repeat(np.asarray(values, dtype=float), np.diff(cuts))
+
     offloaded: list[str] = [r for r in plan.offload_roles if r in resident_by_role]  # the plan's own choice
     for r in offloaded:
-        resident_by_role[r] = np.zeros(n)
+        resident_by_role[r] = [0.0] * segments
     frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles]
     while True:
-        resident = sum(resident_by_role.values(), np.zeros(n))
-        peak = resident.copy()
+        resident = [sum(col) for col in zip(*resident_by_role.values())] if resident_by_role else [0.0] * segments
+        peak = list(resident)
         call_bytes: dict[str, float] = {}
-        for name, w in work.items():
-            s = span(name)
-            role = graph[name].role
-            extra = w
+        for c in calls:
+            name, role = c.name, c.role
+            extra = work[name]
             if role in offloaded:  # reloaded for its own call
-                extra += params_per_device(models[role], graph.head(role), plan.calls[name].layout)
-            peak[s] = np.maximum(peak[s], resident[s] + extra)
-            call_bytes[name] = float((resident[s] + extra).max())
-        over = peak > cap
-        if not over.any():
-            return MemoryReport(peak, resident, cap, tuple(offloaded), call_bytes)
-        candidates = [r for r in frozen if r not in offloaded and resident_by_role[r][over].any()]
+                extra += params_per_device(models[role], c.head, plan.calls[name].layout)
+            worst = 0.0
+            for i in span(name):
+                worst = max(worst, resident[i] + extra)
+                peak[i] = max(peak[i], resident[i] + extra)
+            call_bytes[name] = worst
+        over = [i for i in range(segments) if peak[i] > cap]
+        if not over:
+            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes)
+        candidates = [r for r in frozen if r not in offloaded and any(resident_by_role[r][i] for i in over)]
         if not candidates:
-            dev = int(np.argmax(peak))
-            worst = max((nm for nm in work if span(nm).start <= dev < span(nm).stop),
-                        key=lambda nm: call_bytes[nm], default=None)
+            seg = max(range(segments), key=lambda i: (peak[i], -i))
+            dev = cuts[seg]
+            worst = max((nm for nm in work if seg in span(nm)), key=lambda nm: call_bytes[nm], default=None)
             reason = (
-                f"out of memory on device {dev}: needs {peak[dev] / GiB:.1f} GiB of {cap / GiB:.1f} GiB usable "
-                f"(resident {resident[dev] / GiB:.1f} GiB"
-                + (f"; largest call {worst} adds {(call_bytes[worst] - resident[dev]) / GiB:.1f} GiB" if worst else "")
+                f"out of memory on device {dev}: needs {peak[seg] / GiB:.1f} GiB of {cap / GiB:.1f} GiB usable "
+                f"(resident {resident[seg] / GiB:.1f} GiB"
+                + (f"; largest call {worst} adds {(call_bytes[worst] - resident[seg]) / GiB:.1f} GiB" if worst else "")
                 + (f"; offloaded {offloaded}" if offloaded else "")
                 + ")"
             )
-            return MemoryReport(peak, resident, cap, tuple(offloaded), call_bytes, reason)
-        largest = max(candidates, key=lambda r: resident_by_role[r][over].max())
+            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes, reason)
+        largest = max(candidates, key=lambda r: max(resident_by_role[r][i] for i in over))
         offloaded.append(largest)
-        resident_by_role[largest] = np.zeros(n)
+        resident_by_role[largest] = [0.0] * segments

@@ -30,11 +30,12 @@ time budget only cuts a run short (reported in `SearchResult.budget_hit`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
 import time
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
@@ -234,24 +235,43 @@ class _Annealer:
         self.home = {r: home_call_of(names, r) for r in self.roles}
         self.group_set = set(space.groups)
         self._ranked: dict[tuple[str, int, int], list[Layout]] = {}
+        self._bytes_alone: dict[tuple[str, Layout], float] = {}
+        upstream: dict[str, set[str]] = {}
+        for c in space.graph.topological():
+            upstream[c.name] = set(c.deps).union(*(upstream[d] for d in c.deps))
+        # Calls of different roles with no dependency path between them: they can run at the same time.
+        self.independent = [(a.name, b.name) for a, b in itertools.permutations(space.graph.calls, 2)
+                            if a.role != b.role and a.name not in upstream[b.name] and b.name not in upstream[a.name]]
+
+    def bytes_alone(self, call: str, lay: Layout) -> float:
+        """Bytes per device of `call` under `lay` on its own: its role's parameters (and optimizer
+        state, for a train call) plus the call's working set."""
+        if (call, lay) not in self._bytes_alone:
+            spec = self.space.graph[call]
+            cfg = self.models[spec.role]
+            own = params_per_device(cfg, spec.head, lay) + sum(working_set(spec, cfg, lay, self.wl).values())
+            if spec.kind == "train":
+                own += optimizer_per_device(cfg, spec.head, lay, self.wl, spec.role)
+            self._bytes_alone[(call, lay)] = own
+        return self._bytes_alone[(call, lay)]
 
     def ranked(self, call: str, start: int, size: int) -> list[Layout]:
-        """`call`'s layouts on the group (start, size) that fit on their own, fastest first for the
-        call alone. Fitting alone: the role's parameters (and optimizer state, for a train call)
-        plus the call's working set within a device's usable memory."""
+        """`call`'s layouts on the group (start, size) that fit on their own and that no other such
+        layout beats on both time and memory, fastest first (so each next one needs less memory).
+        Fitting alone: the role's parameters (and optimizer state, for a train call) plus the
+        call's working set within a device's usable memory. In a plan, other roles' parameters
+        share the devices, so the fastest layout alone is often not the one that fits; the
+        time-memory front holds the one that does."""
         key = (call, start, size)
         if key not in self._ranked:
             spec, group = self.space.graph[call], DeviceGroup("g", start, size)
-            cfg = self.models[spec.role]
-
-            def alone(lay: Layout) -> float:
-                own = params_per_device(cfg, spec.head, lay) + sum(working_set(spec, cfg, lay, self.wl).values())
-                if spec.kind == "train":
-                    own += optimizer_per_device(cfg, spec.head, lay, self.wl, spec.role)
-                return own
-
+            alone = functools.partial(self.bytes_alone, call)
             fits = [lay for lay in self.space.layouts[(call, size)] if alone(lay) <= self.hw.usable_memory]
-            self._ranked[key] = sorted(fits, key=lambda lay: self.cache.call(spec, group, lay).seconds)
+            front: list[Layout] = []
+            for lay in sorted(fits, key=lambda lay: (self.cache.call(spec, group, lay).seconds, alone(lay))):
+                if not front or alone(lay) < alone(front[-1]):
+                    front.append(lay)
+            self._ranked[key] = front
         return self._ranked[key]
 
     def energy(self, state: State) -> tuple[float, PlanEstimate]:
@@ -297,7 +317,75 @@ class _Annealer:
                         e, _ = self.energy(cand)
                         if e < e_cur * (1 - 1e-9):
                             cur, e_cur, improved = cand, e, True
+            for cand in itertools.chain(self.side_by_side(cur), self.repaired_moves(cur) if passes is None else ()):
+                if time.perf_counter() > deadline:
+                    return cur, True
+                e, _ = self.energy(cand)
+                if e < e_cur * (1 - 1e-9):
+                    cur, e_cur, improved = cand, e, True
         return cur, False
+
+    def repaired_moves(self, st: State) -> Iterator[State]:
+        """Each call (with the calls of its role sharing its placement) moved to a layout of its
+        group that needs more memory, then every call of another role on those devices moved in
+        turn to whichever of its current layout and its leaner front layouts gives the fastest
+        plan (on a tie, the fastest leaner one). A faster layout often fits only once its neighbours make room, and making room alone
+        is slower: no single move, and no pair of moves, gets there."""
+        for call, (start, size, lay) in st.slots:
+            for new in self.ranked(call, start, size):
+                if self.bytes_alone(call, new) <= self.bytes_alone(call, lay):
+                    continue
+                cand = self._move_role(st, call, (start, size, new))
+                role = call.split(".")[0]
+                for other, (o_start, o_size, o_lay) in st.slots:
+                    if other.split(".")[0] == role or o_start >= start + size or start >= o_start + o_size:
+                        continue
+                    options = [cand] + [self._move_role(cand, other, (o_start, o_size, leaner))
+                                        for leaner in self.ranked(other, o_start, o_size)
+                                        if self.bytes_alone(other, leaner) < self.bytes_alone(other, o_lay)]
+                    # on a tie (often: a role stays offloaded until its neighbours shrink too), the
+                    # fastest leaner layout rather than none
+                    cand = min(enumerate(options), key=lambda io: (self.energy(io[1])[0], io[0] == 0, io[0]))[1]
+                yield cand
+
+    def side_by_side(self, st: State) -> list[State]:
+        """Independent calls that share a group split over its halves, and three over a half and two
+        quarters. Each call is placed in turn, in one of its GOOD_LAYOUTS fastest layouts there,
+        alone or with the calls of its role that share its placement (a trained role's call placed
+        away from home also tries a shadow copy), keeping the SIDE_BY_SIDE_KEEP best plans so far
+        for the next call. No single-call move reaches these plans: each call alone is slower on
+        part of its group; only the calls running at the same time together are faster."""
+        placed = dict(st.slots)
+
+        def place(states: list[State], call: str, start: int, size: int) -> list[State]:
+            role, nxt = call.split(".")[0], []
+            for lay in self.ranked(call, start, size)[:GOOD_LAYOUTS] if (start, size) in self.group_set else []:
+                for s in states:
+                    for cand in (s.with_slot(call, (start, size, lay)), self._move_role(s, call, (start, size, lay))):
+                        nxt.append(cand)
+                        if role in self.trained and call != self.home[role]:
+                            nxt.append(dataclasses.replace(cand, shadow=cand.shadow | {role}))
+            return sorted(dict.fromkeys(nxt), key=lambda c: self.energy(c)[0])[:SIDE_BY_SIDE_KEEP]
+
+        out: list[State] = []
+        pairs = set(self.independent)
+        for a, b in self.independent:
+            start, size = placed[a][:2]
+            if placed[b][:2] != (start, size) or size % 2:
+                continue
+            half = size // 2
+            first = place([st], a, start, half)
+            out += place(first, b, start + half, half)[:1]
+            if half % 2:
+                continue
+            for c in self.calls_independent_of(a):
+                if c > b and (b, c) in pairs and placed[c][:2] == (start, size):
+                    out += place(place(first, b, start + half, half // 2), c, start + half + half // 2,
+                                 half // 2)[:1]
+        return out
+
+    def calls_independent_of(self, call: str) -> list[str]:
+        return [b for a, b in self.independent if a == call]
 
     def _move_role(self, st: State, call: str, slot: Slot) -> State:
         """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
@@ -414,6 +502,7 @@ DEFAULT_ITERATIONS = 16000
 POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
 T_START, T_END = 0.05, 0.0005  # annealing temperature, as a relative step-time increase accepted 1 time in e
 FINALISTS = 2  # plans (from different basins where there are) that get the last chain and a full polish
+SIDE_BY_SIDE_KEEP = 2  # partial plans a side-by-side move carries from one call to the next
 GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this many fastest layouts there
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-import numpy as np
 
 from jaxrlhf.planner.cost import CallCost, CostCache, Workload, offload_cost
 from jaxrlhf.graph import CallGraph
@@ -75,7 +74,11 @@ def schedule(ops: list[Op], num_devices: int) -> Timeline:
         for d in o.deps:
             if d not in by_name:
                 raise ValueError(f"op {o.name!r} depends on unknown op {d!r}")
-    free = np.zeros(num_devices)
+    # Devices between consecutive range boundaries are always busy together: track them as one.
+    cuts = sorted({0, num_devices, *(x for o in ops for r in o.ranges for x in r)})
+    index = {x: i for i, x in enumerate(cuts)}
+    segments = {o.name: [i for a, b in o.ranges for i in range(index[a], index[b])] for o in ops}
+    free = [0.0] * (len(cuts) - 1)
     end: dict[str, float] = {}
     order = {o.name: i for i, o in enumerate(ops)}
     pending = list(ops)
@@ -85,15 +88,15 @@ def schedule(ops: list[Op], num_devices: int) -> Timeline:
         for o in pending:
             if not all(d in end for d in o.deps):
                 continue
-            t = max([end[d] for d in o.deps] + [free[a:b].max() for a, b in o.ranges if b > a], default=0.0)
+            t = max([end[d] for d in o.deps] + [free[i] for i in segments[o.name]], default=0.0)
             if best is None or (t, order[o.name]) < best[:2]:
                 best = (t, order[o.name], o)
         if best is None:
             raise ValueError(f"dependency cycle among {[o.name for o in pending]}")
         t, _, o = best
         finish = t + o.duration
-        for a, b in o.ranges:
-            free[a:b] = finish
+        for i in segments[o.name]:
+            free[i] = finish
         end[o.name] = finish
         spans.append(Span(o, t, finish))
         pending.remove(o)

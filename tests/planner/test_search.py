@@ -8,7 +8,7 @@ from jaxrlhf.planner.cost import CostCache, Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner import search as search_module
-from jaxrlhf.planner.plan import PlanError
+from jaxrlhf.planner.plan import Layout, PlanError
 from jaxrlhf.planner.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
 from jaxrlhf.planner.simulator import estimate_plan
 from jaxrlhf.models.config import preset
@@ -121,3 +121,30 @@ def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypat
     monkeypatch.setattr(ann, "chain", lambda st, *args, **kw: (st, False))  # judge the starts as they are
     finalists, hit = ann.successive_halving([*pool, apart], 400, random.Random(0), float("inf"))
     assert not hit and finalists == [pool[0], apart]
+
+
+def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
+    """Scaled critic, 70B critic and reward with 7B actor and reference on 64 H100s: every call on all
+    devices is a local optimum for single-call moves, but reward and critic inference on the two
+    halves at once (the critic keeping a shadow copy there) are faster. The polish finds it."""
+    models = {"actor": preset("llama2-7b"), "ref": preset("llama2-7b"), "critic": preset("llama2-70b"),
+              "reward": preset("llama2-70b")}
+    wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)  # as bench_planner.py sets it
+    graph = ppo_graph()
+    space = SearchSpace.build(graph, models, wl, 64, H100)
+    ann = search_module._Annealer(space, models, wl, H100, steps=3, allow_offpolicy=False)
+    lay = lambda d, t, p: Layout(data=d, fsdp=1, tensor=t, stage=p)  # noqa: E731
+    together = State((("actor.generate", (0, 64, lay(8, 8, 1))), ("reward.inference", (0, 64, lay(8, 1, 8))),
+                      ("ref.inference", (0, 64, lay(16, 1, 4))), ("critic.inference", (0, 64, lay(2, 4, 8))),
+                      ("actor.train", (0, 64, lay(4, 2, 8))), ("critic.train", (0, 64, lay(2, 4, 8)))))
+    e_together = ann.energy(together)[0]
+    assert e_together < 1e6  # fits
+    for call, _ in together.slots:
+        for slot in ann.slots[call]:
+            assert ann.energy(together.with_slot(call, slot))[0] >= e_together * (1 - 1e-9), (call, slot)
+    assert ("reward.inference", "critic.inference") in ann.independent
+    assert ("actor.generate", "critic.inference") not in ann.independent  # critic.inference reads the samples
+    polished, hit = ann.polish(together, float("inf"))
+    assert not hit and ann.energy(polished)[0] < e_together * 0.99
+    halves = {polished.get(c)[:2] for c in ("reward.inference", "critic.inference")}
+    assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
