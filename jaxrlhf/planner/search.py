@@ -10,11 +10,11 @@ The search space gives each call a device group and a layout:
   train and inference calls may use pipeline stages that divide the layers.
 Moves: re-place one call, change its layout, copy another call's placement,
 move a role's home together with the calls that share it (half the time into
-one of its fastest layouts that fit), put two roles' homes side by side on
+one of its fast layouts that fit), put two roles' homes side by side on
 disjoint groups, toggle a shadow copy for a trained role. The polish adds
 moves of several calls at once that no single move reaches: independent calls
-split side by side or gathered on one group, and a call moved to a faster,
-hungrier layout while its neighbours take leaner ones. The energy is the
+split side by side over a group, and a call moved to a faster, hungrier
+layout while its neighbours take leaner ones. The energy is the
 simulated steady-state step time; infeasible plans (over memory) get a large
 energy that still shrinks as they approach fitting, so chains walk out of
 them, but they are never returned.
@@ -245,12 +245,6 @@ class _Annealer:
         # Calls of different roles with no dependency path between them: they can run at the same time.
         self.independent = [(a.name, b.name) for a, b in itertools.permutations(space.graph.calls, 2)
                             if a.role != b.role and a.name not in upstream[b.name] and b.name not in upstream[a.name]]
-        # Largest sets of calls that can all run at the same time (reference, reward and critic
-        # inference after generation, say): the side-by-side move also gathers each on one group.
-        pairs, names = set(self.independent), [c.name for c in space.graph.calls]
-        sets = [set(combo) for k in range(len(names), 1, -1) for combo in itertools.combinations(names, k)
-                if all((a, b) in pairs for a, b in itertools.combinations(combo, 2))]
-        self.cohorts = [sorted(x, key=names.index) for i, x in enumerate(sets) if not any(x < y for y in sets[:i])]
 
     def bytes_alone(self, call: str, lay: Layout) -> float:
         """Bytes per device of `call` under `lay` on its own: its role's parameters (and optimizer
@@ -304,8 +298,8 @@ class _Annealer:
         """Coordinate descent from `start` until nothing improves (or for `passes` sweeps, then over
         the narrow slot set only): each call alone, and with the calls of its role that share its
         placement, moved to every slot (when a call has more than POLISH_SLOTS slots, or in a
-        limited sweep: every layout of its group, and the GOOD_LAYOUTS fastest on every group the
-        plan uses and on all devices). Brings a start to the bottom of its basin; returns the state
+        limited sweep: every layout of its group, and the GOOD_LAYOUTS fastest front layouts on
+        every group the plan uses and on all devices). Brings a start to the bottom of its basin; returns the state
         reached and True if the deadline cut it short."""
         cur = start
         e_cur, _ = self.energy(cur)
@@ -338,8 +332,9 @@ class _Annealer:
         """Each call (with the calls of its role sharing its placement) moved to a layout of its
         group that needs more memory, then every call of another role on those devices moved in
         turn to whichever of its current layout and its leaner front layouts gives the fastest
-        plan (on a tie, the fastest leaner one). A faster layout often fits only once its neighbours make room, and making room alone
-        is slower: no single move, and no pair of moves, gets there."""
+        plan (on a tie, the fastest leaner one). A faster layout often fits only once its
+        neighbours make room, and making room alone is slower: no single move, and no pair of
+        moves, gets there."""
         for call, (start, size, lay) in st.slots:
             for new in self.ranked(call, start, size):
                 if self.bytes_alone(call, new) <= self.bytes_alone(call, lay):
@@ -358,13 +353,12 @@ class _Annealer:
                 yield cand
 
     def side_by_side(self, st: State) -> list[State]:
-        """Independent calls that share a group split over its halves, three over a half and two
-        quarters, and each cohort of calls that can run at once gathered on one group. Each call is placed in turn, in one of its GOOD_LAYOUTS fastest layouts there,
+        """Independent calls that share a group split over its halves, and three over a half and two
+        quarters. Each call is placed in turn, in one of its GOOD_LAYOUTS fastest layouts there,
         alone or with the calls of its role that share its placement (a trained role's call placed
         away from home also tries a shadow copy), keeping the SIDE_BY_SIDE_KEEP best plans so far
         for the next call. No single-call move reaches these plans: each call alone is slower on
-        part of its group (or, gathering, waits for the others there); only the calls that run at
-        the same time, moved together, are faster."""
+        part of its group; only the calls running at the same time together are faster."""
         placed = dict(st.slots)
 
         def place(states: list[State], call: str, start: int, size: int) -> list[State]:
@@ -392,13 +386,6 @@ class _Annealer:
                 if c > b and (b, c) in pairs and placed[c][:2] == (start, size):
                     out += place(place(first, b, start + half, half // 2), c, start + half + half // 2,
                                  half // 2)[:1]
-        for cohort in self.cohorts:  # gathered on one group, each call in turn in a fast layout there
-            for start, size in sorted({(0, self.space.num_devices), *(slot[:2] for slot in placed.values())}):
-                if any(placed[c][:2] != (start, size) for c in cohort):
-                    gathered = [st]
-                    for c in cohort:
-                        gathered = place(gathered, c, start, size)
-                    out += gathered[:1]
         return out
 
     def calls_independent_of(self, call: str) -> list[str]:
@@ -520,7 +507,7 @@ POLISH_SLOTS = 600  # a call with more candidate slots is polished over its grou
 T_START, T_END = 0.05, 0.0005  # annealing temperature, as a relative step-time increase accepted 1 time in e
 FINALISTS = 2  # plans (from different basins where there are) that get the last chain and a full polish
 SIDE_BY_SIDE_KEEP = 2  # partial plans a side-by-side move carries from one call to the next
-GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this many fastest layouts there
+GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this many fastest front layouts there
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 
 

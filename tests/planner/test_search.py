@@ -148,6 +148,3 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     assert not hit and ann.energy(polished)[0] < e_together * 0.99
     halves = {polished.get(c)[:2] for c in ("reward.inference", "critic.inference")}
     assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
-    # and back: the calls that can run at once are also offered gathered on one group
-    assert ann.cohorts == [["reward.inference", "ref.inference", "critic.inference"], ["actor.train", "critic.train"]]
-    assert any(len({cand.get(c)[:2] for c in ann.cohorts[0]}) == 1 for cand in ann.side_by_side(polished))
