@@ -261,8 +261,7 @@ class _Annealer:
     def ranked(self, call: str, start: int, size: int) -> list[Layout]:
         """`call`'s layouts on the group (start, size) that fit on their own and that no other such
         layout beats on both time and memory, fastest first (so each next one needs less memory).
-        Fitting alone: the role's parameters (and optimizer state, for a train call) plus the
-        call's working set within a device's usable memory. In a plan, other roles' parameters
+        Fitting alone: `bytes_alone` within a device's usable memory. In a plan, other roles' parameters
         share the devices, so the fastest layout alone is often not the one that fits; the
         time-memory front holds the one that does."""
         key = (call, start, size)
@@ -299,7 +298,8 @@ class _Annealer:
         the narrow slot set only): each call alone, and with the calls of its role that share its
         placement, moved to every slot (when a call has more than POLISH_SLOTS slots, or in a
         limited sweep: every layout of its group, and the GOOD_LAYOUTS fastest front layouts on
-        every group the plan uses and on all devices). Brings a start to the bottom of its basin; returns the state
+        every group the plan uses and on all devices), then the side-by-side moves and, in a full
+        polish, the repaired ones. Brings a start to the bottom of its basin; returns the state
         reached and True if the deadline cut it short."""
         cur = start
         e_cur, _ = self.energy(cur)
@@ -354,7 +354,7 @@ class _Annealer:
 
     def side_by_side(self, st: State) -> list[State]:
         """Independent calls that share a group split over its halves, and three over a half and two
-        quarters. Each call is placed in turn, in one of its GOOD_LAYOUTS fastest layouts there,
+        quarters. Each call is placed in turn, in one of its GOOD_LAYOUTS fastest front layouts there,
         alone or with the calls of its role that share its placement (a trained role's call placed
         away from home also tries a shadow copy), keeping the SIDE_BY_SIDE_KEEP best plans so far
         for the next call. No single-call move reaches these plans: each call alone is slower on
@@ -389,6 +389,7 @@ class _Annealer:
         return out
 
     def calls_independent_of(self, call: str) -> list[str]:
+        """The calls that can run at the same time as `call`."""
         return [b for a, b in self.independent if a == call]
 
     def _move_role(self, st: State, call: str, slot: Slot) -> State:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-
 from jaxrlhf.planner.cost import CallCost, CostCache, Workload, offload_cost
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.planner.hardware import HardwareProfile
