@@ -80,25 +80,32 @@ def schedule(ops: list[Op], num_devices: int) -> Timeline:
     free = [0.0] * (len(cuts) - 1)
     end: dict[str, float] = {}
     order = {o.name: i for i, o in enumerate(ops)}
-    pending = list(ops)
+    waiting = {o.name: len(set(o.deps)) for o in ops}  # deps not yet done
+    dependents: dict[str, list[Op]] = {o.name: [] for o in ops}
+    for o in ops:
+        for d in set(o.deps):
+            dependents[d].append(o)
+    ready = [o for o in ops if not waiting[o.name]]
     spans: list[Span] = []
-    while pending:
+    while ready:
         best: tuple[float, int, Op] | None = None
-        for o in pending:
-            if not all(d in end for d in o.deps):
-                continue
+        for o in ready:  # the earliest start, then the first in `ops`
             t = max([end[d] for d in o.deps] + [free[i] for i in segments[o.name]], default=0.0)
             if best is None or (t, order[o.name]) < best[:2]:
                 best = (t, order[o.name], o)
-        if best is None:
-            raise ValueError(f"dependency cycle among {[o.name for o in pending]}")
         t, _, o = best
         finish = t + o.duration
         for i in segments[o.name]:
             free[i] = finish
         end[o.name] = finish
         spans.append(Span(o, t, finish))
-        pending.remove(o)
+        ready.remove(o)
+        for nxt in dependents[o.name]:
+            waiting[nxt.name] -= 1
+            if not waiting[nxt.name]:
+                ready.append(nxt)
+    if len(spans) < len(ops):
+        raise ValueError(f"dependency cycle among {[o.name for o in ops if o.name not in end]}")
     return Timeline(spans, 1 + max((o.step for o in ops), default=0))
 
 
@@ -122,15 +129,21 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
     """
     ops: list[Op] = []
     order = graph.topological()
+    for c in order:
+        if c.name not in plan.calls:
+            raise PlanError(f"plan has no placement for call {c.name!r}")
+    # Per call, the same in every step: its group, its role's home group, train call, and whether it runs at home.
+    groups = {c.name: plan.group_of(c.name) for c in order}
+    homes = {r: plan.group_of(plan.home_call(r)) for r in graph.roles}
+    trains = {r: graph.train_call(r) for r in graph.roles}
+    at_homes = {c.name: _placed_at_home(plan, c.name) for c in order}
     for i in range(steps):
         for c in order:
-            if c.name not in plan.calls:
-                raise PlanError(f"plan has no placement for call {c.name!r}")
-            group = plan.group_of(c.name)
-            home = plan.group_of(plan.home_call(c.role))
+            group = groups[c.name]
+            home = homes[c.role]
             deps = [f"{d}@{i}" for d in c.deps]
-            train = graph.train_call(c.role)
-            at_home = _placed_at_home(plan, c.name)
+            train = trains[c.role]
+            at_home = at_homes[c.name]
             shadow = c.role in plan.shadow_roles and not at_home
             if train is not None and train.name != c.name and shadow:
                 back = 2 if plan.offpolicy and c.kind == "generate" else 1
@@ -147,12 +160,12 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
                           tuple(dict.fromkeys(deps))))
         # Shadow syncs after each train call, one per shadowed call.
         for c in order:
-            if c.role in plan.shadow_roles and not _placed_at_home(plan, c.name):
-                train = graph.train_call(c.role)
+            if c.role in plan.shadow_roles and not at_homes[c.name]:
+                train = trains[c.role]
                 if train is None:
                     continue
-                group = plan.group_of(c.name)
-                home = plan.group_of(train.name)
+                group = groups[c.name]
+                home = groups[train.name]
                 ops.append(Op(f"{c.name}:sync@{i}", c.name, "sync", i, _ranges(home, group),
                               move_s.get(c.name, 0.0), (f"{train.name}@{i}",)))
     return ops
