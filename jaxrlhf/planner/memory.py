@@ -254,8 +254,10 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
             w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 
+    widths = np.diff(cuts)
+
     def per_device(values: list[float]) -> np.ndarray:
-        return np.repeat(np.asarray(values, dtype=float), np.diff(cuts))
+        return np.repeat(np.asarray(values, dtype=float), widths)
 
     offloaded: list[str] = [r for r in plan.offload_roles if r in resident_by_role]  # the plan's own choice
     for r in offloaded:

@@ -245,6 +245,7 @@ class _Annealer:
         # Calls of different roles with no dependency path between them: they can run at the same time.
         self.independent = [(a.name, b.name) for a, b in itertools.permutations(space.graph.calls, 2)
                             if a.role != b.role and a.name not in upstream[b.name] and b.name not in upstream[a.name]]
+        self._independent_set = set(self.independent)
 
     def bytes_alone(self, call: str, lay: Layout) -> float:
         """Bytes per device of `call` under `lay` on its own: its role's parameters (and optimizer
@@ -372,7 +373,6 @@ class _Annealer:
             return sorted(dict.fromkeys(nxt), key=lambda c: self.energy(c)[0])[:SIDE_BY_SIDE_KEEP]
 
         out: list[State] = []
-        pairs = set(self.independent)
         for a, b in self.independent:
             start, size = placed[a][:2]
             if placed[b][:2] != (start, size) or size % 2:
@@ -383,7 +383,7 @@ class _Annealer:
             if half % 2:
                 continue
             for c in self.calls_independent_of(a):
-                if c > b and (b, c) in pairs and placed[c][:2] == (start, size):
+                if c > b and (b, c) in self._independent_set and placed[c][:2] == (start, size):
                     out += place(place(first, b, start + half, half // 2), c, start + half + half // 2,
                                  half // 2)[:1]
         return out
