@@ -123,20 +123,26 @@ def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypat
     assert not hit and finalists == [pool[0], apart]
 
 
+def _annealer_on_64_h100(sizes: dict[str, str]) -> search_module._Annealer:
+    """The search's annealer for PPO with LLaMA-2 models of `sizes` on 64 H100s, batch as in bench_planner.py."""
+    models = {role: preset(f"llama2-{size}") for role, size in sizes.items()}
+    wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)
+    space = SearchSpace.build(ppo_graph(), models, wl, 64, H100)
+    return search_module._Annealer(space, models, wl, H100, steps=3, allow_offpolicy=False)
+
+
+def _lay(data: int, tensor: int, stage: int) -> Layout:
+    return Layout(data=data, fsdp=1, tensor=tensor, stage=stage)
+
+
 def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     """Scaled critic, 70B critic and reward with 7B actor and reference on 64 H100s: every call on all
     devices is a local optimum for single-call moves, but reward and critic inference on the two
     halves at once (the critic keeping a shadow copy there) are faster. The polish finds it."""
-    models = {"actor": preset("llama2-7b"), "ref": preset("llama2-7b"), "critic": preset("llama2-70b"),
-              "reward": preset("llama2-70b")}
-    wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)  # as bench_planner.py sets it
-    graph = ppo_graph()
-    space = SearchSpace.build(graph, models, wl, 64, H100)
-    ann = search_module._Annealer(space, models, wl, H100, steps=3, allow_offpolicy=False)
-    lay = lambda d, t, p: Layout(data=d, fsdp=1, tensor=t, stage=p)  # noqa: E731
-    together = State((("actor.generate", (0, 64, lay(8, 8, 1))), ("reward.inference", (0, 64, lay(8, 1, 8))),
-                      ("ref.inference", (0, 64, lay(16, 1, 4))), ("critic.inference", (0, 64, lay(2, 4, 8))),
-                      ("actor.train", (0, 64, lay(4, 2, 8))), ("critic.train", (0, 64, lay(2, 4, 8)))))
+    ann = _annealer_on_64_h100({"actor": "7b", "ref": "7b", "critic": "70b", "reward": "70b"})
+    together = State((("actor.generate", (0, 64, _lay(8, 8, 1))), ("reward.inference", (0, 64, _lay(8, 1, 8))),
+                      ("ref.inference", (0, 64, _lay(16, 1, 4))), ("critic.inference", (0, 64, _lay(2, 4, 8))),
+                      ("actor.train", (0, 64, _lay(4, 2, 8))), ("critic.train", (0, 64, _lay(2, 4, 8)))))
     e_together = ann.energy(together)[0]
     assert e_together < 1e6  # fits
     for call, _ in together.slots:
@@ -148,3 +154,21 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     assert not hit and ann.energy(polished)[0] < e_together * 0.99
     halves = {polished.get(c)[:2] for c in ("reward.inference", "critic.inference")}
     assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
+
+
+def test_a_kick_leaves_a_bottom_the_polish_cannot():
+    """Four 70B models on 64 H100s: generation on all devices without shadow copies is a bottom for the
+    polish (every single-call and compound move is slower), but a critic shadow copy with critic
+    training leaner by FSDP 2, then one sweep, lands in the other family and the kick keeps it."""
+    ann = _annealer_on_64_h100({"actor": "70b", "ref": "70b", "critic": "70b", "reward": "70b"})
+    bottom = State((("actor.generate", (0, 64, _lay(8, 8, 1))), ("reward.inference", (32, 32, _lay(4, 1, 8))),
+                    ("ref.inference", (0, 32, _lay(4, 1, 8))), ("critic.inference", (0, 64, _lay(2, 2, 16))),
+                    ("actor.train", (32, 32, _lay(1, 8, 4))), ("critic.train", (0, 32, _lay(1, 8, 4)))))
+    e_bottom = ann.energy(bottom)[0]
+    assert e_bottom < 1e6  # fits
+    polished, hit = ann.polish(bottom, float("inf"))
+    assert not hit and ann.energy(polished)[0] == e_bottom
+    assert all(ann.energy(kick)[0] > e_bottom for kick in ann.shadow_moves(bottom))  # no move alone helps
+    kicked, hit = ann.kicked(bottom, float("inf"))
+    assert not hit and ann.energy(kicked)[0] < e_bottom * 0.97
+    assert kicked.shadow == {"critic"} and kicked.get("critic.train")[2].fsdp == 2
