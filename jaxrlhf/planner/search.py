@@ -14,7 +14,9 @@ one of its fast layouts that fit), put two roles' homes side by side on
 disjoint groups, toggle a shadow copy for a trained role. The polish adds
 moves of several calls at once that no single move reaches: independent calls
 split side by side over a group, and a call moved to a faster, hungrier
-layout while its neighbours take leaner ones. The energy is the
+layout while its neighbours take leaner ones. From the best polished plan,
+kicks (a shadow copy toggled with one of its role's calls moved, then a sweep)
+reach plans the polish cannot. The energy is the
 simulated steady-state step time; infeasible plans (over memory) get a large
 energy that still shrinks as they approach fitting, so chains walk out of
 them, but they are never returned.
@@ -336,11 +338,11 @@ class _Annealer:
     def shadow_moves(self, st: State) -> Iterator[State]:
         """A trained role's shadow copy added or dropped together with one of that role's calls
         moved to a near slot. A shadow copy changes what fits and what the role's calls cost
-        elsewhere; alone, and each such move alone, is slower (70B on 64 GPUs: critic training
-        leaner by FSDP 2 with a critic shadow, 14.6 -> 13.9 s after the polish)."""
+        elsewhere, so these are slower than a polished plan but lead, after a sweep, to plans no
+        polish reaches (70B on 64 GPUs: a critic shadow with critic training leaner by FSDP 2 is
+        14.6 -> 16.4 s, and 13.9 s after one sweep)."""
         for role in self.trained:
-            toggled = dataclasses.replace(st, shadow=st.shadow ^ {role},
-                                          offpolicy=st.offpolicy and bool(st.shadow ^ {role}))
+            toggled = self._toggle_shadow(st, role)
             yield toggled
             for call, _ in st.slots:
                 if call.split(".")[0] == role:
@@ -360,8 +362,9 @@ class _Annealer:
                 landed, hit = self.polish(kick, deadline, passes=1)
                 if hit:
                     return st, True
-                if self.energy(landed)[0] < e_best * (1 - 1e-9):
-                    best, e_best = landed, self.energy(landed)[0]
+                e_landed, _ = self.energy(landed)
+                if e_landed < e_best * (1 - 1e-9):
+                    best, e_best = landed, e_landed
             if best == st:
                 return st, False
             st, hit = self.polish(best, deadline)
@@ -432,6 +435,12 @@ class _Annealer:
         """The calls that can run at the same time as `call`."""
         return [b for a, b in self.independent if a == call]
 
+    @staticmethod
+    def _toggle_shadow(st: State, role: str) -> State:
+        """`role`'s shadow copy added or dropped; a plan without shadow copies cannot be off-policy."""
+        shadow = st.shadow ^ {role}
+        return dataclasses.replace(st, shadow=shadow, offpolicy=st.offpolicy and bool(shadow))
+
     def _move_role(self, st: State, call: str, slot: Slot) -> State:
         """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
         role, old = call.split(".")[0], st.get(call)
@@ -484,8 +493,7 @@ class _Annealer:
             role = rng.choice(self.trained)
             if self.allow_offpolicy and role in st.shadow and rng.random() < 0.5:
                 return dataclasses.replace(st, offpolicy=not st.offpolicy)
-            return dataclasses.replace(st, shadow=st.shadow ^ {role},
-                                       offpolicy=st.offpolicy and bool(st.shadow ^ {role}))
+            return self._toggle_shadow(st, role)
         return st.with_slot(call, rng.choice(self.slots[call]))
 
     def chain(self, start: State, iterations: int, rng: random.Random, deadline: float,
@@ -584,8 +592,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     `iterations` annealing steps are shared by successive-halving rounds over
     them (`_Annealer.successive_halving`), the finalists are polished to
     their bottom and the best plan then gets iterated-local-search kicks
-    (`_Annealer.kicked`) into basins the polish cannot reach. The half-size search is the same call for
-    num_devices / 2 (reused when already done in this process). `seeds`
+    (`_Annealer.kicked`) into basins the polish cannot reach. The half-size
+    search is the same call for num_devices / 2 (reused when already done in this process). `seeds`
     replaces the presets and the half-size seed, e.g. for tests. One-step
     off-policy plans are explored only with `allow_offpolicy`, because they
     change the algorithm, not just its speed.
