@@ -22,7 +22,7 @@ layer writes only its new slots in place.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,20 @@ def apply_rope(
     return out.astype(x.dtype)
 
 
+def dense(x: Float[Array, "batch length in"], w: jax.Array, preferred_element_type: Any = None) -> jax.Array:
+    """`x` contracted with the leading dim of `w` ([in, *out]), computed as one 2-D matmul over all tokens.
+
+    The same math as `jnp.einsum("bti,i...->bt...")`, but written with the tokens flattened: XLA:CPU computes
+    the weight gradient of a matmul with two token dims (batch, length) through a transposed copy of the
+    output gradient, which made a training step ~1.4x slower; a 2-D matmul's gradient is one plain matmul.
+    The reshapes are free (row-major), and sharding follows (batch is the major dim of the flattened tokens).
+    """
+    b, t, d = x.shape
+    out_shape = w.shape[1:]
+    y = jnp.matmul(x.reshape(b * t, d), w.reshape(d, -1), preferred_element_type=preferred_element_type)
+    return y.reshape(b, t, *out_shape)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.eps = config.rms_norm_eps
@@ -137,7 +151,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, kernel: nnx.Param, bias_name: str):
         dt = self.config.jnp_dtype
-        y = jnp.einsum("btd,dnh->btnh", x, kernel.value.astype(dt))
+        y = dense(x, kernel.value.astype(dt))
         if self.config.attention_bias:
             y = y + getattr(self, bias_name).value.astype(dt)
         return y
@@ -180,7 +194,8 @@ class Attention(nnx.Module):
         scores = jnp.where(allowed[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
-        out = jnp.einsum("btnh,nhd->btd", out.astype(cfg.jnp_dtype), self.o.value.astype(cfg.jnp_dtype))
+        o = self.o.value.astype(cfg.jnp_dtype)
+        out = dense(out.reshape(b, t, -1).astype(cfg.jnp_dtype), o.reshape(-1, o.shape[-1]))
         return out, kv
 
 
@@ -194,10 +209,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "batch length embed"]) -> Float[Array, "batch length embed"]:
         dt = self.dtype
-        g = x @ self.gate.value.astype(dt)
-        u = x @ self.up.value.astype(dt)
+        g = dense(x, self.gate.value.astype(dt))
+        u = dense(x, self.up.value.astype(dt))
         h = ax.constrain(jax.nn.silu(g) * u, (ax.BATCH, ax.LENGTH, ax.MLP))
-        return h @ self.down.value.astype(dt)
+        return dense(h, self.down.value.astype(dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -342,7 +357,7 @@ class CausalLM(nnx.Module):
             w = self.model.embed.value.astype(dt).T
         else:
             w = self.lm_head.value.astype(dt)
-        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        logits = dense(h, w, preferred_element_type=jnp.float32)
         return ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB)), cache
 
 
