@@ -98,6 +98,8 @@ class RunConfig:
     keep_checkpoints: Int = _field(3, check=positive)
     log_every: Int = _field(1, check=positive)
     eval_every: Int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
+    # steps whose JAX profiler trace is written to <output_dir>/profile (TensorBoard, Perfetto); see docs/profiling.md
+    profile_steps: tuple[Int, ...] = ()
     platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
     devices: Int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
     distributed: Bool = False  # several processes form one run (jax.distributed); see the distributed section

@@ -11,11 +11,12 @@ call runs is the plan's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
@@ -462,10 +463,11 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             nxt = data.next_batch() if offpolicy and step < steps else None
             feed = algorithm.feed(batch, jax.random.fold_in(base_rng, step))
             next_feed = algorithm.feed(nxt, jax.random.fold_in(base_rng, step + 1)) if nxt is not None else None
-            result = executor.step(feed, next_feed)
-            result.values = HostValues(result.values)  # read on first use, gathered alike on every process
+            with profiled(cfg.run, step):
+                result = executor.step(feed, next_feed, read=algorithm.metric_values())
+            result.values = HostValues(result.values)  # other values read on first use, alike on every process
             metrics = algorithm.metrics(result)
-            metrics.update(_timing(result))
+            metrics.update(result.metrics())
             metrics.update(data.metrics())
             if step == 1:
                 metrics.update(warm_metrics)
@@ -504,13 +506,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     return metrics
 
 
-def _timing(result) -> dict[str, float]:
-    """Where the step's time went: per call, parameter moves, batch transfers."""
-    out = {"time/step_s": result.seconds, **result.moves.metrics()}
-    out.update({f"time/{c}_s": s for c, s in result.call_seconds.items()})
-    return out
-
-
 def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
     """Write a role as an HF checkpoint (with the tokenizer, when it is a file)."""
     import shutil
@@ -529,6 +524,27 @@ def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
         src = tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")
         shutil.copy(src, os.path.join(out, "tokenizer.json"))
     print(f"{role.name} exported to {out}", flush=True)
+
+
+@contextlib.contextmanager
+def profiled(run_cfg: cfglib.RunConfig, step: int) -> Iterator[None]:
+    """A JAX profiler trace of `step` when `run.profile_steps` names it: `<output_dir>/profile/step_<N>/`
+    holds the XPlane trace (TensorBoard's profile plugin, xprof) and a Perfetto trace (ui.perfetto.dev)."""
+    if step not in run_cfg.profile_steps:
+        yield
+        return
+    import jax
+
+    from jaxrlhf.distributed import is_main
+
+    folder = os.path.join(run_cfg.output_dir, "profile", f"step_{step}")
+    jax.profiler.start_trace(folder, create_perfetto_trace=True)
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace()
+        if is_main():
+            print(f"step {step}: profiler trace written to {folder} (see docs/profiling.md)", flush=True)
 
 
 MAX_DEAD_STEPS = 5  # consecutive steps whose every update was skipped before a run gives up
@@ -614,7 +630,7 @@ def prepare_output_dir(run_cfg: cfglib.RunConfig, write: bool = True) -> None:
         )
     if not write:
         return
-    for name in found + [n for n in os.listdir(out) if n.endswith("_hf")]:
+    for name in found + [n for n in os.listdir(out) if n.endswith("_hf") or n == "profile"]:
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     print(f"run.overwrite=true: removed the previous run's {', '.join(found)} from {out}", flush=True)

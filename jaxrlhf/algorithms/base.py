@@ -130,6 +130,11 @@ class Algorithm(abc.ABC):
     def metrics(self, result: "StepResult") -> dict[str, float]:
         """Host-side metrics of one step (the only other read of device values besides host steps)."""
 
+    def metric_values(self) -> tuple[str, ...]:
+        """The step values `metrics` reads: the executor brings them to host in one gather per step
+        (a value read that is not named here costs a gather of its own)."""
+        return ()
+
     def evaluate(self, executor: "Executor") -> dict[str, float]:
         """Metrics on the held-out split (`data.eval_split`), run every `run.eval_every` steps."""
         return {}

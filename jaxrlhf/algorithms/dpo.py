@@ -134,6 +134,9 @@ class DPO(Algorithm):
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         return {**pair_arrays(batch), "rng_actor": rng}
 
+    def metric_values(self) -> tuple[str, ...]:
+        return ("actor_stats",)
+
     def metrics(self, result: Any) -> dict[str, float]:
         v = result.values
         out = {k: float(x) for k, x in jax.device_get(v["actor_stats"]).items()}

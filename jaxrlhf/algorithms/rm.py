@@ -95,6 +95,9 @@ class RewardModelling(Algorithm):
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         return {**pair_arrays(batch), "rng_reward": rng}
 
+    def metric_values(self) -> tuple[str, ...]:
+        return ("reward_stats",)
+
     def metrics(self, result: Any) -> dict[str, float]:
         v = result.values
         stats = jax.device_get(v["reward_stats"])

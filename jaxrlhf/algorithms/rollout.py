@@ -562,6 +562,10 @@ class RolloutAlgorithm(Algorithm):
             feed["rng_critic"] = critic
         return feed
 
+    def metric_values(self) -> tuple[str, ...]:
+        return ("actor_stats", "critic_stats", "response_mask", "ended_with_eos", "mask", "rule_scores",
+                "rule_components", "model_scores", "greedy_rule_scores")
+
     def metrics(self, result: Any) -> dict[str, float]:
         v = result.values
         stats = dict(v["actor_stats"])

@@ -126,6 +126,9 @@ class SFT(Algorithm):
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         return {**self._arrays(batch), "rng_actor": rng}
 
+    def metric_values(self) -> tuple[str, ...]:
+        return ("actor_stats",)
+
     def metrics(self, result: Any) -> dict[str, float]:
         stats, mask = jax.device_get((result.values["actor_stats"], result.values["mask"]))
         out = {k: float(v) for k, v in stats.items()}

@@ -19,6 +19,13 @@ With a one-step off-policy plan the collect phase of step i+1 is dispatched
 right after the train calls of step i, before the shadow copies are synced,
 so the next rollout is generated on the previous weights while training runs.
 
+Moves never block: a call's parameters and inputs each move in one batched
+operation (`realloc.move_where_needed`), dispatched like the call itself, and
+every operation of a step is recorded on a `Timeline` that explains the step's
+time afterwards (compute, waiting, moves, host work). The host waits for
+device values only where it needs them: the inputs of a host step, and the
+values a step is asked to `read` (one gather at its end).
+
 Call functions are pure (static parts bound by the algorithm):
     generate / inference:  fn(params, inputs: dict) -> dict of outputs
     train:                 fn(params, opt_state, inputs: dict) -> (params, opt_state, dict of outputs)
@@ -29,9 +36,8 @@ scalars (and pytrees of scalars, such as normalisation moments) are replicated.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -41,7 +47,10 @@ from flax import nnx
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
 from jaxrlhf.distributed import host_get
-from jaxrlhf.placement.realloc import is_offloaded, move_where_needed, offload, put_host, reallocate, reload
+from jaxrlhf.placement.realloc import (
+    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
+)
+from jaxrlhf.placement.timeline import Op, StepTimes, Timeline, breakdown, device_ids
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 
 CallFn = Callable[..., Any]
@@ -64,63 +73,34 @@ class Role:
         return self.optimizer is not None
 
 
-class CallTimer:
-    """Wall time from dispatch to completion of each call, measured without blocking dispatch.
-
-    A daemon thread waits on each call's outputs, so timing never serialises
-    calls that the plan lets run concurrently.
-    """
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def track(self, name: str, t0: float, outputs: Any) -> None:
-        def wait():
-            jax.block_until_ready(outputs)
-            with self._lock:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-        th = threading.Thread(target=wait, daemon=True)
-        th.start()
-        self._threads.append(th)
-
-    def join(self) -> dict[str, float]:
-        for th in self._threads:
-            th.join()
-        self._threads.clear()
-        return dict(self.seconds)
-
-
 @dataclasses.dataclass
 class MoveStats:
-    """Parameter moves (reallocation, shadow sync, reloads from host) and batch moves (transfers) of one step."""
+    """Bytes moved in one step: parameters (reallocation, shadow sync) and batches (call inputs). Their
+    times are on the step's timeline."""
 
-    realloc_seconds: float = 0.0
     realloc_bytes: int = 0
-    transfer_seconds: float = 0.0
     transfer_bytes: int = 0
-    reload_seconds: float = 0.0  # offloaded roles brought back from host memory
 
     def metrics(self) -> dict[str, float]:
-        return {
-            "time/realloc_s": self.realloc_seconds,
-            "time/reload_s": self.reload_seconds,
-            "realloc/bytes": float(self.realloc_bytes),
-            "time/transfer_s": self.transfer_seconds,
-            "transfer/bytes": float(self.transfer_bytes),
-        }
+        return {"realloc/bytes": float(self.realloc_bytes), "transfer/bytes": float(self.transfer_bytes)}
 
 
 @dataclasses.dataclass
 class StepResult:
-    """Every value of one step (device arrays still on device) and where its time went."""
+    """Every value of one step (device arrays still on device, the `read` ones on host) and where its
+    time went."""
 
     values: dict[str, Any]
-    call_seconds: dict[str, float]
+    times: StepTimes
     moves: MoveStats
-    seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.times.seconds
+
+    def metrics(self) -> dict[str, float]:
+        """The step's timing metrics: the breakdown (`jaxrlhf.placement.timeline`) and bytes moved."""
+        return {**self.times.metrics(), **self.moves.metrics()}
 
 
 def delete_tree(tree: Any) -> None:
@@ -173,9 +153,12 @@ class Executor:
         if missing:
             raise ValueError(f"no initial value for carried state {missing}")
         self.moves = MoveStats()
+        self.timeline = Timeline()
+        self._cpu = jax.devices()[0].platform == "cpu"
+        self._ops: list[Op] = []  # operations of the phase being dispatched
         self._training = graph.downstream_of_training()
         self.offload_idle()
-        self._pending: tuple[dict[str, Any], CallTimer] | None = None  # next step's collect phase (off-policy)
+        self._pending: tuple[dict[str, Any], list[Op]] | None = None  # next step's collect phase (off-policy)
 
     # ---------------------------------------------------------------- placement helpers
     def placed(self, call: str) -> Placed:
@@ -185,36 +168,46 @@ class Executor:
         return self.placed(self.plan.home_call(role))
 
     def move(
-        self, tree: Any, shardings: Any, *, free_source: bool = False, params: bool = True, copy: bool = False
+        self, tree: Any, shardings: Any, *, call: str, params: bool = True, copy: bool = False
     ) -> Any:
-        """Reshard `tree` device to device (no host round trip); no-op where already in place.
+        """Reshard `tree` device to device (no host round trip) for `call`, in one batched operation that is
+        dispatched, not waited for; no-op where already in place.
 
         With `copy` a leaf already in place is copied too, so the result shares no buffer with `tree`:
-        needed for a copy that is deleted after its call or outlives a train call that donates `tree`
+        needed for a copy that is dropped after its call or outlives a train call that donates `tree`
         (two layouts can lay a leaf out identically, e.g. one replicated over both meshes' extra axes).
         Parameter moves count as reallocation, batch moves as transfers (separate metrics).
         """
-        if copy:
-            moved, stats = reallocate(tree, shardings, free_source=free_source)
-        else:
-            moved, stats = move_where_needed(tree, shardings, free_source=free_source)
-        if params:
-            self.moves.realloc_seconds += stats.seconds
-            self.moves.realloc_bytes += stats.bytes
-        else:
-            self.moves.transfer_seconds += stats.seconds
-            self.moves.transfer_bytes += stats.bytes
+        sources = device_ids(tree)
+        self._serialise(sources | device_ids(shardings))
+        moved, stats = (reallocate if copy else move_where_needed)(tree, shardings, block=False)
+        if stats.leaves:
+            what = "params" if params else "batch"
+            self._ops.append(self.timeline.device("move", call, moved, sources | device_ids(moved), what=what,
+                                                  nbytes=stats.bytes))
+            if params:
+                self.moves.realloc_bytes += stats.bytes
+            else:
+                self.moves.transfer_bytes += stats.bytes
         return moved
+
+    def _serialise(self, devices: frozenset[int]) -> None:
+        """On CPU, wait for the work already dispatched to any of `devices` before dispatching more: XLA:CPU
+        runs independent programs on the same devices at the same time, and two multi-device programs
+        then compete for the same cores and for the rendezvous of their collectives (measured: each twice
+        as slow). Accelerators run a device's programs in order, so there nothing waits."""
+        if self._cpu:
+            self.timeline.wait_for_devices(devices)
 
     def place_inputs(self, inputs: Mapping[str, Any], call: str) -> dict[str, Any]:
         """Every input of `call` on its placement: batch-major arrays split over the batch axes,
-        scalars replicated. Host arrays are put there directly, device arrays moved device to device."""
+        scalars replicated. Host arrays are put there directly, device arrays moved device to device,
+        all in one move."""
         placed = self.placed(call)
 
         def target(x: Any) -> jax.sharding.Sharding:
             return placed.batch_sharding(np.ndim(x)) if np.ndim(x) else placed.replicated()
 
-        out: dict[str, Any] = {}
         for name, value in inputs.items():
             for leaf in jax.tree_util.tree_leaves(value):
                 if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
@@ -222,8 +215,8 @@ class Executor:
                         f"call {call!r}: input {name!r} holds a {type(leaf).__name__}; model calls take arrays "
                         "(turn host values into arrays in a host step)"
                     )
-            out[name] = self.move(value, jax.tree_util.tree_map(target, value), params=False)
-        return out
+        inputs = dict(inputs)
+        return self.move(inputs, jax.tree_util.tree_map(target, inputs), call=call, params=False)
 
     def offload_idle(self) -> None:
         """Keep the roles the plan offloads in host memory (they come back for each of their calls).
@@ -235,34 +228,35 @@ class Executor:
                 role.params = offload(role.params)
 
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
-        """The role's parameters on `call`'s placement, and whether that copy is temporary."""
+        """The role's parameters on `call`'s placement, and whether that copy is temporary (it is freed
+        once the call that uses it is done: nothing else holds it)."""
         role = self.roles[role_name]
         placed = self.placed(call)
         if is_offloaded(role.params):  # host -> device for this call only; the host copy stays
-            t0 = time.perf_counter()
             home = reload(role.params, free_source=False)
-            self.moves.reload_seconds += time.perf_counter() - t0
+            self._ops.append(self.timeline.device("move", call, home, device_ids(home), what="reload",
+                                                  nbytes=tree_bytes(home)))
             if placed.placement == self.home_placed(role_name).placement:
                 return home, True
-            return self.move(home, placed.param_shardings(role.params), free_source=True), True
+            return self.move(home, placed.param_shardings(role.params), call=call), True
         if placed.placement == self.home_placed(role_name).placement:
             return role.params, False
         shardings = placed.param_shardings(role.params)
         if role_name in self.plan.shadow_roles:
             if role.shadow is None:
-                role.shadow = self.move(role.params, shardings, copy=True)
+                role.shadow = self.move(role.params, shardings, call=call, copy=True)
             return role.shadow, False
-        return self.move(role.params, shardings, copy=True), True
+        return self.move(role.params, shardings, call=call, copy=True), True
 
     def sync_shadows(self) -> None:
-        """Push freshly trained weights to every shadow copy (disaggregated plans)."""
+        """Push freshly trained weights to every shadow copy (disaggregated plans). The old copy is
+        dropped, not deleted: a rollout still running on it (off-policy) keeps it until it is done."""
         for name in self.plan.shadow_roles:
             role = self.roles.get(name)
             if role is None or role.shadow is None:
                 continue
-            old = role.shadow
-            role.shadow = self.move(role.params, jax.tree_util.tree_map(lambda x: x.sharding, old), copy=True)
-            delete_tree(old)
+            target = jax.tree_util.tree_map(lambda x: x.sharding, role.shadow)
+            role.shadow = self.move(role.params, target, call=f"{name}.sync", copy=True)
 
     def function(self, call: str) -> PlacedFunction:
         """The call's function compiled for its placement; shardings follow the (committed) arguments.
@@ -287,29 +281,28 @@ class Executor:
         return self.state
 
     # ---------------------------------------------------------------- running nodes
-    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any], timer: CallTimer | None = None) -> dict[str, Any]:
+    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Dispatch one model call on its placement; train calls update the role in place."""
         role = self.roles[spec.role]
-        params, temporary = self.params_for(spec.role, spec.name)
+        params, _ = self.params_for(spec.role, spec.name)
         args = self.place_inputs(inputs, spec.name)
         fn = self.function(spec.name)
-        t0 = time.perf_counter()
-        if spec.kind == "train":
-            role.params, role.opt_state, out = fn(params, role.opt_state, args)
-            done = role.params
-        else:
-            out = fn(params, args)
-            done = out
-        if timer is not None:
-            timer.track(spec.name, t0, done)
-        if temporary:  # the reallocated copy is dropped as soon as the call is done with it
-            jax.block_until_ready(out)
-            delete_tree(params)
+        devices = frozenset(d.id for d in self.placed(spec.name).mesh.devices.flat)
+        self._serialise(devices)
+        with jax.profiler.TraceAnnotation(spec.name):
+            if spec.kind == "train":
+                role.params, role.opt_state, out = fn(params, role.opt_state, args)
+                done = (role.params, out)
+            else:
+                out = fn(params, args)
+                done = out
+        self._ops.append(self.timeline.device("compute", spec.name, done, devices))
         return self._checked(spec, out)
 
     def run_host(self, step: HostStep, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """A host step gets host values: device arrays are gathered (the same on every process)."""
-        return self._checked(step, self.host_steps[step.name](**host_get(dict(inputs))))
+        with self.timeline.host(step.name, self._ops):
+            return self._checked(step, self.host_steps[step.name](**host_get(dict(inputs))))
 
     @staticmethod
     def _checked(node: Node, out: Mapping[str, Any]) -> dict[str, Any]:
@@ -320,7 +313,7 @@ class Executor:
             )
         return out
 
-    def _run_phase(self, nodes: list[Node], values: dict[str, Any], timer: CallTimer) -> None:
+    def _run_phase(self, nodes: list[Node], values: dict[str, Any]) -> None:
         """Run `nodes` as their inputs become available: ready calls first, then one host step."""
         done = set(values) | set(self.graph.state)
         finished: set[str] = set()
@@ -339,7 +332,7 @@ class Executor:
             for node in batch:
                 inputs = {v: (self.state[v] if v in self.graph.state else values[v]) for v in node.inputs}
                 if isinstance(node, CallSpec):
-                    out = self.run_call(node, inputs, timer)
+                    out = self.run_call(node, inputs)
                 else:
                     out = self.run_host(node, inputs)
                 for k, v in out.items():
@@ -348,48 +341,61 @@ class Executor:
                 finished.add(node.name)
                 pending.remove(node)
 
-    def collect(self, feed: Mapping[str, Any]) -> tuple[dict[str, Any], CallTimer]:
-        """The collect phase of a step (everything that does not depend on training), dispatched."""
+    def collect(self, feed: Mapping[str, Any]) -> tuple[dict[str, Any], list[Op]]:
+        """The collect phase of a step (everything that does not depend on training), dispatched; returns
+        its values and operations."""
         missing = [f for f in self.graph.feed if f not in feed]
         if missing:
             raise ValueError(f"step feed lacks {missing}")
         values = dict(feed)
-        timer = CallTimer()
-        self._run_phase([n for n in self.graph.order() if n.name not in self._training], values, timer)
-        return values, timer
+        outer, self._ops = self._ops, []
+        try:
+            self._run_phase([n for n in self.graph.order() if n.name not in self._training], values)
+            return values, self._ops
+        finally:
+            self._ops = outer
 
-    def step(self, feed: Mapping[str, Any], next_feed: Mapping[str, Any] | None = None) -> StepResult:
-        """One step of the graph. With a one-step off-policy plan, pass the next step's feed: its
-        collect phase runs on the shadow (previous weights) while this step trains, and the next
-        call of `step` uses it, ignoring its own `feed`."""
+    def step(
+        self, feed: Mapping[str, Any], next_feed: Mapping[str, Any] | None = None, read: Sequence[str] = ()
+    ) -> StepResult:
+        """One step of the graph; the values named in `read` come back on host, read in one gather once
+        everything else is dispatched. With a one-step off-policy plan, pass the next step's feed: its
+        collect phase runs on the shadow (previous weights) while this step trains, and the next call of
+        `step` uses it, ignoring its own `feed`."""
         t_start = time.perf_counter()
         self.moves = MoveStats()
         if self._pending is not None:
-            values, collect_timer = self._pending
+            values, self._ops = self._pending
             self._pending = None
         else:
-            values, collect_timer = self.collect(feed)
-        timer = CallTimer()
-        self._run_phase([n for n in self.graph.order() if n.name in self._training], values, timer)
+            values, self._ops = self.collect(feed)
+        self._run_phase([n for n in self.graph.order() if n.name in self._training], values)
         if self.plan.offpolicy and next_feed is not None:
             self._pending = self.collect(next_feed)  # overlaps the train calls: shadows sync after this
         self.sync_shadows()
         for name in self.graph.state:  # carried into the next step
             if f"next:{name}" in values:
                 self.state[name] = values.pop(f"next:{name}")
-        seconds = collect_timer.join()
-        for c, s in timer.join().items():
-            seconds[c] = seconds.get(c, 0.0) + s
-        return StepResult(values, seconds, self.moves, time.perf_counter() - t_start)
+        wanted = [k for k in read if k in values]
+        if wanted:
+            with self.timeline.host("read", self._ops):
+                values.update(host_get({k: values[k] for k in wanted}))
+        ops = self._ops
+        self.timeline.finish(ops)
+        return StepResult(values, breakdown(ops, t_start, time.perf_counter()), self.moves)
 
     def run_at(self, call: str, fn: CallFn, inputs: Mapping[str, Any]) -> Any:
         """Run `fn(params, inputs)` on `call`'s placement with its role's parameters brought there
         (evaluation: work that is not part of the step graph). Returns host values, the same on every
         process."""
         role = self.graph[call].role
-        params, temporary = self.params_for(role, call)
-        out = self.cache.function(call, fn, in_shardings=None, out_shardings=None)(params, self.place_inputs(inputs, call))
-        out = host_get(out)
-        if temporary:
-            delete_tree(params)
-        return out
+        outer, self._ops = self._ops, []
+        try:
+            params, _ = self.params_for(role, call)
+            out = self.cache.function(call, fn, in_shardings=None, out_shardings=None)(params, self.place_inputs(inputs, call))
+            del params
+            out = host_get(out)
+            self.timeline.finish(self._ops)
+            return out
+        finally:
+            self._ops = outer

@@ -26,6 +26,19 @@ Leaves are processed in chunks of about `chunk_bytes`: step (a) of every leaf
 is dispatched, then step (b) for the chunk, and the chunk is waited for
 before the next starts, so peak extra memory stays near one chunk.
 
+Two common moves skip all of that and are one asynchronous operation for the
+whole tree (no wait; the caller synchronises where it needs the values):
+
+- *same devices*, in the same order (a batch moving between two layouts of one
+  group, the hybrid engine's training -> generation copy): one jitted copy of
+  every leaf with the target shardings; XLA's collectives do the reshard on the
+  devices that hold the data;
+- *other devices, as many*, in one process (rollout data crossing between the
+  groups of an interleaved plan, a shadow copy refreshed on its own devices):
+  one jitted reshard of every leaf onto the target's layout over the source
+  devices (step a), then one batched `device_put` of all of them to the
+  target (step b, congruent: device-to-device copies).
+
 Across processes (multi-host) step (b) follows what JAX 0.10 needs to be
 correct: one `device_put` per array (a list of arrays moving between
 different devices across processes hung or swapped data), each holding only
@@ -334,6 +347,92 @@ def _put(view: jax.Array, dest: NamedSharding, may_alias: bool) -> tuple[list[ja
     return received, crossed
 
 
+# ---- whole-tree moves in one operation ---------------------------------------------------
+def _devices_key(sharding: Sharding) -> tuple[jax.Device, ...]:
+    return tuple(_device_order(sharding))
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_all_fn(outs: tuple[NamedSharding, ...], mids: tuple[NamedSharding | None, ...]):
+    """One program: a fresh copy of every argument laid out as `outs` (on the arguments' devices), each
+    through its `mid` stop when it has one (see `_reshard_fn`)."""
+
+    def f(*xs):
+        return tuple(jnp.copy(x if mid is None else jax.lax.with_sharding_constraint(x, mid))
+                     for x, mid in zip(xs, mids))
+
+    return jax.jit(f, out_shardings=outs)
+
+
+def _copy_all(leaves: list[jax.Array], outs: list[NamedSharding]) -> tuple[jax.Array, ...]:
+    mids = []
+    for x, out in zip(leaves, outs):
+        shape = tuple(x.shape)
+        src_shard = tuple(x.sharding.shard_shape(shape))
+        src_grid = tuple(n // b if b else 1 for n, b in zip(shape, src_shard))
+        mids.append(_mid_sharding(out, shape, src_grid))
+    return _copy_all_fn(tuple(outs), tuple(mids))(*leaves)
+
+
+def _same_devices(leaves: list[jax.Array], targets: list[NamedSharding]) -> bool:
+    keys = {_devices_key(x.sharding) for x in leaves} | {_devices_key(t) for t in targets}
+    kinds = {x.sharding.memory_kind for x in leaves} | {t.memory_kind for t in targets}
+    return len(keys) == 1 and len(kinds) == 1
+
+
+def _congruent_mesh_target(leaves: list[jax.Array], targets: list[NamedSharding]) -> tuple | None:
+    """(source devices, target mesh shape) when every leaf comes from the same ordered devices and goes
+    to meshes of one shape over as many other devices, in one process with one memory kind; else None."""
+    if jax.process_count() > 1:
+        return None
+    srcs = {_devices_key(x.sharding) for x in leaves}
+    shapes = {t.mesh.devices.shape for t in targets}
+    kinds = {x.sharding.memory_kind for x in leaves} | {t.memory_kind for t in targets}
+    if len(srcs) != 1 or len(shapes) != 1 or len(kinds) != 1:
+        return None
+    (src,), (shape,) = srcs, shapes
+    if len(src) != math.prod(shape):
+        return None
+    return src, shape
+
+
+def _move_whole_tree(
+    leaves: list[jax.Array], targets: list[NamedSharding], chunk_bytes: int | None, stats: ReallocStats
+) -> list[jax.Array] | None:
+    """The two one-operation moves of the module docstring, dispatched without waiting; None when neither
+    applies."""
+    if _same_devices(leaves, targets):
+        stats.rounds, stats.chunks = 1, 1
+        return list(_copy_all(leaves, targets))
+    congruent = _congruent_mesh_target(leaves, targets)
+    if congruent is None:
+        return None
+    src, shape = congruent
+    tgt = _devices_key(targets[0])
+    inters = []
+    for x, t in zip(leaves, targets):
+        mesh = Mesh(np.array(src, dtype=object).reshape(shape), t.mesh.axis_names, axis_types=t.mesh.axis_types)
+        inters.append(NamedSharding(mesh, t.spec, memory_kind=t.memory_kind))
+        shard_bytes = math.prod(t.shard_shape(tuple(x.shape))) * x.dtype.itemsize
+        stats.bytes_copied += shard_bytes * sum(a != b for a, b in zip(src, tgt))
+    # The staged copy occupies the source devices until its device_put is done: in chunks of `chunk_bytes`,
+    # each waited for before the next is staged (a model within one chunk moves without any wait).
+    out: list[jax.Array] = []
+    start = 0
+    while start < len(leaves):
+        end, size = start, 0
+        while end < len(leaves) and (end == start or chunk_bytes is None or size + leaves[end].nbytes <= chunk_bytes):
+            size += leaves[end].nbytes
+            end += 1
+        if out:
+            jax.block_until_ready(out[-1])
+        out += jax.device_put(list(_copy_all(leaves[start:end], inters[start:end])), list(targets[start:end]))
+        stats.chunks += 1
+        stats.rounds += 1
+        start = end
+    return out
+
+
 # ---- public API -------------------------------------------------------------------------
 def reallocate(
     tree: Any,
@@ -341,6 +440,7 @@ def reallocate(
     *,
     free_source: bool = False,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+    block: bool = True,
 ) -> tuple[Any, ReallocStats]:
     """Move every array of `tree` to the matching NamedSharding of `target`, device to device.
 
@@ -348,8 +448,10 @@ def reallocate(
     is one NamedSharding for all leaves. With `free_source` the source arrays are
     deleted (donated where possible; when source and target are identical the
     buffers are handed over instead), so a move never holds two full copies.
-    Without it the result never shares buffers with the source. Blocks until
-    the result is ready; `stats.seconds` is the wall time.
+    Without it the result never shares buffers with the source. With `block`
+    (the default) it returns when the result is ready; without, a move that is
+    one operation (module docstring) returns as soon as it is dispatched, the
+    others still wait between chunks. `stats.seconds` is the wall time spent here.
     """
     t0 = time.perf_counter()
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -366,6 +468,19 @@ def reallocate(
             raise TypeError(f"target {i} is {type(t).__name__}; reallocation targets must be NamedShardings")
 
     stats = ReallocStats()
+    if leaves:
+        whole = _move_whole_tree(leaves, targets, chunk_bytes, stats)
+        if whole is not None:
+            if block or free_source:
+                jax.block_until_ready(whole)
+            if free_source:
+                for x in leaves:
+                    if not x.is_deleted():
+                        x.delete()
+            stats.bytes = tree_bytes(leaves)
+            stats.leaves = len(whole)
+            stats.seconds = time.perf_counter() - t0
+            return jax.tree_util.tree_unflatten(treedef, whole), stats
     out: list[jax.Array | None] = [None] * len(leaves)
     pending: list[tuple[int, _LeafMove]] = []
     pending_bytes = 0
@@ -408,7 +523,9 @@ def reallocate(
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
-def move_where_needed(tree: Any, target: Any, *, free_source: bool = False) -> tuple[Any, ReallocStats]:
+def move_where_needed(
+    tree: Any, target: Any, *, free_source: bool = False, block: bool = True
+) -> tuple[Any, ReallocStats]:
     """`reallocate` only the leaves not already laid out as `target` says (others are returned as they
     are, sharing buffers). Host values (numpy, Python scalars, uncommitted arrays) are put on the
     target directly: they have no device layout to move from."""
@@ -424,7 +541,8 @@ def move_where_needed(tree: Any, target: Any, *, free_source: bool = False) -> t
             todo.append(i)
     stats = ReallocStats()
     if todo:
-        moved, stats = reallocate([leaves[i] for i in todo], [targets[i] for i in todo], free_source=free_source)
+        moved, stats = reallocate([leaves[i] for i in todo], [targets[i] for i in todo], free_source=free_source,
+                                  block=block)
         for i, x in zip(todo, moved):
             leaves[i] = x
     return jax.tree_util.tree_unflatten(treedef, leaves), stats
