@@ -1,0 +1,82 @@
+"""Device op time of a profiled step, by kind of op: what the compiled calls spend their time on.
+
+    python scripts/trace_summary.py RUN/profile/step_N [--top 25] [--out ops.json]
+
+Reads the Perfetto trace that `run.profile_steps` writes (`perfetto_trace.json.gz`) and sums the
+duration of every XLA op executed on the device threads, grouped by op name without its numeric
+suffix (`ynn_fusion.27` -> `ynn_fusion`). Runtime wrappers (thunk executors, thread-pool waits, loop
+bodies) are left out so that the ops add up once. On XLA:CPU, `ynn_fusion`/`dot` are matmuls (with
+fused elementwise work), `all-reduce`/`all-gather`/`Rendezvous`/`Wait: ...` are collectives between
+simulated devices and the time their threads wait for each other, `dynamic-slice`/`dynamic-update-slice`
+fusions are the scanned decoder layers reading and writing their stacked weights and residuals, and
+`copy`/`transpose` fusions are layout changes. Durations are wall time on each thread: on a loaded
+machine they include time the thread was descheduled, so compare shares, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+
+WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "while")
+DEVICE_THREADS = ("tf_XLA",)  # XLA's device and intra-op threads (python threads hold host work)
+
+
+def find_trace(folder: str) -> str:
+    hits = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not hits:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {folder} (was it written with run.profile_steps?)")
+    return hits[-1]
+
+
+def op_times(trace_path: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds and counts per op kind on the device threads."""
+    with gzip.open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    seconds: dict[str, float] = collections.Counter()
+    counts: dict[str, int] = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or not threads.get((e["pid"], e["tid"]), "").startswith(DEVICE_THREADS):
+            continue
+        if e["name"].startswith(WRAPPERS):
+            continue
+        kind = re.sub(r"\.\d+$", "", e["name"])
+        seconds[kind] += e["dur"] / 1e6
+        counts[kind] += 1
+    return dict(seconds), dict(counts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", help="a profiled step's folder: RUN/profile/step_N")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", help="write {kind: {seconds, count, share}} as JSON here")
+    args = p.parse_args(argv)
+    try:
+        seconds, counts = op_times(find_trace(args.folder))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"trace_summary: {e}", file=sys.stderr)
+        return 2
+    total = sum(seconds.values()) or float("nan")
+    rows = sorted(seconds.items(), key=lambda kv: -kv[1])
+    print(f"device op time {total:.3f} s (summed over device threads)")
+    print(f"{'seconds':>9} {'share':>6} {'count':>7}  op")
+    for kind, s in rows[:args.top]:
+        print(f"{s:9.3f} {100 * s / total:5.1f}% {counts[kind]:7d}  {kind}")
+    out = {k: {"seconds": s, "count": counts[k], "share": s / total} for k, s in rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
