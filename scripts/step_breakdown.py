@@ -5,43 +5,42 @@
 Reads the timing metrics every step writes (`jaxrlhf.placement.timeline`): the step split into
 compute, move, host and other (they add up to the step), and per call its run time (device busy
 with it), wait (dispatched but queued behind its inputs or other work on its devices) and the time
-its inputs and parameters took to move there. Medians over the steps after `--skip` (default 1: the
-first step compiles).
+its inputs and parameters took to move there. Means over the steps after `--skip` (default 1: the
+first step compiles), so that the parts still add up to the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 SPLIT = ("compute", "move", "host", "other")
 
 
-def median_of(records: list[dict], key: str) -> float:
-    values = [r[key] for r in records if key in r]
-    return statistics.median(values) if values else 0.0
+def mean_of(records: list[dict], key: str) -> float:
+    """Mean over the steps; a step without the key (a call that did not run) counts as 0."""
+    return sum(r.get(key, 0.0) for r in records) / len(records)
 
 
 def breakdown(records: list[dict]) -> dict:
-    """Medians of the step, its split, and each call's run / wait / move seconds."""
+    """Means of the step, its split, and each call's run / wait / move seconds."""
     calls = sorted({k[len("time/"):-len("/wait_s")] for r in records for k in r
                     if k.startswith("time/") and k.endswith("/wait_s")})
-    step = median_of(records, "time/step_s")
+    step = mean_of(records, "time/step_s")
     return {
         "steps": len(records),
         "step_s": step,
-        "split": {c: median_of(records, f"time/step/{c}_s") for c in SPLIT},
-        "calls": {c: {"run_s": median_of(records, f"time/{c}_s"), "wait_s": median_of(records, f"time/{c}/wait_s"),
-                      "move_s": median_of(records, f"time/{c}/move_s")} for c in calls},
-        "moves": {k: median_of(records, f"time/{k}_s") for k in ("realloc", "transfer", "reload")},
+        "split": {c: mean_of(records, f"time/step/{c}_s") for c in SPLIT},
+        "calls": {c: {"run_s": mean_of(records, f"time/{c}_s"), "wait_s": mean_of(records, f"time/{c}/wait_s"),
+                      "move_s": mean_of(records, f"time/{c}/move_s")} for c in calls},
+        "moves": {k: mean_of(records, f"time/{k}_s") for k in ("realloc", "transfer", "reload")},
     }
 
 
 def table(b: dict) -> str:
     step = b["step_s"] or float("nan")
-    lines = [f"step {b['step_s']:.3f} s (median of {b['steps']} steps)", ""]
+    lines = [f"step {b['step_s']:.3f} s (mean of {b['steps']} steps)", ""]
     lines.append(f"{'part':<10}{'seconds':>10}{'share':>8}")
     for c, s in b["split"].items():
         lines.append(f"{c:<10}{s:>10.3f}{100 * s / step:>7.1f}%")

@@ -1,0 +1,68 @@
+"""The step breakdown on hand-made timelines: starts derived from device order, parts that add up to
+the step, compute before move before host where they overlap; and on a real executor step."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.placement.timeline import Op, Timeline, breakdown
+
+
+def _op(category, name, devices, dispatched, done, start=None, what="") -> Op:
+    op = Op(category, name, frozenset(devices), dispatched, done=done, start=start, what=what)
+    op.finished.set()
+    return op
+
+
+def test_parts_add_up_with_precedence():
+    # step [0, 10]: a move on devices {0,1} 1-3, a call on {0,1} dispatched at 2 that starts when the move is
+    # done (3) and ends at 7, host work 6-8 (overlaps the call for 1 s), nothing 8-10.
+    move = _op("move", "actor.train", {0, 1}, 1.0, 3.0, start=1.0, what="params")
+    call = _op("compute", "actor.train", {0, 1}, 2.0, 7.0, start=3.0)
+    host = _op("host", "score", set(), 6.0, 8.0, start=6.0)
+    t = breakdown([move, call, host], 0.0, 10.0)
+    assert t.split == pytest.approx({"compute": 4.0, "move": 2.0, "host": 1.0, "other": 3.0})
+    assert sum(t.split.values()) == pytest.approx(t.seconds) == 10.0
+    assert t.calls["actor.train"] == pytest.approx({"run": 4.0, "wait": 1.0, "move": 2.0})
+    assert t.moves == pytest.approx({"params": 2.0})
+    m = t.metrics()
+    assert m["time/actor.train_s"] == 4.0 and m["time/actor.train/wait_s"] == 1.0 and m["time/realloc_s"] == 2.0
+
+
+def test_start_is_the_end_of_earlier_work_on_shared_devices():
+    timeline = Timeline()
+    gate = threading.Event()
+    slow = jnp.zeros(3)
+
+    class Pending:  # outputs that become ready when the gate opens (block_until_ready waits on it)
+        def block_until_ready(self):
+            gate.wait()
+            return self
+
+    first = timeline.device("compute", "a", Pending(), frozenset({0}))
+    second = timeline.device("compute", "b", slow, frozenset({0, 1}))  # ready at once, but shares device 0
+    other = timeline.device("compute", "c", slow, frozenset({2}))
+    gate.set()
+    timeline.finish([first, second, other])
+    assert second.start == pytest.approx(max(second.dispatched, first.done))
+    assert other.start == other.dispatched  # no shared device: starts when dispatched
+    assert first.wait == 0.0 and second.wait >= 0.0
+
+
+def test_executor_step_explains_its_time(devices):
+    """A real step (reference inference on one group, actor training on the other): the parts add up to
+    the step, both calls are timed, and the values asked for come back on host."""
+    from tests.placement.test_donation_offload import FEED, _executor
+
+    executor = _executor()
+    for _ in range(2):  # the first step compiles
+        result = executor.step(FEED, read=("ref_mean", "loss"))
+    assert isinstance(result.values["loss"], np.ndarray)  # read to host in the step's one gather
+    t = result.times
+    assert sum(t.split.values()) == pytest.approx(t.seconds)
+    assert set(t.calls) == {"ref.inference", "actor.train"}
+    assert all(c["run"] > 0 for c in t.calls.values())
