@@ -36,7 +36,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
-from jaxrlhf.models.transformer import KVCache, positions_from_mask
+from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
 _TRACES: collections.Counter[str] = collections.Counter()
 
@@ -187,9 +187,11 @@ def _decode(
         i, _, _, _, done, _, _ = carry
         return (i < n) & ~jnp.all(done)
 
+    layers = split_layers(model)  # once, outside the token loop (see Transformer.__call__)
+
     def body(carry):
         i, cache, token, valid, done, position, outs = carry
-        logits, cache = model(token[:, None], position[:, None], valid[:, None], cache)
+        logits, cache = model(token[:, None], position[:, None], valid[:, None], cache, layers_split=layers)
         token, valid, done, outs = emit(i, logits[:, 0], done, outs)
         return i + 1, cache, token, valid, done, position + 1, outs
 

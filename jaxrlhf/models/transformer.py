@@ -22,7 +22,7 @@ layer writes only its new slots in place.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,15 +50,16 @@ KV = tuple[jax.Array, jax.Array]  # the stacked cache keys and values, [layers, 
 class KVCache:
     """Keys/values of every layer for `max_len` slots, which slots hold real tokens, and the next slot."""
 
-    k: Float[Array, "layers batch slots kv_heads head_dim"]
-    v: Float[Array, "layers batch slots kv_heads head_dim"]
+    # kv_heads before slots: the layout attention's batched matmuls read without a transposed copy
+    k: Float[Array, "layers batch kv_heads slots head_dim"]
+    v: Float[Array, "layers batch kv_heads slots head_dim"]
     valid: Bool[Array, "batch slots"]
     index: Int[Array, ""]
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or config.jnp_dtype
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.dim_per_head)
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.dim_per_head)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -174,14 +175,17 @@ class Attention(nnx.Module):
         v = self._project(x, self.v, "v_bias")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         if kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
-            start = (layer, 0, offset, 0, 0)
-            kv = tuple(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start) for c, new in zip(kv, (k, v)))
+            start = (layer, 0, 0, offset, 0)
+            kv = tuple(jax.lax.dynamic_update_slice(c, new.swapaxes(1, 2)[None].astype(c.dtype), start)
+                       for c, new in zip(kv, (k, v)))
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in kv)
+        else:  # [B, S, kv_heads, D] -> [B, kv_heads, S, D], as the cache holds them
+            k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
         b, t = x.shape[:2]
-        s = k.shape[1]
+        s = k.shape[2]
         groups = cfg.num_heads // cfg.num_kv_heads
         qg = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.dim_per_head)
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(cfg.dim_per_head)
         q_slot = offset + jnp.arange(t)[:, None]
         k_slot = jnp.arange(s)[None, :]
@@ -193,7 +197,7 @@ class Attention(nnx.Module):
         allowed |= (k_slot == q_slot)[None]  # a padding query attends to itself: finite garbage, never NaN
         scores = jnp.where(allowed[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
+        out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
         o = self.o.value.astype(cfg.jnp_dtype)
         out = dense(out.reshape(b, t, -1).astype(cfg.jnp_dtype), o.reshape(-1, o.shape[-1]))
         return out, kv
@@ -279,8 +283,14 @@ class Transformer(nnx.Module):
         mask: Bool[Array, "batch length"],
         cache: KVCache | None = None,
         segment_ids: Int[Array, "batch length"] | None = None,
+        layers_split: Sequence[nnx.State] | None = None,
     ) -> tuple[Float[Array, "batch length embed"], KVCache | None]:
-        """Hidden states; `segment_ids` (packed rows, no cache) keeps attention inside each sequence."""
+        """Hidden states; `segment_ids` (packed rows, no cache) keeps attention inside each sequence.
+
+        `layers_split` (from `split_layers`) runs the layers one by one from weights already split
+        out of the stack, instead of scanning the stack: a decode loop splits them once, before its
+        first token, where a scan would copy every layer's weights out of the stack at every token
+        (XLA:CPU does, and does not hoist the copies out of the token loop)."""
         cfg = self.config
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
@@ -308,6 +318,11 @@ class Transformer(nnx.Module):
                 layer = jax.checkpoint(layer, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
             x = pipeline.gpipe(layer, layer_states, x, (positions, key_valid, segment_ids),
                                stages=pipeline.current_stages(), microbatches=pipeline.current_microbatches())
+        elif layers_split is not None:
+            if len(layers_split) != cfg.num_layers:
+                raise ValueError(f"layers_split holds {len(layers_split)} layers; the model has {cfg.num_layers}")
+            for i, layer_state in enumerate(layers_split):
+                x, kv = nnx.merge(graphdef, layer_state)(x, positions, key_valid, inv_freq, kv, i, offset, segment_ids)
         else:
 
             def step(carry, xs):
@@ -325,6 +340,14 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])
         return x, cache
+
+
+def split_layers(model: nnx.Module) -> list[nnx.State]:
+    """Each decoder layer's weights sliced out of the stack once (for `layers_split`); works on any model
+    with a `Transformer` trunk (`model.model`) or on the trunk itself."""
+    trunk = model if isinstance(model, Transformer) else model.model
+    _, stacked = nnx.split(trunk.layers)
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(trunk.config.num_layers)]
 
 
 class CausalLM(nnx.Module):
@@ -347,10 +370,12 @@ class CausalLM(nnx.Module):
         cache: KVCache | None = None,
         segment_ids: Int[Array, "batch length"] | None = None,
         logits_from: int = 0,
+        layers_split: Sequence[nnx.State] | None = None,
     ) -> tuple[Float[Array, "batch out vocab"], KVCache | None]:
         """Logits of positions `logits_from`.. (static; -1 = the last only): the full-vocabulary
-        logits are the largest activation, so callers that need a suffix never build the rest."""
-        h, cache = self.model(tokens, positions, mask, cache, segment_ids)
+        logits are the largest activation, so callers that need a suffix never build the rest.
+        `layers_split`: see `Transformer.__call__`."""
+        h, cache = self.model(tokens, positions, mask, cache, segment_ids, layers_split)
         h = h[:, logits_from:]
         dt = self.config.jnp_dtype
         if self.config.tie_word_embeddings:
