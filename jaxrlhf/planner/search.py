@@ -98,6 +98,21 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, dev
     return out
 
 
+class LayoutTable(dict):
+    """(call, group size) -> valid layouts, computed on first use. A preset or seed may use a group
+    size the candidate groups lack (2 of 6 devices, say), and its moves then ask for that size."""
+
+    def __init__(self, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, devices_per_host: int):
+        super().__init__()
+        self.graph, self.models, self.wl, self.devices_per_host = graph, models, wl, devices_per_host
+
+    def __missing__(self, key: tuple[str, int]) -> list[Layout]:
+        call, size = key
+        spec = self.graph[call]
+        self[key] = valid_layouts(spec, self.models[spec.role], size, self.wl, self.devices_per_host)
+        return self[key]
+
+
 @dataclasses.dataclass
 class SearchSpace:
     """Candidate (group, layout) slots per call."""
@@ -106,17 +121,14 @@ class SearchSpace:
     num_devices: int
     devices_per_host: int
     groups: list[tuple[int, int]]
-    layouts: dict[tuple[str, int], list[Layout]]  # (call, group size) -> layouts
+    layouts: LayoutTable  # (call, group size) -> layouts
 
     @classmethod
     def build(cls, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, num_devices: int,
               hw: HardwareProfile) -> "SearchSpace":
         groups = candidate_groups(num_devices, hw.devices_per_host)
-        layouts = {
-            (c.name, size): valid_layouts(c, models[c.role], size, wl, hw.devices_per_host)
-            for c in graph.calls for size in {s for _, s in groups}
-        }
-        return cls(graph, num_devices, hw.devices_per_host, groups, layouts)
+        return cls(graph, num_devices, hw.devices_per_host, groups,
+                   LayoutTable(graph, models, wl, hw.devices_per_host))
 
     def slots(self, call: str) -> list[Slot]:
         return [(s, n, lay) for s, n in self.groups for lay in self.layouts[(call, n)]]
