@@ -49,7 +49,7 @@ from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_byt
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of
-from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
+from jaxrlhf.planner.simulator import MIN_STEPS, PlanEstimate, estimate_plan
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
 
@@ -593,7 +593,7 @@ def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionP
 
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
            graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
-           top_k: int = 4, steps: int = 3, allow_offpolicy: bool = False,
+           top_k: int = 4, steps: int = MIN_STEPS, allow_offpolicy: bool = False,
            seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
