@@ -117,14 +117,16 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
         assert rc == 2 and captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1
 
 
-def test_train_and_plan_choose_the_same_plan(tmp_path, capsys):
-    """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget)."""
+def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
+    """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget).
+    Fewer search iterations for both, so a loaded machine never hits the time budget."""
     from jaxrlhf import train
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner import search as search_module
 
+    monkeypatch.setattr(search_module, "DEFAULT_ITERATIONS", 300)
     overrides = ["data.batch_size=16", "generation.max_new_tokens=8", "plan.hardware=cpu"]
-    assert main(["--config", QUICKSTART, "--json", "--out", str(tmp_path), *overrides]) == 0
+    assert main(["--config", QUICKSTART, "--json", "--iterations", "300", "--out", str(tmp_path), *overrides]) == 0
     planned = json.loads(capsys.readouterr().out)["searched"]["plan"]
     search_module._RESULTS.clear()  # no remembered search: train searches afresh
     cfg = cfglib.load_config(QUICKSTART, [*overrides, "plan.strategy=auto"])
