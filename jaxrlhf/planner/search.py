@@ -573,16 +573,21 @@ GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this m
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 
 
-def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
-                n: int) -> bool:
-    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+def state_bytes(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload) -> float:
+    """Bytes of every role's parameters and, for trained roles, optimizer state: what any plan must hold."""
     total = 0.0
     for role in graph.roles:
         cfg, head = models[role], graph.head(role)
         total += shard_count(cfg, head, Layout()) * DTYPE_BYTES[cfg.param_dtype]
         if graph.train_call(role) is not None:
             total += shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
-    return total > n * hw.usable_memory
+    return total
+
+
+def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
+                n: int) -> bool:
+    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+    return state_bytes(models, graph, wl) > n * hw.usable_memory
 
 
 def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionPlan:
@@ -616,6 +621,13 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     key = repr((sorted(models.items()), wl, hw, num_devices, graph.calls, seed, iterations, steps, allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
+    if _cannot_fit(models, graph, wl, hw, num_devices):
+        need = state_bytes(models, graph, wl)
+        raise PlanError(
+            f"no plan fits on {num_devices} x {hw.name}: the parameters and optimizer states alone take "
+            f"{need / 2**30:.0f} GiB and the devices hold {num_devices * hw.usable_memory / 2**30:.0f} GiB usable; "
+            f"use at least {math.ceil(need / hw.usable_memory)} devices (more for activations), "
+            "smaller models or another hardware profile")
     t_start = time.perf_counter()
     raw: dict[str, ExecutionPlan | str] = dict(seeds) if seeds is not None else preset_plans(
         num_devices, models, graph, wl, hw)
