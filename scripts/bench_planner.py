@@ -68,18 +68,29 @@ def main() -> None:
                     "the first seed only, to keep the run short); 'all' for every row")
     ap.add_argument("--time-budget", type=float, default=600.0)
     ap.add_argument("--timing-devices", default="128,512", help="fresh-search timing at these device counts")
+    ap.add_argument("--scenarios", default=",".join(GRID), help="comma-separated scenarios to run")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no search: join the rows of these --json files "
+                    "(runs of different --scenarios, in order) and summarise them into --json")
     args = ap.parse_args()
     hw = get_profile(args.hardware)
     if args.inter_node_gbps:
         hw = hw.with_inter_host_bandwidth(args.inter_node_gbps * GB / 8)
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.merge:
+        parts = [json.load(open(path)) for path in args.merge]
+        rows = [r for part in parts for r in part["rows"]]
+        timing = {k: v for part in parts for k, v in ((part.get("summary") or {}).get("fresh_search_s") or {}).items()}
+        _write(args, hw, rows, summarize(rows, {int(k): {"search_s": v} for k, v in timing.items()}, seeds))
+        return
     rows = []
     header = (f"{'scenario':>13} {'model':>5} {'dev':>4} {'gen':>4} | {'colocated':>9} {'heuristic':>9} "
               f"{'verl':>9} | {'searched':>8} {'x best':>6} {'x heur':>6} {'x verl':>6} {'spread':>6} {'search':>7}")
     print(header)
     print("-" * len(header))
     for scenario, setups in GRID.items():
+        if scenario not in args.scenarios.split(","):
+            continue
         for size, n in setups:
             for gen in GEN_LENS:
                 models = {r: preset(f"llama2-{s.format(size)}") for r, s in SCENARIOS[scenario].items()}
@@ -134,6 +145,13 @@ def main() -> None:
         print(f"fresh search, 4 x 70B on {n} devices: {timing[n]['search_s']:.1f} s "
               f"(step {res.best.step_s:.2f} s)", flush=True)
 
+    summary = summarize(rows, timing, seeds)
+    if args.json:
+        _write(args, hw, rows, summary)
+
+
+def summarize(rows: list[dict], timing: dict, seeds: list[int]) -> dict:
+    """Median, worst and best of searched vs each baseline over the rows; printed and returned."""
     def stats(key: str) -> dict:
         xs = [r[key] for r in rows if r[key]]
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rows": len(xs)} if xs else {}
@@ -157,8 +175,7 @@ def main() -> None:
                   f"over {st['rows']} rows")
     print(f"seed spread (max/min - 1 over seeds {seeds}): median {summary['median_seed_spread'] * 100:.1f}%, "
           f"max {summary['max_seed_spread'] * 100:.1f}% over {len(spread_rows)} rows")
-    if args.json:
-        _write(args, hw, rows, summary)
+    return summary
 
 
 def _write(args, hw, rows, summary) -> None:
