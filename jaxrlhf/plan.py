@@ -88,7 +88,7 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
         from jaxrlhf.models.config import PRESETS
 
         if args.model_preset not in PRESETS:
-            raise cfglib.ConfigError(f"--model-preset {args.model_preset!r} is not a model preset; "
+            raise cfglib.ConfigError(f"--model-preset {args.model_preset!r} is not a model preset. "
                                      f"Known presets: {', '.join(sorted(PRESETS))}")
         models = cfglib.with_defaults(data)["model"]
         presets = []
@@ -101,7 +101,7 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
 
 def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> str:
     """Where the plan files go: `--out`, else a folder named after the config. An earlier plan there
-    is kept (PlanOutputError) unless `--overwrite`."""
+    is kept (a ConfigError, nothing written) unless `--overwrite`."""
     if args.out:
         out = args.out
     else:
