@@ -389,6 +389,12 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     return config
 
 
+def with_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults with `data` over them, as `from_dict` reads it, but not validated: for tools that
+    look at a config before they finish it (`plan --model-preset` finds the roles with own weights)."""
+    return _merge(Config, to_dict(Config()), data)
+
+
 # Keys of which a user sets one: setting any of them drops the defaults of the others,
 # so `model.critic.preset: small` replaces the default `init_from: actor`.
 _EXCLUSIVE_KEYS: dict[type, tuple[str, ...]] = {RoleModelConfig: ("preset", "path", "init_from")}

@@ -134,7 +134,7 @@ class DistributedConfig:
 class PlanConfig:
     """How model calls are placed on devices (see jaxrlhf.mesh)."""
 
-    strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "auto"] = "colocated"
+    strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl", "auto"] = "colocated"
     file: str | None = None  # a plan YAML; overrides strategy
     offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
     hardware: str | None = None  # planner hardware profile; null = detect from the platform

@@ -5,14 +5,19 @@
     python -m jaxrlhf.plan --model-preset llama2-70b --devices 128 --inter-node-gbps 1600   # 8 x 200 Gb/s nodes
 
 The config is resolved exactly as `python -m jaxrlhf.train` resolves it (the
-same file, defaults and `key=value` overrides), and the planner plans the
-graph of the algorithm it names (`algorithm.name`: PPO, GRPO, DPO, ... each
-has its own calls) with the workload that algorithm reads from the config.
-Prints the chosen plan, each call's time and per-device memory, and every
-strategy preset's step estimate next to the searched one; writes `plan.yaml`
-(usable as `plan.file=` in training) and `timeline.png` (calls per device
-group over two steps) into `--out`. Only model dimensions are read, so a
-70B plan for 128 GPUs is searched on a laptop.
+same file, defaults and `key=value` overrides; `--model-preset` is applied
+before the config is validated), and the plan is chosen by the same code
+(`jaxrlhf.planning`) with the same defaults, as if `plan.strategy=auto`: the
+planner plans the graph of the algorithm it names (`algorithm.name`: PPO,
+GRPO, DPO, ... each has its own calls) with the workload that algorithm reads
+from the config, on every process's devices (`run.devices` per process times
+`distributed.num_processes` for a multi-process run). Prints the chosen plan,
+each call's time and per-device memory, and every strategy preset's step
+estimate next to the searched one; writes `plan.yaml` (usable as `plan.file=`
+in training) and `timeline.png` (calls per device group over two steps) into
+a folder it names and prints (`--out` to choose it; an earlier plan there is
+kept unless `--overwrite`). Only model dimensions are read, so a 70B plan for
+128 GPUs is searched on a laptop.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import sys
 from typing import Any, Sequence
 
 from jaxrlhf import config as cfglib
+from jaxrlhf import planning
 from jaxrlhf.errors import run_cli
-from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.hardware import GB
-from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult, search
+from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult
 from jaxrlhf.planner.simulator import Timeline
 
 GiB = 2**30
@@ -40,7 +45,9 @@ FLAG_KEYS = {
     "prompt_len": "data.max_prompt_len",
     "gen_len": "generation.max_new_tokens",
     "minibatches": "algorithm.minibatches",
+    "seed": "run.seed",
 }
+PLAN_FILES = ("plan.yaml", "timeline.png")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,34 +66,55 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "overrides the hardware profile's inter-node bandwidth")
     p.add_argument("--iterations", type=_positive_int, default=DEFAULT_ITERATIONS,
                    help="annealing iterations (half split over seeds, half from the best found)")
-    p.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take at most")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=".", help="directory for plan.yaml and timeline.png")
+    p.add_argument("--time-budget", type=float, default=planning.SEARCH_TIME_BUDGET_S,
+                   help="seconds the search may take at most (the same cap `train` uses)")
+    p.add_argument("--seed", type=int, help="search seed (run.seed, as in training)")
+    p.add_argument("--out", help="folder for plan.yaml and timeline.png (default: plans/<algorithm>-<model>-"
+                                 "<devices>x<hardware>)")
+    p.add_argument("--overwrite", action="store_true", help="replace plan.yaml and timeline.png already in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. algorithm.group_size=8")
     return p.parse_args(argv)
 
 
 def resolve_config(args: argparse.Namespace) -> cfglib.Config:
-    """The training config these flags describe: the file, then the flags, then `key=value`s."""
-    if not args.config and not args.model_preset:
-        raise cfglib.ConfigError("give --config FILE or --model-preset NAME")
-    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    """The training config these flags describe: the file, then the flags, then `--model-preset` for
+    every role with its own weights (init_from roles follow their source), then `key=value`s;
+    validated once, at the end."""
     data = cfglib.read_yaml(args.config) if args.config else {}
-    if args.model_preset:  # every role with its own weights; init_from roles follow their source
+    flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
+    data = cfglib.apply_overrides(data, flags + list(args.overrides))
+    if args.model_preset:
         from jaxrlhf.models.config import PRESETS
 
         if args.model_preset not in PRESETS:
-            from jaxrlhf.models.config import preset
+            raise cfglib.ConfigError(f"--model-preset {args.model_preset!r} is not a model preset. "
+                                     f"Known presets: {', '.join(sorted(PRESETS))}")
+        models = cfglib.with_defaults(data)["model"]
+        presets = []
+        for role in cfglib.ROLES:
+            if models[role].get("init_from") is None:  # its own weights: the preset replaces any path
+                presets += [f"model.{role}.preset={args.model_preset}", f"model.{role}.path=null"]
+        data = cfglib.apply_overrides(data, presets + list(args.overrides))
+    return cfglib.from_dict(data)
 
-            preset(args.model_preset)  # raises KeyError naming the known presets
-        base = cfglib.from_dict(cfglib.apply_overrides(data, overrides + list(args.overrides)))
-        from jaxrlhf.algorithms import build_algorithm
 
-        for role in build_algorithm(base).roles():
-            if getattr(base.model, role).init_from is None:
-                overrides.append(f"model.{role}.preset={args.model_preset}")
-    return cfglib.from_dict(cfglib.apply_overrides(data, overrides + list(args.overrides)))
+def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> str:
+    """Where the plan files go: `--out`, else a folder named after the config. An earlier plan there
+    is kept (a ConfigError, nothing written) unless `--overwrite`."""
+    if args.out:
+        out = args.out
+    else:
+        actor = cfg.model.actor
+        model = args.model_preset or actor.preset or os.path.basename(os.path.normpath(actor.path or "model"))
+        out = os.path.join("plans", f"{cfg.algorithm.name}-{model}-{devices}x{os.path.basename(hardware)}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise cfglib.ConfigError(f"--out {out!r} is a file, not a folder; choose another --out")
+    earlier = [f for f in PLAN_FILES if os.path.exists(os.path.join(out, f))]
+    if earlier and not args.overwrite:
+        raise cfglib.ConfigError(f"{out} already holds {', '.join(earlier)} from an earlier plan; nothing was "
+                                 "changed. Choose another --out, or replace them with --overwrite")
+    return out
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -195,34 +223,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    try:
-        from jaxrlhf.algorithms import build_algorithm
-        from jaxrlhf.train import role_configs
+    from jaxrlhf.algorithms import build_algorithm
 
+    try:
         cfg = resolve_config(args)
         algorithm = build_algorithm(cfg)
         graph = algorithm.graph()
-        hw = get_profile(cfg.plan.hardware or "h100")
+        devices, per_host = planning.machine(cfg)
+        if args.devices:
+            devices = args.devices
+        hw = planning.hardware_profile(cfg, per_host)
         if args.inter_node_gbps is not None:
             hw = hw.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
-        devices = args.devices or cfg.run.devices or 8
-        models = role_configs(cfg, graph.roles)
-        res = search({r: models[r] for r in graph.roles}, algorithm.workload(), hw, devices, graph, seed=args.seed,
-                     iterations=args.iterations, time_budget_s=args.time_budget)
-    except (KeyError, ValueError) as e:  # ConfigError and PlanError are ValueErrors
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"error: {msg}", file=sys.stderr)
+        out = out_folder(args, cfg, devices, hw.name)
+        models = planning.role_configs(cfg, graph.roles)
+        res = planning.search_plan(cfg, algorithm, {r: models[r] for r in graph.roles}, devices, hw,
+                                   time_budget_s=args.time_budget, iterations=args.iterations)
+    except ValueError as e:  # ConfigError and PlanError are ValueErrors: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    res.best.plan.save(os.path.join(args.out, "plan.yaml"))
-    draw_timeline(res.best.timeline, os.path.join(args.out, "timeline.png"),
+    os.makedirs(out, exist_ok=True)
+    res.best.plan.save(os.path.join(out, "plan.yaml"))
+    draw_timeline(res.best.timeline, os.path.join(out, "timeline.png"),
                   title=f"searched plan: {res.best.step_s:.3g} s/step on {devices} x {hw.name}")
     if args.json:
-        print(json.dumps(report_json(res, cfg.algorithm.name)))
+        print(json.dumps(report_json(res, cfg.algorithm.name) | {"out": out}))
     else:
         print(f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}")
         print(report_text(res, devices, hw.name))
-        print(f"wrote {os.path.join(args.out, 'plan.yaml')} and {os.path.join(args.out, 'timeline.png')}")
+        print(f"wrote {os.path.join(out, 'plan.yaml')} and {os.path.join(out, 'timeline.png')}")
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
+from jaxrlhf.planning import plan_for, role_configs
 
 
 def setup_devices(run: cfglib.RunConfig, dist: cfglib.DistributedConfig | None = None) -> None:
@@ -72,123 +73,8 @@ def enable_compile_cache(folder: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# --------------------------------------------------------------------------- model configs
-
-
-def weight_source(cfg: cfglib.Config, role: str) -> cfglib.RoleModelConfig:
-    """The config section a role's weights come from, following init_from to its end."""
-    rc = getattr(cfg.model, role)
-    seen = {role}
-    while rc.init_from and rc.init_from not in seen:
-        seen.add(rc.init_from)
-        rc = getattr(cfg.model, rc.init_from)
-    return rc
-
-
-def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
-    """ModelConfig of every role (and of the roles they initialise from); no weights touched."""
-    from jaxrlhf.models.config import preset
-    from jaxrlhf.models.hf_io import config_from_hf, read_hf_config
-
-    out = {}
-
-    def resolve(role: str):
-        if role in out:
-            return out[role]
-        rc = getattr(cfg.model, role)
-        if rc.init_from:
-            base = resolve(rc.init_from)
-        elif rc.path:
-            base = config_from_hf(read_hf_config(rc.path), source=os.path.join(rc.path, "config.json"))
-        elif rc.preset:
-            base = preset(rc.preset)
-        else:
-            raise cfglib.ConfigError(f"model.{role}: set one of preset, path or init_from")
-        changes = dict(rc.overrides)
-        if rc.dtype:
-            changes["dtype"] = rc.dtype
-        if rc.param_dtype:
-            changes["param_dtype"] = rc.param_dtype
-        out[role] = base.replace(**changes) if changes else base
-        return out[role]
-
-    for r in roles:
-        resolve(r)
-    return out
-
-
 # --------------------------------------------------------------------------- plan
-
-
-DEFAULT_HARDWARE = {"cpu": "cpu", "gpu": "h100", "cuda": "h100", "tpu": "tpu-v5e"}
-
-
-def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], num_devices: int,
-             devices_per_host: int | None = None):
-    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
-
-    Needs only model dimensions, so realistic configs can be planned without weights or devices.
-    """
-    from jaxrlhf.planner.plan import ExecutionPlan, validate as validate_plan
-    from jaxrlhf.planner.presets import build_plan
-
-    graph = algorithm.graph()
-    models = {r: model_configs[r] for r in graph.roles}
-    batch = algorithm.batch_rows
-    if cfg.plan.file:
-        plan = ExecutionPlan.load(cfg.plan.file)
-    elif cfg.plan.strategy == "auto":
-        plan = search_plan(cfg, algorithm, models, num_devices, devices_per_host)
-    else:
-        plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
-                          devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
-    plan = with_offload(cfg, algorithm, plan, models, devices_per_host)
-    validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
-    return plan
-
-
-def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None):
-    """The planner's profile of this machine: `plan.hardware`, else the one of the platform JAX runs on."""
-    from jaxrlhf.planner.hardware import get_profile
-
-    if cfg.plan.hardware:
-        try:
-            hw = get_profile(cfg.plan.hardware)
-        except (KeyError, OSError, ValueError) as e:
-            raise cfglib.ConfigError(f"plan.hardware={cfg.plan.hardware!r}: {e.args[0] if e.args else e}") from None
-    else:
-        import jax
-
-        hw = get_profile(DEFAULT_HARDWARE.get(jax.devices()[0].platform, "cpu"))
-    return dataclasses.replace(hw, devices_per_host=devices_per_host) if devices_per_host else hw
-
-
-def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], devices_per_host: int | None = None):
-    """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
-    when set, else the plan file's own list, else what the memory model needs for the plan to fit."""
-    from jaxrlhf.planner.memory import plan_memory
-
-    if cfg.plan.offload is not None:
-        return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
-    if plan.offload_roles or plan.strategy == "searched":
-        return plan
-    report = plan_memory(plan, algorithm.graph(), models, algorithm.workload(), hardware_profile(cfg, devices_per_host))
-    if not report.feasible:
-        print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
-    return dataclasses.replace(plan, offload_roles=report.offloaded)
-
-
-def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int,
-                devices_per_host: int | None = None):
-    """`plan.strategy=auto`: the planner's best plan for these devices, models and workload."""
-    from jaxrlhf.planner.search import search
-
-    hw = hardware_profile(cfg, devices_per_host)
-    result = search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
-                    time_budget_s=30.0, allow_offpolicy=cfg.plan.offpolicy)
-    print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
-          f"(estimated step {result.best.step_s:.3g} s on {hw.name})", flush=True)
-    return result.best.plan
+# Plan choice is shared with `python -m jaxrlhf.plan` (jaxrlhf.planning), so both pick the same plan.
 
 
 def warmup_plan(plan):
@@ -375,7 +261,8 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     graph = algorithm.graph()
     # With several processes the planner checks that device groups respect host boundaries.
     host_size = devices_per_host() if jax.process_count() > 1 else None
-    plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size)
+    plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
+                    platform=jax.devices()[0].platform)
     print(plan.table(), flush=True)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
 

@@ -140,7 +140,7 @@ def test_wrong_type(override, message):
     "overrides, message",
     [
         (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
-                                     "disaggregated, reallocated, heuristic, auto; got 'colocatd'; did you mean 'colocated'?"),
+                                     "disaggregated, reallocated, heuristic, verl, auto; got 'colocatd'; did you mean 'colocated'?"),
         (["algorithm.name=trpo"], "algorithm.name 'trpo' is not a known algorithm; did you mean 'grpo'? "
                                   "(choices: dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),

@@ -15,7 +15,7 @@ def test_json_output_and_plan_file(tmp_path, capsys):
                "--prompt-len", "16", "--iterations", "300", "--json", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"algorithm", "searched", "presets", "search_s"} and out["algorithm"] == "ppo"
+    assert set(out) == {"algorithm", "searched", "presets", "search_s", "out"} and out["algorithm"] == "ppo"
     assert out["searched"]["step_s"] > 0 and out["search_s"] > 0
     assert {"colocated", "interleaved", "disaggregated", "reallocated", "heuristic"} <= set(out["presets"])
     for p in out["presets"].values():
@@ -64,10 +64,80 @@ def test_plans_the_graph_of_any_algorithm(algorithm, calls, tmp_path, capsys):
     (["--model-preset", "tiny", "--hardware", "warp9"], "known profiles"),
     (["--model-preset", "llama9"], "Known presets"),
     (["--model-preset", "tiny", "--algorithm", "trpo"], "not a known algorithm"),
-    ([], "--config"),
+    (["--config", "nope.yaml"], "nope.yaml"),
     (["--model-preset", "tiny", "--inter-node-gbps", "0"], "must be a positive number of Gb/s"),
     (["--model-preset", "tiny", "--inter-node-gbps", "fast"], "expected a number of Gb/s"),
 ])
 def test_user_mistakes_get_clear_errors(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_model_preset_is_applied_before_the_config_is_validated(tmp_path):
+    """The default actor (tiny, 512 positions) cannot generate 128 + 896 tokens; llama2-70b can, and the
+    preset is applied first, so the generation length is checked against the 70B model."""
+    cfg = resolve_config(parse_args(["--model-preset", "llama2-70b", "--gen-len", "896"]))
+    assert cfg.model.actor.preset == "llama2-70b" and cfg.generation.max_new_tokens == 896
+    assert cfg.model.critic.init_from == "actor"
+
+
+def test_writes_into_a_folder_it_names_and_keeps_an_earlier_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model-preset", "tiny", "--hardware", "cpu", "--batch", "16", "--iterations", "100", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)["out"]
+    assert out == os.path.join("plans", "ppo-tiny-8xcpu") and os.path.exists(os.path.join(out, "plan.yaml"))
+    assert not os.path.exists("plan.yaml")  # never into the current folder
+    before = os.path.getmtime(os.path.join(out, "plan.yaml"))
+    assert main(argv) == 2
+    assert "already holds plan.yaml" in capsys.readouterr().err
+    assert os.path.getmtime(os.path.join(out, "plan.yaml")) == before
+    assert main([*argv, "--overwrite"]) == 0
+
+
+def test_devices_default_to_every_process(tmp_path):
+    """A multi-process config plans all processes' devices, each process one host."""
+    from jaxrlhf import planning
+
+    cfg = resolve_config(parse_args(["--model-preset", "tiny", "run.devices=4", "run.distributed=true",
+                                     "distributed.num_processes=2"]))
+    assert planning.machine(cfg) == (8, 4)
+
+
+@pytest.mark.parametrize("devices", [6, 12, 24, 48, 64, 96, 128, 192])
+def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, capsys):
+    """Device counts that are not powers of two (6 = 2 x 3, 96 = 32 x 3) search groups whose sizes the
+    presets pick but the candidate groups lack; every count plans (or says why not) without a traceback."""
+    rc = main(["--model-preset", "tiny", "--devices", str(devices), "--hardware", "h100", "--batch", "48",
+               "--iterations", "40", "--time-budget", "3", "--json", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    if rc == 0:
+        assert json.loads(captured.out)["searched"]["plan"]["num_devices"] == devices
+    else:
+        assert rc == 2 and captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1
+
+
+def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
+    """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget).
+    Fewer search iterations for both, so a loaded machine never hits the time budget."""
+    from jaxrlhf import train
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner import search as search_module
+
+    monkeypatch.setattr(search_module, "DEFAULT_ITERATIONS", 300)
+    overrides = ["data.batch_size=16", "generation.max_new_tokens=8", "plan.hardware=cpu"]
+    assert main(["--config", QUICKSTART, "--json", "--iterations", "300", "--out", str(tmp_path), *overrides]) == 0
+    planned = json.loads(capsys.readouterr().out)["searched"]["plan"]
+    search_module._RESULTS.clear()  # no remembered search: train searches afresh
+    cfg = cfglib.load_config(QUICKSTART, [*overrides, "plan.strategy=auto"])
+    algorithm = build_algorithm(cfg)
+    chosen = train.plan_for(cfg, algorithm, train.role_configs(cfg, algorithm.graph().roles), cfg.run.devices)
+    assert chosen.to_dict() == planned
+
+
+def test_a_model_too_big_for_the_devices_is_refused_with_what_it_needs(tmp_path, capsys):
+    """llama2-70b (4 roles, 2 trained) on the default 8 H100s: the states alone need ~1900 GiB."""
+    assert main(["--model-preset", "llama2-70b", "--gen-len", "896", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no plan fits on 8 x h100") and "use at least 29 devices" in err
+    assert len(err.splitlines()) == 1

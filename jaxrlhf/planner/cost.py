@@ -79,6 +79,10 @@ class Workload:
     - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
       AdamW moments (mixed precision); otherwise the moments use the param dtype.
       A bool for every role, or a mapping role -> bool.
+    - `search_micro`: the planner picks each call's micro-batch count for its
+      placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
+      all. Cluster studies set it; the runtime applies one
+      `algorithm.micro_batch_size` to every call, so `train` plans leave it off.
     """
 
     batch_size: int = 512
@@ -90,6 +94,7 @@ class Workload:
     remat: Any = "full"
     donate: bool = True
     adam_master_fp32: Any = True
+    search_micro: bool = False
 
     def __post_init__(self):
         for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs"):
@@ -121,6 +126,12 @@ class Workload:
         if call.kind == "generate" or self.micro_batch is None or self.micro_batch >= rows:
             return 1
         return math.ceil(rows / self.micro_batch)
+
+    def with_micro_batches(self, call: CallSpec, count: int | None) -> "Workload":
+        """This workload with `call` split into `count` micro-batches (None: unchanged)."""
+        if count is None or call.kind == "generate":
+            return self
+        return dataclasses.replace(self, micro_batch=max(self.call_batch(call.kind) // count, 1))
 
     @property
     def seq_len(self) -> int:
@@ -475,10 +486,12 @@ class CostCache:
         self._moves: dict[tuple, float] = {}
         self.memory: dict = {}  # per-(call, layout) byte counts for `memory.plan_memory`
 
-    def call(self, call: CallSpec, group: DeviceGroup, layout: Layout) -> CallCost:
-        key = (call, group.start, group.size, layout)
+    def call(self, call: CallSpec, group: DeviceGroup, layout: Layout, micro: int | None = None) -> CallCost:
+        """Cost of `call` on `group` x `layout`, in `micro` micro-batches (None: the workload's)."""
+        key = (call, group.start, group.size, layout, micro)
         if key not in self._calls:
-            self._calls[key] = call_cost(call, self.models[call.role], group, layout, self.wl, self.hw)
+            self._calls[key] = call_cost(call, self.models[call.role], group, layout,
+                                         self.wl.with_micro_batches(call, micro), self.hw)
         return self._calls[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,

@@ -142,7 +142,7 @@ def _tpu(name: str, bf16: float, hbm_bw: float, hbm_gb: float, ici: float, per_h
     )
 
 
-# NVLink as in the ReaLHF cluster of DESIGN.md §5 (~1800 Gb/s per device). Across nodes the
+# NVLink as in the ReaLHF paper's cluster (~1800 Gb/s per device). Across nodes the
 # profile states the whole node's NICs: a current H100 / H200 node has 8 x 400 Gb/s
 # (400 GB/s), an A100 node 8 x 200 Gb/s. Clusters differ: `python -m jaxrlhf.plan
 # --inter-node-gbps` overrides it.

@@ -182,14 +182,17 @@ class MemoryReport:
 
 
 def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
-                hw: HardwareProfile, memo: dict | None = None) -> MemoryReport:
+                hw: HardwareProfile, memo: dict | None = None,
+                micro: Mapping[str, int] | None = None) -> MemoryReport:
     """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit.
 
     The roles the plan already offloads (`plan.offload_roles`) start offloaded;
     `MemoryReport.offloaded` is what the runtime must offload for the estimate to hold.
     `memo` keeps per-(call, layout) byte counts between calls for the same models and
-    workload (the search evaluates thousands of plans).
+    workload (the search evaluates thousands of plans). `micro` gives calls their own
+    micro-batch counts (`Workload.with_micro_batches`).
     """
+    micro = micro or {}
     memo = {} if memo is None else memo
 
     def cached(key: tuple, fn, *args) -> float:
@@ -248,7 +251,9 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     work: dict[str, float] = {}
     for c in calls:
         cfg, lay = models[c.role], plan.calls[c.name].layout
-        w = cached(("work", c.name, lay), lambda: sum(working_set(c, cfg, lay, wl).values()))
+        m = micro.get(c.name)
+        w = cached(("work", c.name, lay, m),
+                   lambda: sum(working_set(c, cfg, lay, wl.with_micro_batches(c, m)).values()))
         home_call = homes[c.role]
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)

@@ -11,8 +11,9 @@ They are heuristics (the planner's search starts from them and improves):
 - group sizes follow a rough FLOP share per call: train 3 units per
   parameter, generate 3 (memory-bound decoding is slow per FLOP), inference 1.
 
-`heuristic` is the fair baseline the search is measured against: the
-Megatron-style plan ReaLHF compares with (see its docstring).
+`heuristic` (the Megatron-style plan ReaLHF compares with) and `verl` (a
+verl-style hybrid engine: FSDP, generation on a tensor-parallel copy) are the
+expert baselines the search is measured against (see their docstrings).
 """
 
 from __future__ import annotations
@@ -304,11 +305,13 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
     is never pipelined (the runtime refuses it) and never FSDP: it runs on the role's layout with
     stages and FSDP turned into data parallelism, a reshard before the call (once per generation,
     like DeepSpeed-Chat's hybrid engine). Roles start at the cheapest rung of their ladder; while
-    the plan does not fit `hardware`'s memory, the role with the most bytes on the fullest device
+    the plan does not fit `hardware`'s memory (each call split into the micro-batches
+    `simulator.plan_fit` gives it), the role with the most bytes on the fullest device
     climbs one rung. Without `workload` and `hardware` the cheapest rungs are taken as they are.
     """
     # memory imports the cost model; imported here so the other presets stay light
-    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
+    from jaxrlhf.planner.simulator import plan_fit
 
     dph = devices_per_host or (hardware.devices_per_host if hardware else n)
     ladders: dict[str, list[Layout]] = {}
@@ -339,7 +342,7 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
     if workload is None or hardware is None:
         return plan
     while True:
-        mem = plan_memory(plan, graph, models, workload, hardware)
+        mem = plan_fit(plan, graph, models, workload, hardware)[1]
         if mem.feasible:
             return plan
         climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
@@ -355,6 +358,91 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
         r = max(climbable, key=held)  # every call uses every device: each device holds every role
         rung[r] += 1
         plan = make()
+
+
+def _verl_ladder(cfg: ModelConfig, head: str, n: int, dph: int, batches: list[int | None]) -> list[Layout]:
+    """A role's train/inference layouts, verl practice (FSDP, or Megatron tensor parallelism inside a
+    node): FSDP over 1, 2, 4 ... nodes (data parallel across the rest), alone or on top of tensor
+    parallelism 2, 4 or 8 inside a node; least to most memory-saving (parameters per device)."""
+    from jaxrlhf.planner.memory import params_per_device
+
+    ladder = []
+    for t in (1, 2, 4, 8):
+        if t > min(dph, n) or n % t:
+            continue
+        for f in range(min(dph, n) // t, n // t + 1):
+            if (n // t) % f == 0 and (f * t <= dph or f * t % dph == 0) and cfg.hidden_size % f == 0:
+                ladder.append(Layout(data=n // t // f, fsdp=f, tensor=t))
+    ladder = [lay for lay in ladder if all(layout_misfit(lay, cfg, b) is None for b in batches)]
+    return sorted(ladder, key=lambda lay: -params_per_device(cfg, head, lay))
+
+
+@register_strategy("verl")
+def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=None, hardware=None,
+         **_) -> ExecutionPlan:
+    """A verl-style hybrid engine, the expert baseline beside `heuristic`: every call on all devices;
+    training and inference sharded as verl's FSDP or Megatron backends do (`_verl_ladder`);
+    generation on a tensor-parallel copy resharded from the training weights before each rollout
+    (verl's vLLM/SGLang rollout). Tuned as a practitioner would with `workload` and `hardware`: the
+    least sharded rungs first, the role holding the most bytes on the fullest device climbing while
+    the plan does not fit; then one pass over the roles and the rollout trying each of their other
+    layouts, keeping what the cost model says is faster and still fits. Without them: the first rungs
+    and the widest rollout tensor size inside a node."""
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
+    from jaxrlhf.planner.simulator import estimate_plan, plan_fit
+
+    dph = devices_per_host or (hardware.devices_per_host if hardware else n)
+    group = DeviceGroup("all", 0, n)
+    ladders: dict[str, list[Layout]] = {}
+    for r in graph.roles:
+        kinds = {c.kind for c in graph.calls if c.role == r and c.kind != "generate"}
+        batches = [workload.call_batch(k) for k in kinds] if workload else [batch_size]
+        ladders[r] = _verl_ladder(models[r], graph.head(r), n, dph, batches) if kinds else [Layout(data=n)]
+        if not ladders[r]:
+            raise PlanError(f"verl: no FSDP layout of {n} devices fits role {r!r} and its batch {batches}; "
+                            "try another device count or batch size")
+    rollouts: dict[str, list[Layout]] = {}
+    for c in graph.calls:
+        if c.kind == "generate":
+            lays = [Layout(data=n // t, tensor=t) for t in range(min(dph, n), 0, -1) if n % t == 0]
+            rows = workload.batch_size if workload else batch_size
+            rollouts[c.name] = [lay for lay in lays if layout_misfit(lay, models[c.role], rows) is None]
+            if not rollouts[c.name]:
+                raise PlanError(f"verl: no tensor-parallel rollout layout of {n} devices fits {c.name!r}")
+    rung = dict.fromkeys(graph.roles, 0)
+    tp = dict.fromkeys(rollouts, 0)
+
+    def make() -> ExecutionPlan:
+        calls = {c.name: Placement("all", rollouts[c.name][tp[c.name]] if c.kind == "generate"
+                                   else ladders[c.role][rung[c.role]]) for c in graph.calls}
+        return ExecutionPlan("verl", n, {"all": group}, calls,
+                             notes="verl-style hybrid engine: FSDP/TP training, generation on a tensor-parallel copy")
+
+    if workload is None or hardware is None:
+        return make()
+
+    def resident(r: str) -> float:
+        lay, head = ladders[r][rung[r]], graph.head(r)
+        return params_per_device(models[r], head, lay) + (
+            optimizer_per_device(models[r], head, lay, workload, r) if graph.train_call(r) else 0.0)
+
+    while not (mem := plan_fit(make(), graph, models, workload, hardware)[1]).feasible:
+        climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
+        if not climbable:
+            raise PlanError(f"verl: does not fit even with the most memory-saving layouts ({mem.reason})")
+        rung[max(climbable, key=resident)] += 1
+    best = estimate_plan(make(), graph, models, workload, hardware).step_s
+    for knob, options in [*((rung, (r, len(ladders[r]))) for r in graph.roles),
+                          *((tp, (c, len(rollouts[c]))) for c in rollouts)]:
+        key, count = options
+        chosen = knob[key]
+        for i in range(count):
+            knob[key] = i
+            est = estimate_plan(make(), graph, models, workload, hardware)
+            if est.feasible and est.step_s < best:
+                best, chosen = est.step_s, i
+        knob[key] = chosen
+    return make()
 
 
 def preset_names() -> list[str]:

@@ -49,7 +49,7 @@ from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_byt
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of
-from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
+from jaxrlhf.planner.simulator import MIN_STEPS, PlanEstimate, estimate_plan
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
 
@@ -98,6 +98,21 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, dev
     return out
 
 
+class LayoutTable(dict):
+    """(call, group size) -> valid layouts, computed on first use. A preset or seed may use a group
+    size the candidate groups lack (2 of 6 devices, say), and its moves then ask for that size."""
+
+    def __init__(self, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, devices_per_host: int):
+        super().__init__()
+        self.graph, self.models, self.wl, self.devices_per_host = graph, models, wl, devices_per_host
+
+    def __missing__(self, key: tuple[str, int]) -> list[Layout]:
+        call, size = key
+        spec = self.graph[call]
+        self[key] = valid_layouts(spec, self.models[spec.role], size, self.wl, self.devices_per_host)
+        return self[key]
+
+
 @dataclasses.dataclass
 class SearchSpace:
     """Candidate (group, layout) slots per call."""
@@ -106,17 +121,14 @@ class SearchSpace:
     num_devices: int
     devices_per_host: int
     groups: list[tuple[int, int]]
-    layouts: dict[tuple[str, int], list[Layout]]  # (call, group size) -> layouts
+    layouts: LayoutTable  # (call, group size) -> layouts
 
     @classmethod
     def build(cls, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, num_devices: int,
               hw: HardwareProfile) -> "SearchSpace":
         groups = candidate_groups(num_devices, hw.devices_per_host)
-        layouts = {
-            (c.name, size): valid_layouts(c, models[c.role], size, wl, hw.devices_per_host)
-            for c in graph.calls for size in {s for _, s in groups}
-        }
-        return cls(graph, num_devices, hw.devices_per_host, groups, layouts)
+        return cls(graph, num_devices, hw.devices_per_host, groups,
+                   LayoutTable(graph, models, wl, hw.devices_per_host))
 
     def slots(self, call: str) -> list[Slot]:
         return [(s, n, lay) for s, n in self.groups for lay in self.layouts[(call, n)]]
@@ -561,16 +573,21 @@ GOOD_LAYOUTS = 4  # a macro move or a polish across groups tries a call's this m
 _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seeding reuses the n-device search
 
 
-def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
-                n: int) -> bool:
-    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+def state_bytes(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload) -> float:
+    """Bytes of every role's parameters and, for trained roles, optimizer state: what any plan must hold."""
     total = 0.0
     for role in graph.roles:
         cfg, head = models[role], graph.head(role)
         total += shard_count(cfg, head, Layout()) * DTYPE_BYTES[cfg.param_dtype]
         if graph.train_call(role) is not None:
             total += shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
-    return total > n * hw.usable_memory
+    return total
+
+
+def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
+                n: int) -> bool:
+    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+    return state_bytes(models, graph, wl) > n * hw.usable_memory
 
 
 def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionPlan:
@@ -581,7 +598,7 @@ def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionP
 
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
            graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
-           top_k: int = 4, steps: int = 3, allow_offpolicy: bool = False,
+           top_k: int = 4, steps: int = MIN_STEPS, allow_offpolicy: bool = False,
            seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
@@ -604,6 +621,13 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     key = repr((sorted(models.items()), wl, hw, num_devices, graph.calls, seed, iterations, steps, allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
+    if _cannot_fit(models, graph, wl, hw, num_devices):
+        need = state_bytes(models, graph, wl)
+        raise PlanError(
+            f"no plan fits on {num_devices} x {hw.name}: the parameters and optimizer states alone take "
+            f"{need / 2**30:.0f} GiB and the devices hold {num_devices * hw.usable_memory / 2**30:.0f} GiB usable; "
+            f"use at least {math.ceil(need / hw.usable_memory)} devices (more for activations), "
+            "smaller models or another hardware profile")
     t_start = time.perf_counter()
     raw: dict[str, ExecutionPlan | str] = dict(seeds) if seeds is not None else preset_plans(
         num_devices, models, graph, wl, hw)

@@ -186,3 +186,33 @@ def test_colocated_generates_on_a_tensor_parallel_copy():
     plan = build_plan("colocated", 8, TINY, PPO_GRAPH, batch_size=8)
     assert plan.calls["actor.generate"].layout == Layout(data=4, tensor=2)  # gathered once per generation
     assert plan.calls["actor.train"].layout.fsdp == 8
+
+
+@pytest.mark.parametrize("size,n", [("7b", 16), ("70b", 64)])
+def test_verl_is_a_tuned_hybrid_engine_that_fits(size, n):
+    """verl-style: everything on all devices, FSDP (over a node, data parallel across nodes) or tensor
+    parallelism inside a node for training, generation on a tensor-parallel copy inside a node; its
+    tuning never makes the plan slower than its untuned first fit."""
+    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.memory import plan_memory
+    from jaxrlhf.planner.simulator import estimate_plan
+
+    hw, models = get_profile("h100"), {r: preset(f"llama2-{size}") for r in ROLES}
+    wl = Workload.from_tokens(2**17, 128, 128, search_micro=True)
+    plan = build_plan("verl", n, models, PPO_GRAPH, batch_size=wl.batch_size, devices_per_host=8,
+                      workload=wl, hardware=hw)
+    validate(plan, PPO_GRAPH, models, batch_size=wl.batch_size, devices_per_host=8)
+    assert set(plan.groups) == {"all"} and plan.strategy == "verl"
+    assert estimate_plan(plan, PPO_GRAPH, models, wl, hw).feasible
+    gen = plan.calls["actor.generate"].layout
+    assert gen.fsdp == 1 and gen.stage == 1 and 1 <= gen.tensor <= 8 and gen.num_devices == n
+    for c in PPO_GRAPH.calls:
+        lay = plan.calls[c.name].layout
+        assert lay.stage == 1 and lay.tensor <= 8
+        if c.kind != "generate":
+            assert lay.fsdp * lay.tensor <= 8 or (lay.fsdp * lay.tensor) % 8 == 0  # whole nodes
+    untuned = build_plan("verl", n, models, PPO_GRAPH, batch_size=wl.batch_size, devices_per_host=8)
+    if plan_memory(untuned, PPO_GRAPH, models, wl, hw).feasible:
+        assert estimate_plan(plan, PPO_GRAPH, models, wl, hw).step_s <= \
+            estimate_plan(untuned, PPO_GRAPH, models, wl, hw).step_s

@@ -156,10 +156,11 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
 
 
-def test_a_kick_leaves_a_bottom_the_polish_cannot():
+def test_a_kick_keeps_a_bottom_no_kick_beats():
     """Four 70B models on 64 H100s: generation on all devices without shadow copies is a bottom for the
-    polish (every single-call and compound move is slower), but a critic shadow copy with critic
-    training leaner by FSDP 2, then one sweep, lands in the other family and the kick keeps it."""
+    polish (every single-call and compound move is slower). The kicks (a critic shadow copy with one
+    critic call moved, then a sweep) land in the critic-shadow family, which a 3-step average made
+    look 5 % faster; in steady state it is slower (15.0 s vs 14.6 s), so the kick keeps the bottom."""
     ann = _annealer_on_64_h100({"actor": "70b", "ref": "70b", "critic": "70b", "reward": "70b"})
     bottom = State((("actor.generate", (0, 64, _lay(8, 8, 1))), ("reward.inference", (32, 32, _lay(4, 1, 8))),
                     ("ref.inference", (0, 32, _lay(4, 1, 8))), ("critic.inference", (0, 64, _lay(2, 2, 16))),
@@ -168,7 +169,10 @@ def test_a_kick_leaves_a_bottom_the_polish_cannot():
     assert e_bottom < 1e6  # fits
     polished, hit = ann.polish(bottom, float("inf"))
     assert not hit and ann.energy(polished)[0] == e_bottom
-    assert all(ann.energy(kick)[0] > e_bottom for kick in ann.shadow_moves(bottom))  # no move alone helps
+    kicks = sorted(dict.fromkeys(ann.shadow_moves(bottom)), key=lambda k: ann.energy(k)[0])
+    assert ann.energy(kicks[0])[0] > e_bottom  # no move alone helps
+    landed = [ann.polish(k, float("inf"), passes=1)[0] for k in kicks[:search_module.KICKS]]
+    best = min(landed, key=lambda st: ann.energy(st)[0])
+    assert best.shadow == {"critic"} and e_bottom < ann.energy(best)[0] < e_bottom * 1.05
     kicked, hit = ann.kicked(bottom, float("inf"))
-    assert not hit and ann.energy(kicked)[0] < e_bottom * 0.97
-    assert kicked.shadow == {"critic"} and kicked.get("critic.train")[2].fsdp == 2
+    assert not hit and kicked == bottom

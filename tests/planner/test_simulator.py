@@ -4,7 +4,7 @@ import pytest
 
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
-from jaxrlhf.planner.simulator import Op, build_ops, schedule
+from jaxrlhf.planner.simulator import MIN_STEPS, Op, Span, Timeline, build_ops, schedule, steady_state
 
 # gen (actor) -> score (reward), value (critic) -> train (actor)
 G = CallGraph((
@@ -88,3 +88,60 @@ def test_list_scheduler_rejects_cycles_and_unknown_deps():
         schedule([Op("a", "a", "call", 0, ((0, 1),), 1.0, ("ghost",))], 1)
     with pytest.raises(ValueError, match="cycle"):
         schedule([Op("a", "a", "call", 0, ((0, 1),), 1.0, ("b",)), Op("b", "b", "call", 0, ((0, 1),), 1.0, ("a",))], 1)
+
+
+def _timeline(ends: list[float]) -> Timeline:
+    """A timeline with one op per step ending at `ends[step]`."""
+    spans = [Span(Op(f"x@{i}", "x", "call", i, ((0, 1),), 1.0), e - 1.0, e) for i, e in enumerate(ends)]
+    return Timeline(spans, len(ends))
+
+
+def test_step_time_is_the_repeating_gap_without_the_first_and_last_steps():
+    # The first step fills an empty pipeline (10 s); the last two end early because no later step
+    # competes for their devices (70B/128: 8.96 s gaps, then 7.49 s). Steady state: 8 s per step.
+    tl = _timeline([10, 18, 26, 34, 42, 50, 55, 58])
+    assert tl.step_gaps() == [8, 8, 8, 8, 8] and tl.period() == 1
+    assert tl.step_s == pytest.approx(8.0)
+    assert (58 - 10) / 7 < 7  # the mean over all steps, what a short schedule reported
+    # gaps that alternate (an off-policy shadow two steps behind): the mean over the period
+    tl = _timeline([4, 9, 16, 21, 28, 33, 40, 45, 47, 48])
+    assert tl.period() == 2 and tl.step_s == pytest.approx(6.0)
+
+
+def test_steady_state_simulates_until_the_gaps_repeat():
+    where = {"actor.generate": "lo", "reward.inference": "hi", "critic.inference": "hi", "actor.train": "hi"}
+    tl = steady_state(G, plan(where, shadow_roles=("actor",), offpolicy=True), T, {"actor.generate": 0.5})
+    assert tl.steps >= MIN_STEPS and tl.period() == 1 and tl.step_s == pytest.approx(6.5)
+    tl = steady_state(G, plan(where, shadow_roles=("actor",), offpolicy=True), T, {"actor.generate": 0.5}, steps=2)
+    assert tl.steps > 2 and tl.step_s == pytest.approx(6.5)  # too short to see a period: simulated longer
+
+
+def test_micro_batch_count_is_chosen_per_call():
+    """With `search_micro`, each call gets the fewest micro-batches that let the plan fit (fastest
+    first). One count for every call charges the calls that need no split for the kernel launches
+    and FSDP gathers of 16 micro-batches."""
+    import dataclasses
+
+    from jaxrlhf.models.config import preset
+    from jaxrlhf.planner.cost import CostCache, Workload
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.planner.simulator import estimate_plan, micro_options
+    from jaxrlhf.testing.graphs import ppo_graph
+
+    graph, hw = ppo_graph(), get_profile("h100")
+    models = {r: preset("llama2-7b") for r in graph.roles}
+    fixed = Workload.from_tokens(2**17, 128, 128, micro_batch=8, remat="none")  # 16 per minibatch
+    searched = dataclasses.replace(fixed, search_micro=True)
+    plan = build_plan("colocated", 8, models, graph, batch_size=fixed.batch_size, devices_per_host=8)
+    est = estimate_plan(plan, graph, models, searched, hw)
+    assert est.feasible and set(est.micro.values()) == {1}  # 7B fits on 8 H100s unsplit
+    slow = estimate_plan(plan, graph, models, fixed, hw)
+    assert slow.feasible and est.step_s < slow.step_s
+    # with 80 % of the memory, one micro-batch no longer fits: the calls on the full devices split
+    tight = dataclasses.replace(hw, hbm_capacity=hw.hbm_capacity * 0.8)
+    est = estimate_plan(plan, graph, models, searched, tight)
+    cache = CostCache(models, searched, tight)
+    assert est.feasible and est.micro["actor.train"] > 1 and est.micro["actor.generate"] == 1
+    for c in graph.calls:
+        assert est.micro[c.name] in micro_options(c, plan, searched, cache)

@@ -1,0 +1,144 @@
+"""Plan choice for a training config: the one path `train` and `plan` both take.
+
+`python -m jaxrlhf.train` and `python -m jaxrlhf.plan` must agree about the same
+config, so everything that decides a plan lives here with one set of defaults:
+the role model configs, the hardware profile, the machine (devices and devices
+per host, over every process), and the plan itself (a plan file, a strategy
+preset, or the planner's search with `SEARCH_TIME_BUDGET_S`, the run's seed
+and `plan.offpolicy`). Only model dimensions are read: no weights, no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Sequence
+
+from jaxrlhf import config as cfglib
+
+# The platform JAX runs on -> the planner's hardware profile for it.
+PLATFORM_HARDWARE = {"cpu": "cpu", "gpu": "h100", "cuda": "h100", "tpu": "tpu-v5e"}
+# Hardware when neither plan.hardware nor a platform says (the `plan` CLI plans clusters it does not run on).
+DEFAULT_HARDWARE = "h100"
+DEFAULT_DEVICES = 8  # devices when neither the config nor the caller says
+SEARCH_TIME_BUDGET_S = 60.0  # the planner search's wall-clock cap for plan.strategy=auto
+
+
+def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
+    """ModelConfig of every role (and of the roles they initialise from); no weights touched."""
+    from jaxrlhf.models.config import preset
+
+    out = {}
+
+    def resolve(role: str):
+        if role in out:
+            return out[role]
+        rc = getattr(cfg.model, role)
+        if rc.init_from:
+            base = resolve(rc.init_from)
+        elif rc.path:
+            from jaxrlhf.models.hf_io import config_from_hf, read_hf_config
+
+            base = config_from_hf(read_hf_config(rc.path), source=os.path.join(rc.path, "config.json"))
+        elif rc.preset:
+            base = preset(rc.preset)
+        else:
+            raise cfglib.ConfigError(f"model.{role}: set one of preset, path or init_from")
+        changes = dict(rc.overrides)
+        if rc.dtype:
+            changes["dtype"] = rc.dtype
+        if rc.param_dtype:
+            changes["param_dtype"] = rc.param_dtype
+        out[role] = base.replace(**changes) if changes else base
+        return out[role]
+
+    for r in roles:
+        resolve(r)
+    return out
+
+
+def hardware_name(cfg: cfglib.Config, platform: str | None = None) -> str:
+    """`plan.hardware`, else the profile of `run.platform` (or of `platform`, the one JAX runs on
+    when run.platform=auto), else DEFAULT_HARDWARE."""
+    if cfg.plan.hardware:
+        return cfg.plan.hardware
+    named = cfg.run.platform if cfg.run.platform != "auto" else platform
+    return PLATFORM_HARDWARE.get(named or "", DEFAULT_HARDWARE)
+
+
+def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None, platform: str | None = None):
+    """The planner's profile of the machine (`hardware_name`), with `devices_per_host` when given."""
+    from jaxrlhf.planner.hardware import get_profile
+
+    name = hardware_name(cfg, platform)
+    try:
+        hw = get_profile(name)
+    except (KeyError, OSError, ValueError) as e:
+        raise cfglib.ConfigError(f"plan.hardware={name!r}: {e.args[0] if e.args else e}") from None
+    return dataclasses.replace(hw, devices_per_host=devices_per_host) if devices_per_host else hw
+
+
+def machine(cfg: cfglib.Config) -> tuple[int, int | None]:
+    """(devices, devices per host) the config describes without asking JAX: `run.devices` per process
+    (DEFAULT_DEVICES when unset) times `distributed.num_processes` for a multi-process run, each process
+    a host. `train` asks JAX instead, which counts the same devices."""
+    per_process = cfg.run.devices or DEFAULT_DEVICES
+    processes = cfg.distributed.num_processes if cfg.run.distributed else None
+    if processes and processes > 1:
+        return per_process * processes, per_process
+    return per_process, None
+
+
+def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], num_devices: int,
+             devices_per_host: int | None = None, platform: str | None = None):
+    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
+
+    Needs only model dimensions, so realistic configs can be planned without weights or devices.
+    """
+    from jaxrlhf.planner.plan import ExecutionPlan, validate as validate_plan
+    from jaxrlhf.planner.presets import build_plan
+
+    graph = algorithm.graph()
+    models = {r: model_configs[r] for r in graph.roles}
+    batch = algorithm.batch_rows
+    hw = hardware_profile(cfg, devices_per_host, platform)
+    if cfg.plan.file:
+        plan = ExecutionPlan.load(cfg.plan.file)
+    elif cfg.plan.strategy == "auto":
+        result = search_plan(cfg, algorithm, models, num_devices, hw)
+        print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
+              f"(estimated step {result.best.step_s:.3g} s on {num_devices} x {hw.name})"
+              + (" (time budget hit)" if result.budget_hit else ""), flush=True)
+        plan = result.best.plan
+    else:
+        plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
+                          devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+    plan = with_offload(cfg, algorithm, plan, models, hw)
+    validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    return plan
+
+
+def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw):
+    """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
+    when set, else the plan file's own list, else what the memory model needs for the plan to fit."""
+    from jaxrlhf.planner.memory import plan_memory
+
+    if cfg.plan.offload is not None:
+        return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
+    if plan.offload_roles or plan.strategy == "searched":
+        return plan
+    report = plan_memory(plan, algorithm.graph(), models, algorithm.workload(), hw)
+    if not report.feasible:
+        print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
+    return dataclasses.replace(plan, offload_roles=report.offloaded)
+
+
+def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int, hw, *,
+                time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
+    """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
+    workload, seeded by `run.seed`, off-policy plans only with `plan.offpolicy`."""
+    from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
+
+    return search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
+                  iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=time_budget_s,
+                  allow_offpolicy=cfg.plan.offpolicy)
