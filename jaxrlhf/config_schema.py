@@ -148,8 +148,8 @@ class PlanConfig:
 class AlgorithmConfig:
     """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
 
-    RL algorithms: ppo, grpo, rloo, reinforce_pp, remax (defaults follow
-    ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
+    RL algorithms: ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax
+    (defaults follow ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
     not use are ignored by it; null means "the algorithm's own default".
     """
 
@@ -160,7 +160,8 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
     gamma: Float = _field(1.0, check=closed_unit_interval)
     lam: Float = _field(1.0, check=closed_unit_interval)
-    clip_eps: Float = _field(0.2, check=positive)
+    clip_eps: Float | None = _field(None, check=positive)  # ratio clip 1 - eps; null = 0.2 (gspo 3e-4)
+    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (dapo 0.28)
     value_clip_eps: Float | None = _field(0.2, check=positive)  # null = unclipped value loss
     minibatches: Int = _field(4, check=positive)
     epochs: Int = _field(1, check=positive)
@@ -169,9 +170,14 @@ class AlgorithmConfig:
     whiten_advantages: Bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
     normalize_values: Bool = False
     group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
-    norm_adv_by_std: Bool = True  # grpo: divide by the group's std (false = Dr. GRPO)
+    norm_adv_by_std: Bool | None = None  # grouped: divide by the group's std; null = true (dr_grpo false)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     entropy_coef: Float = _field(0.0, check=non_negative)
+    # grouped algorithms: drop groups whose rewards are all equal; null = on for dapo only
+    dynamic_sampling: Bool | None = None
+    dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
+    overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
+    overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
     dpo_beta: Float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
     dpo_label_smoothing: Float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"

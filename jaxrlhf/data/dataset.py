@@ -327,16 +327,18 @@ class PromptDataset(_BatchStream):
         tokenizer: Tokenizer,
         *,
         split: str | None = None,
+        batch_size: int | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> "PromptDataset":
-        """The rollout prompt stream described by `config.data` (seed defaults to run.seed)."""
+        """The rollout prompt stream described by `config.data` (seed defaults to run.seed; batch size
+        to data.batch_size, larger where the algorithm generates more prompts than it trains on)."""
         data = config.data
         split = split or data.split
         return cls(
             open_source(data.source, split, data.data_dir),
             tokenizer,
-            batch_size=data.batch_size,
+            batch_size=batch_size or data.batch_size,
             max_prompt_len=data.max_prompt_len,
             prompt_key=data.prompt_key,
             answer_key=data.answer_key,
