@@ -254,7 +254,8 @@ class DataConfig:
     source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
     split: str = "train"
     eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
-    prompt_key: str = _field("prompt", check=not_empty)
+    # null (rm, dpo): chosen and rejected hold the whole dialogue; their shared token prefix is the prompt
+    prompt_key: str | None = _field("prompt", check=not_empty)
     answer_key: str | None = "answer"  # null = no reference answers (reward model only)
     answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
     prompt_template: str = "{prompt}"

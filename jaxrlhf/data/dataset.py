@@ -221,6 +221,16 @@ class _BatchStream(abc.ABC):
             length = bucket_length(max(self._length(item) for item in chunk), self.pad_multiple, self._max_len())
             yield self._collate(np.asarray(chunk_ids[lo:hi], np.int64), chunk[lo:hi], length), weight[lo:hi]
 
+    def check(self) -> None:
+        """Encode one batch's worth of rows without moving the stream or its counters, so that a
+        data error (wrong keys, no valid rows, a pair without a prompt) stops a run before any
+        stage has spent time: a DPO data error must not wait for the SFT warm-up to finish."""
+        state = self.state_dict()
+        try:
+            self._take(self.batch_size)
+        finally:
+            self.load_state_dict(state)
+
     def __iter__(self) -> Iterator[Any]:
         return self
 
@@ -651,6 +661,12 @@ class PreferenceDataset(_BatchStream):
         if self.prompt_key is None:  # the conversation so far is the common prefix of both texts
             shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
                           min(len(chosen), len(rejected)) - 1)
+            if shared <= len(prompt_ids):
+                raise DataError(
+                    f"data.prompt_key=null: in {self.source!r} a row's {self.chosen_key!r} and {self.rejected_key!r} "
+                    "share no token prefix, so there is no prompt to condition on; set data.prompt_key to the "
+                    "column that holds the prompt"
+                )
         return chosen, rejected, shared
 
     def _collate(
