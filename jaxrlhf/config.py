@@ -562,6 +562,16 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
         algorithm.validate()
     except AlgorithmConfigError as e:
         raise ConfigError(str(e)) from None
+    if data.prompt_format == "chat" and data.add_bos is not None:
+        raise ConfigError(
+            "data.add_bos does not apply with data.prompt_format=chat: the chat template writes the BOS "
+            "token itself (as transformers' apply_chat_template); leave data.add_bos unset (null)"
+        )
+    if data.prompt_format == "chat" and algorithm.data == "pairs":
+        raise ConfigError(
+            f"data.prompt_format=chat is for prompts and demonstrations; algorithm.name={alg.name} reads "
+            "preference pairs as text (render them with the template beforehand, or use prompt_format=raw)"
+        )
     if data.prompt_key is None:
         if algorithm.data != "pairs":
             raise ConfigError(

@@ -259,6 +259,11 @@ class DataConfig:
     answer_key: str | None = "answer"  # null = no reference answers (reward model only)
     answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
     prompt_template: str = "{prompt}"
+    # raw: prompt text as is (after prompt_template); chat: through the tokenizer's own chat_template
+    # (tokenizer_config.json), with the assistant header; SFT then trains on assistant turns only
+    prompt_format: Literal["raw", "chat"] = "raw"
+    system_prompt: str | None = None  # chat: a system message before each text prompt
+    messages_key: str = _field("messages", check=not_empty)  # chat: rows with a message list here are conversations
     add_bos: Bool | None = None  # null = as the tokenizer does (its post-processor / add_bos_token)
     batch_size: Int = _field(32, check=positive)  # prompts per step (global)
     max_prompt_len: Int = _field(64, check=positive)  # tokens; longer prompts are skipped
