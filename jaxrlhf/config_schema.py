@@ -337,6 +337,19 @@ class RewardsConfig:
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation of the RL algorithms on data.eval_split (`run.eval_every`, `python -m
+    jaxrlhf.eval`): greedy accuracy always, pass@k from `samples` sampled responses per prompt."""
+
+    samples: Int = _field(0, check=non_negative)  # sampled responses per prompt for pass@k; 0 = greedy only
+    pass_k: tuple[Int, ...] = _field((1,), check=not_empty)  # the k of pass@k, each <= samples
+    correct_rule: str | None = None  # rewards.rules entry that decides correctness; null = the first
+    correct_threshold: Float = 1.0  # a response is correct when that rule scores at least this
+    max_prompts: Int | None = _field(None, check=positive)  # held-out prompts evaluated; null = all
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -350,4 +363,5 @@ class Config:
     sft: SFTConfig = _field(factory=SFTConfig)
     generation: GenerationConfig = _field(factory=GenerationConfig)
     rewards: RewardsConfig = _field(factory=RewardsConfig)
+    eval: EvalConfig = _field(factory=EvalConfig)
 

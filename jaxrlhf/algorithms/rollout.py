@@ -42,6 +42,7 @@ from jaxtyping import Array, Float
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
+from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
 from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, overlong_penalty, shape_scores
@@ -475,6 +476,18 @@ class RolloutAlgorithm(Algorithm):
                 raise AlgorithmConfigError(
                     "algorithm.dynamic_sampling selects groups on the host by their rule scores: it needs "
                     "rewards.rules and rewards.model=false (or set algorithm.dynamic_sampling=false)")
+        ev = cfg.eval
+        if ev.samples:
+            if max(ev.pass_k) > ev.samples or min(ev.pass_k) < 1:
+                raise AlgorithmConfigError(
+                    f"eval.pass_k={list(ev.pass_k)}: every k must be in [1, eval.samples={ev.samples}]")
+            if self.batch_rows % ev.samples:
+                raise AlgorithmConfigError(
+                    f"eval.samples={ev.samples} must divide the rollout batch data.batch_size x algorithm.group_size "
+                    f"= {self.batch_rows} (evaluation batches have the rollout's shape)")
+        names = [r.name for r in cfg.rewards.rules]
+        if ev.correct_rule is not None and ev.correct_rule not in names:
+            raise AlgorithmConfigError(f"eval.correct_rule={ev.correct_rule!r} is none of rewards.rules {names}")
         if alg.overlong_buffer > cfg.generation.max_new_tokens:
             raise AlgorithmConfigError(
                 f"algorithm.overlong_buffer={alg.overlong_buffer} exceeds generation.max_new_tokens="
@@ -678,25 +691,63 @@ class RolloutAlgorithm(Algorithm):
         return out
 
     def evaluate(self, executor: Any) -> dict[str, float]:
-        """Mean of every rule reward (unweighted) over greedy responses to the held-out prompts."""
+        """Held-out metrics on `data.eval_split` (docs/evaluation.md): the mean of every rule reward
+        (unweighted) and the accuracy of greedy responses; with `eval.samples`, pass@k over that many
+        sampled responses per prompt (the rollout's sampling settings), Chen et al.'s estimator."""
         if not self.cfg.rewards.rules or not self.cfg.data.eval_split:
             return {}
-        data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
-        greedy = self._greedy_generate
+        ev = self.cfg.eval
         rules = CombinedReward([(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules])
-        totals: dict[str, float] = {}
-        count = 0.0
-        key = jax.random.key(0)
-        for batch, weight in data.single_pass(self.batch_rows):
-            out = executor.run_at("actor.generate", greedy, {
-                "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask, "rng_generate": key})
+        judge = ev.correct_rule or self.cfg.rewards.rules[0].name
+
+        def scored(batch: Any, out: dict[str, Any]) -> list[dict[str, float]]:
             tokens, mask = jax.device_get((out["response_tokens"], out["response_mask"]))
             texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-            for q, t, a, w in zip(batch.prompts, texts, batch.answers, weight):
-                for name, value in rules.components(prompt=q, response=t, answer=a).items():
+            return [rules.components(prompt=q, response=t, answer=a)
+                    for q, t, a in zip(batch.prompts, texts, batch.answers)]
+
+        totals: dict[str, float] = {}
+        count = 0.0
+        for batch, weight in self._eval_batches(self.batch_rows):
+            out = executor.run_at("actor.generate", self._greedy_generate, {
+                "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask,
+                "rng_generate": jax.random.key(0)})
+            for parts, w in zip(scored(batch, out), weight):
+                for name, value in parts.items():
                     totals[name] = totals.get(name, 0.0) + w * value
+                totals["accuracy"] = totals.get("accuracy", 0.0) + w * (parts[judge] >= ev.correct_threshold)
             count += float(np.sum(weight))
-        return {f"eval/greedy/{name}": total / max(count, 1.0) for name, total in totals.items()}
+        metrics = {f"eval/greedy/{name}": float(total) / max(count, 1.0) for name, total in totals.items()}
+        metrics["eval/prompts"] = count
+        if not ev.samples:
+            return metrics
+        n, passed, prompts = ev.samples, dict.fromkeys(ev.pass_k, 0.0), 0.0
+        key = jax.random.key(self.cfg.run.seed)
+        for i, (batch, weight) in enumerate(self._eval_batches(self.batch_rows // n)):
+            group = repeat_rows(batch, n)
+            out = executor.run_at("actor.generate", self._sampled_generate, {
+                "prompt_tokens": group.input_ids, "prompt_mask": group.attention_mask,
+                "rng_generate": jax.random.fold_in(key, i)})
+            correct = np.asarray([p[judge] >= ev.correct_threshold for p in scored(group, out)]).reshape(-1, n)
+            for c, w in zip(correct.sum(axis=1), weight):
+                for k in passed:
+                    passed[k] += w * pass_at_k(n, int(c), k)
+            prompts += float(np.sum(weight))
+        metrics.update({f"eval/pass_at_{k}": float(v) / max(prompts, 1.0) for k, v in passed.items()})
+        metrics["eval/samples_per_prompt"] = float(n)
+        return metrics
+
+    def _eval_batches(self, size: int) -> Any:
+        """Held-out batches of `size` prompts with real-row weights, up to `eval.max_prompts` prompts."""
+        data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
+        left = self.cfg.eval.max_prompts
+        for batch, weight in data.single_pass(size):
+            if left is not None:
+                weight = np.where(np.cumsum(weight) <= left, weight, 0.0).astype(np.float32)
+                left -= int(np.sum(weight))
+            yield batch, weight
+            if left is not None and left <= 0:
+                return
 
     @functools.cached_property
     def _greedy_generate(self) -> Any:
@@ -705,6 +756,13 @@ class RolloutAlgorithm(Algorithm):
         return functools.partial(
             generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
             s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
+
+    @functools.cached_property
+    def _sampled_generate(self) -> Any:
+        """Sampling with the rollout's settings for pass@k, bound once."""
+        s = self.settings()
+        return functools.partial(generate_call, self.models["actor"].graphdef, s.sampling, s.max_new_tokens,
+                                 self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
