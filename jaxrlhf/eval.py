@@ -60,7 +60,8 @@ def evaluate(cfg: cfglib.Config, checkpoint: str) -> dict[str, float]:
     models = role_configs(cfg, ["actor"])
     plan = build_plan("colocated", jax.device_count(), models, graph, batch_size=algorithm.batch_rows)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
-    built = RoleBuilder(cfg, {"actor": RoleSpec("lm", False, "evaluated")}, models, cache, plan).direct("actor", "actor")
+    builder = RoleBuilder(cfg, {"actor": RoleSpec("lm", False, "evaluated")}, models, cache, plan)
+    built = builder.direct("actor", "actor")
     role = Role("actor", built.graphdef, built.params)
     algorithm.bind(tokenizer, {"actor": role})
     executor = Executor(plan, graph, {"actor": role}, cache=cache,

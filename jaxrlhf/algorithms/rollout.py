@@ -240,8 +240,8 @@ def actor_train(
     adv, _, kl, scores = rollout_advantages(inputs, s, kl_coef, inputs.get("value_moments"))
     loss_impl = get_loss(s.loss)
     p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
-    loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "clip_eps_high": s.clip_eps_high, "entropy_coef": s.entropy_coef, "agg": s.loss_agg,
-                                   "norm_len": s.max_new_tokens}
+    loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "clip_eps_high": s.clip_eps_high,
+                                   "entropy_coef": s.entropy_coef, "agg": s.loss_agg, "norm_len": s.max_new_tokens}
     if s.kl_in_loss:
         loss_kwargs.update(kl_coef=kl_coef, kl_kind=s.kl_estimator)
 

@@ -140,8 +140,9 @@ def assistant_targets(chat: ChatFormat, tokenizer: Tokenizer,
     An assistant turn's text is what rendering it adds to the conversation before it with the
     generation prompt (its content and the template's end-of-turn marker, which the model must
     learn to emit); the whole conversation is tokenized once and a token is a target when any of
-    its characters lies in such a span (transformers' `return_assistant_tokens_mask` rule). Templates where a turn does not extend the text before it
-    (they rewrite history, e.g. drop earlier reasoning) cannot be masked this way.
+    its characters lies in such a span (transformers' `return_assistant_tokens_mask` rule).
+    Templates where a turn does not extend the text before it (they rewrite history, e.g. drop
+    earlier reasoning) cannot be masked this way.
     """
     text = chat.render(messages)
     spans = []
