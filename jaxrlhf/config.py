@@ -568,6 +568,27 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
         algorithm.validate()
     except AlgorithmConfigError as e:
         raise ConfigError(str(e)) from None
+    if data.prompt_format == "chat" and data.add_bos is not None:
+        raise ConfigError(
+            "data.add_bos does not apply with data.prompt_format=chat: the chat template writes the BOS "
+            "token itself (as transformers' apply_chat_template); leave data.add_bos unset (null)"
+        )
+    if data.prompt_format == "chat" and algorithm.data == "pairs":
+        raise ConfigError(
+            f"data.prompt_format=chat is for prompts and demonstrations; algorithm.name={alg.name} reads "
+            "preference pairs as text (render them with the template beforehand, or use prompt_format=raw)"
+        )
+    if data.prompt_key is None:
+        if algorithm.data != "pairs":
+            raise ConfigError(
+                f"data.prompt_key=null is for preference pairs whose texts hold the prompt (rm, dpo); "
+                f"algorithm.name={alg.name} reads its prompts from data.prompt_key: name that column"
+            )
+        if config.sft.steps:
+            raise ConfigError(
+                "data.prompt_key=null: the SFT warm-up (sft.steps > 0) reads prompts from data.prompt_key; "
+                "name the prompt column or set sft.steps=0"
+            )
     micro = alg.micro_batch_size
     if micro is not None:
         sizes = {"a minibatch": algorithm.batch_rows // algorithm.minibatches, "a step's batch": algorithm.batch_rows}

@@ -148,8 +148,8 @@ class PlanConfig:
 class AlgorithmConfig:
     """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
 
-    RL algorithms: ppo, grpo, rloo, reinforce_pp, remax (defaults follow
-    ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
+    RL algorithms: ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax
+    (defaults follow ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
     not use are ignored by it; null means "the algorithm's own default".
     """
 
@@ -160,7 +160,8 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
     gamma: Float = _field(1.0, check=closed_unit_interval)
     lam: Float = _field(1.0, check=closed_unit_interval)
-    clip_eps: Float = _field(0.2, check=positive)
+    clip_eps: Float | None = _field(None, check=positive)  # ratio clip 1 - eps; null = 0.2 (gspo 3e-4)
+    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (dapo 0.28)
     value_clip_eps: Float | None = _field(0.2, check=positive)  # null = unclipped value loss
     minibatches: Int = _field(4, check=positive)
     epochs: Int = _field(1, check=positive)
@@ -169,9 +170,14 @@ class AlgorithmConfig:
     whiten_advantages: Bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
     normalize_values: Bool = False
     group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
-    norm_adv_by_std: Bool = True  # grpo: divide by the group's std (false = Dr. GRPO)
+    norm_adv_by_std: Bool | None = None  # grouped: divide by the group's std; null = true (dr_grpo false)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     entropy_coef: Float = _field(0.0, check=non_negative)
+    # grouped algorithms: drop groups whose rewards are all equal; null = on for dapo only
+    dynamic_sampling: Bool | None = None
+    dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
+    overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
+    overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
     dpo_beta: Float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
     dpo_label_smoothing: Float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -248,10 +254,16 @@ class DataConfig:
     source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
     split: str = "train"
     eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
-    prompt_key: str = _field("prompt", check=not_empty)
+    # null (rm, dpo): chosen and rejected hold the whole dialogue; their shared token prefix is the prompt
+    prompt_key: str | None = _field("prompt", check=not_empty)
     answer_key: str | None = "answer"  # null = no reference answers (reward model only)
     answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
     prompt_template: str = "{prompt}"
+    # raw: prompt text as is (after prompt_template); chat: through the tokenizer's own chat_template
+    # (tokenizer_config.json), with the assistant header; SFT then trains on assistant turns only
+    prompt_format: Literal["raw", "chat"] = "raw"
+    system_prompt: str | None = None  # chat: a system message before each text prompt
+    messages_key: str = _field("messages", check=not_empty)  # chat: rows with a message list here are conversations
     add_bos: Bool | None = None  # null = as the tokenizer does (its post-processor / add_bos_token)
     batch_size: Int = _field(32, check=positive)  # prompts per step (global)
     max_prompt_len: Int = _field(64, check=positive)  # tokens; longer prompts are skipped
@@ -325,6 +337,19 @@ class RewardsConfig:
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation of the RL algorithms on data.eval_split (`run.eval_every`, `python -m
+    jaxrlhf.eval`): greedy accuracy always, pass@k from `samples` sampled responses per prompt."""
+
+    samples: Int = _field(0, check=non_negative)  # sampled responses per prompt for pass@k; 0 = greedy only
+    pass_k: tuple[Int, ...] = _field((1,), check=not_empty)  # the k of pass@k, each <= samples
+    correct_rule: str | None = None  # rewards.rules entry that decides correctness; null = the first
+    correct_threshold: Float = 1.0  # a response is correct when that rule scores at least this
+    max_prompts: Int | None = _field(None, check=positive)  # held-out prompts evaluated; null = all
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -338,4 +363,5 @@ class Config:
     sft: SFTConfig = _field(factory=SFTConfig)
     generation: GenerationConfig = _field(factory=GenerationConfig)
     rewards: RewardsConfig = _field(factory=RewardsConfig)
+    eval: EvalConfig = _field(factory=EvalConfig)
 

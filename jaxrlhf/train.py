@@ -231,6 +231,33 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     return {"sft/final_loss": loss, "sft/seconds": time.perf_counter() - t0}
 
 
+# --------------------------------------------------------------------------- data
+
+
+def open_checked_data(cfg: cfglib.Config, algorithm, tokenizer):
+    """The run's training stream, after every stream the run will read (training, held-out split,
+    SFT warm-up) was opened and one batch of each encoded: a data error of a later stage stops the
+    run before an earlier stage (the warm-up, model building) has spent any time."""
+    from jaxrlhf.algorithms.sft import SFT
+    from jaxrlhf.data.sources import DataError
+
+    streams = [("data", lambda: algorithm.dataset(tokenizer))]
+    if cfg.run.eval_every and cfg.data.eval_split:
+        streams.append((f"data.eval_split={cfg.data.eval_split}",
+                        lambda: algorithm.dataset(tokenizer, split=cfg.data.eval_split)))
+    if cfg.sft.steps and not cfg.run.resume:
+        streams.append(("sft warm-up data", lambda: SFT(cfg, warmup=True).dataset(tokenizer)))
+    opened = []
+    for label, build in streams:
+        try:
+            stream = build()
+            stream.check()
+        except DataError as e:
+            raise DataError(f"{label}: {e}") from None
+        opened.append(stream)
+    return opened[0]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -251,6 +278,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     cfglib.validate(cfg)
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
+    data = open_checked_data(cfg, algorithm, tokenizer)
     specs = algorithm.roles()
     model_configs = role_configs(cfg, list(specs))
     for role, mc in model_configs.items():
@@ -304,7 +332,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
                         host_steps=algorithm.host_steps(), state=algorithm.initial_state())
     executor.commit_state()
-    data = algorithm.dataset(tokenizer)
     derived_frozen = [r for r, s in specs.items() if not s.trained and getattr(cfg.model, r).init_from]
 
     def arrays() -> dict[str, Any]:

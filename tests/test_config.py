@@ -142,7 +142,7 @@ def test_wrong_type(override, message):
         (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
                                      "disaggregated, reallocated, heuristic, verl, auto; got 'colocatd'; did you mean 'colocated'?"),
         (["algorithm.name=trpo"], "algorithm.name 'trpo' is not a known algorithm; did you mean 'grpo'? "
-                                  "(choices: dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
+                                  "(choices: dapo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
         (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "

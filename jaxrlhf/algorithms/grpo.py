@@ -1,5 +1,6 @@
-"""GRPO (Shao et al. 2024): no critic; G samples per prompt, group-normalised outcome advantages.
+"""GRPO (Shao et al. 2024) and the variants that changed its defaults: Dr. GRPO, DAPO, GSPO.
 
+GRPO: no critic; G samples per prompt, group-normalised outcome advantages
 A = (r - mean_group) / (std_group + eps) with the unbiased std (as TRL and
 verl), never re-whitened over the batch: an all-equal group keeps advantage
 exactly 0 and advantages do not depend on response length. The KL to the
@@ -8,12 +9,11 @@ reference is a term of the loss (k3, `algorithm.kl_coef`; the paper uses
 Losses are averaged per sequence, then over sequences (the paper's
 seq-mean-token-mean) unless `algorithm.loss_agg` says otherwise.
 
-Dr. GRPO (Liu et al. 2025): `algorithm.norm_adv_by_std=false` keeps only the
-mean baseline, and `algorithm.loss_agg=seq-mean-token-sum-norm` divides each
-sequence's token sum by the maximum response length instead of its own length.
+The variants are GRPO with other defaults; every default is a config key, so
+any mix can be written as `grpo` too (docs/algorithms.md lists them).
 """
 
-from jaxrlhf.algorithms.base import register_algorithm
+from jaxrlhf.algorithms.base import AlgorithmConfigError, register_algorithm
 from jaxrlhf.algorithms.rollout import RolloutAlgorithm
 
 
@@ -26,3 +26,53 @@ class GRPO(RolloutAlgorithm):
     default_kl_estimator = "k3"
     default_loss_agg = "seq-mean-token-mean"
     grouped = True
+
+
+@register_algorithm
+class DrGRPO(GRPO):
+    """Dr. GRPO (Liu et al. 2025): both of GRPO's length and difficulty biases removed.
+
+    Only the group mean is subtracted (dividing by the std up-weights groups that are nearly
+    all right or all wrong), and each sequence's token sum is divided by the constant
+    `generation.max_new_tokens` instead of its own length (which favours long wrong answers).
+    """
+
+    name = "dr_grpo"
+    default_norm_adv_by_std = False
+    default_loss_agg = "seq-mean-token-sum-norm"
+
+
+@register_algorithm
+class DAPO(GRPO):
+    """DAPO (Yu et al. 2025): clip-higher, token-level loss, dynamic sampling, overlong shaping.
+
+    The upper clip 1 + 0.28 is wider than the lower 1 - 0.2, so unlikely tokens can still gain
+    probability (entropy does not collapse); the loss is a mean over all tokens of the batch, so
+    long responses weigh by their length; groups whose rewards are all equal are dropped and the
+    batch is filled from a larger pool (`select_groups`); `algorithm.overlong_buffer` turns on the
+    soft length penalty. The paper uses no KL term: set `algorithm.kl_coef=0`.
+    """
+
+    name = "dapo"
+    default_loss_agg = "token-mean"
+    default_clip_eps_high = 0.28
+    default_dynamic_sampling = True
+
+
+@register_algorithm
+class GSPO(GRPO):
+    """GSPO (Zheng et al. 2025): the importance ratio and its clip are per sequence (see the
+    `gspo` loss), with the paper's clip range 3e-4 / 4e-4."""
+
+    name = "gspo"
+    loss = "gspo"
+    default_clip_eps = 3e-4
+    default_clip_eps_high = 4e-4
+
+    def validate(self) -> None:
+        super().validate()
+        agg = self.cfg.algorithm.loss_agg
+        if agg not in (None, "seq-mean-token-mean"):
+            raise AlgorithmConfigError(
+                f"algorithm.loss_agg={agg} does not apply to algorithm.name=gspo: its ratio and clip are per "
+                "sequence, so it always averages per sequence; leave algorithm.loss_agg unset (null)")

@@ -17,6 +17,7 @@ Aggregation over tokens (`agg`):
 - "seq-mean-token-sum-norm" (Dr. GRPO): each sequence's token *sum* divided by
   a constant (`norm_len`, the maximum response length), then the mean over
   sequences: no length bias in either direction.
+"gspo" works on one ratio per sequence and always averages per sequence.
 Under jit on a sharded batch both are global means (see `stats`). With
 gradient accumulation over micro-batches, token-mean must be divided by the
 token count of the whole minibatch, not of each micro-batch.
@@ -197,14 +198,78 @@ def grpo_policy_loss(
     first by default, as in the paper.
     """
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, None)
-    if not (isinstance(kl_coef, (int, float)) and kl_coef == 0):  # a traced coefficient always counts
-        if ref_logp is None:
-            raise ValueError("grpo loss with kl_coef > 0 needs ref_logp")
-        kl = kl_per_token(logp, ref_logp, mask, kind=kl_kind)
-        loss_tok = loss_tok + kl_coef * kl
-        stats["kl/loss"] = masked_mean(kl, mask)
+    kl = _kl_loss_term(logp, ref_logp, mask, kl_coef, kl_kind, stats, "grpo")
+    if kl is not None:
+        loss_tok = loss_tok + kl
     loss = aggregate(loss_tok, mask, agg, norm_len)
     loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
+    stats["loss/policy"] = loss
+    return loss, jax.lax.stop_gradient(stats)
+
+
+def _kl_loss_term(
+    logp: TokenArray, ref_logp: TokenArray | None, mask: Mask, kl_coef: float, kl_kind: str, stats: Stats, who: str
+) -> TokenArray | None:
+    """coef * KL(pi || ref) per token, or None when the coefficient is a literal 0."""
+    if isinstance(kl_coef, (int, float)) and kl_coef == 0:  # a traced coefficient always counts
+        return None
+    if ref_logp is None:
+        raise ValueError(f"{who} loss with kl_coef > 0 needs ref_logp")
+    kl = kl_per_token(logp, ref_logp, mask, kind=kl_kind)
+    stats["kl/loss"] = masked_mean(kl, mask)
+    return kl_coef * kl
+
+
+@register_loss("gspo")
+def gspo_policy_loss(
+    logp: TokenArray,
+    old_logp: TokenArray,
+    advantages: TokenArray,
+    mask: Mask,
+    *,
+    ref_logp: TokenArray | None = None,
+    entropy: TokenArray | None = None,
+    clip_eps: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "seq-mean-token-mean",
+    norm_len: int | None = None,
+) -> tuple[Float[Array, ""], Stats]:
+    """GSPO loss (Zheng et al. 2025): one importance ratio and one clip decision per sequence.
+
+    s_i = exp(mean_t (logp - old_logp)) is the geometric mean of the token ratios over the
+    response (length-normalised, so long and short responses clip alike), the sequence loss
+    max(-A_i s_i, -A_i clip(s_i, 1 - eps, 1 + eps_high)) with A_i the sequence's advantage, then
+    the mean over sequences. Token ratios vary too much to clip one by one when the reward is
+    given per sequence; the paper clips at 3e-4 / 4e-4. The log-ratio is capped at 10 before
+    the exponential, as verl. The KL term, if any, is added per token and averaged per sequence.
+    """
+    if agg != "seq-mean-token-mean":
+        raise ValueError(f"gspo averages per sequence; loss aggregation {agg!r} does not apply")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    m = jnp.asarray(mask).astype(jnp.float32)
+    has_tokens = (jnp.sum(m, axis=-1) > 0).astype(jnp.float32)
+    rows = jnp.maximum(jnp.sum(has_tokens), 1.0)
+    log_ratio = masked_mean((logp - old_logp).astype(jnp.float32), m, axis=-1)
+    ratio = jnp.exp(jnp.minimum(log_ratio, 10.0))
+    seq_adv = masked_mean(advantages.astype(jnp.float32), m, axis=-1)
+    unclipped = -seq_adv * ratio
+    clipped = -seq_adv * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + high)
+    seq_loss = jnp.maximum(unclipped, clipped)
+    token_log_ratio = (logp - old_logp).astype(jnp.float32)
+    stats: Stats = {
+        "clipfrac": jnp.sum((clipped > unclipped) * has_tokens) / rows,
+        "approx_kl": masked_mean(jnp.exp(token_log_ratio) - 1.0 - token_log_ratio, m),
+        "ratio/mean": jnp.sum(ratio * has_tokens) / rows,
+        "ratio/max": jnp.max(ratio * has_tokens),
+    }
+    loss = jnp.sum(seq_loss * has_tokens) / rows
+    kl = _kl_loss_term(logp, ref_logp, m, kl_coef, kl_kind, stats, "gspo")
+    if kl is not None:
+        loss = loss + aggregate(kl, m, agg)
+    loss = loss + _entropy_term(entropy, m, agg, entropy_coef, stats)
     stats["loss/policy"] = loss
     return loss, jax.lax.stop_gradient(stats)
 

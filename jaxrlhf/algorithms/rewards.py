@@ -232,3 +232,19 @@ def shape_scores(
             raise ValueError("shape_scores(eos_only=True) needs ended_with_eos")
         shaped = jnp.where(jnp.asarray(ended_with_eos), shaped, jnp.float32(no_eos_score))
     return shaped
+
+
+def overlong_penalty(
+    lengths: Int[Array, "batch"] | Float[Array, "batch"], *, max_len: int, buffer: int, penalty: float = 1.0
+) -> Float[Array, "batch"]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to `max_len - buffer` response
+    tokens, then falling linearly to `-penalty` at `max_len`.
+
+    A hard cut-off gives a correct answer that ran a little long the same score as nonsense; the
+    ramp tells the policy that length costs before it costs everything. `lengths` count the
+    response tokens including the EOS token (verl's valid response length).
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"overlong buffer must be in (0, max_new_tokens={max_len}], got {buffer}")
+    excess = jnp.asarray(lengths, jnp.float32) - (max_len - buffer)
+    return -penalty * jnp.clip(excess / buffer, 0.0, 1.0)

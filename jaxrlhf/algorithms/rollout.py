@@ -42,9 +42,10 @@ from jaxtyping import Array, Float
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
+from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
-from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, shape_scores
+from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, overlong_penalty, shape_scores
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
@@ -68,6 +69,7 @@ class RLSettings:
     norm_adv_by_std: bool = True
     whiten: bool = False  # only for estimators whose whitening is optional (GAE)
     clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # None = clip_eps (symmetric); DAPO decouples them
     value_clip_eps: float | None = 0.2
     kl_estimator: str = "k1"
     kl_in_reward: bool = True
@@ -85,6 +87,8 @@ class RLSettings:
     reward_scale: float = 1.0
     reward_clip: float | None = 20.0
     eos_only: bool = True
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N tokens; 0 = off
+    overlong_penalty: float = 1.0
 
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
@@ -176,14 +180,20 @@ def reward_scores(
 
 
 def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Float[Array, "batch"]:
-    """Rule plus reward-model score, then bias/scale, clip and the EOS gate."""
+    """Rule plus reward-model score, then bias/scale, clip and the EOS gate; then the overlong
+    penalty (outside the gate and the clip: a truncated response is the one it must reach)."""
     ended = inputs[f"{prefix}ended_with_eos"]
     raw = jnp.zeros(ended.shape, jnp.float32)
     for name in ("rule_scores", "model_scores"):
         if prefix + name in inputs:
             raw = raw + inputs[prefix + name].astype(jnp.float32)
-    return shape_scores(raw, ended, bias=s.reward_bias, scale=s.reward_scale, clip=s.reward_clip,
-                        eos_only=s.eos_only)
+    shaped = shape_scores(raw, ended, bias=s.reward_bias, scale=s.reward_scale, clip=s.reward_clip,
+                          eos_only=s.eos_only)
+    if s.overlong_buffer:
+        lengths = jnp.sum(inputs[f"{prefix}response_mask"].astype(jnp.int32), axis=-1)
+        shaped = shaped + overlong_penalty(lengths, max_len=s.max_new_tokens, buffer=s.overlong_buffer,
+                                           penalty=s.overlong_penalty)
+    return shaped
 
 
 def rollout_advantages(
@@ -230,8 +240,8 @@ def actor_train(
     adv, _, kl, scores = rollout_advantages(inputs, s, kl_coef, inputs.get("value_moments"))
     loss_impl = get_loss(s.loss)
     p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
-    loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "entropy_coef": s.entropy_coef, "agg": s.loss_agg,
-                                   "norm_len": s.max_new_tokens}
+    loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "clip_eps_high": s.clip_eps_high,
+                                   "entropy_coef": s.entropy_coef, "agg": s.loss_agg, "norm_len": s.max_new_tokens}
     if s.kl_in_loss:
         loss_kwargs.update(kl_coef=kl_coef, kl_kind=s.kl_estimator)
 
@@ -340,6 +350,33 @@ def repeat_rows(batch: Any, g: int) -> Any:
     )
 
 
+def select_groups(
+    pool: dict[str, Any], scores: np.ndarray, group_size: int, groups: int
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """DAPO's dynamic sampling: `groups` groups of `group_size` adjacent rows from a larger pool.
+
+    Groups whose `scores` are all equal have advantage 0 under any group baseline: they carry no
+    gradient but still dilute a token mean. Informative groups are taken first, in pool order;
+    when the pool holds fewer than `groups`, the batch is filled with uninformative ones whose
+    `response_mask` is cleared, so they count as no tokens at all (the loss sees only the
+    informative groups, as after verl's filter). `pool` maps names to arrays (or dicts of arrays)
+    with the pool's rows first; returns the selected rows and counts for logging.
+    """
+    per_group = np.asarray(scores, np.float32).reshape(-1, group_size)
+    informative = ~np.all(per_group == per_group[:, :1], axis=1)
+    if len(informative) < groups:
+        raise ValueError(f"a pool of {len(informative)} groups cannot fill {groups}")
+    order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:groups]
+    rows = (order[:, None] * group_size + np.arange(group_size)).reshape(-1)
+    out = jax.tree_util.tree_map(lambda x: np.asarray(x)[rows], pool)
+    keep = np.repeat(informative[order], group_size)
+    out["response_mask"] = np.asarray(out["response_mask"]) & keep[:, None]
+    stats = {"dynamic_sampling/pool_groups": float(len(informative)),
+             "dynamic_sampling/informative_groups": float(informative.sum()),
+             "dynamic_sampling/kept_groups": float(keep.sum() // group_size)}
+    return out, stats
+
+
 # ---------------------------------------------------------------- the algorithm family
 
 
@@ -354,6 +391,10 @@ class RolloutAlgorithm(Algorithm):
     default_loss_agg: ClassVar[str] = "token-mean"
     greedy_baseline: ClassVar[bool] = False
     grouped: ClassVar[bool] = False  # needs several samples per prompt
+    default_clip_eps: ClassVar[float] = 0.2
+    default_clip_eps_high: ClassVar[float | None] = None  # None = clip_eps
+    default_norm_adv_by_std: ClassVar[bool] = True
+    default_dynamic_sampling: ClassVar[bool] = False
 
     # ---- declaration ----------------------------------------------------------------------
     @property
@@ -368,6 +409,17 @@ class RolloutAlgorithm(Algorithm):
     @property
     def group_size(self) -> int:
         return self.cfg.algorithm.group_size
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
+        ds = self.cfg.algorithm.dynamic_sampling
+        return self.default_dynamic_sampling if ds is None else ds
+
+    @property
+    def pool_factor(self) -> int:
+        """Prompts generated per prompt trained on."""
+        return self.cfg.algorithm.dynamic_sampling_factor if self.dynamic_sampling else 1
 
     @property
     def batch_rows(self) -> int:
@@ -415,16 +467,42 @@ class RolloutAlgorithm(Algorithm):
             )
         if not cfg.rewards.model and not cfg.rewards.rules:
             raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
+        if self.dynamic_sampling:
+            if not self.grouped:
+                raise AlgorithmConfigError(
+                    f"algorithm.dynamic_sampling drops groups of samples with equal rewards; {name} does not "
+                    "sample groups (use grpo, dr_grpo, dapo, gspo or rloo)")
+            if cfg.rewards.model or not cfg.rewards.rules:
+                raise AlgorithmConfigError(
+                    "algorithm.dynamic_sampling selects groups on the host by their rule scores: it needs "
+                    "rewards.rules and rewards.model=false (or set algorithm.dynamic_sampling=false)")
+        ev = cfg.eval
+        if ev.samples:
+            if max(ev.pass_k) > ev.samples or min(ev.pass_k) < 1:
+                raise AlgorithmConfigError(
+                    f"eval.pass_k={list(ev.pass_k)}: every k must be in [1, eval.samples={ev.samples}]")
+            if self.batch_rows % ev.samples:
+                raise AlgorithmConfigError(
+                    f"eval.samples={ev.samples} must divide the rollout batch data.batch_size x algorithm.group_size "
+                    f"= {self.batch_rows} (evaluation batches have the rollout's shape)")
+        names = [r.name for r in cfg.rewards.rules]
+        if ev.correct_rule is not None and ev.correct_rule not in names:
+            raise AlgorithmConfigError(f"eval.correct_rule={ev.correct_rule!r} is none of rewards.rules {names}")
+        if alg.overlong_buffer > cfg.generation.max_new_tokens:
+            raise AlgorithmConfigError(
+                f"algorithm.overlong_buffer={alg.overlong_buffer} exceeds generation.max_new_tokens="
+                f"{cfg.generation.max_new_tokens}: the penalty ramps over the last tokens of the response")
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
 
     def graph(self) -> CallGraph:
+        pool = "pool_" if self.dynamic_sampling else ""
         calls: list[CallSpec] = [
             CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
-                     outputs=GENERATED),
+                     outputs=tuple(pool + v for v in GENERATED), seqs_per_row=self.pool_factor),
         ]
-        prefixes = ("",)
+        prefixes = (pool,)
         if self.greedy_baseline:
             prefixes = ("", "greedy_")
             calls.append(CallSpec("actor.generate_greedy", "actor", "generate",
@@ -436,7 +514,11 @@ class RolloutAlgorithm(Algorithm):
             outs = tuple(f"{p}rule_scores" for p in prefixes)
             ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
             host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
-            train_in += outs
+            train_in += ["rule_scores"] if pool else outs
+        if pool:  # dynamic sampling: the pool's informative groups become the step's batch
+            host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
+                                                   "pool_rule_components"),
+                                 (*GENERATED, "rule_scores", "rule_components", "sampling_stats")))
         if self.cfg.rewards.model:
             outs = tuple(f"{p}model_scores" for p in prefixes)
             calls.append(CallSpec("reward.inference", "reward", "inference", "reward",
@@ -473,7 +555,9 @@ class RolloutAlgorithm(Algorithm):
         whiten = alg.whiten_advantages if alg.whiten_advantages is not None else True
         return RLSettings(
             estimator=self.estimator, loss=self.loss, group_size=alg.group_size, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std=alg.norm_adv_by_std, whiten=whiten, clip_eps=alg.clip_eps,
+            norm_adv_by_std=self.default_norm_adv_by_std if alg.norm_adv_by_std is None else alg.norm_adv_by_std,
+            whiten=whiten, clip_eps=alg.clip_eps or self.default_clip_eps,
+            clip_eps_high=alg.clip_eps_high or self.default_clip_eps_high,
             value_clip_eps=alg.value_clip_eps, kl_estimator=alg.kl_estimator or self.default_kl_estimator,
             kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
             loss_agg=alg.loss_agg or self.default_loss_agg, max_new_tokens=gen.max_new_tokens,
@@ -481,6 +565,7 @@ class RolloutAlgorithm(Algorithm):
             ratio_early_stop=alg.ratio_early_stop,
             normalize_values=alg.normalize_values, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
+            overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -491,7 +576,7 @@ class RolloutAlgorithm(Algorithm):
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
                                 tok.pad_id)
         fns: dict[str, Any] = {
-            "actor.generate": functools.partial(gen, ""),
+            "actor.generate": functools.partial(gen, "pool_" if self.dynamic_sampling else ""),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
         if self.greedy_baseline:
@@ -513,7 +598,7 @@ class RolloutAlgorithm(Algorithm):
         rules_spec = [(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules]
         if rules_spec:
             rules = CombinedReward(rules_spec)
-            prefixes = ("", "greedy_") if self.greedy_baseline else ("",)
+            prefixes = ("", "greedy_") if self.greedy_baseline else ("pool_",) if self.dynamic_sampling else ("",)
 
             def score_rules(prompts, answers, **responses):
                 out = {}
@@ -528,6 +613,21 @@ class RolloutAlgorithm(Algorithm):
                 return out
 
             steps["score_rules"] = score_rules
+        if self.dynamic_sampling:
+            s, groups = self.settings(), self.cfg.data.batch_size
+
+            def select(pool_rule_scores, pool_rule_components, **generated):
+                # informative by the task score the advantage sees (EOS gate, clip), without the
+                # overlong penalty: DAPO filters on accuracy, and the length ramp alone is no signal
+                scores = np.asarray(shape_scores(pool_rule_scores, generated["pool_ended_with_eos"],
+                                                 bias=s.reward_bias, scale=s.reward_scale, clip=s.reward_clip,
+                                                 eos_only=s.eos_only))
+                values = {k.removeprefix("pool_"): v for k, v in generated.items()}
+                values.update(rule_scores=pool_rule_scores, rule_components=pool_rule_components)
+                out, stats = select_groups(values, scores, self.group_size, groups)
+                return {**out, "sampling_stats": {k: np.float32(v) for k, v in stats.items()}}
+
+            steps["select_groups"] = select
         alg = self.cfg.algorithm
         if self.uses_ref:
             def kl_control(kl_coef, actor_stats):
@@ -549,7 +649,8 @@ class RolloutAlgorithm(Algorithm):
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
         from jaxrlhf.data import PromptDataset
 
-        return PromptDataset.from_config(self.cfg, tokenizer, split=split)
+        return PromptDataset.from_config(self.cfg, tokenizer, split=split,
+                                         batch_size=self.cfg.data.batch_size * self.pool_factor)
 
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         batch = repeat_rows(batch, self.group_size)
@@ -564,7 +665,7 @@ class RolloutAlgorithm(Algorithm):
 
     def metric_values(self) -> tuple[str, ...]:
         return ("actor_stats", "critic_stats", "response_mask", "ended_with_eos", "mask", "rule_scores",
-                "rule_components", "model_scores", "greedy_rule_scores")
+                "rule_components", "model_scores", "greedy_rule_scores", "sampling_stats")
 
     def metrics(self, result: Any) -> dict[str, float]:
         v = result.values
@@ -585,28 +686,68 @@ class RolloutAlgorithm(Algorithm):
             out["reward/model_mean"] = float(np.mean(jax.device_get(v["model_scores"])))
         if "greedy_rule_scores" in v:
             out["reward/greedy_rule_mean"] = float(np.mean(v["greedy_rule_scores"]))
+        if "sampling_stats" in v:
+            out.update({k: float(x) for k, x in v["sampling_stats"].items()})
         return out
 
     def evaluate(self, executor: Any) -> dict[str, float]:
-        """Mean of every rule reward (unweighted) over greedy responses to the held-out prompts."""
+        """Held-out metrics on `data.eval_split` (docs/evaluation.md): the mean of every rule reward
+        (unweighted) and the accuracy of greedy responses; with `eval.samples`, pass@k over that many
+        sampled responses per prompt (the rollout's sampling settings), Chen et al.'s estimator."""
         if not self.cfg.rewards.rules or not self.cfg.data.eval_split:
             return {}
-        data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
-        greedy = self._greedy_generate
+        ev = self.cfg.eval
         rules = CombinedReward([(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules])
-        totals: dict[str, float] = {}
-        count = 0.0
-        key = jax.random.key(0)
-        for batch, weight in data.single_pass(self.batch_rows):
-            out = executor.run_at("actor.generate", greedy, {
-                "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask, "rng_generate": key})
+        judge = ev.correct_rule or self.cfg.rewards.rules[0].name
+
+        def scored(batch: Any, out: dict[str, Any]) -> list[dict[str, float]]:
             tokens, mask = jax.device_get((out["response_tokens"], out["response_mask"]))
             texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-            for q, t, a, w in zip(batch.prompts, texts, batch.answers, weight):
-                for name, value in rules.components(prompt=q, response=t, answer=a).items():
+            return [rules.components(prompt=q, response=t, answer=a)
+                    for q, t, a in zip(batch.prompts, texts, batch.answers)]
+
+        totals: dict[str, float] = {}
+        count = 0.0
+        for batch, weight in self._eval_batches(self.batch_rows):
+            out = executor.run_at("actor.generate", self._greedy_generate, {
+                "prompt_tokens": batch.input_ids, "prompt_mask": batch.attention_mask,
+                "rng_generate": jax.random.key(0)})
+            for parts, w in zip(scored(batch, out), weight):
+                for name, value in parts.items():
                     totals[name] = totals.get(name, 0.0) + w * value
+                totals["accuracy"] = totals.get("accuracy", 0.0) + w * (parts[judge] >= ev.correct_threshold)
             count += float(np.sum(weight))
-        return {f"eval/greedy/{name}": total / max(count, 1.0) for name, total in totals.items()}
+        metrics = {f"eval/greedy/{name}": float(total) / max(count, 1.0) for name, total in totals.items()}
+        metrics["eval/prompts"] = count
+        if not ev.samples:
+            return metrics
+        n, passed, prompts = ev.samples, dict.fromkeys(ev.pass_k, 0.0), 0.0
+        key = jax.random.key(self.cfg.run.seed)
+        for i, (batch, weight) in enumerate(self._eval_batches(self.batch_rows // n)):
+            group = repeat_rows(batch, n)
+            out = executor.run_at("actor.generate", self._sampled_generate, {
+                "prompt_tokens": group.input_ids, "prompt_mask": group.attention_mask,
+                "rng_generate": jax.random.fold_in(key, i)})
+            correct = np.asarray([p[judge] >= ev.correct_threshold for p in scored(group, out)]).reshape(-1, n)
+            for c, w in zip(correct.sum(axis=1), weight):
+                for k in passed:
+                    passed[k] += w * pass_at_k(n, int(c), k)
+            prompts += float(np.sum(weight))
+        metrics.update({f"eval/pass_at_{k}": float(v) / max(prompts, 1.0) for k, v in passed.items()})
+        metrics["eval/samples_per_prompt"] = float(n)
+        return metrics
+
+    def _eval_batches(self, size: int) -> Any:
+        """Held-out batches of `size` prompts with real-row weights, up to `eval.max_prompts` prompts."""
+        data = self.dataset(self.tokenizer, split=self.cfg.data.eval_split)
+        left = self.cfg.eval.max_prompts
+        for batch, weight in data.single_pass(size):
+            if left is not None:
+                weight = np.where(np.cumsum(weight) <= left, weight, 0.0).astype(np.float32)
+                left -= int(np.sum(weight))
+            yield batch, weight
+            if left is not None and left <= 0:
+                return
 
     @functools.cached_property
     def _greedy_generate(self) -> Any:
@@ -615,6 +756,13 @@ class RolloutAlgorithm(Algorithm):
         return functools.partial(
             generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
             s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
+
+    @functools.cached_property
+    def _sampled_generate(self) -> Any:
+        """Sampling with the rollout's settings for pass@k, bound once."""
+        s = self.settings()
+        return functools.partial(generate_call, self.models["actor"].graphdef, s.sampling, s.max_new_tokens,
+                                 self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

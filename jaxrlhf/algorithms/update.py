@@ -4,8 +4,12 @@ Updates: epochs x minibatches as one `lax.scan`, one optimizer update per
 minibatch. An update is skipped (parameters and optimizer state unchanged)
 when its loss or gradients are non-finite; a loss may also report that the
 minibatch is too far off-policy (PPO's importance ratio early stop), after
-which every later update of the call is skipped. Both are counted in the
-returned stats (`skipped_nonfinite`, `skipped_ratio`).
+which every later update of the call is skipped. A minibatch with nothing
+to learn from (zero statistics weight: every response masked out, as after
+dynamic sampling found too few informative groups) is skipped too, so Adam's
+momentum does not move the parameters on an empty batch. All three are
+counted in the returned stats (`skipped_nonfinite`, `skipped_ratio`,
+`skipped_empty`).
 
 Micro-batches: with `micro_batch` rows, each minibatch is split into
 micro-batches whose gradients are accumulated inside the compiled update (a
@@ -45,7 +49,7 @@ from jaxrlhf.models import pipeline
 # loss_fn(params, minibatch) -> (loss, {"stats": {...}, "stop": bool scalar, "weight": scalar})
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, Any]]]
 
-SUMMED_STATS = ("skipped_nonfinite", "skipped_ratio")
+SUMMED_STATS = ("skipped_nonfinite", "skipped_ratio", "skipped_empty")
 
 
 def loss_aux(
@@ -136,13 +140,13 @@ def _combine_stats(stats: dict[str, jax.Array], loss_weights: jax.Array, stats_w
 
 
 def accumulated_grad(loss_fn: LossFn, params: Any, batch: Any, micro_batch: int | None) -> tuple[Any, ...]:
-    """(loss, stats, stop, gradient) of `batch`, accumulated over micro-batches in fp32."""
+    """(loss, stats, stop, gradient, statistics weight) of `batch`, accumulated over micro-batches in fp32."""
     k = num_microbatches(_rows(batch), micro_batch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if k == 1 or pipeline.is_pipelined():  # a pipeline splits the micro-batches inside the forward
         with pipeline.microbatches(k):
             (loss, aux), grads = grad_fn(params, batch)
-        return loss, aux["stats"], aux["stop"], grads
+        return loss, aux["stats"], aux["stop"], grads, aux["stats_weight"]
 
     def one(acc, micro):
         (loss, aux), grads = grad_fn(params, micro)
@@ -155,7 +159,7 @@ def accumulated_grad(loss_fn: LossFn, params: Any, batch: Any, micro_batch: int 
     total = jnp.maximum(jnp.sum(weights), 1e-30)
     grads = jax.tree_util.tree_map(lambda a, p: (a / total).astype(p.dtype), acc, params)
     stats = _combine_stats(stats, weights, stats_weights)
-    return jnp.sum(losses * weights) / total, stats, jnp.any(stops), grads
+    return jnp.sum(losses * weights) / total, stats, jnp.any(stops), grads, jnp.sum(stats_weights)
 
 
 def minibatch_updates(
@@ -182,14 +186,16 @@ def minibatch_updates(
 
     def one(carry, rows):
         params, opt_state, stopped = carry
-        loss, stats, stop, grads = accumulated_grad(loss_fn, params, take_rows(data, rows), micro_batch)
+        loss, stats, stop, grads, weight = accumulated_grad(loss_fn, params, take_rows(data, rows), micro_batch)
         if early_stop:
             stopped = stopped | stop
-        params, opt_state, finite = guarded_update(optimizer, grads, opt_state, params, loss, ~stopped)
+        empty = weight <= 0
+        params, opt_state, finite = guarded_update(optimizer, grads, opt_state, params, loss, ~stopped & ~empty)
         stats = dict(stats)
         stats["grad_norm"] = optax.global_norm(grads)
         stats["skipped_nonfinite"] = (~finite).astype(jnp.float32)
         stats["skipped_ratio"] = stopped.astype(jnp.float32)
+        stats["skipped_empty"] = empty.astype(jnp.float32)
         return (params, opt_state, stopped), stats
 
     (params, opt_state, _), stats = jax.lax.scan(one, (params, opt_state, jnp.array(False)), idx)

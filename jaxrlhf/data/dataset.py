@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxrlhf.data.answers import ANSWER_EXTRACTORS
 from jaxrlhf.data.sources import DataError, RowError, RowSource, open_source
+from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
 from jaxrlhf.models.tokenizer import Tokenizer, TokenizerError, prompt_prefix
 
 if TYPE_CHECKING:
@@ -82,6 +83,82 @@ def _text_field(row: Any, key: str, *, numbers_ok: bool = False) -> str:
 def _render(template: str, prompt: str) -> str:
     """Insert the prompt into the template (plain replace: templates may contain braces)."""
     return template.replace("{prompt}", prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """`data.prompt_format=chat`: prompts and demonstrations rendered through the tokenizer's own
+    chat template (see `jaxrlhf.models.chat_template`). A text prompt becomes one user message
+    (after `data.prompt_template`, behind an optional system message); a row whose prompt field,
+    or whose `messages_key`, holds a list of {role, content} messages is taken as that conversation."""
+
+    template: ChatTemplate
+    system_prompt: str | None = None
+    messages_key: str = "messages"
+
+    @classmethod
+    def from_config(cls, config: "Config", tokenizer: Tokenizer) -> "ChatFormat | None":
+        data = config.data
+        if data.prompt_format == "raw":
+            return None
+        template = getattr(tokenizer, "chat_template", None)
+        if template is None:
+            raise DataError(
+                f"data.prompt_format=chat, but the tokenizer {tokenizer!r} ships no chat template "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja); use data.prompt_format=raw"
+            )
+        return cls(template, data.system_prompt, data.messages_key)
+
+    def messages(self, row: Mapping[str, Any], key: str, text_template: str) -> list[dict[str, Any]]:
+        """The conversation of a prompt row: its message list, or its text as one user turn."""
+        value = row.get(key) if isinstance(row, Mapping) else None
+        if isinstance(value, list):
+            return _checked_messages(value, key)
+        user = [{"role": "user", "content": _render(text_template, _text_field(row, key))}]
+        return ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + user
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:  # e.g. a template that insists on alternating roles
+            raise RowError("chat_template", str(e)) from None
+
+
+def _checked_messages(value: list[Any], key: str) -> list[dict[str, Any]]:
+    for m in value:
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise RowError("bad_messages", f"{key}: every message needs a 'role' and a string 'content'")
+    if not value:
+        raise RowError("empty", key)
+    return [dict(m) for m in value]
+
+
+def assistant_targets(chat: ChatFormat, tokenizer: Tokenizer,
+                      messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
+    """The conversation's tokens and which of them are SFT targets: the assistant turns.
+
+    An assistant turn's text is what rendering it adds to the conversation before it with the
+    generation prompt (its content and the template's end-of-turn marker, which the model must
+    learn to emit); the whole conversation is tokenized once and a token is a target when any of
+    its characters lies in such a span (transformers' `return_assistant_tokens_mask` rule).
+    Templates where a turn does not extend the text before it (they rewrite history, e.g. drop
+    earlier reasoning) cannot be masked this way.
+    """
+    text = chat.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = chat.render(messages[:i], add_generation_prompt=True)
+        upto = chat.render(messages[: i + 1])
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise RowError("chat_template", f"rendering turn {i} does not extend the conversation before it")
+        spans.append((len(before), len(upto)))
+    if not spans:
+        raise RowError("no_assistant_turn", "a conversation for SFT needs an assistant message")
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    targets = [any(start < hi and end > lo for lo, hi in spans) for start, end in offsets]
+    return ids, targets
 
 
 class _BatchStream(abc.ABC):
@@ -221,6 +298,16 @@ class _BatchStream(abc.ABC):
             length = bucket_length(max(self._length(item) for item in chunk), self.pad_multiple, self._max_len())
             yield self._collate(np.asarray(chunk_ids[lo:hi], np.int64), chunk[lo:hi], length), weight[lo:hi]
 
+    def check(self) -> None:
+        """Encode one batch's worth of rows without moving the stream or its counters, so that a
+        data error (wrong keys, no valid rows, a pair without a prompt) stops a run before any
+        stage has spent time: a DPO data error must not wait for the SFT warm-up to finish."""
+        state = self.state_dict()
+        try:
+            self._take(self.batch_size)
+        finally:
+            self.load_state_dict(state)
+
     def __iter__(self) -> Iterator[Any]:
         return self
 
@@ -300,6 +387,7 @@ class PromptDataset(_BatchStream):
         answer_extract: str = "none",
         template: str = "{prompt}",
         add_bos: bool | None = None,
+        chat: ChatFormat | None = None,
         pad_multiple: int = 16,
         shuffle: bool = True,
         seed: int = 0,
@@ -310,6 +398,7 @@ class PromptDataset(_BatchStream):
             source, batch_size=batch_size, seed=seed, shuffle=shuffle, pad_multiple=pad_multiple,
             process_index=process_index, process_count=process_count,
         )
+        self.chat = chat
         if answer_extract not in ANSWER_EXTRACTORS:
             raise DataError(f"unknown answer extractor {answer_extract!r}; known: {', '.join(ANSWER_EXTRACTORS)}")
         self.tokenizer = tokenizer
@@ -327,22 +416,25 @@ class PromptDataset(_BatchStream):
         tokenizer: Tokenizer,
         *,
         split: str | None = None,
+        batch_size: int | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> "PromptDataset":
-        """The rollout prompt stream described by `config.data` (seed defaults to run.seed)."""
+        """The rollout prompt stream described by `config.data` (seed defaults to run.seed; batch size
+        to data.batch_size, larger where the algorithm generates more prompts than it trains on)."""
         data = config.data
         split = split or data.split
         return cls(
             open_source(data.source, split, data.data_dir),
             tokenizer,
-            batch_size=data.batch_size,
+            batch_size=batch_size or data.batch_size,
             max_prompt_len=data.max_prompt_len,
             prompt_key=data.prompt_key,
             answer_key=data.answer_key,
             answer_extract=data.answer_extract,
             template=data.prompt_template,
             add_bos=data.add_bos,
+            chat=ChatFormat.from_config(config, tokenizer),
             pad_multiple=data.pad_multiple,
             shuffle=data.shuffle,
             seed=config.run.seed if data.seed is None else data.seed,
@@ -357,13 +449,19 @@ class PromptDataset(_BatchStream):
         return len(item.ids)
 
     def _encode(self, row: Any) -> _PromptItem:
-        prompt = _render(self.template, _text_field(row, self.prompt_key))
+        if self.chat is not None:  # the template writes BOS itself, as apply_chat_template
+            prompt = self.chat.render(self.chat.messages(row, self.prompt_key, self.template),
+                                      add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt = _render(self.template, _text_field(row, self.prompt_key))
+            prompt_ids = self.prefix + self.tokenizer.encode(prompt)
         answer = None
         if self.answer_key is not None:
             answer = self.extract(_text_field(row, self.answer_key, numbers_ok=True))
             if answer is None:
                 raise RowError("bad_answer", self.answer_key)
-        ids = self.prefix + self.tokenizer.encode(prompt)
+        ids = prompt_ids
         if len(ids) > self.max_prompt_len:
             raise RowError("too_long", f"{len(ids)} > {self.max_prompt_len} tokens")
         meta = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
@@ -424,6 +522,7 @@ class SFTDataset(_BatchStream):
         completion_key: str = "answer",
         template: str = "{prompt}",
         add_bos: bool | None = None,
+        chat: ChatFormat | None = None,
         packing: bool = False,
         pad_multiple: int = 16,
         shuffle: bool = True,
@@ -440,6 +539,7 @@ class SFTDataset(_BatchStream):
         self.prompt_key = prompt_key
         self.completion_key = completion_key
         self.template = template
+        self.chat = chat
         self.packing = packing
         self.prefix = _prompt_prefix(tokenizer, add_bos)
 
@@ -473,6 +573,7 @@ class SFTDataset(_BatchStream):
             completion_key=completion,
             template=data.prompt_template,
             add_bos=data.add_bos,
+            chat=ChatFormat.from_config(config, tokenizer),
             packing=packing,
             pad_multiple=data.pad_multiple,
             shuffle=data.shuffle,
@@ -484,23 +585,37 @@ class SFTDataset(_BatchStream):
     def _max_len(self) -> int:
         return self.max_len
 
-    def _length(self, item: tuple[list[int], int]) -> int:
+    def _length(self, item: tuple[list[int], list[bool]]) -> int:
         return len(item[0])
 
-    def _encode(self, row: Any) -> tuple[list[int], int]:
-        prompt = _render(self.template, _text_field(row, self.prompt_key))
-        completion = _text_field(row, self.completion_key, numbers_ok=True)
-        prompt_ids = self.prefix + self.tokenizer.encode(prompt)
-        ids = prompt_ids + self.tokenizer.encode(completion) + [self.tokenizer.eos_id]
+    def _encode(self, row: Any) -> tuple[list[int], list[bool]]:
+        """(tokens, which are targets): the completion (and EOS) of a prompt/completion row; with a
+        chat template the assistant turns of a conversation (`messages_key`), or of the prompt as a
+        user turn and the completion as the assistant's."""
+        if self.chat is not None:
+            listed = row.get(self.chat.messages_key) if isinstance(row, Mapping) else None
+            if isinstance(listed, list):
+                messages = _checked_messages(listed, self.chat.messages_key)
+            else:
+                completion = _text_field(row, self.completion_key, numbers_ok=True)
+                messages = [*self.chat.messages(row, self.prompt_key, self.template),
+                            {"role": "assistant", "content": completion}]
+            ids, targets = assistant_targets(self.chat, self.tokenizer, messages)
+        else:
+            prompt = _render(self.template, _text_field(row, self.prompt_key))
+            completion = _text_field(row, self.completion_key, numbers_ok=True)
+            prompt_ids = self.prefix + self.tokenizer.encode(prompt)
+            ids = prompt_ids + self.tokenizer.encode(completion) + [self.tokenizer.eos_id]
+            targets = [False] * len(prompt_ids) + [True] * (len(ids) - len(prompt_ids))
         if len(ids) > self.max_len:
             raise RowError("too_long", f"{len(ids)} > {self.max_len} tokens")
-        return ids, len(prompt_ids)
+        return ids, [False] + targets[1:]  # the first token has nothing before it to be predicted from
 
-    def _collate(self, row_ids: np.ndarray, items: list[tuple[list[int], int]], length: int) -> SFTBatch:
+    def _collate(self, row_ids: np.ndarray, items: list[tuple[list[int], list[bool]]], length: int) -> SFTBatch:
         tokens, mask = left_pad([ids for ids, _ in items], length, self.tokenizer.pad_id)
         loss_mask = np.zeros_like(mask)
-        for row, (ids, prompt_len) in enumerate(items):
-            loss_mask[row, length - len(ids) + prompt_len:] = True
+        for row, (ids, targets) in enumerate(items):
+            loss_mask[row, length - len(ids):] = targets
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
         return SFTBatch(tokens, mask, loss_mask, positions, None, row_ids, self.batch_size)
 
@@ -509,7 +624,7 @@ class SFTDataset(_BatchStream):
 
     def _next_packed(self) -> SFTBatch:
         """`batch_size` rows of `max_len` tokens, filled first fit in stream order."""
-        rows: list[list[tuple[list[int], int]]] = [[] for _ in range(self.batch_size)]
+        rows: list[list[tuple[list[int], list[bool]]]] = [[] for _ in range(self.batch_size)]
         used = [0] * self.batch_size
         row_ids: list[int] = []
         while True:
@@ -529,10 +644,10 @@ class SFTDataset(_BatchStream):
         positions, segments = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
         for r, items in enumerate(rows):
             at = 0
-            for k, (ids, prompt_len) in enumerate(items, start=1):
+            for k, (ids, targets) in enumerate(items, start=1):
                 n = len(ids)
                 tokens[r, at:at + n] = ids
-                loss_mask[r, at + prompt_len:at + n] = True
+                loss_mask[r, at:at + n] = targets
                 positions[r, at:at + n] = np.arange(n)
                 segments[r, at:at + n] = k
                 at += n
@@ -649,6 +764,12 @@ class PreferenceDataset(_BatchStream):
         if self.prompt_key is None:  # the conversation so far is the common prefix of both texts
             shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
                           min(len(chosen), len(rejected)) - 1)
+            if shared <= len(prompt_ids):
+                raise DataError(
+                    f"data.prompt_key=null: in {self.source!r} a row's {self.chosen_key!r} and {self.rejected_key!r} "
+                    "share no token prefix, so there is no prompt to condition on; set data.prompt_key to the "
+                    "column that holds the prompt"
+                )
         return chosen, rejected, shared
 
     def _collate(

@@ -14,10 +14,13 @@ Several ids may end a sequence (Llama 3.1 lists three); `eos_ids` holds them all
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import warnings
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError, token_text
 
 
 class TokenizerError(ValueError):
@@ -89,8 +92,19 @@ class ByteTokenizer:
     def special_prefix(self) -> tuple[int, ...]:
         return (self.BOS,)
 
+    chat_template = None  # no template ships with the built-in tokenizer
+
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode` and each byte's character span (every byte of a character maps to that character)."""
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            for b in ch.encode("utf-8"):
+                ids.append(b + self.OFFSET)
+                offsets.append((i, i + 1))
+        return ids, offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
@@ -98,15 +112,6 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
-
-
-def _token_content(value: Any) -> str | None:
-    """tokenizer_config.json stores special tokens as a string or {"content": ...}."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 def _all_ids(value: Any) -> list[int]:
@@ -191,7 +196,7 @@ class HFTokenizer:
                     ids[role] = found[0]
         config = _read_json(folder / "tokenizer_config.json")
         for role in ids:
-            content = _token_content(config.get(f"{role}_token"))
+            content = token_text(config.get(f"{role}_token"))
             if content is not None and self._tok.token_to_id(content) is not None:
                 ids[role] = self._tok.token_to_id(content)  # the tokenizer's own config wins
         return ids, listed_eos
@@ -246,8 +251,21 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode` and each token's (start, end) character span in `text`."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template shipped beside tokenizer.json, or None."""
+        try:
+            return ChatTemplate.from_folder(self.path.parent)
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from None
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"

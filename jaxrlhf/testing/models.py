@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from flax import nnx
@@ -191,9 +191,11 @@ _QWEN2_SPLIT = (
 _TOKENIZER_CORPUS = ["the cat sat on the mat", "a dog and a cat", "12 + 7 = 19", "hello world, héllo ✓"] * 20
 
 
-def save_tiny_tokenizer(folder: str | os.PathLike, style: str = "qwen2", vocab_size: int = 300) -> Path:
+def save_tiny_tokenizer(folder: str | os.PathLike, style: str = "qwen2", vocab_size: int = 300,
+                        corpus: Sequence[str] = ()) -> Path:
     """Train a tiny BPE tokenizer in `style` (see TOKENIZER_STYLES), save tokenizer.json and
-    tokenizer_config.json into `folder` (created), return the folder. Special tokens get ids 0, 1, ..."""
+    tokenizer_config.json into `folder` (created), return the folder. Special tokens get ids 0, 1, ...
+    `corpus` adds training text (the llama2 style knows only the characters it was trained on)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     spec = _TOKENIZER_STYLES[style]
@@ -215,7 +217,7 @@ def save_tiny_tokenizer(folder: str | os.PathLike, style: str = "qwen2", vocab_s
         raw.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(_TOKENIZER_CORPUS, trainer)
+    raw.train_from_iterator([*_TOKENIZER_CORPUS, *list(corpus) * 20], trainer)
     byte_level = processors.ByteLevel(trim_offsets=False)
     if spec["bos"] is None:
         raw.post_processor = byte_level

@@ -28,6 +28,12 @@ RL_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "adva
 CASES = {
     "grpo": (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"],
              "disaggregated", RL_KEYS + ("kl/loss",)),
+    # dynamic sampling: a pool of 2 x 8 prompts, selected on the host, trained on another device group
+    "dapo": (["algorithm.name=dapo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0",
+              "algorithm.overlong_buffer=2"], "disaggregated",
+             RL_KEYS + ("dynamic_sampling/kept_groups", "dynamic_sampling/informative_groups")),
+    "gspo": (["algorithm.name=gspo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"],
+             "interleaved", RL_KEYS + ("kl/loss",)),
     "rloo": (["algorithm.name=rloo", "algorithm.group_size=2", "algorithm.minibatches=2"], "reallocated", RL_KEYS),
     "reinforce_pp": (["algorithm.name=reinforce_pp", "algorithm.minibatches=2"], "interleaved", RL_KEYS),
     "remax": (["algorithm.name=remax", "algorithm.minibatches=2"], "disaggregated",

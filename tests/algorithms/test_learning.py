@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
@@ -85,3 +86,32 @@ def test_dpo_implicit_reward_accuracy_rises(tmp_path):
     # pairs either way (0.59-0.64 at steps 20/40/60, 0.63-0.70 over 120 steps with earlier code; float
     # reduction order alone moves it by a pair or two), so its trend over 60 steps is not a signal
     assert min(held_out) > 0.55, held_out
+
+
+GRPO_VARIANT_STEPS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dapo", "dr_grpo", "gspo"])
+def test_grpo_variants_raise_a_discoverable_reward(name, tmp_path):
+    """Each GRPO variant, from its shipped config (no warm-up, a random tiny actor), finds and
+    reinforces digit tokens as PPO does above; DAPO with its dynamic sampling and overlong penalty on."""
+    out = tmp_path / name
+    cfg = cfglib.load_config(
+        os.path.join(ROOT, "configs", f"{name}.yaml"),
+        [f"run.output_dir={out}", f"run.steps={GRPO_VARIANT_STEPS}", "run.checkpoint_every=0",
+         "run.tensorboard=false", "run.export_hf=false", "sft.steps=0", "data.batch_size=8",
+         "algorithm.group_size=4", "generation.max_new_tokens=4", "optimizer.actor.lr=3e-3",
+         "optimizer.actor.warmup_steps=0", "rewards.eos_only=false",
+         'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[0-9]"}}]'],
+    )
+    train.run(cfg)
+    records = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, GRPO_VARIANT_STEPS + 1))
+    rewards = np.array([r["reward/rule_mean"] for r in records])
+    first, last = rewards[:5].mean(), rewards[-5:].mean()
+    assert first < 0.35, rewards
+    assert last > first + 0.3, rewards
+    if name == "dapo":  # the pool of 2 x 8 groups was filtered every step
+        assert all(r["dynamic_sampling/pool_groups"] == 16 for r in records)
+        assert all(r["dynamic_sampling/kept_groups"] <= 8 for r in records)

@@ -156,13 +156,25 @@ def test_sft_batch_masks_only_the_completion():
 
 
 def test_preference_pairs_share_one_length():
-    rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"}, {"chosen": "long chosen text", "rejected": "r"}]
+    rows = [{"chosen": "2+2=4", "rejected": "2+2=five"}, {"chosen": "Q: a? A: long chosen text", "rejected": "Q: a? A: r"}]
     ds = PreferenceDataset(ListSource(rows), TOK, batch_size=2, max_len=32, prompt_key=None, shuffle=False,
                            process_index=0, process_count=1)
     batch = ds.next_batch()
     assert batch.chosen_ids.shape == batch.rejected_ids.shape == (2, 32)
-    assert batch.chosen_ids[0][batch.chosen_mask[0]].tolist() == [TOK.bos_id] + TOK.encode("4") + [TOK.eos_id]
+    assert batch.chosen_ids[0][batch.chosen_mask[0]].tolist() == [TOK.bos_id] + TOK.encode("2+2=4") + [TOK.eos_id]
     assert batch.rejected_ids[1, -1] == TOK.eos_id
+    # without a prompt key the shared prefix is the prompt: the loss starts where the texts differ
+    assert batch.chosen_ids[0][batch.chosen_loss_mask[0]].tolist() == TOK.encode("4") + [TOK.eos_id]
+    assert batch.rejected_ids[1][batch.rejected_loss_mask[1]].tolist() == TOK.encode("r") + [TOK.eos_id]
+
+
+def test_preference_pairs_without_a_shared_prefix_are_an_error():
+    rows = [{"chosen": "yes", "rejected": "no"}]
+    ds = PreferenceDataset(ListSource(rows), TOK, batch_size=1, max_len=32, prompt_key=None,
+                           process_index=0, process_count=1)
+    with pytest.raises(DataError, match="share no token prefix, so there is no prompt"):
+        ds.check()
+    assert ds.state_dict()["index"] == 0  # a check does not move the stream
 
 
 def test_from_config_reads_the_bundled_task(tmp_path):
