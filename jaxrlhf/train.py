@@ -129,7 +129,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
 
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
     """
-    from jaxrlhf.planner.plan import ExecutionPlan, validate as validate_plan
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError, validate as validate_plan
     from jaxrlhf.planner.presets import build_plan
 
     graph = algorithm.graph()
@@ -142,8 +142,13 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
                           devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+    check = dict(devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    try:  # before the memory model reads its groups
+        validate_plan(plan, graph, models, **check)
+    except PlanError as e:
+        raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
     plan = with_offload(cfg, algorithm, plan, models, devices_per_host)
-    validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    validate_plan(plan, graph, models, **check)
     return plan
 
 
@@ -431,7 +436,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 
     start = 0
     if resume_step is not None:
-        resume_step, restored, meta = ckpt.restore_latest(arrays())
+        resume_step, restored, meta = ckpt.restore_latest(arrays(), algorithm=cfg.algorithm.name)
         executor.state = dict(restored.pop("state"))
         for name, saved in restored.items():
             roles[name].params = saved["params"]
@@ -485,14 +490,17 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
                     f"learning rate (optimizer.<role>.lr) or check the data"
                     + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
                 )
-            if any_process(bool(stop.requested)) and not stop.requested:
-                stop.requested = "a signal to another process"
-            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stop.requested:
+            # Decided once per step, alike on every process: a signal that arrives during the save below
+            # is acted on after the next step (a process that stopped on its own flag would leave the
+            # others waiting in that step's collectives).
+            stopping = any_process(bool(stop.requested))
+            why = stop.requested or "a signal to another process"
+            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stopping:
                 save(step, data_state)
                 saved_step = step
-            if stop.requested and step < steps:
+            if stopping and step < steps:
                 raise Interrupted(
-                    f"stopped by {stop.requested} after step {step}; checkpoint saved in {ckpt.directory}. "
+                    f"stopped by {why} after step {step}; checkpoint saved in {ckpt.directory}. "
                     f"Resume with the same command and run.resume=true"
                 )
     finally:

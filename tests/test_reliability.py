@@ -200,6 +200,7 @@ def test_jsonl_rows_with_invalid_utf8_are_skipped_and_counted(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "0", "--model-preset", "tiny"], "--devices: must be at least 1"),
     (["--model-preset", "tiny", "plan.hardware=h101"], "unknown hardware 'h101'"),
+    (["--devices", "lots", "--model-preset", "tiny"], "--devices: expected a whole number (at least 1), got 'lots'"),
 ])
 def test_plan_cli_mistakes_are_one_line(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", "--out", str(tmp_path), *argv], cwd=ROOT,
@@ -242,3 +243,43 @@ def test_bad_hf_config_values_name_the_key(edit, message, tmp_path):
     with pytest.raises(CheckpointError, match="config.json: " + message.replace("(", r"\(")):
         load_hf_checkpoint(path)
 
+
+
+def test_plan_file_placing_a_call_on_an_undefined_group_names_the_file_and_group(tmp_path):
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner.plan import PlanError
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("num_devices: 1\ngroups: {all: {start: 0, size: 1}}\ncalls:\n"
+                    "  actor.generate: {group: nowhere}\n"
+                    + "".join(f"  {c}: {{group: all}}\n"
+                              for c in ("ref.inference", "critic.inference", "actor.train", "critic.train")))
+    cfg = cfglib.load_config(None, [*BASE, f"plan.file={plan}"])
+    algorithm = build_algorithm(cfg)
+    models = train.role_configs(cfg, algorithm.graph().roles)
+    with pytest.raises(PlanError, match=rf"plan.file={plan}: call 'actor.generate' uses group 'nowhere', which the "
+                                        r"plan does not define; defined groups: \['all'\]"):
+        train.plan_for(cfg, algorithm, models, 1)
+
+
+BOMB = "".join(f"{k}: &{k} [{', '.join([f'*{p}'] * 10 if p else ['x'] * 10)}]\n"
+               for p, k in zip(["", "a", "b", "c", "d"], "abcde"))
+
+
+@pytest.mark.parametrize("text, message", [
+    (BOMB, "line 4: YAML aliases expand to more than 10,000 nodes"),
+    ("name: h100\nname: mine\n", "line 2: duplicate key 'name' (first set on line 1)"),
+], ids=["alias_bomb", "duplicate_key"])
+def test_plan_files_and_hardware_profiles_are_read_with_the_config_limits(text, message, tmp_path):
+    """The limits of the config loader hold for every YAML file a user hands in."""
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+
+    path = tmp_path / "user.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=f"{path}, {message}".replace("(", r"\(").replace(")", r"\)")):
+        ExecutionPlan.load(str(path))
+    with pytest.raises(ValueError, match=f"{path}, {message}".replace("(", r"\(").replace(")", r"\)")):
+        get_profile(str(path))
+    with pytest.raises(cfglib.ConfigError, match=f"plan.hardware={str(path)!r}: {path}, "):  # as training says it
+        train.hardware_profile(cfglib.load_config(None, [f"plan.hardware={path}"]))
