@@ -144,6 +144,25 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
 
 
+def agreed_steps(steps: list[int]) -> list[int]:
+    """The checkpoint steps every process lists (the same list on each), so all try the same steps in
+    the same order when they look for one to resume from."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return list(steps)
+    longest = int(np.max(multihost_utils.process_allgather(np.array(len(steps)))))
+    padded = np.full(max(longest, 1), -1, np.int64)
+    padded[: len(steps)] = steps
+    lists = multihost_utils.process_allgather(padded)
+    common = set(steps)
+    for row in np.asarray(lists).reshape(-1, padded.size):
+        common &= {int(s) for s in row if s >= 0}
+    return sorted(common)
+
+
 def host_get(tree: Any) -> Any:
     """Host (numpy) values of every array in `tree`, the same on every process.
 

@@ -459,7 +459,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     offpolicy = plan.offpolicy
     batch = None
     stop = StopRequest()
-    saved_step, dead_steps = start, 0
+    saved_step, dead = start, {}
     try:
         stop.install()
         for step in range(start + 1, steps + 1):
@@ -482,12 +482,13 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             _check_finite(metrics, step)
             if step % cfg.run.log_every == 0 or step == steps:
                 writer.write(step, metrics)
-            dead_steps = dead_steps + 1 if _all_updates_skipped(metrics, algorithm.updates_per_step) else 0
-            if dead_steps >= MAX_DEAD_STEPS:
+            dead = _dead_updates(metrics, algorithm.updates_per_step, dead)
+            stuck = [k for k, n in dead.items() if n >= MAX_DEAD_STEPS]
+            if stuck:
                 raise RunError(
-                    f"every update of the last {dead_steps} steps (to step {step}) had a non-finite loss or "
-                    f"gradient and was skipped, so the model stopped changing; nothing was exported. Lower the "
-                    f"learning rate (optimizer.<role>.lr) or check the data"
+                    f"every update of the last {MAX_DEAD_STEPS} steps (to step {step}) had a non-finite loss or "
+                    f"gradient and was skipped ({', '.join(stuck)}), so that model stopped changing; nothing was "
+                    f"exported. Lower the learning rate (optimizer.<role>.lr) or check the data"
                     + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
                 )
             # Decided once per step, alike on every process: a signal that arrives during the save below
@@ -558,10 +559,12 @@ def profiled(run_cfg: cfglib.RunConfig, step: int) -> Iterator[None]:
 MAX_DEAD_STEPS = 5  # consecutive steps whose every update was skipped before a run gives up
 
 
-def _all_updates_skipped(metrics: Mapping[str, Any], updates_per_step: int) -> bool:
-    """True when every trained role skipped every one of its updates this step."""
-    counts = [v for k, v in metrics.items() if k.endswith("skipped_nonfinite")]
-    return bool(counts) and all(c >= updates_per_step for c in counts)
+def _dead_updates(metrics: Mapping[str, Any], updates_per_step: int, dead: Mapping[str, int]) -> dict[str, int]:
+    """Per skip counter (one per trained role): how many steps in a row every update was skipped. One
+    role's dead updates stop the run as surely as all roles' (a critic that never learns again makes
+    every later advantage wrong while the run looks alive)."""
+    return {k: dead.get(k, 0) + 1 if v >= updates_per_step else 0
+            for k, v in metrics.items() if k.endswith("skipped_nonfinite")}
 
 
 class StopRequest:
