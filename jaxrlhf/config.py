@@ -541,6 +541,13 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             raise ConfigError(f"{key}: file or folder not found: {spec}")
 
     run, plan = config.run, config.plan
+    given = [k for k in ("coordinator_address", "num_processes", "process_id")
+             if getattr(config.distributed, k) is not None]
+    if given and not run.distributed:
+        raise ConfigError(
+            f"{', '.join('distributed.' + k for k in given)} set, but run.distributed=false: each process would "
+            "train alone, into the same run.output_dir. Add run.distributed=true (or drop the distributed.* keys)"
+        )
     if run.devices is not None and run.platform in ("gpu", "tpu"):
         raise ConfigError(f"run.devices simulates CPU devices; it cannot be used with run.platform={run.platform}")
     if plan.file is not None and not pathlib.Path(plan.file).expanduser().is_file():

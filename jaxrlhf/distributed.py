@@ -65,6 +65,10 @@ def initialize(dist: Any, platform: str) -> None:
     address, count, pid = (_setting(dist, k) for k in ("coordinator_address", "num_processes", "process_id"))
     if count is not None and pid is not None and not 0 <= pid < count:
         raise DistributedError(f"distributed.process_id={pid} must be below distributed.num_processes={count}")
+    if address is not None:
+        host, port = _host_port(address)
+        if pid not in (None, 0):
+            _wait_for_coordinator(address, host, port, pid, dist.initialization_timeout_s)
     cpu = platform == "cpu" or (platform == "auto" and os.environ.get("JAX_PLATFORMS", "") == "cpu")
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", dist.cpu_collectives)
@@ -93,6 +97,41 @@ def initialize(dist: Any, platform: str) -> None:
         # A distinct, fixed loopback port per process: with 0.0.0.0:0 a receiver was seen to hang (DESIGN §3.6).
         port = dist.transfer_port_base + jax_distributed.global_state.process_id
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{port}")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6 address]:port`) split and checked, so a mistake is one line naming the key
+    instead of an IndexError from inside JAX."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(
+            f"distributed.coordinator_address={address!r} must be host:port (process 0's host and a free port, "
+            "e.g. 10.0.0.1:47600)"
+        )
+    return host, int(port)
+
+
+def _wait_for_coordinator(address: str, host: str, port: int, pid: int, timeout_s: float) -> None:
+    """Process `pid` (not 0) waits until the coordinator's port accepts connections: an address no one
+    listens on is reported here, in one line, instead of by a C++ abort when JAX gives up."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise DistributedError(
+                f"distributed.coordinator_address={address}: process {pid} could not reach the coordinator "
+                f"within distributed.initialization_timeout_s={timeout_s} ({why}); start process 0 with the same "
+                "address, and give a host:port every host can reach"
+            )
+        time.sleep(0.5)
 
 
 def _first_line(e: BaseException) -> str:

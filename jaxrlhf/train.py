@@ -354,7 +354,43 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
 
 
 def run(cfg: cfglib.Config) -> dict[str, Any]:
-    """Train according to `cfg`; returns the last step's metrics."""
+    """Train according to `cfg`; returns the last step's metrics. One run at a time per output folder."""
+    cfglib.validate(cfg)
+    with output_dir_lock(cfg.run.output_dir):
+        return _train(cfg)
+
+
+@contextlib.contextmanager
+def output_dir_lock(out: str) -> Iterator[None]:
+    """Hold `<out>/.lock` for the run, so a second run started into the same folder (by mistake, or a
+    launcher started twice) is refused before it touches a file. Process 0 takes the lock; every process
+    agrees on the outcome. An OS lock (flock; NFS v4 shares it between hosts) dies with its process, so a
+    killed run leaves no stale lock; the empty file stays."""
+    import fcntl
+
+    from jaxrlhf.distributed import any_process, is_main
+
+    handle, busy = None, False
+    if is_main() and not (os.path.exists(out) and not os.path.isdir(out)):  # a file: prepare_output_dir says so
+        os.makedirs(out, exist_ok=True)
+        handle = open(os.path.join(out, ".lock"), "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            handle, busy = None, True
+    if any_process(busy):
+        raise RunError(f"run.output_dir={out!r} is in use by another run that is still going (it holds "
+                       f"{os.path.join(out, '.lock')}); nothing was changed. Wait for it to end, or choose "
+                       "another run.output_dir")
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # releases the lock
+
+
+def _train(cfg: cfglib.Config) -> dict[str, Any]:
     import jax
 
     from jaxrlhf.algorithms import build_algorithm
@@ -367,7 +403,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.devices import devices_per_host
     from jaxrlhf.placement.layout import AxisRules
 
-    cfglib.validate(cfg)
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     specs = algorithm.roles()

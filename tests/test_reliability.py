@@ -65,6 +65,23 @@ def test_a_new_run_into_another_runs_folder_changes_nothing(reference, tmp_path)
     assert [r["step"] for r in records] == [1]
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    """Two runs started into one folder at once must not interleave: the second is refused before it
+    changes anything, while the first holds the folder's lock (here: this test, as another process would)."""
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunError, match=rf"run.output_dir='{out}' is in use by another run that is still going "
+                                           r"\(it holds .*\.lock\); nothing was changed"):
+            _run(out, "run.steps=1", "run.overwrite=true")
+        assert os.listdir(out) == [".lock"]
+    with train.output_dir_lock(str(out)):  # free again once the first run ends (or dies: the OS drops it)
+        pass
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("mine")
