@@ -69,6 +69,8 @@ def initialize(dist: Any, platform: str) -> None:
         host, port = _host_port(address)
         if pid not in (None, 0):
             _wait_for_coordinator(address, host, port, pid, dist.initialization_timeout_s)
+        elif pid == 0:
+            _check_port_free(address, port)
     cpu = platform == "cpu" or (platform == "auto" and os.environ.get("JAX_PLATFORMS", "") == "cpu")
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", dist.cpu_collectives)
@@ -97,6 +99,11 @@ def initialize(dist: Any, platform: str) -> None:
         # A distinct, fixed loopback port per process: with 0.0.0.0:0 a receiver was seen to hang (DESIGN §3.6).
         port = dist.transfer_port_base + jax_distributed.global_state.process_id
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{port}")
+    if count is not None and jax.process_count() != count:  # the coordinator's count wins without a word
+        raise DistributedError(
+            f"distributed.num_processes={count} on process {jax.process_index()}, but process 0 started the run "
+            f"with {jax.process_count()}; give every process the same distributed.num_processes"
+        )
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -110,6 +117,23 @@ def _host_port(address: str) -> tuple[str, int]:
             "e.g. 10.0.0.1:47600)"
         )
     return host, int(port)
+
+
+def _check_port_free(address: str, port: int) -> None:
+    """Process 0 starts the coordinator on `port`: taken already, it is most often a second process 0 of
+    the same run (a repeated distributed.process_id), which JAX would report only after its timeout."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a previous run's TIME_WAIT is no owner
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(
+                f"distributed.coordinator_address={address}: process 0 cannot start the coordinator, port {port} "
+                f"is taken on this host ({e.strerror}): another process was given distributed.process_id=0 "
+                "(each process needs its own id), or another program uses the port (choose a free one)"
+            ) from None
 
 
 def _wait_for_coordinator(address: str, host: str, port: int, pid: int, timeout_s: float) -> None:

@@ -79,3 +79,20 @@ def test_distributed_keys_without_run_distributed_are_refused():
                                                  r"run.distributed=false: .* Add run.distributed=true"):
         cfglib.load_config(None, keys)
     assert _dist(*keys).num_processes == 2
+
+
+def test_a_second_process_0_is_one_line():
+    """Two processes given distributed.process_id=0 on one host: the second finds the coordinator's port
+    taken (here by a socket that stands for the first) and says so, instead of JAX's abort after 300 s."""
+    import socket
+
+    with socket.socket() as first:
+        first.bind(("", 0))
+        first.listen()
+        port = first.getsockname()[1]
+        dist = _dist(f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                     "distributed.process_id=0")
+        with pytest.raises(distributed.DistributedError, match=rf"process 0 cannot start the coordinator, port {port} "
+                                                               r"is taken .*another process was given "
+                                                               r"distributed.process_id=0"):
+            distributed.initialize(dist, "cpu")

@@ -1,0 +1,98 @@
+"""Faults of a 2-process run (2 processes x 4 CPU devices, started as scripts/launch_env.sh starts them):
+a signal to one process stops both after one agreed checkpoint, with exit code 130 and no failure
+reported; a newest checkpoint damaged for every process is moved aside once (by process 0) and both
+resume from the step before, continuing the run's metrics."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrlhf.metrics import read_metrics
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = [
+    "--config", "configs/quickstart.yaml", "model.actor.preset=tiny", "run.tensorboard=false",
+    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
+    "algorithm.minibatches=2", "sft.steps=0", "rewards.eos_only=false", "run.compile_cache=null",
+    "plan.strategy=colocated", "run.checkpoint_every=1", "distributed.heartbeat_timeout_s=10",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(out, *overrides: str) -> list[subprocess.Popen]:
+    """The two processes of one run, with the environment variables launch_env.sh --local sets."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES="2", JAXRLHF_PROCESS_ID=str(pid))
+        env.pop("XLA_FLAGS", None)
+        cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
+               "run.distributed=true", "run.platform=cpu", "run.devices=4",
+               f"distributed.transfer_port_base={_free_port()}"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def _finish(procs, timeout: float) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a process of the run was still going after the others stopped")
+        out.append((p.returncode, err))
+    return out
+
+
+def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    log = out / "metrics.jsonl"
+    procs = _start(out, "run.steps=200")
+    deadline = time.time() + 900
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if log.exists() and len(read_metrics(str(log))) >= 2:
+            break
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # one process only, as a preempted host
+    results = _finish(procs, 600)
+    for code, err in results:
+        assert code == 130, err
+        assert "Traceback" not in err and "failed and exits" not in err, err
+    assert "stopped by SIGTERM after step" in results[1][1]
+    assert "stopped by a signal to another process after step" in results[0][1]
+    reached = read_metrics(str(log))[-1]["step"]
+    steps = sorted(int(n) for n in os.listdir(out / "checkpoints") if n.isdigit())
+    assert steps[-1] == reached and len(steps) >= 2
+
+    # The newest checkpoint is damaged for both processes: process 0 moves it aside, once; both resume
+    # from the step before and the run goes on with the same metrics log.
+    for dirpath, _, files in os.walk(out / "checkpoints" / str(reached) / "arrays" / "d"):
+        for f in files:
+            os.truncate(os.path.join(dirpath, f), 1)
+    results = _finish(_start(out, f"run.steps={reached + 1}", "run.resume=true"), 900)
+    for code, err in results:
+        assert code == 0, err
+    assert f"checkpoint step {reached}" in results[0][1] and f"using step {reached - 1}" in results[0][1]
+    aside = [n for n in os.listdir(out / "checkpoints") if n.startswith(f"damaged-step-{reached}-")]
+    assert len(aside) == 1, os.listdir(out / "checkpoints")
+    assert [r["step"] for r in read_metrics(str(log))] == list(range(1, reached + 2))
+    shutil.rmtree(out)
