@@ -141,6 +141,32 @@ def test_every_kind_of_damage_falls_back_to_the_previous_step(damage, tmp_path, 
     assert [n for n in os.listdir(tmp_path / "ckpt") if n.startswith("damaged-step-4-")]
 
 
+def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_path, monkeypatch, capsys):
+    """Damage visible to one process only (in the shard files it reads): this process restores step 4
+    fine, but the agreement says another could not, so all use step 2, the newest every process read,
+    and process 0 (this one) moves step 4 aside. The agreement is the one `any_process` gathers."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf import distributed
+    from jaxrlhf.checkpoint import CheckpointManager
+
+    def tree(v):
+        return {"actor": {"params": {"w": jnp.full((4, 3), v, jnp.float32)}}}
+
+    mngr = CheckpointManager(str(tmp_path / "ckpt"))
+    for step in (2, 4):
+        mngr.save(step, tree(step), {"step": step})
+    answers = iter([True, False])  # step 4: another process failed; step 2: every process read it
+    monkeypatch.setattr(distributed, "any_process", lambda flag: flag or next(answers))
+    step, arrays, _ = mngr.restore_latest(tree(0))
+    mngr.close()
+    assert step == 2
+    np.testing.assert_array_equal(arrays["actor"]["params"]["w"], np.full((4, 3), 2, np.float32))
+    assert "checkpoint step 4 in" in capsys.readouterr().err
+    assert len([n for n in os.listdir(tmp_path / "ckpt") if n.startswith("damaged-step-4-")]) == 1
+
+
 @pytest.mark.slow
 def test_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_path, capsys):
     """A run killed while writing its newest checkpoint resumes from the one before with the metrics of
