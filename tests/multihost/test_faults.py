@@ -1,7 +1,8 @@
 """Faults of a 2-process run (2 processes x 4 CPU devices, started as scripts/launch_env.sh starts them):
-a signal to one process stops both after one agreed checkpoint, with exit code 130 and no failure
-reported; a newest checkpoint damaged for every process is moved aside once (by process 0) and both
-resume from the step before, continuing the run's metrics."""
+a second run into the folder of a running one is refused; a signal to one process stops both after one
+agreed checkpoint, with exit code 130 and no failure reported; a newest checkpoint damaged for every
+process is moved aside once (by process 0) and both resume from the step before, continuing the run's
+metrics; a process given another process count is refused."""
 
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(out, *overrides: str) -> list[subprocess.Popen]:
-    """The two processes of one run, with the environment variables launch_env.sh --local sets."""
+def _start(out, *overrides: str, counts=(2, 2)) -> list[subprocess.Popen]:
+    """The two processes of one run, with the environment variables launch_env.sh --local sets (`counts`:
+    the JAXRLHF_NUM_PROCESSES each is given)."""
     port = _free_port()
     procs = []
     for pid in range(2):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
-                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES="2", JAXRLHF_PROCESS_ID=str(pid))
+                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(counts[pid]),
+                   JAXRLHF_PROCESS_ID=str(pid))
         env.pop("XLA_FLAGS", None)
         cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
                "run.distributed=true", "run.platform=cpu", "run.devices=4",
@@ -72,6 +75,10 @@ def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
         if log.exists() and len(read_metrics(str(log))) >= 2:
             break
         time.sleep(0.2)
+    # A second 2-process run started into the same folder meanwhile is refused by both its processes.
+    for code, err in _finish(_start(out, "run.steps=200", "run.overwrite=true"), 600):
+        assert code == 2 and "is in use by another run that is still going" in err, err
+    assert all(p.poll() is None for p in procs)
     procs[1].send_signal(signal.SIGTERM)  # one process only, as a preempted host
     results = _finish(procs, 600)
     for code, err in results:
@@ -96,3 +103,32 @@ def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
     assert len(aside) == 1, os.listdir(out / "checkpoints")
     assert [r["step"] for r in read_metrics(str(log))] == list(range(1, reached + 2))
     shutil.rmtree(out)
+
+
+def test_a_process_given_another_num_processes_is_refused(tmp_path):
+    """Process 1 believes the run has 3 processes, process 0 started it with 2: JAX accepts that without a
+    word; process 1 says which key differs and exits, and process 0 stops on the missed heartbeats
+    (distributed.heartbeat_timeout_s=10 here)."""
+    t0 = time.monotonic()
+    (code0, err0), (code1, err1) = _finish(_start(tmp_path / "run", "run.steps=1", counts=(2, 3)), 600)
+    assert code1 == 2 and "distributed.num_processes=3 on process 1, but process 0 started the run with 2" in err1
+    assert "Traceback" not in err1, err1
+    assert code0 != 0
+    assert time.monotonic() - t0 < 300  # not JAX's initialization timeout
+
+
+def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
+    """SIGTERM reaches process 1 while it saves step 1's checkpoint, after this step's stop was agreed: both
+    processes train step 2, agree to stop, save it and exit 130 (a process acting on its own flag stopped
+    alone, leaving the other in step 2's collectives)."""
+    from test_multihost import BASE as WORKER_BASE
+    from test_multihost import launch, log_of, wait_all
+
+    out = tmp_path
+    run = [*WORKER_BASE, "run.steps=6", "run.checkpoint_every=1", f"run.output_dir={out / 'run'}"]
+    codes = wait_all(launch(out, {"run": run}, signal_in_save=1, heartbeat_s=10), out, 900)
+    assert codes == [130, 130], [log_of(out, 0), log_of(out, 1)]
+    assert "stopped by SIGTERM after step 2" in log_of(out, 1)
+    assert "stopped by a signal to another process after step 2" in log_of(out, 0)
+    assert sorted(os.listdir(out / "run" / "checkpoints")) == ["1", "2"]
+    assert [r["step"] for r in read_metrics(str(out / "run" / "metrics.jsonl"))] == [1, 2]
