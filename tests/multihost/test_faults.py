@@ -121,14 +121,18 @@ def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
     """SIGTERM reaches process 1 while it saves step 1's checkpoint, after this step's stop was agreed: both
     processes train step 2, agree to stop, save it and exit 130 (a process acting on its own flag stopped
     alone, leaving the other in step 2's collectives)."""
-    from test_multihost import BASE as WORKER_BASE
-    from test_multihost import launch, log_of, wait_all
+    import importlib.util
 
+    # the worker launcher of test_multihost.py (with --import-mode=importlib tests are loaded by path)
+    spec = importlib.util.spec_from_file_location("multihost_launcher",
+                                                  os.path.join(os.path.dirname(__file__), "test_multihost.py"))
+    mh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mh)
     out = tmp_path
-    run = [*WORKER_BASE, "run.steps=6", "run.checkpoint_every=1", f"run.output_dir={out / 'run'}"]
-    codes = wait_all(launch(out, {"run": run}, signal_in_save=1, heartbeat_s=10), out, 900)
-    assert codes == [130, 130], [log_of(out, 0), log_of(out, 1)]
-    assert "stopped by SIGTERM after step 2" in log_of(out, 1)
-    assert "stopped by a signal to another process after step 2" in log_of(out, 0)
+    run = [*mh.BASE, "run.steps=6", "run.checkpoint_every=1", f"run.output_dir={out / 'run'}"]
+    codes = mh.wait_all(mh.launch(out, {"run": run}, signal_in_save=1, heartbeat_s=10), out, 900)
+    assert codes == [130, 130], [mh.log_of(out, 0), mh.log_of(out, 1)]
+    assert "stopped by SIGTERM after step 2" in mh.log_of(out, 1)
+    assert "stopped by a signal to another process after step 2" in mh.log_of(out, 0)
     assert sorted(os.listdir(out / "run" / "checkpoints")) == ["1", "2"]
     assert [r["step"] for r in read_metrics(str(out / "run" / "metrics.jsonl"))] == [1, 2]
