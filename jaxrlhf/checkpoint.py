@@ -15,10 +15,11 @@ so a run resumes on any number of processes.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -26,6 +27,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.models.hf_io import CheckpointError
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another run: another algorithm, other roles or other model shapes."""
 
 
 class CheckpointManager:
@@ -45,16 +50,45 @@ class CheckpointManager:
         return self._mngr.latest_step()
 
     def save(self, step: int, arrays: Any, meta: dict[str, Any]) -> None:
-        """Save and block until the checkpoint is complete on disk (a SIGKILL after this loses nothing)."""
+        """Save and block until the checkpoint is complete on disk (a SIGKILL after this loses nothing).
+
+        A save that fails for want of space leaves the earlier steps as they were (Orbax writes into a
+        temporary folder and renames it only when complete); the partial folder is removed and the
+        error says which step is the newest intact one."""
         arrays, copies = _spread(arrays)
-        self._mngr.save(
-            step,
-            args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        self._mngr.wait_until_finished()
-        for x in copies:
-            x.delete()
+        try:
+            self._mngr.save(
+                step,
+                args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self._mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - Orbax reports a full disk as a ValueError from TensorStore
+            if not _disk_full(e):
+                raise
+            self._remove_partial(step)
+            kept = [s for s in self.steps() if s != step]
+            raise CheckpointError(
+                f"cannot save checkpoint step {step} in {self.directory}: the disk is full (no space left on device); "
+                + (f"the newest intact checkpoint is step {kept[-1]}. " if kept else "no earlier checkpoint exists. ")
+                + "Free space (or lower run.keep_checkpoints), then run the same command with run.resume=true"
+            ) from None
+        finally:
+            for x in copies:
+                x.delete()
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove what a failed save of `step` left behind (only one process touches the shared folder)."""
+        import shutil
+
+        from jaxrlhf.distributed import barrier, is_main
+
+        if is_main():
+            for name in os.listdir(self.directory):
+                if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        barrier("checkpoint_partial_removed")
+        self._mngr.reload()
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore arrays onto the shardings of `target` (arrays or ShapeDtypeStructs with shardings)."""
@@ -70,49 +104,72 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
-    def _check_shapes(self, step: int, target: Any) -> None:
-        """A checkpoint saved by a run with other model shapes names the first difference (instead of
-        failing deep inside the restore). Parameters are compared by path; optimizer states follow them."""
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """A step's JSON metadata alone (no arrays read)."""
+        return dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def _check_compatible(self, step: int, target: Any, algorithm: str | None) -> None:
+        """A checkpoint written by another algorithm, with other roles or other model shapes is not
+        damage: say what wrote it (instead of Orbax's "tree structures do not match"). Parameters are
+        compared by path; optimizer states follow them."""
         saved = self._mngr.item_metadata(step)["arrays"]
         tree = getattr(saved, "tree", saved)
+        written_by = self.read_meta(step).get("algorithm")
+        have_roles, want_roles = _roles(tree), _roles(target)
+        if (algorithm and written_by and written_by != algorithm) or have_roles != want_roles:
+            raise CheckpointMismatch(
+                f"checkpoint step {step} was written by algorithm {written_by or '(not recorded)'} with roles "
+                f"{', '.join(have_roles)}, but this config runs {algorithm or 'an algorithm'} with roles "
+                f"{', '.join(want_roles)}: resume with the config that run was started with, or start afresh "
+                "with run.resume=false and another run.output_dir"
+            )
         have = {_dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
         for path, x in jax.tree_util.tree_flatten_with_path(target)[0]:
             key = _dotted(path)
             if ".params." not in f".{key}.":
                 continue
             if key not in have:
-                raise CheckpointError(f"checkpoint step {step} has no parameter {key}: it was saved by a run "
-                                      "with other models or another algorithm; resume with that run's config")
+                raise CheckpointMismatch(f"checkpoint step {step} has no parameter {key}: it was saved by a run "
+                                         "with other models; resume with that run's config")
             shape = tuple(getattr(have[key], "shape", ()) or ())
             if shape != tuple(x.shape):
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"checkpoint step {step} holds {key} with shape {list(shape)}, but this config builds "
                     f"{list(x.shape)}: resume with the model settings the run was started with"
                 )
 
-    def restore_latest(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
+    def restore_latest(self, target: Any, algorithm: str | None = None) -> tuple[int, Any, dict[str, Any]]:
         """The newest checkpoint that restores, falling back (and saying so) past damaged ones.
 
-        When none restores because the model's shapes differ from the saved ones, that is the error."""
+        With several processes the step is agreed: the newest one every process could read (damage may
+        be visible to one process only, in its own shard files), and only process 0 moves damaged steps
+        aside (the folder is shared). When none restores because the checkpoint was written by another
+        algorithm or other model shapes, that is the error."""
+        from jaxrlhf.distributed import agreed_steps, any_process, barrier, is_main
+
         problems = []
-        for step in reversed(self.steps()):
+        for step in reversed(agreed_steps(self.steps())):
+            error: Exception | None = None
             try:
-                self._check_shapes(step, target)
+                self._check_compatible(step, target, algorithm)
                 arrays, meta = self.restore(step, target)
                 if int(meta.get("step", -1)) != step:
                     raise ValueError(f"its metadata says step {meta.get('step')!r}")
             except Exception as e:  # noqa: BLE001 - any failure to read a step is damage to that step
-                problems.append((step, e))
+                error = e
                 _collect_quietly()
-            else:
-                for bad, why in problems:
-                    kept = self._set_aside(bad)
-                    print(f"checkpoint step {bad} in {self.directory} cannot be restored ({_reason(why)}); "
-                          f"using step {step} (the damaged one is kept as {kept})", file=sys.stderr, flush=True)
-                if problems:
-                    self._mngr.reload()
-                return step, arrays, meta
-        mismatch = [e for _, e in problems if isinstance(e, CheckpointError) and "this config builds" in str(e)]
+            if any_process(error is not None):
+                problems.append((step, error or CheckpointError("another process could not read it")))
+                continue
+            for bad, why in problems:
+                kept = self._set_aside(bad) if is_main() else "aside by process 0"
+                print(f"checkpoint step {bad} in {self.directory} cannot be restored ({_reason(why)}); "
+                      f"using step {step} (the damaged one is kept as {kept})", file=sys.stderr, flush=True)
+            if problems:
+                barrier("checkpoint_set_aside")
+                self._mngr.reload()
+            return step, arrays, meta
+        mismatch = [e for _, e in problems if isinstance(e, CheckpointMismatch)]
         if mismatch:
             raise mismatch[0]
         detail = "; ".join(f"step {s}: {_reason(e)}" for s, e in problems) or "no checkpoint steps"
@@ -205,6 +262,22 @@ def _dotted(path) -> str:
     if parts and parts[-1] == "value":  # an NNX Variable's payload: Orbax's metadata tree has no such level
         parts.pop()
     return ".".join(parts)
+
+
+def _roles(tree: Any) -> list[str]:
+    """The roles a checkpoint tree holds (its top-level keys other than the algorithm's "state")."""
+    return sorted(str(k) for k in tree if k != "state") if isinstance(tree, Mapping) else []
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether a save failed for want of space: an OSError, or TensorStore's error text through Orbax."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _reason(e: BaseException) -> str:

@@ -48,6 +48,7 @@ from jaxrlhf.config_schema import (
     positive,
     unit_interval,
 )
+from jaxrlhf.yaml_input import MAX_ALIAS_NODES, load as _load_yaml, read as _read_yaml
 
 __all__ = [
     # the schema (jaxrlhf.config_schema)
@@ -252,66 +253,6 @@ def _leaf_paths(data: Mapping[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# YAML with input limits
-
-# Nodes that aliases may add to a document. Normal configs use a handful; nested anchors
-# ("billion laughs") would otherwise expand a few lines into billions of nodes once walked.
-MAX_ALIAS_NODES = 10_000
-
-
-class _InputLimit(yaml.MarkedYAMLError):
-    """A YAML document that parses but is refused: a repeated key, an oversized alias expansion."""
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one without a word) and
-    bounds what aliases expand to; both are checked while composing, before any value is built."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
-        self._sizes: dict[int, int] = {}  # id(node) -> nodes in its full expansion
-        self._alias_nodes = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        is_alias = self.check_event(yaml.AliasEvent)
-        mark = self.peek_event().start_mark
-        node = super().compose_node(parent, index)
-        if is_alias:
-            if id(node) not in self._sizes:
-                raise _InputLimit(problem="an alias refers to a node that contains it", problem_mark=mark)
-            self._alias_nodes += self._sizes[id(node)]
-            if self._alias_nodes > MAX_ALIAS_NODES:
-                raise _InputLimit(
-                    problem=f"YAML aliases expand to more than {MAX_ALIAS_NODES:,} nodes; write the values out instead",
-                    problem_mark=mark,
-                )
-        else:
-            children = node.value if isinstance(node, yaml.SequenceNode) else []
-            if isinstance(node, yaml.MappingNode):
-                children = [child for pair in node.value for child in pair]
-            self._sizes[id(node)] = 1 + sum(self._sizes[id(child)] for child in children)
-        return node
-
-    def compose_mapping_node(self, anchor: Any) -> Any:
-        node = super().compose_mapping_node(anchor)
-        first_line: dict[tuple[str, str], int] = {}
-        for key, _ in node.value:
-            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
-                continue
-            if (key.tag, key.value) in first_line:
-                raise _InputLimit(
-                    problem=f"duplicate key {key.value!r} (first set on line {first_line[key.tag, key.value]})",
-                    problem_mark=key.start_mark,
-                )
-            first_line[key.tag, key.value] = key.start_mark.line + 1
-        return node
-
-
-def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader subclass
-
-
-# ---------------------------------------------------------------------------------------------
 # Loading, overrides, printing
 
 
@@ -429,15 +370,9 @@ def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(f"config file {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
     try:
-        data = _load_yaml(text)
-    except _InputLimit as e:
-        raise ConfigError(f"config file {path}, line {e.problem_mark.line + 1}: {e.problem}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
-        problem = problem or " ".join(str(e).split())  # errors without a mark span lines
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        data = _read_yaml(text, f"config file {path}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -633,6 +568,13 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             raise ConfigError(f"{key}: file or folder not found: {spec}")
 
     run, plan = config.run, config.plan
+    given = [k for k in ("coordinator_address", "num_processes", "process_id")
+             if getattr(config.distributed, k) is not None]
+    if given and not run.distributed:
+        raise ConfigError(
+            f"{', '.join('distributed.' + k for k in given)} set, but run.distributed=false: each process would "
+            "train alone, into the same run.output_dir. Add run.distributed=true (or drop the distributed.* keys)"
+        )
     if run.devices is not None and run.platform in ("gpu", "tpu"):
         raise ConfigError(f"run.devices simulates CPU devices; it cannot be used with run.platform={run.platform}")
     if plan.file is not None and not pathlib.Path(plan.file).expanduser().is_file():

@@ -65,6 +65,12 @@ def initialize(dist: Any, platform: str) -> None:
     address, count, pid = (_setting(dist, k) for k in ("coordinator_address", "num_processes", "process_id"))
     if count is not None and pid is not None and not 0 <= pid < count:
         raise DistributedError(f"distributed.process_id={pid} must be below distributed.num_processes={count}")
+    if address is not None:
+        host, port = _host_port(address)
+        if pid not in (None, 0):
+            _wait_for_coordinator(address, host, port, pid, dist.initialization_timeout_s)
+        elif pid == 0:
+            _check_port_free(address, port)
     cpu = platform == "cpu" or (platform == "auto" and os.environ.get("JAX_PLATFORMS", "") == "cpu")
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", dist.cpu_collectives)
@@ -93,6 +99,63 @@ def initialize(dist: Any, platform: str) -> None:
         # A distinct, fixed loopback port per process: with 0.0.0.0:0 a receiver was seen to hang (DESIGN §3.6).
         port = dist.transfer_port_base + jax_distributed.global_state.process_id
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{port}")
+    if count is not None and jax.process_count() != count:  # the coordinator's count wins without a word
+        raise DistributedError(
+            f"distributed.num_processes={count} on process {jax.process_index()}, but process 0 started the run "
+            f"with {jax.process_count()}; give every process the same distributed.num_processes"
+        )
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6 address]:port`) split and checked, so a mistake is one line naming the key
+    instead of an IndexError from inside JAX."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(
+            f"distributed.coordinator_address={address!r} must be host:port (process 0's host and a free port, "
+            "e.g. 10.0.0.1:47600)"
+        )
+    return host, int(port)
+
+
+def _check_port_free(address: str, port: int) -> None:
+    """Process 0 starts the coordinator on `port`: taken already, it is most often a second process 0 of
+    the same run (a repeated distributed.process_id), which JAX would report only after its timeout."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a previous run's TIME_WAIT is no owner
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(
+                f"distributed.coordinator_address={address}: process 0 cannot start the coordinator, port {port} "
+                f"is taken on this host ({e.strerror}): another process was given distributed.process_id=0 "
+                "(each process needs its own id), or another program uses the port (choose a free one)"
+            ) from None
+
+
+def _wait_for_coordinator(address: str, host: str, port: int, pid: int, timeout_s: float) -> None:
+    """Process `pid` (not 0) waits until the coordinator's port accepts connections: an address no one
+    listens on is reported here, in one line, instead of by a C++ abort when JAX gives up."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise DistributedError(
+                f"distributed.coordinator_address={address}: process {pid} could not reach the coordinator "
+                f"within distributed.initialization_timeout_s={timeout_s} ({why}); start process 0 with the same "
+                "address, and give a host:port every host can reach"
+            )
+        time.sleep(0.5)
 
 
 def _first_line(e: BaseException) -> str:
@@ -142,6 +205,25 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def agreed_steps(steps: list[int]) -> list[int]:
+    """The checkpoint steps every process lists (the same list on each), so all try the same steps in
+    the same order when they look for one to resume from."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return list(steps)
+    longest = int(np.max(multihost_utils.process_allgather(np.array(len(steps)))))
+    padded = np.full(max(longest, 1), -1, np.int64)
+    padded[: len(steps)] = steps
+    lists = multihost_utils.process_allgather(padded)
+    common = set(steps)
+    for row in np.asarray(lists).reshape(-1, padded.size):
+        common &= {int(s) for s in row if s >= 0}
+    return sorted(common)
 
 
 def host_get(tree: Any) -> Any:

@@ -112,8 +112,10 @@ def _multiprocess() -> bool:
 def _exit_now(code: int) -> None:
     import jax
 
-    print(f"process {jax.process_index()} failed and exits now (code {code}); the other processes stop when "
-          "the coordination service misses its heartbeats", file=sys.stderr, flush=True)
+    if code != EXIT_INTERRUPTED:  # a signal stops every process together, after the agreed save: no failure
+        print(f"process {jax.process_index()} failed and exits now (code {code}); the other processes stop "
+              "within distributed.heartbeat_timeout_s, when the coordination service misses its heartbeats",
+              file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
 

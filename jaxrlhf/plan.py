@@ -198,7 +198,10 @@ def draw_timeline(timeline: Timeline, path: str, steps: int = 2, title: str = ""
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse turns the ValueError into a usage error)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number (at least 1), got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -95,7 +95,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
 
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
     """
-    from jaxrlhf.planner.plan import ExecutionPlan, validate as validate_plan
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError, validate as validate_plan
     from jaxrlhf.planner.presets import build_plan
 
     graph = algorithm.graph()
@@ -113,8 +113,13 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
                           devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+    check = dict(devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    try:  # before the memory model reads its groups
+        validate_plan(plan, graph, models, **check)
+    except PlanError as e:
+        raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
     plan = with_offload(cfg, algorithm, plan, models, hw)
-    validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+    validate_plan(plan, graph, models, **check)
     return plan
 
 

@@ -262,7 +262,43 @@ def open_checked_data(cfg: cfglib.Config, algorithm, tokenizer):
 
 
 def run(cfg: cfglib.Config) -> dict[str, Any]:
-    """Train according to `cfg`; returns the last step's metrics."""
+    """Train according to `cfg`; returns the last step's metrics. One run at a time per output folder."""
+    cfglib.validate(cfg)
+    with output_dir_lock(cfg.run.output_dir):
+        return _train(cfg)
+
+
+@contextlib.contextmanager
+def output_dir_lock(out: str) -> Iterator[None]:
+    """Hold `<out>/.lock` for the run, so a second run started into the same folder (by mistake, or a
+    launcher started twice) is refused before it touches a file. Process 0 takes the lock; every process
+    agrees on the outcome. An OS lock (flock; NFS v4 shares it between hosts) dies with its process, so a
+    killed run leaves no stale lock; the empty file stays."""
+    import fcntl
+
+    from jaxrlhf.distributed import any_process, is_main
+
+    handle, busy = None, False
+    if is_main() and not (os.path.exists(out) and not os.path.isdir(out)):  # a file: prepare_output_dir says so
+        os.makedirs(out, exist_ok=True)
+        handle = open(os.path.join(out, ".lock"), "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            handle, busy = None, True
+    if any_process(busy):
+        raise RunError(f"run.output_dir={out!r} is in use by another run that is still going (it holds "
+                       f"{os.path.join(out, '.lock')}); nothing was changed. Wait for it to end, or choose "
+                       "another run.output_dir")
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # releases the lock
+
+
+def _train(cfg: cfglib.Config) -> dict[str, Any]:
     import jax
 
     from jaxrlhf.algorithms import build_algorithm
@@ -275,7 +311,6 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.devices import devices_per_host
     from jaxrlhf.placement.layout import AxisRules
 
-    cfglib.validate(cfg)
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data = open_checked_data(cfg, algorithm, tokenizer)
@@ -345,7 +380,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 
     start = 0
     if resume_step is not None:
-        resume_step, restored, meta = ckpt.restore_latest(arrays())
+        resume_step, restored, meta = ckpt.restore_latest(arrays(), algorithm=cfg.algorithm.name)
         executor.state = dict(restored.pop("state"))
         for name, saved in restored.items():
             roles[name].params = saved["params"]
@@ -368,7 +403,7 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
     offpolicy = plan.offpolicy
     batch = None
     stop = StopRequest()
-    saved_step, dead_steps = start, 0
+    saved_step, dead = start, {}
     try:
         stop.install()
         for step in range(start + 1, steps + 1):
@@ -391,22 +426,26 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
             _check_finite(metrics, step)
             if step % cfg.run.log_every == 0 or step == steps:
                 writer.write(step, metrics)
-            dead_steps = dead_steps + 1 if _all_updates_skipped(metrics, algorithm.updates_per_step) else 0
-            if dead_steps >= MAX_DEAD_STEPS:
+            dead = _dead_updates(metrics, algorithm.updates_per_step, dead)
+            stuck = [k for k, n in dead.items() if n >= MAX_DEAD_STEPS]
+            if stuck:
                 raise RunError(
-                    f"every update of the last {dead_steps} steps (to step {step}) had a non-finite loss or "
-                    f"gradient and was skipped, so the model stopped changing; nothing was exported. Lower the "
-                    f"learning rate (optimizer.<role>.lr) or check the data"
+                    f"every update of the last {MAX_DEAD_STEPS} steps (to step {step}) had a non-finite loss or "
+                    f"gradient and was skipped ({', '.join(stuck)}), so that model stopped changing; nothing was "
+                    f"exported. Lower the learning rate (optimizer.<role>.lr) or check the data"
                     + (f"; the last checkpoint is step {saved_step} in {ckpt.directory}" if saved_step else "")
                 )
-            if any_process(bool(stop.requested)) and not stop.requested:
-                stop.requested = "a signal to another process"
-            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stop.requested:
+            # Decided once per step, alike on every process: a signal that arrives during the save below
+            # is acted on after the next step (a process that stopped on its own flag would leave the
+            # others waiting in that step's collectives).
+            stopping = any_process(bool(stop.requested))
+            why = stop.requested or "a signal to another process"
+            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stopping:
                 save(step, data_state)
                 saved_step = step
-            if stop.requested and step < steps:
+            if stopping and step < steps:
                 raise Interrupted(
-                    f"stopped by {stop.requested} after step {step}; checkpoint saved in {ckpt.directory}. "
+                    f"stopped by {why} after step {step}; checkpoint saved in {ckpt.directory}. "
                     f"Resume with the same command and run.resume=true"
                 )
     finally:
@@ -464,10 +503,12 @@ def profiled(run_cfg: cfglib.RunConfig, step: int) -> Iterator[None]:
 MAX_DEAD_STEPS = 5  # consecutive steps whose every update was skipped before a run gives up
 
 
-def _all_updates_skipped(metrics: Mapping[str, Any], updates_per_step: int) -> bool:
-    """True when every trained role skipped every one of its updates this step."""
-    counts = [v for k, v in metrics.items() if k.endswith("skipped_nonfinite")]
-    return bool(counts) and all(c >= updates_per_step for c in counts)
+def _dead_updates(metrics: Mapping[str, Any], updates_per_step: int, dead: Mapping[str, int]) -> dict[str, int]:
+    """Per skip counter (one per trained role): how many steps in a row every update was skipped. One
+    role's dead updates stop the run as surely as all roles' (a critic that never learns again makes
+    every later advantage wrong while the run looks alive)."""
+    return {k: dead.get(k, 0) + 1 if v >= updates_per_step else 0
+            for k, v in metrics.items() if k.endswith("skipped_nonfinite")}
 
 
 class StopRequest:

@@ -96,7 +96,7 @@ def _abstract_inputs(batch: int, prompt: int, new: int):
         "tokens": S((batch, seq), i32), "mask": S((batch, seq), b), "positions": S((batch, seq), i32),
         "response_tokens": S((batch, new), i32), "response_mask": S((batch, new), b),
         "behaviour_logp": S((batch, new), f32), "ref_logp": S((batch, new), f32), "values": S((batch, new), f32),
-        "bootstrap_values": S((batch,), f32), "rewards": S((batch,), f32), "scores": S((batch,), f32),
+        "rewards": S((batch,), f32), "scores": S((batch,), f32),
         "rule_scores": S((batch,), f32), "ended_with_eos": S((batch,), b), "kl_coef": S((), f32),
         "value_moments": {"mean": S((), f32), "std": S((), f32), "count": S((), f32)},
         "rng_generate": key, "rng_actor": key, "rng_critic": key,

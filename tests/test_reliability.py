@@ -65,6 +65,23 @@ def test_a_new_run_into_another_runs_folder_changes_nothing(reference, tmp_path)
     assert [r["step"] for r in records] == [1]
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    """Two runs started into one folder at once must not interleave: the second is refused before it
+    changes anything, while the first holds the folder's lock (here: this test, as another process would)."""
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunError, match=rf"run.output_dir='{out}' is in use by another run that is still going "
+                                           r"\(it holds .*\.lock\); nothing was changed"):
+            _run(out, "run.steps=1", "run.overwrite=true")
+        assert os.listdir(out) == [".lock"]
+    with train.output_dir_lock(str(out)):  # free again once the first run ends (or dies: the OS drops it)
+        pass
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("mine")
@@ -124,6 +141,32 @@ def test_every_kind_of_damage_falls_back_to_the_previous_step(damage, tmp_path, 
     assert [n for n in os.listdir(tmp_path / "ckpt") if n.startswith("damaged-step-4-")]
 
 
+def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_path, monkeypatch, capsys):
+    """Damage visible to one process only (in the shard files it reads): this process restores step 4
+    fine, but the agreement says another could not, so all use step 2, the newest every process read,
+    and process 0 (this one) moves step 4 aside. The agreement is the one `any_process` gathers."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf import distributed
+    from jaxrlhf.checkpoint import CheckpointManager
+
+    def tree(v):
+        return {"actor": {"params": {"w": jnp.full((4, 3), v, jnp.float32)}}}
+
+    mngr = CheckpointManager(str(tmp_path / "ckpt"))
+    for step in (2, 4):
+        mngr.save(step, tree(step), {"step": step})
+    answers = iter([True, False])  # step 4: another process failed; step 2: every process read it
+    monkeypatch.setattr(distributed, "any_process", lambda flag: flag or next(answers))
+    step, arrays, _ = mngr.restore_latest(tree(0))
+    mngr.close()
+    assert step == 2
+    np.testing.assert_array_equal(arrays["actor"]["params"]["w"], np.full((4, 3), 2, np.float32))
+    assert "checkpoint step 4 in" in capsys.readouterr().err
+    assert len([n for n in os.listdir(tmp_path / "ckpt") if n.startswith("damaged-step-4-")]) == 1
+
+
 @pytest.mark.slow
 def test_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_path, capsys):
     """A run killed while writing its newest checkpoint resumes from the one before with the metrics of
@@ -140,13 +183,117 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_
     assert _strip_times(records) == _strip_times(ref_records)
 
 
-def test_resume_with_other_model_shapes_names_the_difference(reference, tmp_path):
-    from jaxrlhf.models.hf_io import CheckpointError
+@pytest.mark.parametrize("change, message", [
+    ("model.actor.overrides={hidden_size: 32}", r"actor.params.* with shape \[.*64.*\], but this config builds"),
+    ("model.actor.overrides={num_layers: 3}", r"actor.params.model.layers.* with shape \[2, .*\], but this config "
+                                              r"builds \[3, "),
+], ids=["wider", "deeper"])
+def test_resume_with_other_model_shapes_names_the_difference(reference, tmp_path, change, message):
+    """A checkpoint of a model of another size is not damage: nothing is moved aside, the error names the
+    first parameter that differs."""
+    from jaxrlhf.checkpoint import CheckpointMismatch
 
     out = tmp_path / "run"
     shutil.copytree(reference[0], out)
-    with pytest.raises(CheckpointError, match=r"shape .* but this config builds"):
-        _run(out, "run.steps=5", "run.resume=true", "model.actor.overrides={hidden_size: 32}")
+    before = _snapshot(out / "checkpoints")
+    with pytest.raises(CheckpointMismatch, match=message):
+        _run(out, "run.steps=5", "run.resume=true", change)
+    assert _snapshot(out / "checkpoints") == before
+
+
+def test_resume_with_another_algorithm_names_what_wrote_the_checkpoint(reference, tmp_path):
+    """A PPO run resumed as RLOO: the error says which algorithm and roles wrote the checkpoint (not
+    Orbax's "tree structures do not match" for every step, which reads as damage)."""
+    from jaxrlhf.checkpoint import CheckpointMismatch
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    before = _snapshot(out / "checkpoints")
+    with pytest.raises(CheckpointMismatch, match=r"checkpoint step 4 was written by algorithm ppo with roles actor, "
+                                                 r"critic, ref, but this config runs rloo with roles actor, ref: resume with "
+                                                 r"the "
+                                                 r"config that run was started with"):
+        _run(out, "run.steps=5", "run.resume=true", "algorithm.name=rloo", "algorithm.group_size=2")
+    assert _snapshot(out / "checkpoints") == before
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """A real full disk (a 2 MB tmpfs, where this test may mount one): the save fails with one line
+    saying so and naming the intact step; the partial folder is gone; the earlier step restores."""
+    import subprocess as sp
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf.checkpoint import CheckpointManager
+    from jaxrlhf.models.hf_io import CheckpointError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or sp.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                                   capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs (the run-level test below simulates the error)")
+    try:
+        mngr = CheckpointManager(str(disk / "ckpt"))
+        mngr.save(1, {"w": jnp.ones((1000,), jnp.float32)}, {"step": 1})
+        with pytest.raises(CheckpointError, match=r"cannot save checkpoint step 2 in .*: the disk is full \(no space "
+                                                  r"left on device\); the newest intact checkpoint is step 1\. Free"):
+            mngr.save(2, {"w": jnp.arange(1_000_000, dtype=jnp.float32)}, {"step": 2})
+        mngr.close()
+        assert os.listdir(disk / "ckpt") == ["1"]
+        mngr = CheckpointManager(str(disk / "ckpt"))
+        step, arrays, _ = mngr.restore_latest({"w": jnp.zeros((1000,), jnp.float32)})
+        mngr.close()
+        assert step == 1 and np.all(np.asarray(arrays["w"]) == 1)
+    finally:
+        sp.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_a_run_whose_disk_fills_during_a_save_stops_and_resumes(reference, tmp_path, monkeypatch):
+    """The step-4 save fails as a full disk fails in Orbax (its writer raises with the OS's text, after
+    writing part of the step): one clear error, step 2 intact, and the resumed run gives the metrics of
+    the uninterrupted one."""
+    import orbax.checkpoint as ocp
+
+    from jaxrlhf.models.hf_io import CheckpointError
+
+    real_save = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step == 4:
+            os.makedirs(os.path.join(str(self.directory), "4.orbax-checkpoint-tmp-1", "arrays"))
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "actor/0": No space left on device [os_error_code=28]')
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="cannot save checkpoint step 4 .* the disk is full .* the newest intact "
+                                              "checkpoint is step 2. Free space .* run.resume=true"):
+        _run(out, "run.steps=4", "run.checkpoint_every=2")
+    assert os.listdir(out / "checkpoints") == ["2"]
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    records = _run(out, "run.steps=4", "run.checkpoint_every=2", "run.resume=true")
+    assert _strip_times(records) == _strip_times(reference[1])
+
+
+def test_one_role_whose_updates_are_all_skipped_stops_the_run(tmp_path):
+    """NaN in every update of the critic only (learning rate 1e30): the actor still learns, but a critic
+    that never changes again makes every later advantage wrong, so the run stops with one line after
+    MAX_DEAD_STEPS steps; the checkpoints written before stay readable."""
+    from jaxrlhf.checkpoint import CheckpointManager
+
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match=r"every update of the last 5 steps \(to step \d+\) had a non-finite loss or "
+                                       r"gradient and was skipped \(critic/skipped_nonfinite\), so that model stopped "
+                                       r"changing; .* the last checkpoint is step (\d+)") as e:
+        _run(out, "run.steps=12", "run.checkpoint_every=2", "optimizer.critic.lr=1e30")
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert len(records) < 12 and all(r["skipped_nonfinite"] == 0 for r in records)  # the actor kept learning
+    last = int(str(e.value).rsplit("step ", 1)[1].split()[0])
+    mngr = CheckpointManager(str(out / "checkpoints"))
+    assert mngr.steps()[-1] == last and mngr.read_meta(last)["step"] == last
+    mngr.close()
 
 
 def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path):
@@ -200,6 +347,7 @@ def test_jsonl_rows_with_invalid_utf8_are_skipped_and_counted(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "0", "--model-preset", "tiny"], "--devices: must be at least 1"),
     (["--model-preset", "tiny", "plan.hardware=h101"], "unknown hardware 'h101'"),
+    (["--devices", "lots", "--model-preset", "tiny"], "--devices: expected a whole number (at least 1), got 'lots'"),
 ])
 def test_plan_cli_mistakes_are_one_line(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", "--out", str(tmp_path), *argv], cwd=ROOT,
@@ -242,3 +390,43 @@ def test_bad_hf_config_values_name_the_key(edit, message, tmp_path):
     with pytest.raises(CheckpointError, match="config.json: " + message.replace("(", r"\(")):
         load_hf_checkpoint(path)
 
+
+
+def test_plan_file_placing_a_call_on_an_undefined_group_names_the_file_and_group(tmp_path):
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner.plan import PlanError
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("num_devices: 1\ngroups: {all: {start: 0, size: 1}}\ncalls:\n"
+                    "  actor.generate: {group: nowhere}\n"
+                    + "".join(f"  {c}: {{group: all}}\n"
+                              for c in ("ref.inference", "critic.inference", "actor.train", "critic.train")))
+    cfg = cfglib.load_config(None, [*BASE, f"plan.file={plan}"])
+    algorithm = build_algorithm(cfg)
+    models = train.role_configs(cfg, algorithm.graph().roles)
+    with pytest.raises(PlanError, match=rf"plan.file={plan}: call 'actor.generate' uses group 'nowhere', which the "
+                                        r"plan does not define; defined groups: \['all'\]"):
+        train.plan_for(cfg, algorithm, models, 1)
+
+
+BOMB = "".join(f"{k}: &{k} [{', '.join([f'*{p}'] * 10 if p else ['x'] * 10)}]\n"
+               for p, k in zip(["", "a", "b", "c", "d"], "abcde"))
+
+
+@pytest.mark.parametrize("text, message", [
+    (BOMB, "line 4: YAML aliases expand to more than 10,000 nodes"),
+    ("name: h100\nname: mine\n", "line 2: duplicate key 'name' (first set on line 1)"),
+], ids=["alias_bomb", "duplicate_key"])
+def test_plan_files_and_hardware_profiles_are_read_with_the_config_limits(text, message, tmp_path):
+    """The limits of the config loader hold for every YAML file a user hands in."""
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+
+    path = tmp_path / "user.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=f"{path}, {message}".replace("(", r"\(").replace(")", r"\)")):
+        ExecutionPlan.load(str(path))
+    with pytest.raises(ValueError, match=f"{path}, {message}".replace("(", r"\(").replace(")", r"\)")):
+        get_profile(str(path))
+    with pytest.raises(cfglib.ConfigError, match=f"plan.hardware={str(path)!r}: {path}, "):  # as training says it
+        train.hardware_profile(cfglib.load_config(None, [f"plan.hardware={path}"]))

@@ -48,7 +48,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float
 
 from jaxrlhf.registry import Registry
-from jaxrlhf.algorithms.stats import last_token_onehot, masked_sum, masked_whiten
+from jaxrlhf.algorithms.stats import masked_sum, masked_whiten
 
 TokenArray = Float[Array, "batch time"]
 
@@ -61,12 +61,6 @@ class AdvantageBatch:
     mask:             1 on response tokens.
     values:           critic value V(s_t) of the state *before* response token t
                       (in reward units, i.e. denormalised). Needed by "gae".
-    bootstrap_values: V of the state *after* the last response token (the
-                      critic's output at the last response token). "gae" uses
-                      it only for truncated rows; None = no bootstrapping.
-    ended_with_eos:   True where the sequence stopped on EOS (terminal), False
-                      where it was cut at the length limit (truncated).
-                      Required with bootstrap_values.
     baseline_rewards: per-sequence reward of the greedy response to the same
                       prompt. Needed by "remax".
     """
@@ -74,8 +68,6 @@ class AdvantageBatch:
     rewards: TokenArray
     mask: TokenArray | Bool[Array, "batch time"]
     values: TokenArray | None = None
-    bootstrap_values: Float[Array, "batch"] | None = None
-    ended_with_eos: Bool[Array, "batch"] | None = None
     baseline_rewards: Float[Array, "batch"] | None = None
 
 
@@ -136,10 +128,12 @@ def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
 
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},
-    returns_t = A_t + V_t. After the last response token V is 0 for sequences
-    that ended with EOS (the episode is over) and `bootstrap_values` for
-    truncated ones (the episode would have gone on; DESIGN §4). The recursion
-    runs backwards with `lax.scan`, so it compiles to one loop for any T.
+    returns_t = A_t + V_t. After the last response token V is 0, also for a
+    response cut at the length limit: the critic's output after the cut is never
+    a value target (no reward follows it to learn from), so bootstrapping from
+    it would add an untrained number to every advantage of the row. TRL and verl
+    end every response the same way (docs/algorithms.md). The recursion runs
+    backwards with `lax.scan`, so it compiles to one loop for any T.
     """
     if batch.values is None:
         raise ValueError("advantage estimator 'gae' needs batch.values from the critic")
@@ -147,15 +141,9 @@ def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple
     rewards = batch.rewards.astype(jnp.float32) * mask
     values = batch.values.astype(jnp.float32) * mask
 
-    # V of the next state for every token: the next token's value inside the
-    # response, and after the last token the bootstrap value (truncated rows only).
+    # V of the next state for every token: the next token's value inside the response (masked values are
+    # 0, so after the last token it is 0).
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-    if batch.bootstrap_values is not None:
-        if batch.ended_with_eos is None:
-            raise ValueError("'gae' got bootstrap_values without ended_with_eos; it cannot tell truncated rows")
-        truncated = 1.0 - jnp.asarray(batch.ended_with_eos).astype(jnp.float32)
-        bootstrap = batch.bootstrap_values.astype(jnp.float32) * truncated
-        next_values = next_values + last_token_onehot(mask) * bootstrap[:, None]
     deltas = (rewards + gamma * next_values - values) * mask
 
     def step(next_adv: Float[Array, "batch"], xs):

@@ -283,11 +283,14 @@ def value_loss(
     clip_eps: float | None = 0.2,
     agg: str = "token-mean",
 ) -> tuple[Float[Array, ""], Stats]:
-    """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, ±eps).
+    """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = clip(V, V_old - eps, V_old + eps).
 
     Like the policy clip, it keeps the critic from moving far from the
     rollout-time values in one batch. All inputs in the critic's units (with
     value normalisation, `returns` normalised). `clip_eps=None` disables clipping.
+    `value/clipfrac` is the share of tokens whose clipped term is the larger, as
+    verl and TRL count it; V_clip is V itself inside the band (not V_old + (V - V_old),
+    which rounds), so a token the clip leaves alone is never counted.
     """
     values = values.astype(jnp.float32)
     unclipped = jnp.square(values - returns)
@@ -295,7 +298,7 @@ def value_loss(
         loss_tok = unclipped
         clipfrac = jnp.zeros((), jnp.float32)
     else:
-        clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+        clipped_values = jnp.clip(values, old_values - clip_eps, old_values + clip_eps)
         clipped = jnp.square(clipped_values - returns)
         loss_tok = jnp.maximum(unclipped, clipped)
         clipfrac = masked_mean((clipped > unclipped).astype(jnp.float32), mask)

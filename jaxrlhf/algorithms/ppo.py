@@ -1,8 +1,8 @@
 """PPO (Schulman et al. 2017) with a critic, as in InstructGPT and ReaLHF.
 
 Token-level KL penalty to the reference in the reward (k1, coef 0.1, fixed
-or adaptive), GAE advantages (gamma = lambda = 1 by default, bootstrapping
-only truncated responses), advantages whitened over the global batch by
+or adaptive), GAE advantages (gamma = lambda = 1 by default, no bootstrap
+after the last response token), advantages whitened over the global batch by
 default (`algorithm.whiten_advantages`), clipped policy and value losses,
 optional EMA value normalisation, minibatch updates with an early stop when
 the importance ratio explodes. The step graph is the full one of

@@ -11,7 +11,7 @@ The step graph (bracketed parts depend on the algorithm and the config):
     [score_rules]            host: decoded responses + reference answers -> rule_scores[, greedy_rule_scores]
     [reward.inference]       reward-model scores -> model_scores[, greedy_model_scores]
     [ref.inference]          reference log-probs of the response -> ref_logp
-    [critic.inference]       values of every response token -> values, bootstrap_values
+    [critic.inference]       values of every response token -> values
     actor.train              policy update -> actor_stats, advantages
     [critic.train]           value update -> critic_stats, value_moments (carried)
     [kl_control]             host: adaptive KL coefficient -> kl_coef (carried)
@@ -147,7 +147,8 @@ def policy_logprobs(
 def critic_values(
     graphdef: nnx.GraphDef, micro_batch: int | None, params: nnx.State, inputs: dict[str, Any]
 ) -> dict[str, jax.Array]:
-    """V(s_t) for every response token, and V after the last response token (for bootstrapping)."""
+    """V(s_t) for every response token (0 on padding). GAE does not bootstrap past the last token (see
+    `advantages.gae`), so the output there is not read."""
     model = nnx.merge(graphdef, params)
 
     def one(b):
@@ -155,10 +156,7 @@ def critic_values(
         v = model(tokens, b["positions"], b["mask"])
         n = response_mask.shape[1]
         p = tokens.shape[1] - n
-        values = jnp.where(response_mask, _response_slice(v, p), 0.0)
-        last = p - 1 + jnp.sum(response_mask, axis=1).astype(jnp.int32)
-        bootstrap = jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
-        return {"values": values, "bootstrap_values": bootstrap}
+        return {"values": jnp.where(response_mask, _response_slice(v, p), 0.0)}
 
     return map_microbatches(one, inputs, micro_batch)
 
@@ -209,11 +207,10 @@ def rollout_advantages(
     rewards = token_level_rewards(scores, mask, kl if s.kl_in_reward else None, kl_coef)
     batch = AdvantageBatch(rewards, mask)
     if "values" in inputs:
-        values, bootstrap = inputs["values"], inputs["bootstrap_values"]
+        values = inputs["values"]
         if s.normalize_values and moments is not None:
-            values, bootstrap = moments.denormalize(values), moments.denormalize(bootstrap)
-        batch = batch.replace(values=values * mask, bootstrap_values=bootstrap,
-                              ended_with_eos=inputs["ended_with_eos"])
+            values = moments.denormalize(values)
+        batch = batch.replace(values=values * mask)
     if "greedy_ended_with_eos" in inputs:
         batch = batch.replace(baseline_rewards=shaped_scores(inputs, s, prefix="greedy_"))
     estimator = ADVANTAGE_ESTIMATORS.get(s.estimator)
@@ -534,8 +531,8 @@ class RolloutAlgorithm(Algorithm):
         state = ["kl_coef"]
         if self.uses_critic:
             calls.append(CallSpec("critic.inference", "critic", "inference", "value",
-                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values", "bootstrap_values")))
-            train_in += ["values", "bootstrap_values", "value_moments"]
+                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values",)))
+            train_in += ["values", "value_moments"]
             state.append("value_moments")
         calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
                               outputs=("actor_stats", "advantages")))

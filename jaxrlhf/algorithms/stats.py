@@ -91,9 +91,8 @@ def masked_max(x: Float[Array, "batch time"], mask: Mask) -> Float[Array, ""]:
 def last_token_onehot(mask: Mask) -> Float[Array, "batch time"]:
     """One-hot of the last masked-in position of each row (all zeros for an empty row).
 
-    Where a sequence-level score goes in a token-level reward, and where a
-    truncated sequence's bootstrap value applies. Works for any mask shape,
-    not only right-padded ones.
+    Where a sequence-level score goes in a token-level reward. Works for any
+    mask shape, not only right-padded ones.
     """
     m = jnp.asarray(mask).astype(bool)
     length = m.shape[-1]

@@ -70,7 +70,7 @@ def _text_field(row: Any, key: str, *, numbers_ok: bool = False) -> str:
         raise RowError("not_a_mapping", type(row).__name__)
     value = row.get(key)
     if value is None:
-        raise RowError("missing_key", key)
+        raise RowError("missing_key", f"no key {key!r} (the row has {', '.join(map(repr, list(row)[:8])) or 'no keys'})")
     if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -196,7 +196,8 @@ class _BatchStream(abc.ABC):
         self.process_count = process_count
         self.epoch = 0
         self.index = 0
-        self.skipped: collections.Counter[str] = collections.Counter()
+        self.skipped: collections.Counter[str] = collections.Counter()  # distinct rows, by reason
+        self._first_skip: dict[str, str] = {}  # reason -> the first row skipped for it, for error messages
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     # -- subclasses -------------------------------------------------------------
@@ -246,19 +247,27 @@ class _BatchStream(abc.ABC):
             try:
                 item = self._encode(self.source[row_id])
             except RowError as e:
-                self.skipped[e.reason] += 1
+                if self.epoch == 0:  # epoch 0 draws every row once: later passes meet the same rows again
+                    self.skipped[e.reason] += 1
+                    self._first_skip.setdefault(e.reason, f"row {row_id + 1}: {e}")
                 invalid_in_a_row += 1
                 # any 2n - 1 consecutive draws hold one whole epoch (epochs reshuffle, so a run of n
                 # invalid draws can straddle two epochs while valid rows exist)
                 if invalid_in_a_row >= 2 * n - 1:
                     raise DataError(
-                        f"no valid row in a whole pass over {self.source!r}; skipped: {dict(self.skipped)}"
+                        f"no valid row in a whole pass over {self.source!r}; skipped {self._skip_summary()}"
                     ) from None
                 continue
             invalid_in_a_row = 0
             row_ids.append(row_id)
             items.append(item)
         return row_ids, items
+
+    def _skip_summary(self) -> str:
+        """'3 rows: missing_key 2 (first: row 1: missing_key: prompt), empty 1 (...)'."""
+        parts = [f"{reason} {n}" + (f" (first: {self._first_skip[reason]})" if reason in self._first_skip else "")
+                 for reason, n in sorted(self.skipped.items())]
+        return f"{sum(self.skipped.values())} of {len(self.source)} rows: " + ", ".join(parts)
 
     def next_batch(self) -> Any:
         """This process's shard of the next global batch."""

@@ -373,6 +373,16 @@ def _open_safetensors(file: Path):
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+def _shard_file(folder: Path, index: Path, key: str, name: Any) -> Path:
+    """A shard named by the index, which must be a plain file name inside the model folder: an index may
+    come from anywhere, and `../x` or an absolute path would read files the user never pointed at."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.normpath(name) != os.path.basename(name):
+        raise CheckpointError(
+            f"{index}: tensor {key!r} is mapped to {name!r}; shard files must be plain file names inside {folder}"
+        )
+    return folder / name
+
+
 class _Weights:
     """Lazy access to the tensors of one checkpoint directory (single file or sharded index)."""
 
@@ -386,7 +396,9 @@ class _Weights:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
-            self.files = {key: path / name for key, name in weight_map.items()}
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+            self.files = {key: _shard_file(path, index, key, name) for key, name in weight_map.items()}
         elif single.is_file():
             self.source = single
             with _open_safetensors(single) as f:

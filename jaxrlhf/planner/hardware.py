@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from jaxrlhf.yaml_input import read as read_yaml
+
 GB = 1e9
 
 
@@ -118,7 +120,14 @@ class HardwareProfile:
     @classmethod
     def load(cls, path: str) -> "HardwareProfile":
         with open(path) as f:
-            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+            text = f.read()
+        if path.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON (line {e.lineno}): {e.msg}") from None
+        else:
+            data = read_yaml(text, path)
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a mapping of profile fields")
         return cls.from_dict(data, where=path)

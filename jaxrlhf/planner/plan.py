@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
 
+from jaxrlhf.yaml_input import read as read_yaml
+
 if TYPE_CHECKING:
     import jax
 
@@ -188,9 +190,9 @@ class ExecutionPlan:
     @classmethod
     def from_yaml(cls, text: str, where: str = "plan") -> "ExecutionPlan":
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise PlanError(f"{where}: not valid YAML: {e}") from None
+            data = read_yaml(text, where)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
         if not isinstance(data, Mapping):
             raise PlanError(f"{where}: expected a mapping at the top level")
         return cls.from_dict(data, where)

@@ -16,53 +16,45 @@ from jaxrlhf.algorithms.advantages import (
     register_advantage,
 )
 
-# Row 0 ends with EOS (terminal); row 1 is truncated after 2 tokens (column 2 is padding
-# holding junk that must be ignored).
+# Row 0 fills the response; row 1 has 2 tokens (column 2 is padding holding junk that must be
+# ignored, including the critic's value 9.0 there: whether row 1 ended with EOS or was cut at the
+# length limit, nothing after its last token is read).
 REWARDS = jnp.array([[0.0, 0.0, 1.0], [0.1, 0.2, 5.0]])
 VALUES = jnp.array([[0.5, 0.6, 0.7], [1.0, 0.5, 9.0]])
 MASK = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-BOOTSTRAP = jnp.array([2.0, 0.4])  # row 0's is ignored: it ended with EOS
-EOS = jnp.array([True, False])
 
 
-def test_gae_hand_computed_with_truncation_bootstrap():
+def test_gae_hand_computed_no_bootstrap_after_the_last_token():
+    """V after the last response token is 0 for every row, truncated or not: that slot is never a value
+    target, so it would be an untrained number (TRL and verl end responses the same way)."""
     # gamma 0.9, lam 0.8, gamma*lam = 0.72
-    # row 0: next V = [0.6, 0.7, 0 (terminal)]
+    # row 0: next V = [0.6, 0.7, 0]
     #   d = [0 + .9*.6 - .5, 0 + .9*.7 - .6, 1 - .7] = [0.04, 0.03, 0.3]
     #   A2 = 0.3; A1 = 0.03 + .72*.3 = 0.246; A0 = 0.04 + .72*.246 = 0.21712
-    # row 1: next V = [0.5, 0.4 (bootstrap, truncated)]
-    #   d = [0.1 + .9*.5 - 1.0, 0.2 + .9*.4 - .5] = [-0.45, 0.06]
-    #   A1 = 0.06; A0 = -0.45 + .72*.06 = -0.4068
-    batch = AdvantageBatch(rewards=REWARDS, mask=MASK, values=VALUES, bootstrap_values=BOOTSTRAP, ended_with_eos=EOS)
+    # row 1: next V = [0.5, 0]
+    #   d = [0.1 + .9*.5 - 1.0, 0.2 + 0 - .5] = [-0.45, -0.3]
+    #   A1 = -0.3; A0 = -0.45 + .72*-0.3 = -0.666
+    batch = AdvantageBatch(rewards=REWARDS, mask=MASK, values=VALUES)
     adv, ret = jax.jit(partial(gae, gamma=0.9, lam=0.8))(batch)
-    np.testing.assert_allclose(adv, [[0.21712, 0.246, 0.3], [-0.4068, 0.06, 0.0]], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ret, [[0.71712, 0.846, 1.0], [0.5932, 0.56, 0.0]], rtol=1e-5, atol=1e-6)
-
-    # the same row 1 ending with EOS gets no bootstrap: d1 = 0.2 - 0.5 = -0.3,
-    # A0 = -0.45 + .72 * -0.3 = -0.666
-    terminal = batch.replace(ended_with_eos=jnp.array([True, True]))
-    adv, _ = gae(terminal, gamma=0.9, lam=0.8)
-    np.testing.assert_allclose(adv[1], [-0.666, -0.3, 0.0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adv, [[0.21712, 0.246, 0.3], [-0.666, -0.3, 0.0]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ret, [[0.71712, 0.846, 1.0], [0.334, 0.2, 0.0]], rtol=1e-5, atol=1e-6)
 
 
 def test_gae_default_gamma_lambda_one_is_return_minus_value():
-    # gamma = lam = 1: A_t = (sum of rewards from t) - V_t, no bootstrapping given
+    # gamma = lam = 1: A_t = (sum of rewards from t) - V_t
     batch = AdvantageBatch(rewards=REWARDS, mask=MASK, values=VALUES)
     adv, ret = compute_advantages("gae", batch)
     np.testing.assert_allclose(adv, [[0.5, 0.4, 0.3], [0.3 - 1.0, 0.2 - 0.5, 0.0]], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ret, [[1.0, 1.0, 1.0], [0.3, 0.2, 0.0]], rtol=1e-5, atol=1e-6)
 
 
-def _gae_loop(rewards, values, lengths, bootstrap, eos, gamma, lam):
-    """Textbook GAE, one sequence at a time, in plain Python."""
+def _gae_loop(rewards, values, lengths, gamma, lam):
+    """Textbook GAE, one sequence at a time, in plain Python (V = 0 after the last token)."""
     adv = np.zeros_like(rewards)
     for b, n in enumerate(lengths):
         last = 0.0
         for t in reversed(range(n)):
-            if t + 1 < n:
-                next_v = values[b, t + 1]
-            else:
-                next_v = 0.0 if eos[b] else bootstrap[b]
+            next_v = values[b, t + 1] if t + 1 < n else 0.0
             delta = rewards[b, t] + gamma * next_v - values[b, t]
             last = delta + gamma * lam * last
             adv[b, t] = last
@@ -76,14 +68,9 @@ def test_gae_matches_python_loop_on_random_batch():
     values = rng.normal(size=(b, t)).astype(np.float32)
     lengths = [9, 1, 4, 9, 7, 0]
     mask = (np.arange(t)[None, :] < np.array(lengths)[:, None]).astype(np.float32)
-    bootstrap = rng.normal(size=b).astype(np.float32)
-    eos = np.array([False, True, False, True, False, False])
-    batch = AdvantageBatch(
-        rewards=jnp.asarray(rewards), mask=jnp.asarray(mask), values=jnp.asarray(values),
-        bootstrap_values=jnp.asarray(bootstrap), ended_with_eos=jnp.asarray(eos),
-    )
+    batch = AdvantageBatch(rewards=jnp.asarray(rewards), mask=jnp.asarray(mask), values=jnp.asarray(values))
     adv, ret = gae(batch, gamma=0.95, lam=0.9)
-    expected = _gae_loop(rewards, values, lengths, bootstrap, eos, 0.95, 0.9)
+    expected = _gae_loop(rewards, values, lengths, 0.95, 0.9)
     np.testing.assert_allclose(adv, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ret, (expected + values) * mask, rtol=1e-5, atol=1e-5)
 
@@ -150,8 +137,6 @@ def test_reinforce_pp_normalises_returns_over_the_batch():
 def test_missing_inputs_and_bad_groups_are_clear_errors():
     with pytest.raises(ValueError, match="needs batch.values"):
         compute_advantages("gae", _outcome_batch([1.0]))
-    with pytest.raises(ValueError, match="without ended_with_eos"):
-        compute_advantages("gae", AdvantageBatch(REWARDS, MASK, VALUES, bootstrap_values=BOOTSTRAP))
     with pytest.raises(ValueError, match="baseline_rewards"):
         compute_advantages("remax", _outcome_batch([1.0]))
     with pytest.raises(ValueError, match="not a whole number of groups"):

@@ -100,6 +100,27 @@ def test_value_loss_clipping():
     np.testing.assert_allclose(unclipped, 0.5 * (0.25 + 1.0 + 1.0) / 3, rtol=1e-5)
 
 
+def test_value_clipfrac_counts_only_clips_that_bind_not_rounding():
+    """`value/clipfrac` as verl and TRL count it: tokens whose clipped term is the larger. Inside the band
+    V_clip is V itself, so float rounding is never counted (V_old + (V - V_old) was, in ~half the cases)."""
+    # eps 0.25:
+    #   t0: V 0.1,  old 0.3, R 1 -> inside the band: V_clip = V; (0.1 - 1)^2 = 0.81, not clipped
+    #   t1: V 0.05, old 0.2, R 1 -> inside the band: (0.05 - 1)^2 = 0.9025, not clipped
+    #   t2: V 2,    old 1,   R 1.5 -> V_clip 1.25 is nearer R: max(0.25, 0.0625) = 0.25, the clip does not bind
+    #   t3: V 0,    old 0.5, R -1 -> V_clip 0.25: max(1, 1.5625) = 1.5625, clipped
+    #   loss = 0.5 * (0.81 + 0.9025 + 0.25 + 1.5625) / 4 = 0.440625; clipfrac = 1/4
+    values = jnp.array([[0.1, 0.05, 2.0, 0.0]], jnp.float32)
+    old = jnp.array([[0.3, 0.2, 1.0, 0.5]], jnp.float32)
+    returns = jnp.array([[1.0, 1.0, 1.5, -1.0]], jnp.float32)
+    mask = jnp.ones((1, 4))
+    # t0 and t1 are the rounding cases: in float32, old + (V - old) lands just below V (farther from R)
+    v32, o32 = np.asarray(values[0, :2]), np.asarray(old[0, :2])
+    assert np.all(o32 + (v32 - o32) < v32)
+    loss, stats = jax.jit(lambda *a: value_loss(*a, clip_eps=0.25))(values, old, returns, mask)
+    np.testing.assert_allclose(loss, 0.440625, rtol=1e-6)
+    assert float(stats["value/clipfrac"]) == 0.25
+
+
 def test_importance_ratio_early_stop():
     old = jnp.zeros((1, 3))
     logp = jnp.log(jnp.array([[1.0, 4.0, 6.0]]))

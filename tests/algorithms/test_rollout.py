@@ -1,4 +1,4 @@
-"""The rollout call functions: value/bootstrap alignment and the non-finite guard."""
+"""The rollout call functions: value alignment and the non-finite guard."""
 
 import functools
 
@@ -41,16 +41,13 @@ def test_values_are_aligned_with_response_tokens(critic):
     positions = positions_from_mask(mask)
     out = rollout.critic_values(graphdef, None, state, {"tokens": tokens, "mask": mask, "positions": positions,
                                                   "response_mask": response_mask})
-    values, bootstrap = out["values"], out["bootstrap_values"]
+    values = out["values"]
     full = nnx.merge(graphdef, state)(tokens, positions, mask)
     # V(s_t) for response token t is the output at position P-1+t; masked tokens are 0.
     np.testing.assert_allclose(values[:, 0], full[:, P - 1], rtol=1e-6)
     np.testing.assert_allclose(values[0, 2], full[0, P + 1], rtol=1e-6)
     assert float(values[1, 2]) == 0.0 and float(values[2, 1]) == 0.0
-    # Bootstrap: the output at the last response token (the state after it).
-    lengths = np.asarray(response_mask).sum(1)
-    for row in range(B):
-        np.testing.assert_allclose(bootstrap[row], full[row, P - 1 + lengths[row]], rtol=1e-6)
+    assert set(out) == {"values"}  # nothing after the last token: GAE does not bootstrap
 
 
 def _inputs(scores):

@@ -206,17 +206,14 @@ def test_remax_eos_gate_applies_to_the_greedy_score():
 # ---------------------------------------------------------------- PPO / GAE
 
 
-def _np_gae(rewards, values, mask, ended, bootstrap, gamma, lam):
+def _np_gae(rewards, values, mask, gamma, lam):
     b, n = rewards.shape
     adv = np.zeros((b, n))
     for i in range(b):
         length = int(mask[i].sum())
         nxt = 0.0
         for t in reversed(range(length)):
-            if t == length - 1:
-                v_next = 0.0 if ended[i] else bootstrap[i]
-            else:
-                v_next = values[i, t + 1]
+            v_next = 0.0 if t == length - 1 else values[i, t + 1]  # no bootstrap, truncated or not
             delta = rewards[i, t] + gamma * v_next - values[i, t]
             nxt = delta + gamma * lam * nxt
             adv[i, t] = nxt
@@ -231,20 +228,19 @@ def test_ppo_gae_whitened_over_the_global_batch(whiten):
     behaviour = -rng.uniform(0.1, 2.0, size=(b, n)).astype(np.float32)
     ref = -rng.uniform(0.1, 2.0, size=(b, n)).astype(np.float32)
     values = rng.normal(size=(b, n)).astype(np.float32)
-    bootstrap = rng.normal(size=(b,)).astype(np.float32)
     ended = np.array([True, False, True, False])  # rows 1 and 3 were cut at the length limit
     scores = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
     inputs = {"response_mask": mask, "rule_scores": scores, "ended_with_eos": ended, "behaviour_logp": behaviour,
-              "ref_logp": ref, "values": values, "bootstrap_values": bootstrap}
+              "ref_logp": ref, "values": values}
     settings = rollout.RLSettings(estimator="gae", gamma=1.0, lam=0.95, kl_estimator="k1", kl_in_reward=True,
                                   whiten=whiten)
     adv, returns, _, shaped = _advantages(inputs, settings)
 
-    # eos_only: the truncated rows get score 0 (but they bootstrap from the critic).
+    # eos_only: the truncated rows get score 0 (and, like every row, V = 0 after their last token).
     np.testing.assert_array_equal(shaped, [1.0, 0.0, -1.0, 0.0])
     k1 = behaviour.astype(np.float64) - ref
     rewards = _np_token_rewards(np.array([1.0, 0.0, -1.0, 0.0]), mask, k1, 0.1)
-    raw = _np_gae(rewards, np.where(mask, values, 0.0), mask, ended, bootstrap, 1.0, 0.95)
+    raw = _np_gae(rewards, np.where(mask, values, 0.0), mask, 1.0, 0.95)
     # returns are built from the advantages *before* whitening
     np.testing.assert_allclose(returns, np.where(mask, raw + values, 0.0), rtol=1e-5, atol=1e-5)
     expected = _np_whiten(raw, mask) if whiten else raw

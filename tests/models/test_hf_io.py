@@ -396,6 +396,24 @@ def test_missing_shard_file(checkpoints, tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABSOLUTE", "sub/model-1.safetensors"])
+def test_index_may_name_only_files_in_the_model_folder(checkpoints, tmp_path, where):
+    """An index from elsewhere must not make the loader read files the user never pointed at: the shard
+    it names is a real safetensors file outside the folder, and still refused before anything is read."""
+    model, config = load_hf_checkpoint(checkpoints["llama"])
+    folder = tmp_path / "model"
+    save_hf_checkpoint(model, config, folder, max_shard_bytes=40_000)
+    outside = tmp_path / "outside.safetensors"
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key = "model.layers.1.mlp.down_proj.weight"
+    (folder / index["weight_map"][key]).rename(outside)
+    index["weight_map"][key] = str(outside) if where == "ABSOLUTE" else where
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}' is mapped to .*plain file names inside"):
+        load_hf_checkpoint(folder)
+
+
 def test_unsupported_architecture(broken):
     hf = json.loads((broken / "config.json").read_text())
     hf["architectures"] = ["GPT2LMHeadModel"]

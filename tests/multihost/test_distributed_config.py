@@ -9,10 +9,14 @@ from jaxrlhf import config as cfglib
 from jaxrlhf import distributed
 
 
+def _dist(*keys: str) -> cfglib.DistributedConfig:
+    return cfglib.load_config(None, ["run.distributed=true", *keys]).distributed
+
+
 def test_config_keys_win_over_environment(monkeypatch):
     monkeypatch.setenv("JAXRLHF_PROCESS_ID", "1")
     monkeypatch.setenv("JAXRLHF_COORDINATOR", "10.0.0.1:1234")
-    dist = cfglib.load_config(None, ["distributed.process_id=0"]).distributed
+    dist = _dist("distributed.process_id=0")
     assert distributed._setting(dist, "process_id") == 0
     assert distributed._setting(dist, "coordinator_address") == "10.0.0.1:1234"
     assert distributed._setting(dist, "num_processes") is None
@@ -25,7 +29,7 @@ def test_environment_values_are_checked(monkeypatch):
 
 
 def test_process_id_must_be_below_the_count():
-    dist = cfglib.load_config(None, ["distributed.num_processes=2", "distributed.process_id=2"]).distributed
+    dist = _dist("distributed.num_processes=2", "distributed.process_id=2")
     with pytest.raises(distributed.DistributedError, match="process_id=2 must be below .*num_processes=2"):
         distributed.initialize(dist, "cpu")
 
@@ -39,3 +43,56 @@ def test_one_process_helpers_do_nothing():
     distributed.barrier("nothing to wait for")
     assert distributed.any_process(False) is False and distributed.any_process(True) is True
     assert distributed.is_main()
+
+
+@pytest.mark.parametrize("address", ["localhost", "10.0.0.1:", ":47600", "10.0.0.1:http", "10.0.0.1:70000"])
+def test_coordinator_address_without_a_port_is_one_line(address):
+    dist = _dist(f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+                 "distributed.process_id=1")
+    with pytest.raises(distributed.DistributedError, match=r"distributed.coordinator_address=.* must be host:port"):
+        distributed.initialize(dist, "cpu")
+
+
+def test_unreachable_coordinator_is_one_line_naming_the_key():
+    """Nothing listens on the port: process 1 says so after distributed.initialization_timeout_s (instead of
+    JAX's C++ abort when it gives up)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago, and that no one listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist = _dist(f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                 "distributed.process_id=1", "distributed.initialization_timeout_s=1")
+    t0 = time.monotonic()
+    with pytest.raises(distributed.DistributedError, match=rf"distributed.coordinator_address=127.0.0.1:{port}: "
+                                                           r"process 1 could not reach the coordinator within "
+                                                           r"distributed.initialization_timeout_s=1 \(.*refused"):
+        distributed.initialize(dist, "cpu")
+    assert time.monotonic() - t0 < 10
+
+
+def test_distributed_keys_without_run_distributed_are_refused():
+    """Otherwise each process would train alone into the same output folder."""
+    keys = ["distributed.num_processes=2", "distributed.process_id=1"]
+    with pytest.raises(cfglib.ConfigError, match=r"distributed.num_processes, distributed.process_id set, but "
+                                                 r"run.distributed=false: .* Add run.distributed=true"):
+        cfglib.load_config(None, keys)
+    assert _dist(*keys).num_processes == 2
+
+
+def test_a_second_process_0_is_one_line():
+    """Two processes given distributed.process_id=0 on one host: the second finds the coordinator's port
+    taken (here by a socket that stands for the first) and says so, instead of JAX's abort after 300 s."""
+    import socket
+
+    with socket.socket() as first:
+        first.bind(("", 0))
+        first.listen()
+        port = first.getsockname()[1]
+        dist = _dist(f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                     "distributed.process_id=0")
+        with pytest.raises(distributed.DistributedError, match=rf"process 0 cannot start the coordinator, port {port} "
+                                                               r"is taken .*another process was given "
+                                                               r"distributed.process_id=0"):
+            distributed.initialize(dist, "cpu")

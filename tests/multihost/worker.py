@@ -1,7 +1,7 @@
 """One process of the multi-process tests (started by test_multihost.py; not a test module).
 
 `python worker.py SPEC_JSON`: join the run described by the spec, then do its `runs` (train.run of
-each override list, timing it), its `realloc` check and its `fail` behaviour, writing what it found
+each override list, timing it), its `realloc` check and its `fail` or `signal_in_save` behaviour, writing what it found
 to `<out>/worker-<process>.json`.
 """
 
@@ -75,12 +75,32 @@ def main() -> int:
         cfg = cfglib.load_config(None, overrides)
         if spec.get("fail") == pid:  # an exception in this process only, before its first collective
             train.plan_for = _fails
+        if spec.get("signal_in_save") == pid:  # SIGTERM to this process only, while it saves a checkpoint
+            _signal_during_first_save()
         t0 = time.perf_counter()
         train.run(cfg)
         found["runs"][name] = {"seconds": time.perf_counter() - t0}
     with open(os.path.join(spec["out"], f"worker-{pid}.json"), "w") as f:
         json.dump(found, f)
     return 0
+
+
+def _signal_during_first_save() -> None:
+    """The first checkpoint save of this process sends it SIGTERM before returning: the flag is set after
+    the processes agreed on this step's stop, so only an agreed decision keeps them together."""
+    import signal
+
+    from jaxrlhf.checkpoint import CheckpointManager
+
+    save, sent = CheckpointManager.save, []
+
+    def save_then_signal(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    CheckpointManager.save = save_then_signal
 
 
 def _fails(*args, **kwargs):

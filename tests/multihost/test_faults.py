@@ -1,0 +1,138 @@
+"""Faults of a 2-process run (2 processes x 4 CPU devices, started as scripts/launch_env.sh starts them):
+a second run into the folder of a running one is refused; a signal to one process stops both after one
+agreed checkpoint, with exit code 130 and no failure reported; a newest checkpoint damaged for every
+process is moved aside once (by process 0) and both resume from the step before, continuing the run's
+metrics; a process given another process count is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrlhf.metrics import read_metrics
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = [
+    "--config", "configs/quickstart.yaml", "model.actor.preset=tiny", "run.tensorboard=false",
+    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
+    "algorithm.minibatches=2", "sft.steps=0", "rewards.eos_only=false", "run.compile_cache=null",
+    "plan.strategy=colocated", "run.checkpoint_every=1", "distributed.heartbeat_timeout_s=10",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(out, *overrides: str, counts=(2, 2)) -> list[subprocess.Popen]:
+    """The two processes of one run, with the environment variables launch_env.sh --local sets (`counts`:
+    the JAXRLHF_NUM_PROCESSES each is given)."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(counts[pid]),
+                   JAXRLHF_PROCESS_ID=str(pid))
+        env.pop("XLA_FLAGS", None)
+        cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
+               "run.distributed=true", "run.platform=cpu", "run.devices=4",
+               f"distributed.transfer_port_base={_free_port()}"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def _finish(procs, timeout: float) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a process of the run was still going after the others stopped")
+        out.append((p.returncode, err))
+    return out
+
+
+def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    log = out / "metrics.jsonl"
+    procs = _start(out, "run.steps=200")
+    deadline = time.time() + 900
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if log.exists() and len(read_metrics(str(log))) >= 2:
+            break
+        time.sleep(0.2)
+    # A second 2-process run started into the same folder meanwhile is refused by both its processes.
+    for code, err in _finish(_start(out, "run.steps=200", "run.overwrite=true"), 600):
+        assert code == 2 and "is in use by another run that is still going" in err, err
+    assert all(p.poll() is None for p in procs)
+    procs[1].send_signal(signal.SIGTERM)  # one process only, as a preempted host
+    results = _finish(procs, 600)
+    for code, err in results:
+        assert code == 130, err
+        assert "Traceback" not in err and "failed and exits" not in err, err
+    assert "stopped by SIGTERM after step" in results[1][1]
+    assert "stopped by a signal to another process after step" in results[0][1]
+    reached = read_metrics(str(log))[-1]["step"]
+    steps = sorted(int(n) for n in os.listdir(out / "checkpoints") if n.isdigit())
+    assert steps[-1] == reached and len(steps) >= 2
+
+    # The newest checkpoint is damaged for both processes: process 0 moves it aside, once; both resume
+    # from the step before and the run goes on with the same metrics log.
+    for dirpath, _, files in os.walk(out / "checkpoints" / str(reached) / "arrays" / "d"):
+        for f in files:
+            os.truncate(os.path.join(dirpath, f), 1)
+    results = _finish(_start(out, f"run.steps={reached + 1}", "run.resume=true"), 900)
+    for code, err in results:
+        assert code == 0, err
+    assert f"checkpoint step {reached}" in results[0][1] and f"using step {reached - 1}" in results[0][1]
+    aside = [n for n in os.listdir(out / "checkpoints") if n.startswith(f"damaged-step-{reached}-")]
+    assert len(aside) == 1, os.listdir(out / "checkpoints")
+    assert [r["step"] for r in read_metrics(str(log))] == list(range(1, reached + 2))
+    shutil.rmtree(out)
+
+
+def test_a_process_given_another_num_processes_is_refused(tmp_path):
+    """Process 1 believes the run has 3 processes, process 0 started it with 2: JAX accepts that without a
+    word; process 1 says which key differs and exits, and process 0 stops on the missed heartbeats
+    (distributed.heartbeat_timeout_s=10 here)."""
+    t0 = time.monotonic()
+    (code0, err0), (code1, err1) = _finish(_start(tmp_path / "run", "run.steps=1", counts=(2, 3)), 600)
+    assert code1 == 2 and "distributed.num_processes=3 on process 1, but process 0 started the run with 2" in err1
+    assert "Traceback" not in err1, err1
+    assert code0 != 0
+    assert time.monotonic() - t0 < 300  # not JAX's initialization timeout
+
+
+def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
+    """SIGTERM reaches process 1 while it saves step 1's checkpoint, after this step's stop was agreed: both
+    processes train step 2, agree to stop, save it and exit 130 (a process acting on its own flag stopped
+    alone, leaving the other in step 2's collectives)."""
+    import importlib.util
+
+    # the worker launcher of test_multihost.py (with --import-mode=importlib tests are loaded by path)
+    spec = importlib.util.spec_from_file_location("multihost_launcher",
+                                                  os.path.join(os.path.dirname(__file__), "test_multihost.py"))
+    mh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mh)
+    out = tmp_path
+    run = [*mh.BASE, "run.steps=6", "run.checkpoint_every=1", f"run.output_dir={out / 'run'}"]
+    codes = mh.wait_all(mh.launch(out, {"run": run}, signal_in_save=1, heartbeat_s=10), out, 900)
+    assert codes == [130, 130], [mh.log_of(out, 0), mh.log_of(out, 1)]
+    assert "stopped by SIGTERM after step 2" in mh.log_of(out, 1)
+    assert "stopped by a signal to another process after step 2" in mh.log_of(out, 0)
+    assert sorted(os.listdir(out / "run" / "checkpoints")) == ["1", "2"]
+    assert [r["step"] for r in read_metrics(str(out / "run" / "metrics.jsonl"))] == [1, 2]
