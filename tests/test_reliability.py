@@ -14,7 +14,7 @@ import time
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import train
+from jaxrlhf import planning, train
 from jaxrlhf.errors import RunError
 from jaxrlhf.metrics import read_metrics
 
@@ -429,4 +429,4 @@ def test_plan_files_and_hardware_profiles_are_read_with_the_config_limits(text, 
     with pytest.raises(ValueError, match=f"{path}, {message}".replace("(", r"\(").replace(")", r"\)")):
         get_profile(str(path))
     with pytest.raises(cfglib.ConfigError, match=f"plan.hardware={str(path)!r}: {path}, "):  # as training says it
-        train.hardware_profile(cfglib.load_config(None, [f"plan.hardware={path}"]))
+        planning.hardware_profile(cfglib.load_config(None, [f"plan.hardware={path}"]))
