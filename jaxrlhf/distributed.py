@@ -1,7 +1,7 @@
 """Multi-process (multi-host) runs on JAX's multi-controller runtime.
 
 Every process runs the same program: the same calls, compilations and
-collectives in the same order (DESIGN.md §3 facts 5 and 6). This module holds
+collectives in the same order. This module holds
 the few things that differ from a one-process run:
 
 - `initialize`: `jax.distributed.initialize` from the `distributed` config
@@ -96,7 +96,7 @@ def initialize(dist: Any, platform: str) -> None:
             f"all {count} processes with the same distributed.coordinator_address, reachable from every host"
         ) from None
     if cpu:
-        # A distinct, fixed loopback port per process: with 0.0.0.0:0 a receiver was seen to hang (DESIGN §3.6).
+        # A distinct, fixed loopback port per process: with 0.0.0.0:0 a receiver was seen to hang.
         port = dist.transfer_port_base + jax_distributed.global_state.process_id
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{port}")
     if count is not None and jax.process_count() != count:  # the coordinator's count wins without a word

@@ -24,7 +24,7 @@ from jaxrlhf.planning import plan_for, role_configs
 
 
 def setup_devices(run: cfglib.RunConfig, dist: cfglib.DistributedConfig | None = None) -> None:
-    """Must run before any JAX backend starts (DESIGN §3 facts 1 and 5). `dist` says how the processes of a
+    """Must run before any JAX backend starts. `dist` says how the processes of a
     `run.distributed` run find each other (see `jaxrlhf.distributed`)."""
     import jax
 

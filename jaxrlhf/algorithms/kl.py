@@ -1,7 +1,7 @@
 """KL to the reference policy: per-token estimators, the reward penalty, and controllers.
 
 The policy is kept near the reference model by subtracting `coef * KL` from
-every response token's reward (PPO, DESIGN §4, coef 0.1) or by a KL term in the
+every response token's reward (PPO, coef 0.1) or by a KL term in the
 loss (GRPO); the coefficient is fixed or adapted towards a target KL
 (`adaptive_kl_coef`, carried between steps as the `kl_coef` state). The true KL of a token
 distribution needs the full vocabulary; the estimators here use only the

@@ -216,7 +216,7 @@ def shape_scores(
 ) -> Float[Array, "batch"]:
     """(score - bias) * scale, clipped to ±clip; `no_eos_score` for sequences that did not end with EOS.
 
-    Used for reward-model and rule scores alike (ReaLHF defaults, DESIGN §4):
+    Used for reward-model and rule scores alike (ReaLHF defaults):
     the bias/scale put the reward model's output on a sane scale, the clip
     stops one outlier from dominating a batch, and a truncated sequence gets
     no credit (a reward model scores half an answer unreliably). Set

@@ -5,7 +5,7 @@ here takes a mask (float or bool, 1 = real response token). The reductions are
 plain `jnp.sum` over the whole array: under `jax.jit` with batch-sharded inputs
 XLA (GSPMD) inserts the cross-device all-reduce itself, so `masked_whiten` on a
 sharded global batch whitens with the *global* mean and variance, never a
-per-shard one (DESIGN §4: "advantages whitened over the whole global batch").
+per-shard one (advantages are whitened over the whole global batch).
 Call these on the global batch inside jit, not on per-device shards inside
 `shard_map`, or the statistics become local.
 """

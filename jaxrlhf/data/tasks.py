@@ -4,7 +4,7 @@ Going through TFDS (rather than reading the JSONL directly) gives bundled
 tasks the same path as any user TFDS data set: prepared once into
 `array_record` files, then read with random access (`as_data_source`) and no
 TensorFlow. The builders live in this package module because TFDS needs the
-builder's module to be importable from a package (DESIGN.md §3 fact 10).
+builder's module to be importable from a package.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Move parameter pytrees between placements with no bytes through host.
 
 `jax.device_put` to a sharding with different shard shapes copies the whole
-array through host memory (DESIGN.md §3, fact 3); across processes it is not
-supported at all (fact 6). Only a move between shardings with the same
+array through host memory; across processes it is not
+supported at all. Only a move between shardings with the same
 number of devices and the same shard at every position is a pure
 device-to-device copy. So every leaf moves in two steps:
 
