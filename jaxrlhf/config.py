@@ -165,11 +165,7 @@ def _check_algorithm_keys(alg: Mapping[str, Any]) -> None:
     if not isinstance(name, str) or not name:
         return  # a type error or an empty name: the field's own check says so
     if name not in ALGORITHM_CONFIGS:
-        close = difflib.get_close_matches(name, list(ALGORITHM_CONFIGS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"algorithm.name {name!r} is not a known algorithm{hint} (choices: {', '.join(sorted(ALGORITHM_CONFIGS))})"
-        )
+        raise ConfigError(f"algorithm.name: {ALGORITHM_CONFIGS.unknown(name)}")
     reads = [f.name for f in dataclasses.fields(ALGORITHM_CONFIGS[name])]
     valid = config_keys(algorithm=name)
     lines = []
@@ -520,7 +516,7 @@ def parse_cli(argv: Sequence[str] | None = None, prog: str = "python -m jaxrlhf.
 # Cross-field validation
 
 
-def _model_presets() -> Mapping[str, Any]:
+def _model_presets() -> Any:
     from jaxrlhf.models.config import PRESETS
 
     return PRESETS
@@ -538,9 +534,7 @@ def _check_role(config: Config, role: str, needed_for: str) -> None:
     if len(ways) > 1:
         raise ConfigError(f"model.{role}: set only one of {', '.join(f'model.{role}.{w}' for w in ways)}")
     if spec.preset is not None and spec.preset not in _model_presets():
-        close = difflib.get_close_matches(spec.preset, list(_model_presets()), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"model.{role}.preset {spec.preset!r} is not a known preset{hint}")
+        raise ConfigError(f"model.{role}.preset: {_model_presets().unknown(spec.preset)}")
     if spec.path is not None and not pathlib.Path(spec.path).expanduser().is_dir():
         raise ConfigError(f"model.{role}.path: checkpoint folder not found: {spec.path}")
     if spec.overrides:
@@ -643,9 +637,7 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
     from jaxrlhf.data.answers import ANSWER_EXTRACTORS
 
     if data.answer_extract not in ANSWER_EXTRACTORS:
-        raise ConfigError(
-            f"data.answer_extract must be one of {', '.join(ANSWER_EXTRACTORS)}; got {data.answer_extract!r}"
-        )
+        raise ConfigError(f"data.answer_extract: {ANSWER_EXTRACTORS.unknown(data.answer_extract)}")
     if "{prompt}" not in data.prompt_template:
         raise ConfigError(f"data.prompt_template must contain '{{prompt}}'; got {data.prompt_template!r}")
     for key, spec in (("data.source", data.source), ("sft.source", config.sft.source)):

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import pydantic
 
+from jaxrlhf.registry import Registry
+
 # ---------------------------------------------------------------------------------------------
 # Scalar types: YAML values are taken as written, not converted ("10" is no int, 1 no bool).
 # `str` needs no marker: pydantic never turns a number into a string.
@@ -232,14 +234,14 @@ class DPOConfig(AlgorithmConfig):
 # Which keys each algorithm reads: `algorithm.name` picks the class the section is validated against.
 # A new algorithm adds its name here (with the class of the keys it reads) and registers its
 # declaration in jaxrlhf.algorithms.
-ALGORITHM_CONFIGS: dict[str, type[AlgorithmConfig]] = {
+ALGORITHM_CONFIGS: Registry[type[AlgorithmConfig]] = Registry("algorithm", entries={
     "ppo": PPOConfig,
     "grpo": GRPOConfig, "dr_grpo": GRPOConfig, "dapo": GRPOConfig, "gspo": GRPOConfig,
     "rloo": GroupedConfig,
     "reinforce_pp": DiscountedConfig, "remax": DiscountedConfig,
     "sft": AlgorithmConfig, "rm": AlgorithmConfig,
     "dpo": DPOConfig,
-}
+})
 
 
 @_no_extra_keys

@@ -88,8 +88,7 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
         from jaxrlhf.models.config import PRESETS
 
         if args.model_preset not in PRESETS:
-            raise cfglib.ConfigError(f"--model-preset {args.model_preset!r} is not a model preset. "
-                                     f"Known presets: {', '.join(sorted(PRESETS))}")
+            raise cfglib.ConfigError(f"--model-preset: {PRESETS.unknown(args.model_preset)}")
         models = cfglib.with_defaults(data)["model"]
         presets = []
         for role in cfglib.ROLES:

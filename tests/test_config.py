@@ -144,8 +144,9 @@ def test_wrong_type(override, message):
     [
         (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
                                      "disaggregated, reallocated, heuristic, verl, auto; got 'colocatd'; did you mean 'colocated'?"),
-        (["algorithm.name=trpo"], "algorithm.name 'trpo' is not a known algorithm; did you mean 'grpo'? "
-                                  "(choices: dapo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
+        (["algorithm.name=trpo"], "algorithm.name: unknown algorithm 'trpo'. Did you mean 'grpo'? "
+                                  "Known: ['dapo', 'dpo', 'dr_grpo', 'grpo', 'gspo', 'ppo', 'reinforce_pp', 'remax', "
+                                  "'rloo', 'rm', 'sft']"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
         (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
@@ -170,7 +171,7 @@ def test_wrong_type(override, message):
         (["algorithm.name=dpo", "sft.steps=0", "model.ref.init_from=null"],
          "model.ref is needed (DPO measures the policy against the reference) but has no weights"),
         (["algorithm.name=rm", "model.reward.init_from=actor", "sft.steps=5"], "algorithm.name=rm has none to warm up"),
-        (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
+        (["model.actor.preset=tiyn"], "model.actor.preset: unknown model preset 'tiyn'. Did you mean 'tiny'?"),
         # An explicit override wins over the other weight sources (here: then the folder is missing).
         (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor.path: checkpoint folder not found"),
         (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
@@ -179,7 +180,8 @@ def test_wrong_type(override, message):
         (["rewards.rules=[]"], "no reward: set rewards.model=true"),
         (["data.max_prompt_len=600"], "exceeds the actor's max_position_embeddings 512"),
         (["data.source=/nonexistent/prompts.jsonl"], "data.source: file or folder not found"),
-        (["data.answer_extract=gsm9k"], "data.answer_extract must be one of none, gsm8k"),
+        (["data.answer_extract=gsm9k"], "data.answer_extract: unknown answer extractor 'gsm9k'. Did you mean 'gsm8k'? "
+                                        "Known: ['gsm8k', 'last_number', 'none']"),
         (["data.prompt_template=Question"], "data.prompt_template must contain '{prompt}'"),
         (["plan.offpolicy=true"], "use plan.strategy=disaggregated"),
         (["plan.file=/nonexistent/plan.yaml"], "plan.file: plan file not found"),
@@ -348,3 +350,20 @@ def test_the_checked_in_reference_is_current():
     for cls in set(ALGORITHM_CONFIGS.values()):
         for name in cls.__dataclass_fields__:
             assert f"`algorithm.{name}`" in text, name
+
+
+def test_name_tables_are_registries():
+    """Every table config validation looks names up in is a `Registry`: one did-you-mean for all."""
+    from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
+    from jaxrlhf.data.answers import ANSWER_EXTRACTORS
+    from jaxrlhf.models.config import PRESETS
+    from jaxrlhf.registry import Registry
+
+    for table in (ALGORITHM_CONFIGS, PRESETS, ANSWER_EXTRACTORS, REWARD_FUNCTIONS):
+        assert isinstance(table, Registry)
+    with pytest.raises(KeyError, match=r"unknown model preset 'tinny'\. Did you mean 'tiny'\?"):
+        PRESETS.get("tinny")
+    table = Registry("colour", entries={"red": 1, "green": 2})
+    assert dict(table) == {"red": 1, "green": 2} and table.get("red") == 1
+    with pytest.raises(ValueError, match="colour 'red' is already registered"):
+        table.register("red")(3)

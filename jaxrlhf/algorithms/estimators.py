@@ -32,12 +32,10 @@ class EstimatorFacts:
             raise ValueError(f"whitening must be one of {WHITENING}, got {self.whitening!r}")
 
 
-ESTIMATORS: Registry[EstimatorFacts] = Registry("advantage estimator")
-for _name, _facts in {
+ESTIMATORS: Registry[EstimatorFacts] = Registry("advantage estimator", entries={
     "gae": EstimatorFacts(needs_critic=True, whitening="optional", params=("gamma", "lam")),
     "grpo": EstimatorFacts(params=("group_size", "scale_by_std")),
     "rloo": EstimatorFacts(params=("group_size",)),
     "remax": EstimatorFacts(params=("gamma",)),
     "reinforce_pp": EstimatorFacts(whitening="always", params=("gamma",)),
-}.items():
-    ESTIMATORS.register(_name)(_facts)
+})
