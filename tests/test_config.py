@@ -276,13 +276,16 @@ def test_a_file_must_be_a_utf8_mapping(tmp_path):
 
 def test_the_config_path_imports_no_jax():
     """Loading, validating and printing a config (and every algorithm's declaration: roles, graph,
-    rules) reads declarations only: no JAX, flax or optax, so `--print-config` answers at once."""
+    rules) reads declarations only: no JAX, flax or optax, so `--print-config` answers at once;
+    reporting a config mistake loads none either."""
     code = (
         "import contextlib, io, pathlib, sys\n"
         "from jaxrlhf import config, train\n"
         "from jaxrlhf.algorithms import declare\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
         "    assert train.main(['--config', 'configs/quickstart.yaml', '--print-config']) == 0\n"
+        "    assert train.main(['--print-config', 'algorithm.dpo_beta=0.5']) == 2\n"
+        "assert 'not read by algorithm.name=ppo' in err.getvalue(), err.getvalue()\n"
         "for path in sorted(pathlib.Path('configs').glob('*.yaml')):\n"
         "    cfg = config.load_config(path)\n"
         "    declare(cfg).graph(), declare(cfg).roles()\n"
