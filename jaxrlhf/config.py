@@ -6,8 +6,11 @@ validated against the dataclass schema in `jaxrlhf.config_schema`.
 
 pydantic checks the types (including `Literal` choices) and refuses unknown keys; this module
 turns its errors into one line per mistake naming the dotted key, then runs the per-key value
-rules (`_field(check=...)`) and `validate()`, the rules that span keys. Every user mistake is a
-`ConfigError`, so the CLI prints it without a traceback.
+rules (`_field(check=...)`) and `validate()`, the rules that span keys. The `algorithm` section is
+checked against the class of keys `algorithm.name` picks (`ALGORITHM_CONFIGS`), and `validate()`
+asks the algorithm's declaration (jaxrlhf.algorithms, no JAX) for its roles and rules, so loading
+a config never imports JAX. Every user mistake is a `ConfigError`, so the CLI prints it without a
+traceback.
 """
 
 from __future__ import annotations

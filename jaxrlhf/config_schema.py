@@ -1,8 +1,10 @@
 """The run configuration's schema: nested frozen dataclasses, one per YAML section.
 
 Field types drive validation (`jaxrlhf.config` hands them to pydantic), `_field(check=...)`
-attaches a per-key value rule, and comments say what a key means. Loading, overrides and the
-rules that span keys live in `jaxrlhf.config`.
+attaches a per-key value rule, and the comment after a field (or the lines just above it) says
+what it means: `python -m jaxrlhf.config_reference` turns them into docs/config_reference.md, so
+every field needs one. The `algorithm` section has one class per set of keys an algorithm reads
+(`ALGORITHM_CONFIGS`). Loading, overrides and the rules that span keys live in `jaxrlhf.config`.
 """
 
 from __future__ import annotations

@@ -225,11 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.algorithms import declare
 
     try:
         cfg = resolve_config(args)
-        algorithm = build_algorithm(cfg)
+        algorithm = declare(cfg)  # its roles, graph and workload: the planner needs no runtime
         graph = algorithm.graph()
         devices, per_host = planning.machine(cfg)
         if args.devices:
