@@ -4,7 +4,7 @@
 
 Meanings are the schema's own comments (the one after a field, or the lines just above it), so
 the reference cannot drift from the code; tests/test_config.py checks the checked-in file is
-current. The `algorithm` section has one table per class of keys (`ALGORITHM_CONFIGS`).
+current. The `algorithm` table says which algorithms read each key (`ALGORITHM_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ Every key of a run config, its default and what it means. Generated from `jaxrlh
 by `python -m jaxrlhf.config_reference > docs/config_reference.md` (a test checks it is current).
 A YAML file sets any subset of these keys and `key=value` arguments override it
 (`python -m jaxrlhf.train --config FILE [key=value ...]`); `--print-config` prints the result.
-A key another algorithm reads than the one `algorithm.name` picks is an error naming the keys it reads.
+An `algorithm` key that the algorithm `algorithm.name` picks does not read (the `read by` column)
+is an error that names the keys it does read.
 """
 
 
@@ -128,7 +129,7 @@ def _doc(cls: type) -> str:
 def reference() -> str:
     """The whole reference as Markdown."""
     config = Config()
-    lines = [HEADER]
+    lines = [HEADER.rstrip()]
     for f in dataclasses.fields(config):
         section = getattr(config, f.name)
         lines += ["", f"## {f.name}", ""]
