@@ -165,8 +165,10 @@ def _build(data: Mapping[str, Any]) -> Config:
 def _check_algorithm_keys(alg: Mapping[str, Any]) -> None:
     """The algorithm section holds a known name and only the keys that algorithm reads."""
     name = alg.get("name")
-    if not isinstance(name, str) or not name:
-        return  # a type error or an empty name: the field's own check says so
+    if not isinstance(name, str):  # before the keys: which keys are valid depends on it
+        raise ConfigError(f"config key 'algorithm.name' expects str, got {_describe(name)}")
+    if not name:
+        return  # the field's own check says so
     if name not in ALGORITHM_CONFIGS:
         raise ConfigError(f"algorithm.name: {ALGORITHM_CONFIGS.unknown(name)}")
     reads = [f.name for f in dataclasses.fields(ALGORITHM_CONFIGS[name])]

@@ -317,6 +317,9 @@ def test_each_algorithm_has_its_own_section():
     assert config.algorithm.name == "grpo" and config.algorithm.minibatches == 2
     with pytest.raises(ConfigError, match="'algorithm.gamma' is not read by algorithm.name=dpo"):
         with_overrides(load_config(None, ["algorithm.gamma=0.9"]), ["algorithm.name=dpo"])
+    # The name decides which keys are valid, so a name of the wrong type is the one error.
+    with pytest.raises(ConfigError, match=r"^config key 'algorithm.name' expects str, got 5 \(int\)$"):
+        from_dict({"algorithm": {"name": 5, "kl_coef": 1.0}})
 
 
 def test_rl_sections_hold_what_their_estimator_takes():
