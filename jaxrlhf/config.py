@@ -6,8 +6,11 @@ validated against the dataclass schema in `jaxrlhf.config_schema`.
 
 pydantic checks the types (including `Literal` choices) and refuses unknown keys; this module
 turns its errors into one line per mistake naming the dotted key, then runs the per-key value
-rules (`_field(check=...)`) and `validate()`, the rules that span keys. Every user mistake is a
-`ConfigError`, so the CLI prints it without a traceback.
+rules (`_field(check=...)`) and `validate()`, the rules that span keys. The `algorithm` section is
+checked against the class of keys `algorithm.name` picks (`ALGORITHM_CONFIGS`), and `validate()`
+asks the algorithm's declaration (jaxrlhf.algorithms, no JAX) for its roles and rules, so loading
+a config never imports JAX. Every user mistake is a `ConfigError`, so the CLI prints it without a
+traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pydantic
 import yaml
 
 from jaxrlhf.config_schema import (
+    ALGORITHM_CONFIGS,
     ROLES,
     AlgorithmConfig,
     Check,
@@ -52,11 +56,12 @@ from jaxrlhf.yaml_input import MAX_ALIAS_NODES, load as _load_yaml, read as _rea
 
 __all__ = [
     # the schema (jaxrlhf.config_schema)
-    "ROLES", "AlgorithmConfig", "Check", "Config", "DataConfig", "DistributedConfig", "Dtype", "GenerationConfig", "ModelsConfig",
+    "ALGORITHM_CONFIGS", "ROLES", "AlgorithmConfig", "Check", "Config", "DataConfig", "DistributedConfig", "Dtype", "GenerationConfig", "ModelsConfig",
     "OptimConfig", "OptimizersConfig", "PlanConfig", "RewardRule", "RewardsConfig", "RoleModelConfig", "RunConfig",
     "SFTConfig", "closed_unit_interval", "non_negative", "not_empty", "positive", "unit_interval",
     # loading
-    "MAX_ALIAS_NODES", "REMOVED_KEYS", "CliArgs", "ConfigError", "apply_overrides", "config_keys", "format_config",
+    "MAX_ALIAS_NODES", "REMOVED_KEYS", "CliArgs", "ConfigError", "algorithm_config", "apply_overrides", "config_keys",
+    "format_config",
     "from_dict", "load_config", "parse_cli", "parse_override", "read_yaml", "to_dict", "validate", "with_overrides",
 ]
 
@@ -77,6 +82,22 @@ def _is_dataclass_type(tp: Any) -> bool:
 def _hints(cls: type) -> dict[str, Any]:
     """Field types with the pydantic annotations stripped (Int -> int)."""
     return typing.get_type_hints(cls)
+
+
+def _field_type(cls: type, name: str, value: Any = None) -> Any:
+    """The schema type of field `name` of section `cls`, or None. The `algorithm` section's class is the
+    one its `algorithm.name` picks (`ALGORITHM_CONFIGS`), read from `value` (that section's mapping)."""
+    if cls is Config and name == "algorithm":
+        return algorithm_config(value.get("name") if isinstance(value, Mapping) else getattr(value, "name", None))
+    return _hints(cls).get(name)
+
+
+def algorithm_config(name: Any) -> type[AlgorithmConfig]:
+    """The class of the keys algorithm `name` reads (PPO's for no name; the base class for an unknown one,
+    which `_build` refuses by name)."""
+    if name is None:
+        return ALGORITHM_CONFIGS["ppo"]
+    return ALGORITHM_CONFIGS[name] if isinstance(name, str) and name in ALGORITHM_CONFIGS else AlgorithmConfig
 
 
 def _without_none(tp: Any) -> Any:
@@ -114,14 +135,57 @@ def _validator() -> pydantic.TypeAdapter:
     return pydantic.TypeAdapter(Config)
 
 
+@functools.cache
+def _section_validator(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
 def _build(data: Mapping[str, Any]) -> Config:
-    """A Config from a complete nested mapping: types by pydantic, then each field's value check."""
+    """A Config from a complete nested mapping: types by pydantic, then each field's value check.
+
+    The algorithm section is validated first, against the class its `algorithm.name` picks; pydantic
+    then takes that instance as the section as it is."""
+    alg = data.get("algorithm")
+    if isinstance(alg, Mapping):
+        _check_algorithm_keys(alg)
+        try:
+            section = _section_validator(algorithm_config(alg.get("name"))).validate_python(alg)
+        except pydantic.ValidationError as e:
+            errors = [{**err, "loc": ("algorithm", *err["loc"])} for err in e.errors(include_url=False)]
+            raise ConfigError(_explain(errors, data)) from None
+        data = {**data, "algorithm": section}
     try:
         config = _validator().validate_python(data)
     except pydantic.ValidationError as e:
         raise ConfigError(_explain(e.errors(include_url=False), data)) from None
     _check_values(config)
     return config
+
+
+def _check_algorithm_keys(alg: Mapping[str, Any]) -> None:
+    """The algorithm section holds a known name and only the keys that algorithm reads."""
+    name = alg.get("name")
+    if not isinstance(name, str):  # before the keys: which keys are valid depends on it
+        raise ConfigError(f"config key 'algorithm.name' expects str, got {_describe(name)}")
+    if not name:
+        return  # the field's own check says so
+    if name not in ALGORITHM_CONFIGS:
+        raise ConfigError(f"algorithm.name: {ALGORITHM_CONFIGS.unknown(name)}")
+    reads = [f.name for f in dataclasses.fields(ALGORITHM_CONFIGS[name])]
+    valid = config_keys(algorithm=name)
+    lines = []
+    for key in (k for k in alg if k not in reads):
+        dotted = f"algorithm.{key}"
+        others = sorted(n for n, cls in ALGORITHM_CONFIGS.items() if key in _hints(cls))
+        if others:  # another algorithm's key
+            lines.append(f"config key '{dotted}' is not read by algorithm.name={name} (it is for "
+                         f"{', '.join(others)}); {name} reads {', '.join(reads)}")
+        elif dotted in REMOVED_KEYS or _suggest(dotted, valid):  # a removed key or a typo
+            lines.append(_unknown_key_message(dotted, valid))
+        else:
+            lines.append(f"unknown config key '{dotted}'; algorithm.name={name} reads {', '.join(reads)}")
+    if lines:
+        raise ConfigError("\n".join(lines))
 
 
 # pydantic's error types for a key that the schema does not have
@@ -141,7 +205,7 @@ def _explain(errors: list[Any], data: Mapping[str, Any]) -> str:
             keys = [f"{key}.{p}" for p in _leaf_paths(value)] if isinstance(value, Mapping) and value else [key]
             # inside a list item (rewards.rules[0]) only that item's keys are candidates
             in_item = any(isinstance(part, int) for part in loc[:-1])
-            valid = config_keys(section_type, section) if in_item else config_keys()
+            valid = config_keys(section_type, section) if in_item else config_keys(algorithm=_algorithm_name(data))
             lines += [_unknown_key_message(k, valid) for k in keys]
         return "\n".join(lines)
     error = errors[0]
@@ -166,17 +230,28 @@ def _locate(loc: Sequence[Any], data: Any) -> tuple[str, Any, Any]:
     key, tp, value = "", Config, data
     for part in loc:
         inner = _without_none(tp)
-        if _is_dataclass_type(inner) and part in _hints(inner):
-            key, tp = (f"{key}.{part}" if key else part), _hints(inner)[part]
+        part_type = _field_type(inner, part, _item(value, part)) if _is_dataclass_type(inner) else None
+        if part_type is not None:
+            key, tp = (f"{key}.{part}" if key else part), part_type
         elif typing.get_origin(inner) is tuple and isinstance(part, int):
             key, tp = f"{key}[{part}]", typing.get_args(inner)[0]
         else:
             break
-        try:
-            value = value[part]
-        except (KeyError, IndexError, TypeError):
-            value = None  # a missing key
+        value = _item(value, part)
     return key, tp, value
+
+
+def _item(value: Any, part: Any) -> Any:
+    """`value[part]`, or None for a missing key."""
+    try:
+        return value[part]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _algorithm_name(data: Any) -> Any:
+    alg = _item(data, "algorithm")
+    return _item(alg, "name") if isinstance(alg, Mapping) else getattr(alg, "name", None)
 
 
 def _check_values(obj: Any, prefix: str = "") -> None:
@@ -200,10 +275,12 @@ def _check_values(obj: Any, prefix: str = "") -> None:
 # Keys: the dotted key list, unknown-key messages with suggestions
 
 
-def config_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every settable dotted key (sections expanded; lists and mappings are leaves)."""
+def config_keys(cls: type = Config, prefix: str = "", *, algorithm: str | None = None) -> list[str]:
+    """Every settable dotted key (sections expanded; lists and mappings are leaves); the algorithm
+    section holds the keys of `algorithm` (default: ppo)."""
     keys = []
-    for name, tp in _hints(cls).items():
+    for name in _hints(cls):
+        tp = _field_type(cls, name, {"name": algorithm})
         key = f"{prefix}.{name}" if prefix else name
         keys += config_keys(tp, key) if _is_dataclass_type(tp) else [key]
     return keys
@@ -279,8 +356,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def _schema_type(key: str) -> Any:
-    """The annotated type of a dotted key, or None if the schema has no such key."""
+    """The annotated type of a dotted key, or None if the schema has no such key (an algorithm key
+    is looked up in the classes of every algorithm that has it)."""
     found, tp, _ = _locate(key.split("."), {})
+    if found != key and key.startswith("algorithm.") and key.count(".") == 1:
+        leaf = key.partition(".")[2]
+        return next((_hints(cls)[leaf] for cls in ALGORITHM_CONFIGS.values() if leaf in _hints(cls)), None)
     return tp if found == key else None
 
 
@@ -325,15 +406,19 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     data = data or {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {_describe(data)}")
-    config = _build(_merge(Config, to_dict(Config()), data))
+    config = _build(with_defaults(data))
     validate(config)
     return config
 
 
 def with_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
     """The defaults with `data` over them, as `from_dict` reads it, but not validated: for tools that
-    look at a config before they finish it (`plan --model-preset` finds the roles with own weights)."""
-    return _merge(Config, to_dict(Config()), data)
+    look at a config before they finish it (`plan --model-preset` finds the roles with own weights).
+    The algorithm section's defaults are those of the algorithm `data` names."""
+    defaults = to_dict(Config())
+    name = _algorithm_name(data)
+    defaults["algorithm"] = {**to_dict(algorithm_config(name)()), "name": name or "ppo"}
+    return _merge(Config, defaults, data)
 
 
 # Keys of which a user sets one: setting any of them drops the defaults of the others,
@@ -348,9 +433,8 @@ def _merge(cls: type, base: Mapping[str, Any], update: Mapping[str, Any]) -> dic
     exclusive = _EXCLUSIVE_KEYS.get(cls, ())
     if any(name in update for name in exclusive):
         out.update({name: None for name in exclusive})
-    hints = _hints(cls)
     for name, value in update.items():
-        tp = hints.get(name)
+        tp = _field_type(cls, name, value)
         if _is_dataclass_type(tp) and isinstance(value, Mapping) and isinstance(base.get(name), Mapping):
             out[name] = _merge(tp, base[name], value)
         else:
@@ -387,8 +471,15 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Iterable[str]
 
 
 def with_overrides(config: Config, overrides: Iterable[str]) -> Config:
-    """A new validated Config with `key=value` overrides applied to `config`."""
-    return from_dict(apply_overrides(to_dict(config), overrides))
+    """A new validated Config with `key=value` overrides applied to `config`. An override of
+    `algorithm.name` starts the algorithm section from the new algorithm's defaults, keeping the
+    keys whose values differ from the old algorithm's defaults."""
+    data = apply_overrides(to_dict(config), overrides)
+    name = data["algorithm"].get("name")
+    if name != config.algorithm.name:
+        old = to_dict(type(config.algorithm)())
+        data["algorithm"] = {k: v for k, v in data["algorithm"].items() if k == "name" or old.get(k) != v}
+    return from_dict(data)
 
 
 def to_dict(config: Any) -> Any:
@@ -430,7 +521,7 @@ def parse_cli(argv: Sequence[str] | None = None, prog: str = "python -m jaxrlhf.
 # Cross-field validation
 
 
-def _model_presets() -> Mapping[str, Any]:
+def _model_presets() -> Any:
     from jaxrlhf.models.config import PRESETS
 
     return PRESETS
@@ -448,9 +539,7 @@ def _check_role(config: Config, role: str, needed_for: str) -> None:
     if len(ways) > 1:
         raise ConfigError(f"model.{role}: set only one of {', '.join(f'model.{role}.{w}' for w in ways)}")
     if spec.preset is not None and spec.preset not in _model_presets():
-        close = difflib.get_close_matches(spec.preset, list(_model_presets()), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"model.{role}.preset {spec.preset!r} is not a known preset{hint}")
+        raise ConfigError(f"model.{role}.preset: {_model_presets().unknown(spec.preset)}")
     if spec.path is not None and not pathlib.Path(spec.path).expanduser().is_dir():
         raise ConfigError(f"model.{role}.path: checkpoint folder not found: {spec.path}")
     if spec.overrides:
@@ -486,19 +575,14 @@ def _resolved_preset(config: Config, role: str) -> Any | None:
 
 
 def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) -> None:
-    """Rules that span keys. The algorithm (`algorithm.name`) says which roles it needs and
-    checks its own keys; the hardware registry is checked when passed (the planner's)."""
+    """Rules that span keys. The algorithm's declaration (`algorithm.name`) says which roles it needs
+    and checks its own keys; the hardware registry is checked when passed (the planner's)."""
     alg, data, gen = config.algorithm, config.data, config.generation
 
-    from jaxrlhf.algorithms import ALGORITHMS, AlgorithmConfigError
+    # the algorithm's declaration (jaxrlhf.algorithms imports no JAX): its roles and its own rules
+    from jaxrlhf.algorithms import AlgorithmConfigError, declare
 
-    if alg.name not in ALGORITHMS:
-        close = difflib.get_close_matches(alg.name, list(ALGORITHMS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"algorithm.name {alg.name!r} is not a known algorithm{hint} (choices: {', '.join(sorted(ALGORITHMS))})"
-        )
-    algorithm = ALGORITHMS.get(alg.name)(config)
+    algorithm = declare(config)
     try:
         algorithm.validate()
     except AlgorithmConfigError as e:
@@ -558,9 +642,7 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
     from jaxrlhf.data.answers import ANSWER_EXTRACTORS
 
     if data.answer_extract not in ANSWER_EXTRACTORS:
-        raise ConfigError(
-            f"data.answer_extract must be one of {', '.join(ANSWER_EXTRACTORS)}; got {data.answer_extract!r}"
-        )
+        raise ConfigError(f"data.answer_extract: {ANSWER_EXTRACTORS.unknown(data.answer_extract)}")
     if "{prompt}" not in data.prompt_template:
         raise ConfigError(f"data.prompt_template must contain '{{prompt}}'; got {data.prompt_template!r}")
     for key, spec in (("data.source", data.source), ("sft.source", config.sft.source)):

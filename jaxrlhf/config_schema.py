@@ -1,8 +1,10 @@
 """The run configuration's schema: nested frozen dataclasses, one per YAML section.
 
 Field types drive validation (`jaxrlhf.config` hands them to pydantic), `_field(check=...)`
-attaches a per-key value rule, and comments say what a key means. Loading, overrides and the
-rules that span keys live in `jaxrlhf.config`.
+attaches a per-key value rule, and the comment after a field (or the lines just above it) says
+what it means: `python -m jaxrlhf.config_reference` turns them into docs/config_reference.md, so
+every field needs one. The `algorithm` section has one class per set of keys an algorithm reads
+(`ALGORITHM_CONFIGS`). Loading, overrides and the rules that span keys live in `jaxrlhf.config`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import dataclasses
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import pydantic
+
+from jaxrlhf.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
 # Scalar types: YAML values are taken as written, not converted ("10" is no int, 1 no bool).
@@ -89,22 +93,22 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 class RunConfig:
     """Where outputs go, how long to run and on which devices."""
 
-    output_dir: str = "runs/default"
-    steps: Int = _field(100, check=positive)
-    seed: Int = 0
+    output_dir: str = "runs/default"  # metrics, checkpoints, TensorBoard logs and exported models go here
+    steps: Int = _field(100, check=positive)  # training steps (one step = one batch through the step graph)
+    seed: Int = 0  # seeds model init, sampling and (unless data.seed) data order
     resume: Bool = False  # continue from the latest checkpoint in output_dir
     overwrite: Bool = False  # start afresh in an output_dir that holds another run (its files are removed)
-    checkpoint_every: Int = _field(50, check=non_negative)  # steps; 0 = only at the end
-    keep_checkpoints: Int = _field(3, check=positive)
-    log_every: Int = _field(1, check=positive)
-    eval_every: Int = _field(0, check=non_negative)  # steps; 0 = no evaluation on data.eval_split
+    checkpoint_every: Int = _field(50, check=non_negative)  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: Int = _field(3, check=positive)  # newest checkpoints kept; older ones are deleted
+    log_every: Int = _field(1, check=positive)  # steps between metric records (metrics.jsonl, TensorBoard)
+    eval_every: Int = _field(0, check=non_negative)  # steps between evaluations on data.eval_split; 0 = none
     # steps whose JAX profiler trace is written to <output_dir>/profile (TensorBoard, Perfetto); see docs/profiling.md
     profile_steps: tuple[Int, ...] = ()
-    platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"
+    platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"  # JAX backend; auto = what JAX finds
     devices: Int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
     distributed: Bool = False  # several processes form one run (jax.distributed); see the distributed section
     compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
-    tensorboard: Bool = True
+    tensorboard: Bool = True  # also write metrics as TensorBoard events to <output_dir>/tensorboard
     export_hf: Bool = True  # write the final actor as an HF checkpoint
 
 
@@ -119,11 +123,11 @@ class DistributedConfig:
     """
 
     coordinator_address: str | None = None  # host:port of process 0's coordination service
-    num_processes: Int | None = _field(None, check=positive)
-    process_id: Int | None = _field(None, check=non_negative)
-    # run.platform=cpu only: cross-process collectives over gloo, and each process's loopback port for
-    # cross-process device-to-device copies (port = transfer_port_base + process_id)
-    cpu_collectives: Literal["gloo", "mpi"] = "gloo"
+    num_processes: Int | None = _field(None, check=positive)  # processes in the run
+    process_id: Int | None = _field(None, check=non_negative)  # this process (0 = the coordinator)
+    cpu_collectives: Literal["gloo", "mpi"] = "gloo"  # run.platform=cpu only: cross-process collectives
+    # run.platform=cpu only: each process's loopback port for cross-process device-to-device copies
+    # (port = transfer_port_base + process_id)
     transfer_port_base: Int = _field(47700, check=positive)
     initialization_timeout_s: Int = _field(300, check=positive)  # how long to wait for every process to join
     heartbeat_timeout_s: Int = _field(100, check=positive)  # a process silent this long counts as dead
@@ -132,8 +136,9 @@ class DistributedConfig:
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """How model calls are placed on devices (see jaxrlhf.mesh)."""
+    """How model calls are placed on devices (see jaxrlhf.planner and docs/pipelines.md)."""
 
+    # a preset placement, or auto: the planner searches plans for these devices and picks the fastest
     strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl", "auto"] = "colocated"
     file: str | None = None  # a plan YAML; overrides strategy
     offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
@@ -146,41 +151,99 @@ class PlanConfig:
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """The algorithm or training stage (`jaxrlhf.algorithms`) and its hyperparameters.
+    """The algorithm or training stage (`algorithm.name`, see jaxrlhf.algorithms) and its hyperparameters.
 
-    RL algorithms: ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax
-    (defaults follow ReaLHF's PPO). Stages: sft, rm (reward model), dpo. Keys an algorithm does
-    not use are ignored by it; null means "the algorithm's own default".
+    Each algorithm has its own class below, holding exactly the keys it reads (`ALGORITHM_CONFIGS`),
+    so a key another algorithm reads is refused. The stages sft and rm read only these shared keys.
     """
 
-    name: str = _field("ppo", check=not_empty)  # a name in jaxrlhf.algorithms.ALGORITHMS
-    kl_coef: Float = _field(0.1, check=non_negative)  # 0 (and no kl_target) = no reference model
-    kl_target: Float | None = _field(None, check=positive)  # null = fixed coefficient
-    kl_horizon: Int = _field(10000, check=positive)  # adaptive controller horizon (samples)
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # null: k1 in the reward (ppo...), k3 in the loss (grpo)
-    gamma: Float = _field(1.0, check=closed_unit_interval)
-    lam: Float = _field(1.0, check=closed_unit_interval)
-    clip_eps: Float | None = _field(None, check=positive)  # ratio clip 1 - eps; null = 0.2 (gspo 3e-4)
-    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (dapo 0.28)
-    value_clip_eps: Float | None = _field(0.2, check=positive)  # null = unclipped value loss
-    minibatches: Int = _field(4, check=positive)
-    epochs: Int = _field(1, check=positive)
+    # ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax (RL); sft, rm, dpo (stages)
+    name: str = _field("ppo", check=not_empty)
     micro_batch_size: Int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
-    ratio_early_stop: Float | None = _field(5.0, check=positive)  # null = never stop early
-    whiten_advantages: Bool | None = None  # GAE only (null = on); other estimators fix their own normalisation
-    normalize_values: Bool = False
-    group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo: >= 2)
-    norm_adv_by_std: Bool | None = None  # grouped: divide by the group's std; null = true (dr_grpo false)
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(AlgorithmConfig):
+    """What every RL algorithm reads: KL to the reference, the clipped policy update, sampling groups.
+    Defaults follow ReaLHF's PPO; null means "the algorithm's own default"."""
+
+    kl_coef: Float = _field(0.1, check=non_negative)  # KL-to-reference coefficient; 0 (and no kl_target) = no reference model
+    kl_target: Float | None = _field(None, check=positive)  # KL per sequence the adaptive coefficient aims at; null = fixed
+    kl_horizon: Int = _field(10000, check=positive)  # adaptive controller horizon (samples)
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # KL estimator; null: k1 in the reward (ppo...), k3 in the loss (grpo)
+    clip_eps: Float | None = _field(None, check=positive)  # ratio clip 1 - eps; null = 0.2 (gspo 3e-4)
+    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (dapo 0.28, gspo 4e-4)
+    minibatches: Int = _field(4, check=positive)  # policy updates per epoch over the step's rollouts
+    epochs: Int = _field(1, check=positive)  # passes over the step's rollouts
+    ratio_early_stop: Float | None = _field(5.0, check=positive)  # stop a step's updates past this ratio; null = never
+    group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo...: >= 2)
+    # token-mean, seq-mean-token-mean, seq-mean-token-sum-norm; null = the algorithm's own (see docs/algorithms.md)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    entropy_coef: Float = _field(0.0, check=non_negative)
-    # grouped algorithms: drop groups whose rewards are all equal; null = on for dapo only
-    dynamic_sampling: Bool | None = None
-    dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
+    entropy_coef: Float = _field(0.0, check=non_negative)  # entropy bonus in the policy loss
     overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
     overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
-    dpo_beta: Float = _field(0.1, check=positive)  # dpo: strength of the implicit KL to the reference
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(RolloutConfig):
+    """PPO: GAE advantages from a learned critic."""
+
+    gamma: Float = _field(1.0, check=closed_unit_interval)  # discount of later token rewards (in GAE)
+    lam: Float = _field(1.0, check=closed_unit_interval)  # GAE lambda
+    whiten_advantages: Bool | None = None  # whiten over the global batch; null = on
+    value_clip_eps: Float | None = _field(0.2, check=positive)  # value clip around the old values; null = unclipped value loss
+    normalize_values: Bool = False  # the critic learns running-normalised returns
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DiscountedConfig(RolloutConfig):
+    """REINFORCE++ and ReMax: discounted returns of the token rewards, no critic."""
+
+    gamma: Float = _field(1.0, check=closed_unit_interval)  # discount of later token rewards (in the return-to-go)
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig(RolloutConfig):
+    """Algorithms that compare the group of samples of one prompt (rloo; grpo and its variants)."""
+
+    dynamic_sampling: Bool | None = None  # drop groups whose rewards are all equal; null = on for dapo only
+    dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(GroupedConfig):
+    """GRPO and its variants dr_grpo, dapo and gspo (which change only defaults)."""
+
+    norm_adv_by_std: Bool | None = None  # divide by the group's std; null = true (dr_grpo false)
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(AlgorithmConfig):
+    """DPO and IPO on preference pairs."""
+
+    dpo_beta: Float = _field(0.1, check=positive)  # strength of the implicit KL to the reference
+    # conservative DPO (cDPO): the share of pairs taken as mislabelled
     dpo_label_smoothing: Float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
-    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid = DPO, ipo = IPO
+
+
+# Which keys each algorithm reads: `algorithm.name` picks the class the section is validated against.
+# A new algorithm adds its name here (with the class of the keys it reads) and registers its
+# declaration in jaxrlhf.algorithms.
+ALGORITHM_CONFIGS: Registry[type[AlgorithmConfig]] = Registry("algorithm", entries={
+    "ppo": PPOConfig,
+    "grpo": GRPOConfig, "dr_grpo": GRPOConfig, "dapo": GRPOConfig, "gspo": GRPOConfig,
+    "rloo": GroupedConfig,
+    "reinforce_pp": DiscountedConfig, "remax": DiscountedConfig,
+    "sft": AlgorithmConfig, "rm": AlgorithmConfig,
+    "dpo": DPOConfig,
+})
 
 
 @_no_extra_keys
@@ -190,10 +253,10 @@ class RoleModelConfig:
 
     preset: str | None = None  # a name from jaxrlhf.models.config.PRESETS (random init)
     path: str | None = None  # HF checkpoint folder (config.json + *.safetensors)
-    init_from: Literal["actor", "critic", "ref", "reward"] | None = None  # copy that role's trunk
+    init_from: Literal["actor", "critic", "ref", "reward"] | None = None  # copy that role's trunk (its weights at start)
     overrides: dict[str, Any] = _field(factory=dict)  # ModelConfig fields to replace
     dtype: Dtype | None = None  # compute dtype; null = the model's own
-    param_dtype: Dtype | None = None
+    param_dtype: Dtype | None = None  # stored parameter dtype; null = the model's own
     # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
     remat: Literal["none", "full", "dots"] = "none"
 
@@ -225,14 +288,14 @@ class ModelsConfig:
 class OptimConfig:
     """AdamW with warmup and a decay schedule, for one trained role."""
 
-    lr: Float = _field(1e-5, check=positive)
-    weight_decay: Float = _field(0.0, check=non_negative)
-    b1: Float = _field(0.9, check=closed_unit_interval)
-    b2: Float = _field(0.95, check=closed_unit_interval)
-    eps: Float = _field(1e-8, check=positive)
-    warmup_steps: Int = _field(0, check=non_negative)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: Float | None = _field(1.0, check=positive)  # null = no clipping
+    lr: Float = _field(1e-5, check=positive)  # peak learning rate
+    weight_decay: Float = _field(0.0, check=non_negative)  # AdamW decoupled weight decay
+    b1: Float = _field(0.9, check=closed_unit_interval)  # Adam first-moment decay
+    b2: Float = _field(0.95, check=closed_unit_interval)  # Adam second-moment decay
+    eps: Float = _field(1e-8, check=positive)  # Adam denominator epsilon
+    warmup_steps: Int = _field(0, check=non_negative)  # optimizer updates of linear warm-up from 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up: constant, cosine or linear decay
+    max_grad_norm: Float | None = _field(1.0, check=positive)  # gradient global-norm clip; null = no clipping
     master_weights: Bool = True  # bf16/fp16 params: AdamW on an fp32 master copy (no effect on fp32 params)
 
 
@@ -252,28 +315,28 @@ class DataConfig:
     """Prompt data for rollouts (see jaxrlhf.data.sources for what `source` accepts)."""
 
     source: str = _field("arithmetic", check=not_empty)  # bundled task, file, folder or TFDS name
-    split: str = "train"
+    split: str = "train"  # the split of data.source to train on
     eval_split: str | None = "test"  # held-out split for run.eval_every; null = no evaluation
     # null (rm, dpo): chosen and rejected hold the whole dialogue; their shared token prefix is the prompt
     prompt_key: str | None = _field("prompt", check=not_empty)
-    answer_key: str | None = "answer"  # null = no reference answers (reward model only)
+    answer_key: str | None = "answer"  # reference answers' column; null = none (reward model only)
     answer_extract: str = "none"  # a name in jaxrlhf.data.answers.ANSWER_EXTRACTORS
-    prompt_template: str = "{prompt}"
+    prompt_template: str = "{prompt}"  # text around each prompt; must contain {prompt}
     # raw: prompt text as is (after prompt_template); chat: through the tokenizer's own chat_template
     # (tokenizer_config.json), with the assistant header; SFT then trains on assistant turns only
     prompt_format: Literal["raw", "chat"] = "raw"
     system_prompt: str | None = None  # chat: a system message before each text prompt
     messages_key: str = _field("messages", check=not_empty)  # chat: rows with a message list here are conversations
-    add_bos: Bool | None = None  # null = as the tokenizer does (its post-processor / add_bos_token)
+    add_bos: Bool | None = None  # prepend BOS to prompts; null = as the tokenizer does (its post-processor / add_bos_token)
     batch_size: Int = _field(32, check=positive)  # prompts per step (global)
-    max_prompt_len: Int = _field(64, check=positive)  # tokens; longer prompts are skipped
+    max_prompt_len: Int = _field(64, check=positive)  # prompt length cap (tokens); longer prompts are skipped
     pad_multiple: Int = _field(16, check=positive)  # prompt lengths pad to multiples of this
-    shuffle: Bool = True
-    seed: Int | None = None  # null = run.seed
+    shuffle: Bool = True  # a new order every epoch (seeded)
+    seed: Int | None = None  # data order seed; null = run.seed
     data_dir: str | None = None  # TFDS data dir; null = $JAXRLHF_DATA_DIR or ~/.cache/jaxrlhf/tfds
-    chosen_key: str = _field("chosen", check=not_empty)  # preference pairs (rm, dpo)
-    rejected_key: str = _field("rejected", check=not_empty)
-    max_seq_len: Int | None = _field(None, check=positive)  # sft/rm/dpo; null = max_prompt_len + max_new_tokens
+    chosen_key: str = _field("chosen", check=not_empty)  # the preferred response's column (rm, dpo)
+    rejected_key: str = _field("rejected", check=not_empty)  # the dispreferred response's column
+    max_seq_len: Int | None = _field(None, check=positive)  # sequence length cap of sft/rm/dpo; null = max_prompt_len + max_new_tokens
     packing: Bool = False  # sft: several demonstrations per row
 
 
@@ -283,13 +346,13 @@ class SFTConfig:
     """Optional supervised warm-up of the actor before RL: the `sft` stage run first, on the
     actor's training placement (the reference then copies the warmed-up actor)."""
 
-    steps: Int = _field(0, check=non_negative)  # 0 = no warm-up
-    source: str | None = None  # null = data.source
-    split: str = "sft"
-    completion_key: str | None = None  # null = data.answer_key
-    batch_size: Int = _field(32, check=positive)
-    lr: Float = _field(1e-3, check=positive)
-    packing: Bool = False
+    steps: Int = _field(0, check=non_negative)  # warm-up steps before the algorithm; 0 = no warm-up
+    source: str | None = None  # demonstrations; null = data.source
+    split: str = "sft"  # the split of sft.source with the demonstrations
+    completion_key: str | None = None  # the demonstration's column; null = data.answer_key
+    batch_size: Int = _field(32, check=positive)  # demonstrations per warm-up step
+    lr: Float = _field(1e-3, check=positive)  # warm-up learning rate (constant after 10 warm-up updates)
+    packing: Bool = False  # several demonstrations per row
 
 
 @_no_extra_keys
@@ -297,11 +360,11 @@ class SFTConfig:
 class GenerationConfig:
     """Sampling for rollouts; the loss recomputes log-probs with the same processing."""
 
-    max_new_tokens: Int = _field(32, check=positive)
-    temperature: Float = _field(1.0, check=positive)
-    top_k: Int = _field(0, check=non_negative)  # 0 = off
-    top_p: Float = _field(1.0, check=unit_interval)  # 1 = off
-    greedy: Bool = False
+    max_new_tokens: Int = _field(32, check=positive)  # response length cap (tokens)
+    temperature: Float = _field(1.0, check=positive)  # logits are divided by this before sampling
+    top_k: Int = _field(0, check=non_negative)  # sample among the k likeliest tokens; 0 = off
+    top_p: Float = _field(1.0, check=unit_interval)  # nucleus sampling mass; 1 = off
+    greedy: Bool = False  # argmax decoding instead of sampling
 
 
 @_no_extra_keys
@@ -309,9 +372,9 @@ class GenerationConfig:
 class RewardRule:
     """One rule reward by registry name, its weight and keyword arguments."""
 
-    name: str = _field(check=not_empty)
-    weight: Float = 1.0
-    args: dict[str, Any] = _field(factory=dict)
+    name: str = _field(check=not_empty)  # a name in jaxrlhf.algorithms.rules.REWARD_FUNCTIONS
+    weight: Float = 1.0  # the rule's weight in the sum
+    args: dict[str, Any] = _field(factory=dict)  # keyword arguments of the rule function
 
 
 def _rule_by_name(value: Any) -> Any:
@@ -328,9 +391,9 @@ class RewardsConfig:
     """Reward = (sum of weighted rules [+ reward model] - bias) * scale, clipped."""
 
     model: Bool = False  # score with the reward model (model.reward)
-    rules: tuple[RuleOrName, ...] = (RewardRule("exact_match"),)
-    scale: Float = 1.0
-    bias: Float = 0.0
+    rules: tuple[RuleOrName, ...] = (RewardRule("exact_match"),)  # rule rewards: names or {name, weight, args}
+    scale: Float = 1.0  # multiplies the score after the bias
+    bias: Float = 0.0  # subtracted from the score first
     clip: Float | None = _field(20.0, check=positive)  # |reward| bound; null = no clipping
     eos_only: Bool = True  # sequences that did not end with EOS get no score
 
@@ -356,7 +419,7 @@ class Config:
     run: RunConfig = _field(factory=RunConfig)
     distributed: DistributedConfig = _field(factory=DistributedConfig)
     plan: PlanConfig = _field(factory=PlanConfig)
-    algorithm: AlgorithmConfig = _field(factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = _field(factory=PPOConfig)  # the class ALGORITHM_CONFIGS[algorithm.name]
     model: ModelsConfig = _field(factory=ModelsConfig)
     optimizer: OptimizersConfig = _field(factory=OptimizersConfig)
     data: DataConfig = _field(factory=DataConfig)

@@ -29,18 +29,20 @@ class Interrupted(Exception):
     """SIGINT/SIGTERM stopped a run cleanly; the message says what was saved and how to resume."""
 
 
-def _expected() -> tuple[type[BaseException], ...]:
-    from jaxrlhf.algorithms.base import AlgorithmConfigError
-    from jaxrlhf.config import ConfigError
-    from jaxrlhf.data.sources import DataError
-    from jaxrlhf.distributed import DistributedError
-    from jaxrlhf.models.generation import GenerationError
-    from jaxrlhf.models.hf_io import CheckpointError
-    from jaxrlhf.models.tokenizer import TokenizerError
-    from jaxrlhf.planner.plan import PlanError
+# The user's mistakes, by the module that raises them.
+_EXPECTED = (
+    ("jaxrlhf.config", "ConfigError"), ("jaxrlhf.planner.plan", "PlanError"), ("jaxrlhf.data.sources", "DataError"),
+    ("jaxrlhf.models.hf_io", "CheckpointError"), ("jaxrlhf.models.tokenizer", "TokenizerError"),
+    ("jaxrlhf.models.generation", "GenerationError"), ("jaxrlhf.algorithms.base", "AlgorithmConfigError"),
+    ("jaxrlhf.distributed", "DistributedError"),
+)
 
-    return (ConfigError, PlanError, DataError, CheckpointError, TokenizerError, GenerationError,
-            AlgorithmConfigError, RunError, DistributedError)
+
+def _expected() -> tuple[type[BaseException], ...]:
+    """The error classes a user's mistake raises, of the modules imported so far: a module that was
+    never imported raised nothing, and importing it here would load JAX to report a config typo."""
+    loaded = (sys.modules.get(module) for module, _ in _EXPECTED)
+    return (RunError, *(getattr(m, name) for m, (_, name) in zip(loaded, _EXPECTED) if m is not None))
 
 
 # OS errors a user fixes (space, permissions, a path that is a file), with the fix to print.

@@ -88,8 +88,7 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
         from jaxrlhf.models.config import PRESETS
 
         if args.model_preset not in PRESETS:
-            raise cfglib.ConfigError(f"--model-preset {args.model_preset!r} is not a model preset. "
-                                     f"Known presets: {', '.join(sorted(PRESETS))}")
+            raise cfglib.ConfigError(f"--model-preset: {PRESETS.unknown(args.model_preset)}")
         models = cfglib.with_defaults(data)["model"]
         presets = []
         for role in cfglib.ROLES:
@@ -226,11 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.algorithms import declare
 
     try:
         cfg = resolve_config(args)
-        algorithm = build_algorithm(cfg)
+        algorithm = declare(cfg)  # its roles, graph and workload: the planner needs no runtime
         graph = algorithm.graph()
         devices, per_host = planning.machine(cfg)
         if args.devices:

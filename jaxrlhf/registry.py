@@ -1,5 +1,6 @@
 """One registry helper for every "pick an implementation by name" table
-(algorithms, advantage estimators, policy losses, rule rewards, strategy presets).
+(algorithms and their config classes, advantage and KL estimators, policy losses, rule
+rewards, answer extractors, lr schedules, model presets, bundled tasks, strategy presets).
 
     LOSSES = Registry("policy loss")
 
@@ -7,6 +8,7 @@
     def ppo_loss(...): ...
 
     LOSSES.get("ppo")      # unknown names raise `error` with the close matches and the known names
+    PRESETS = Registry("model preset", KeyError, {"tiny": ..., "small": ...})  # a table given whole
 
 A registry is a read-only mapping of name -> entry, so config validation can
 list or check names without importing the implementations' dependencies.
@@ -24,10 +26,12 @@ T = TypeVar("T")
 class Registry(Mapping[str, T], Generic[T]):
     """Named entries of one kind; `error` is the exception type unknown names raise."""
 
-    def __init__(self, kind: str, error: type[Exception] = ValueError):
+    def __init__(self, kind: str, error: type[Exception] = ValueError, entries: Mapping[str, T] | None = None):
         self.kind = kind
         self.error = error
         self._entries: dict[str, T] = {}
+        for name, entry in (entries or {}).items():
+            self.register(name)(entry)
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator adding an entry under `name` (names are unique)."""

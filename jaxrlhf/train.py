@@ -204,13 +204,13 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     """The SFT stage on the actor's training placement for `sft.steps` steps; updates `actor.params`."""
     import jax
 
+    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.algorithms.optim import build_optimizer
-    from jaxrlhf.algorithms.sft import SFT
     from jaxrlhf.distributed import host_get
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
 
-    stage = SFT(cfg, warmup=True)
+    stage = build_algorithm(cfg, "sft", warmup=True)
     wplan = warmup_plan(plan)
     wcache = CallCache(wplan, devices=cache.devices, rules=cache.rules)
     optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps))
@@ -238,7 +238,7 @@ def open_checked_data(cfg: cfglib.Config, algorithm, tokenizer):
     """The run's training stream, after every stream the run will read (training, held-out split,
     SFT warm-up) was opened and one batch of each encoded: a data error of a later stage stops the
     run before an earlier stage (the warm-up, model building) has spent any time."""
-    from jaxrlhf.algorithms.sft import SFT
+    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.data.sources import DataError
 
     streams = [("data", lambda: algorithm.dataset(tokenizer))]
@@ -246,7 +246,7 @@ def open_checked_data(cfg: cfglib.Config, algorithm, tokenizer):
         streams.append((f"data.eval_split={cfg.data.eval_split}",
                         lambda: algorithm.dataset(tokenizer, split=cfg.data.eval_split)))
     if cfg.sft.steps and not cfg.run.resume:
-        streams.append(("sft warm-up data", lambda: SFT(cfg, warmup=True).dataset(tokenizer)))
+        streams.append(("sft warm-up data", lambda: build_algorithm(cfg, "sft", warmup=True).dataset(tokenizer)))
     opened = []
     for label, build in streams:
         try:

@@ -315,7 +315,7 @@ def _trl_classes():
 
         def __init__(self, spec: dict, by_ids: dict):
             from jaxrlhf.models.tokenizer import load_tokenizer
-            from jaxrlhf.algorithms.rewards import CombinedReward
+            from jaxrlhf.algorithms.rules import CombinedReward
 
             super().__init__()
             self.rules = CombinedReward([tuple(r) for r in spec["rules"]])

@@ -1,12 +1,15 @@
 """Config: YAML + overrides, printing, and the specific message of each mistake."""
 
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
 import yaml
 
 from jaxrlhf.config import (
+    ALGORITHM_CONFIGS,
     Config,
     ConfigError,
     RewardRule,
@@ -141,8 +144,9 @@ def test_wrong_type(override, message):
     [
         (["plan.strategy=colocatd"], "config key 'plan.strategy' must be one of colocated, interleaved, "
                                      "disaggregated, reallocated, heuristic, verl, auto; got 'colocatd'; did you mean 'colocated'?"),
-        (["algorithm.name=trpo"], "algorithm.name 'trpo' is not a known algorithm; did you mean 'grpo'? "
-                                  "(choices: dapo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo, rm, sft)"),
+        (["algorithm.name=trpo"], "algorithm.name: unknown algorithm 'trpo'. Did you mean 'grpo'? "
+                                  "Known: ['dapo', 'dpo', 'dr_grpo', 'grpo', 'gspo', 'ppo', 'reinforce_pp', 'remax', "
+                                  "'rloo', 'rm', 'sft']"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
         (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
@@ -151,12 +155,23 @@ def test_wrong_type(override, message):
                                   "algorithm.group_size must be >= 2, got 1"),
         (["algorithm.advantage=grpo"], "config key 'algorithm.advantage' was removed: the advantage estimator is "
                                        "part of algorithm.name now"),
+        # each algorithm has the keys it reads (config_schema.ALGORITHM_CONFIGS); another's key is refused
         (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.whiten_advantages=true"],
-         "algorithm.whiten_advantages does not apply to algorithm.name=grpo: whitening would undo its normalisation"),
+         "config key 'algorithm.whiten_advantages' is not read by algorithm.name=grpo (it is for ppo); grpo reads name, "
+         "micro_batch_size, kl_coef,"),
+        (["algorithm.dpo_beta=0.5"], "config key 'algorithm.dpo_beta' is not read by algorithm.name=ppo (it is for dpo); "
+                                     "ppo reads name, micro_batch_size, kl_coef,"),
+        (["algorithm.name=dpo", "algorithm.gamma=0.9"],
+         "config key 'algorithm.gamma' is not read by algorithm.name=dpo (it is for ppo, reinforce_pp, remax); dpo reads "
+         "name, micro_batch_size, dpo_beta, dpo_label_smoothing, dpo_loss"),
+        (["algorithm.name=rloo", "algorithm.dynamic_sampling_factr=3"],
+         "unknown config key 'algorithm.dynamic_sampling_factr'; did you mean 'algorithm.dynamic_sampling_factor'"),
+        (["algorithm.name=sft", "algorithm.bogus=1"],
+         "unknown config key 'algorithm.bogus'; algorithm.name=sft reads name, micro_batch_size"),
         (["algorithm.name=dpo", "sft.steps=0", "model.ref.init_from=null"],
          "model.ref is needed (DPO measures the policy against the reference) but has no weights"),
         (["algorithm.name=rm", "model.reward.init_from=actor", "sft.steps=5"], "algorithm.name=rm has none to warm up"),
-        (["model.actor.preset=tiyn"], "model.actor.preset 'tiyn' is not a known preset; did you mean 'tiny'"),
+        (["model.actor.preset=tiyn"], "model.actor.preset: unknown model preset 'tiyn'. Did you mean 'tiny'?"),
         # An explicit override wins over the other weight sources (here: then the folder is missing).
         (["model.actor.preset=tiny", "model.actor.path=/nonexistent"], "model.actor.path: checkpoint folder not found"),
         (["model.critic.init_from=critic"], "model.critic.init_from forms a cycle"),
@@ -165,7 +180,8 @@ def test_wrong_type(override, message):
         (["rewards.rules=[]"], "no reward: set rewards.model=true"),
         (["data.max_prompt_len=600"], "exceeds the actor's max_position_embeddings 512"),
         (["data.source=/nonexistent/prompts.jsonl"], "data.source: file or folder not found"),
-        (["data.answer_extract=gsm9k"], "data.answer_extract must be one of none, gsm8k"),
+        (["data.answer_extract=gsm9k"], "data.answer_extract: unknown answer extractor 'gsm9k'. Did you mean 'gsm8k'? "
+                                        "Known: ['gsm8k', 'last_number', 'none']"),
         (["data.prompt_template=Question"], "data.prompt_template must contain '{prompt}'"),
         (["plan.offpolicy=true"], "use plan.strategy=disaggregated"),
         (["plan.file=/nonexistent/plan.yaml"], "plan.file: plan file not found"),
@@ -256,3 +272,104 @@ def test_a_file_must_be_a_utf8_mapping(tmp_path):
     path.write_bytes("run:\n  output_dir: caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"^config file .*latin1.yaml is not UTF-8 text \(line 2\)"):
         load_config(path)
+
+
+def test_the_config_path_imports_no_jax():
+    """Loading, validating and printing a config (and every algorithm's declaration: roles, graph,
+    rules) reads declarations only: no JAX, flax or optax, so `--print-config` answers at once;
+    reporting a config mistake loads none either."""
+    code = (
+        "import contextlib, io, pathlib, sys\n"
+        "from jaxrlhf import config, train\n"
+        "from jaxrlhf.algorithms import declare\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    assert train.main(['--config', 'configs/quickstart.yaml', '--print-config']) == 0\n"
+        "    assert train.main(['--print-config', 'algorithm.dpo_beta=0.5']) == 2\n"
+        "assert 'not read by algorithm.name=ppo' in err.getvalue(), err.getvalue()\n"
+        "for path in sorted(pathlib.Path('configs').glob('*.yaml')):\n"
+        "    cfg = config.load_config(path)\n"
+        "    declare(cfg).graph(), declare(cfg).roles()\n"
+        "for name, cls in config.ALGORITHM_CONFIGS.items():\n"
+        "    extra = ['algorithm.group_size=2'] if 'group_size' in cls.__dataclass_fields__ else []\n"
+        "    extra += ['model.reward.init_from=actor'] if name == 'rm' else []\n"
+        "    declare(config.load_config(None, [f'algorithm.name={name}', *extra]), name).graph()\n"
+        "print(sorted(m for m in ('jax', 'flax', 'optax', 'jaxlib') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_each_algorithm_has_its_own_section():
+    """`algorithm.name` picks the section's class: its defaults, and only its keys."""
+    from jaxrlhf.algorithms import ALGORITHMS
+
+    assert set(ALGORITHM_CONFIGS) == set(ALGORITHMS)
+    dpo = load_config(None, ["algorithm.name=dpo", "algorithm.dpo_beta=0.5"]).algorithm
+    assert type(dpo) is ALGORITHM_CONFIGS["dpo"] and dpo.dpo_beta == 0.5 and not hasattr(dpo, "gamma")
+    assert set(format_config(load_config(None, ["algorithm.name=sft"])).split("algorithm:")[1].split("model:")[0]
+               .split()) == {"name:", "sft", "micro_batch_size:", "null"}
+    # A file's algorithm section is merged over the defaults of the algorithm it names.
+    assert load_config(REPO / "configs" / "dpo.yaml", ["algorithm.micro_batch_size=4"]).algorithm.micro_batch_size == 4
+    # Switching the algorithm of a resolved config keeps only what was changed from the old defaults.
+    config = with_overrides(load_config(None, ["algorithm.minibatches=2"]), ["algorithm.name=grpo",
+                                                                            "algorithm.group_size=4"])
+    assert config.algorithm.name == "grpo" and config.algorithm.minibatches == 2
+    with pytest.raises(ConfigError, match="'algorithm.gamma' is not read by algorithm.name=dpo"):
+        with_overrides(load_config(None, ["algorithm.gamma=0.9"]), ["algorithm.name=dpo"])
+    # The name decides which keys are valid, so a name of the wrong type is the one error.
+    with pytest.raises(ConfigError, match=r"^config key 'algorithm.name' expects str, got 5 \(int\)$"):
+        from_dict({"algorithm": {"name": 5, "kl_coef": 1.0}})
+
+
+def test_rl_sections_hold_what_their_estimator_takes():
+    """The keys of each RL algorithm's section match the hyper-parameters its advantage estimator takes
+    (jaxrlhf.algorithms.advantages; `scale_by_std` is `algorithm.norm_adv_by_std`), so no section holds
+    an estimator key its algorithm ignores."""
+    from jaxrlhf.algorithms import ALGORITHMS
+    from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+    config_name = {"gamma": "gamma", "lam": "lam", "scale_by_std": "norm_adv_by_std"}
+    for name, cls in ALGORITHMS.items():
+        estimator = getattr(cls, "estimator", None)
+        if estimator is None:
+            continue
+        keys = {f for f in ALGORITHM_CONFIGS[name].__dataclass_fields__} & set(config_name.values())
+        takes = {config_name[p] for p in ADVANTAGE_ESTIMATORS.get(estimator).params if p in config_name}
+        assert keys == takes, name
+        assert ("whiten_advantages" in ALGORITHM_CONFIGS[name].__dataclass_fields__) == (
+            ADVANTAGE_ESTIMATORS.get(estimator).whitening == "optional"), name
+
+
+def test_the_checked_in_reference_is_current():
+    """docs/config_reference.md is what the schema generates: every key, its default and its meaning."""
+    from jaxrlhf.config_reference import reference
+
+    text = reference()
+    current = (REPO / "docs" / "config_reference.md").read_text()
+    assert text == current, "regenerate: python -m jaxrlhf.config_reference > docs/config_reference.md"
+    for key in config_keys():  # every key appears (the roles' keys as model.<role>.*)
+        parts = key.split(".")
+        if parts[0] in ("model", "optimizer") and len(parts) == 3:
+            key = f"{parts[0]}.<role>.{parts[2]}"
+        assert f"`{key}`" in text, key
+    for cls in set(ALGORITHM_CONFIGS.values()):
+        for name in cls.__dataclass_fields__:
+            assert f"`algorithm.{name}`" in text, name
+
+
+def test_name_tables_are_registries():
+    """Every table config validation looks names up in is a `Registry`: one did-you-mean for all."""
+    from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
+    from jaxrlhf.data.answers import ANSWER_EXTRACTORS
+    from jaxrlhf.models.config import PRESETS
+    from jaxrlhf.registry import Registry
+
+    for table in (ALGORITHM_CONFIGS, PRESETS, ANSWER_EXTRACTORS, REWARD_FUNCTIONS):
+        assert isinstance(table, Registry)
+    with pytest.raises(KeyError, match=r"unknown model preset 'tinny'\. Did you mean 'tiny'\?"):
+        PRESETS.get("tinny")
+    table = Registry("colour", entries={"red": 1, "green": 2})
+    assert dict(table) == {"red": 1, "green": 2} and table.get("red") == 1
+    with pytest.raises(ValueError, match="colour 'red' is already registered"):
+        table.register("red")(3)

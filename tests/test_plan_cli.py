@@ -62,8 +62,8 @@ def test_plans_the_graph_of_any_algorithm(algorithm, calls, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model-preset", "tiny", "--hardware", "warp9"], "known profiles"),
-    (["--model-preset", "llama9"], "Known presets"),
-    (["--model-preset", "tiny", "--algorithm", "trpo"], "not a known algorithm"),
+    (["--model-preset", "llama9"], "--model-preset: unknown model preset 'llama9'"),
+    (["--model-preset", "tiny", "--algorithm", "trpo"], "algorithm.name: unknown algorithm 'trpo'"),
     (["--config", "nope.yaml"], "nope.yaml"),
     (["--model-preset", "tiny", "--inter-node-gbps", "0"], "must be a positive number of Gb/s"),
     (["--model-preset", "tiny", "--inter-node-gbps", "fast"], "expected a number of Gb/s"),

@@ -4,21 +4,12 @@ Every estimator has the same signature
 
     fn(batch: AdvantageBatch, **hparams) -> (advantages [B, T], returns [B, T])
 
-and is registered with `@register_advantage("name", needs_critic=..., whitening=...,
-params=(...))`; `params` names the hyper-parameters it takes from the ones every
-caller offers (gamma, lam, group_size, scale_by_std), so one call site serves
-them all. Hyper-parameters are plain Python values (`group_size` decides
+and is registered with `@register_advantage("name")`. What a caller must know about
+it before JAX is loaded (whether it needs a critic, whether whitening applies, which of
+the hyper-parameters every caller offers - gamma, lam, group_size, scale_by_std - it
+takes) is declared under the same name in `jaxrlhf.algorithms.estimators`, so one call
+site serves them all. Hyper-parameters are plain Python values (`group_size` decides
 shapes, so it must be static under jit).
-
-Whitening (normalising advantages over all response tokens of the global
-batch) is a property of the estimator, declared beside it:
-- "optional": the caller may whiten (GAE; on by default, as ReaLHF, TRL, verl
-  and OpenRLHF do for PPO);
-- "never":    the estimator normalises itself, and whitening would undo it
-  (GRPO's group normalisation: an all-equal group must keep advantage 0 and
-  advantages must not depend on response length), or it is not part of the
-  method (RLOO, ReMax);
-- "always":   the estimator *is* a batch normalisation (REINFORCE++), done inside.
 
 - "gae"          PPO with a critic: generalised advantage estimation over tokens.
 - "grpo"         (r - mean_group) / (std_group + eps) over G samples per prompt
@@ -47,8 +38,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float
 
-from jaxrlhf.registry import Registry
+from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.stats import masked_sum, masked_whiten
+from jaxrlhf.registry import Registry
 
 TokenArray = Float[Array, "batch time"]
 
@@ -75,12 +67,9 @@ class AdvantageFn(Protocol):
     def __call__(self, batch: AdvantageBatch, **hparams) -> tuple[TokenArray, TokenArray]: ...
 
 
-WHITENING = ("optional", "never", "always")
-
-
 @dataclasses.dataclass(frozen=True)
 class Estimator:
-    """A registered estimator with what callers must know about it."""
+    """A registered estimator with what callers must know about it (its `EstimatorFacts`)."""
 
     fn: AdvantageFn
     needs_critic: bool
@@ -95,15 +84,12 @@ class Estimator:
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 
-def register_advantage(
-    name: str, *, needs_critic: bool = False, whitening: str = "never", params: tuple[str, ...] = ()
-) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator adding an estimator (see the module docstring for `whitening`)."""
-    if whitening not in WHITENING:
-        raise ValueError(f"whitening must be one of {WHITENING}, got {whitening!r}")
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator adding the estimator declared as `name` in `jaxrlhf.algorithms.estimators`."""
+    facts = ESTIMATORS.get(name)
 
     def wrap(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGE_ESTIMATORS.register(name)(Estimator(fn, needs_critic, whitening, params))
+        ADVANTAGE_ESTIMATORS.register(name)(Estimator(fn, **dataclasses.asdict(facts)))
         return fn
 
     return wrap
@@ -123,7 +109,7 @@ def _float_mask(batch: AdvantageBatch) -> TokenArray:
     return jnp.asarray(batch.mask).astype(jnp.float32)
 
 
-@register_advantage("gae", needs_critic=True, whitening="optional", params=("gamma", "lam"))
+@register_advantage("gae")
 def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
 
@@ -177,7 +163,7 @@ def _broadcast(seq_adv: Float[Array, "batch"], batch: AdvantageBatch) -> tuple[T
     return adv, adv
 
 
-@register_advantage("grpo", params=("group_size", "scale_by_std"))
+@register_advantage("grpo")
 def grpo(
     batch: AdvantageBatch, *, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
 ) -> tuple[TokenArray, TokenArray]:
@@ -201,7 +187,7 @@ def grpo(
     return _broadcast(adv.reshape(-1), batch)
 
 
-@register_advantage("rloo", params=("group_size",))
+@register_advantage("rloo")
 def rloo(batch: AdvantageBatch, *, group_size: int) -> tuple[TokenArray, TokenArray]:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
@@ -215,7 +201,7 @@ def rloo(batch: AdvantageBatch, *, group_size: int) -> tuple[TokenArray, TokenAr
     return _broadcast((r - baseline).reshape(-1), batch)
 
 
-@register_advantage("remax", params=("gamma",))
+@register_advantage("remax")
 def remax(batch: AdvantageBatch, *, gamma: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """ReMax (Li et al. 2023): the greedy response's reward is the baseline.
 
@@ -244,7 +230,7 @@ def _returns_to_go(rewards: TokenArray, mask: TokenArray, gamma: float) -> Token
     return returns_tm.T
 
 
-@register_advantage("reinforce_pp", whitening="always", params=("gamma",))
+@register_advantage("reinforce_pp")
 def reinforce_pp(batch: AdvantageBatch, *, gamma: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """REINFORCE++ (Hu 2025): token-level returns, normalised over the whole batch.
 

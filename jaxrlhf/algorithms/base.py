@@ -1,25 +1,29 @@
 """What every algorithm and training stage provides, and the registry that picks one by name.
 
-An `Algorithm` is built from the run config alone, so config validation, the
-planner and `python -m jaxrlhf.plan` can ask it which roles it needs and
-what its step graph is without touching weights or devices. `bind()` then
-gives it the built models; from there it supplies what the executor runs:
-the pure function of every call, the host steps between them, the carried
-state, and how a data batch becomes the step's feed.
+An algorithm comes in two halves. Its declaration (a registered `Algorithm` subclass: name,
+roles, step graph, config rules; the keys it reads are `ALGORITHM_CONFIGS[name]` in
+jaxrlhf.config_schema) is built from the run config alone and imports no JAX, so config
+validation, the planner and `python -m jaxrlhf.plan` can ask which roles it needs and what
+its step graph is without touching weights or devices. Its runtime (the class `runtime`
+names: the pure function of every call, the host steps between them, the carried state,
+how a data batch becomes the step's feed, metrics) imports the jitted code;
+`build_algorithm` joins the two, and `bind()` gives the result the built models.
 
-    algo = ALGORITHMS.get(cfg.algorithm.name)(cfg)
-    algo.roles()      # {"actor": RoleSpec("lm", trained=True, ...), ...}
-    algo.graph()      # the CallGraph the planner plans and the executor runs
+    algo = declare(cfg)          # the declaration: no JAX
+    algo.roles()                 # {"actor": RoleSpec("lm", trained=True, ...), ...}
+    algo.graph()                 # the CallGraph the planner plans and the executor runs
+    run = build_algorithm(cfg)   # declaration + runtime, for a run
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-import numpy as np
-
+from jaxrlhf.config_schema import ALGORITHM_CONFIGS, AlgorithmConfig
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.registry import Registry
 
@@ -48,6 +52,7 @@ class Algorithm(abc.ABC):
 
     name: ClassVar[str] = ""
     data: ClassVar[str] = "prompts"  # what a step consumes: "prompts", "demonstrations" or "pairs"
+    runtime: ClassVar[str] = ""  # "module:Class" of the runtime half, imported by `build_algorithm`
 
     def __init__(self, cfg: "Config"):
         self.cfg = cfg
@@ -65,6 +70,11 @@ class Algorithm(abc.ABC):
 
     def validate(self) -> None:
         """Algorithm-specific config rules; raise AlgorithmConfigError naming the key and the fix."""
+
+    @classmethod
+    def config_class(cls) -> type[AlgorithmConfig]:
+        """The class of the `algorithm` keys this algorithm reads."""
+        return ALGORITHM_CONFIGS[cls.name]
 
     @property
     def updates_per_step(self) -> int:
@@ -100,15 +110,15 @@ class Algorithm(abc.ABC):
     def epochs(self) -> int:
         return 1
 
-    # ---- runtime ----------------------------------------------------------------------------
+    # ---- runtime (the `runtime` class implements these) --------------------------------------
     def bind(self, tokenizer: "Tokenizer", models: Mapping[str, "Role"]) -> None:
         """Attach the tokenizer and built models; call functions are bound from here."""
         self.tokenizer = tokenizer
         self.models = dict(models)
 
-    @abc.abstractmethod
     def functions(self) -> dict[str, Any]:
         """Pure function of every call of the graph (see `jaxrlhf.placement.executor`), bound once."""
+        raise self._declaration_only()
 
     def host_steps(self) -> dict[str, Any]:
         """Host-side function of every host step of the graph."""
@@ -118,17 +128,17 @@ class Algorithm(abc.ABC):
         """Values carried between steps, before the first step (host values; arrays as numpy)."""
         return {}
 
-    @abc.abstractmethod
     def dataset(self, tokenizer: "Tokenizer", split: str | None = None) -> Any:
         """The training data stream (`next_batch`, `state_dict`, `load_state_dict`, `metrics`)."""
+        raise self._declaration_only()
 
-    @abc.abstractmethod
     def feed(self, batch: Any, rng: Any) -> dict[str, Any]:
         """A data batch and the step's random key -> the graph's feed."""
+        raise self._declaration_only()
 
-    @abc.abstractmethod
     def metrics(self, result: "StepResult") -> dict[str, float]:
         """Host-side metrics of one step (the only other read of device values besides host steps)."""
+        raise self._declaration_only()
 
     def metric_values(self) -> tuple[str, ...]:
         """The step values `metrics` reads: the executor brings them to host in one gather per step
@@ -144,32 +154,38 @@ class Algorithm(abc.ABC):
         return tuple(r for r, spec in self.roles().items() if spec.trained and spec.head in ("lm", "reward"))
 
 
+    def _declaration_only(self) -> Exception:
+        return NotImplementedError(f"{type(self).__name__} is a declaration; build_algorithm() adds its runtime")
+
+
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: register under `cls.name`."""
+    """Class decorator: register under `cls.name` (which must have its keys in `ALGORITHM_CONFIGS`)."""
+    if cls.name not in ALGORITHM_CONFIGS:
+        raise ValueError(f"algorithm {cls.name!r}: add the class of its keys to jaxrlhf.config_schema.ALGORITHM_CONFIGS")
     return ALGORITHMS.register(cls.name)(cls)
 
 
-def build_algorithm(cfg: "Config") -> Algorithm:
-    """The algorithm `algorithm.name` names, built from the config."""
+def declare(cfg: "Config", name: str | None = None, **kwargs: Any) -> Algorithm:
+    """The declaration of algorithm `name` (default `algorithm.name`) for this config; imports no JAX."""
     import jaxrlhf.algorithms  # noqa: F401  (registers every algorithm)
 
-    return ALGORITHMS.get(cfg.algorithm.name)(cfg)
+    return ALGORITHMS.get(name or cfg.algorithm.name)(cfg, **kwargs)
 
 
-# ---- evaluation batches ------------------------------------------------------------------------
-def eval_batches(rows: int, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One pass over `rows` held-out rows in fixed-size batches: (row indices, real-row weights).
+def build_algorithm(cfg: "Config", name: str | None = None, **kwargs: Any) -> Algorithm:
+    """Algorithm `name` (default `algorithm.name`) with its runtime, for a run: imports the jitted code."""
+    import jaxrlhf.algorithms  # noqa: F401  (registers every algorithm)
 
-    The last batch is padded by repeating rows with weight 0, so every batch has the
-    compiled shape and its rows split evenly over the batch axes.
-    """
-    for start in range(0, rows, batch_size):
-        idx = np.arange(start, min(start + batch_size, rows))
-        weight = np.ones(batch_size, np.float32)
-        if len(idx) < batch_size:
-            weight[len(idx):] = 0.0
-            idx = np.concatenate([idx, np.resize(idx, batch_size - len(idx))])
-        yield idx, weight
+    return runtime_class(ALGORITHMS.get(name or cfg.algorithm.name))(cfg, **kwargs)
+
+
+@functools.cache
+def runtime_class(cls: type[Algorithm]) -> type[Algorithm]:
+    """`cls` with its runtime half first in the method order (the runtime reads the declaration's
+    class attributes, so one runtime serves a family such as every RL algorithm)."""
+    module, _, attr = cls.runtime.partition(":")
+    runtime = getattr(importlib.import_module(module), attr)
+    return type(cls.__name__, (runtime, cls), {"__module__": runtime.__module__, "__doc__": cls.__doc__})

@@ -9,7 +9,7 @@ authors confirmed; OpenRLHF sums). Implicit rewards beta (log pi - log pi_ref)
 and their accuracy (chosen > rejected, strictly) are logged every step and,
 with `run.eval_every`, on `data.eval_split`.
 
-The step graph: `ref.inference` (reference log-probs of both responses, on
+The stage is declared in `jaxrlhf.algorithms.stages`; this is its runtime. The step graph: `ref.inference` (reference log-probs of both responses, on
 the reference's placement) then `actor.train`.
 """
 
@@ -24,12 +24,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
-from jaxrlhf.algorithms.pairs import PAIR, pair_arrays, pair_logprobs
+from jaxrlhf.algorithms.pairs import pair_arrays, pair_logprobs
+from jaxrlhf.algorithms.stages import PAIR, REF
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
-from jaxrlhf.graph import CallGraph, CallSpec
 
-REF = ("ref_chosen_logp", "ref_rejected_logp")
 
 
 def dpo_loss(
@@ -98,25 +96,8 @@ def dpo_train(
     return params, opt_state, {"actor_stats": stats}
 
 
-@register_algorithm
-class DPO(Algorithm):
-    name = "dpo"
-    data = "pairs"
-
-    def roles(self) -> dict[str, RoleSpec]:
-        return {
-            "actor": RoleSpec("lm", True, "it is trained"),
-            "ref": RoleSpec("lm", False, "DPO measures the policy against the reference"),
-        }
-
-    def graph(self) -> CallGraph:
-        calls = (
-            CallSpec("ref.inference", "ref", "inference", inputs=PAIR, outputs=REF, seqs_per_row=2,
-                     logit_positions="all"),
-            CallSpec("actor.train", "actor", "train", inputs=(*PAIR, *REF, "rng_actor"), outputs=("actor_stats",),
-                     seqs_per_row=2, logit_positions="all"),
-        )
-        return CallGraph(calls, feed=(*PAIR, "rng_actor"))
+class DPORuntime:
+    """The runtime half of the `dpo` stage (declared in jaxrlhf.algorithms.stages)."""
 
     def functions(self) -> dict[str, Any]:
         alg, m = self.cfg.algorithm, self.models

@@ -14,7 +14,7 @@ any mix can be written as `grpo` too (docs/algorithms.md lists them).
 """
 
 from jaxrlhf.algorithms.base import AlgorithmConfigError, register_algorithm
-from jaxrlhf.algorithms.rollout import RolloutAlgorithm
+from jaxrlhf.algorithms.rl import RolloutAlgorithm
 
 
 @register_algorithm

@@ -15,13 +15,13 @@ divergence", 2020), with x ~ policy and log r = ref_logp - logp:
 
 from __future__ import annotations
 
-import difflib
 from typing import Callable
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jaxrlhf.algorithms.stats import last_token_onehot
+from jaxrlhf.registry import Registry
 
 TokenArray = Float[Array, "batch time"]
 Mask = Float[Array, "batch time"] | Bool[Array, "batch time"]
@@ -41,22 +41,14 @@ def _k3(logp: TokenArray, ref_logp: TokenArray) -> TokenArray:
     return jnp.exp(log_r) - log_r - 1.0
 
 
-KL_ESTIMATORS: dict[str, Callable[[TokenArray, TokenArray], TokenArray]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "k3": _k3,
-}
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# k1..k3, and the names verl gives them
+KL_ESTIMATORS: Registry[Callable[[TokenArray, TokenArray], TokenArray]] = Registry("KL estimator", entries={
+    "k1": _k1, "k2": _k2, "k3": _k3, "kl": _k1, "mse": _k2, "low_var_kl": _k3,
+})
 
 
 def _estimator(kind: str) -> Callable[[TokenArray, TokenArray], TokenArray]:
-    name = KL_ALIASES.get(kind, kind)
-    if name not in KL_ESTIMATORS:
-        known = sorted([*KL_ESTIMATORS, *KL_ALIASES])
-        close = difflib.get_close_matches(kind, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown KL estimator {kind!r}.{hint} Known: {known}")
-    return KL_ESTIMATORS[name]
+    return KL_ESTIMATORS.get(kind)
 
 
 def kl_per_token(

@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES: dict[str, Callable[[float, int, int], optax.Schedule]] = {
+from jaxrlhf.registry import Registry
+
+SCHEDULES: Registry[Callable[[float, int, int], optax.Schedule]] = Registry("lr schedule", entries={
     "constant": lambda lr, warmup, total: optax.join_schedules(
         [optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr)], [max(warmup, 1)]
     ) if warmup > 0 else optax.constant_schedule(lr),
@@ -21,7 +23,7 @@ SCHEDULES: dict[str, Callable[[float, int, int], optax.Schedule]] = {
          optax.linear_schedule(lr, 0.1 * lr, max(total - warmup, 1))],
         [max(warmup, 1)],
     ),
-}
+})
 
 
 def build_optimizer(
@@ -41,9 +43,7 @@ def build_optimizer(
 
     `master_weights`: keep an fp32 master copy (for bf16 parameters; see `with_fp32_master`).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
-    sched = SCHEDULES[schedule](lr, warmup_steps, total_updates)
+    sched = SCHEDULES.get(schedule)(lr, warmup_steps, total_updates)
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     chain = optax.chain(*parts)

@@ -17,7 +17,6 @@ from jaxtyping import Array, Float
 from jaxrlhf.models.sampling import next_token_logprobs
 from jaxrlhf.models.transformer import positions_from_mask
 
-PAIR = ("chosen_tokens", "chosen_mask", "chosen_loss_mask", "rejected_tokens", "rejected_mask", "rejected_loss_mask")
 
 
 def pair_arrays(batch: Any) -> dict[str, Any]:

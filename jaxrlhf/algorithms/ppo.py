@@ -11,7 +11,7 @@ inference, actor and critic training).
 """
 
 from jaxrlhf.algorithms.base import register_algorithm
-from jaxrlhf.algorithms.rollout import RolloutAlgorithm
+from jaxrlhf.algorithms.rl import RolloutAlgorithm
 
 
 @register_algorithm

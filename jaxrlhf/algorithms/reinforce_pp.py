@@ -7,7 +7,7 @@ PPO surrogate. Works with one sample per prompt (`algorithm.group_size=1`).
 """
 
 from jaxrlhf.algorithms.base import register_algorithm
-from jaxrlhf.algorithms.rollout import RolloutAlgorithm
+from jaxrlhf.algorithms.rl import RolloutAlgorithm
 
 
 @register_algorithm

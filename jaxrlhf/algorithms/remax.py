@@ -8,7 +8,7 @@ includes the token-level KL penalty, as verl). No critic, no whitening.
 """
 
 from jaxrlhf.algorithms.base import register_algorithm
-from jaxrlhf.algorithms.rollout import RolloutAlgorithm
+from jaxrlhf.algorithms.rl import RolloutAlgorithm
 
 
 @register_algorithm

@@ -8,7 +8,7 @@ and one minibatch it is plain REINFORCE).
 """
 
 from jaxrlhf.algorithms.base import register_algorithm
-from jaxrlhf.algorithms.rollout import RolloutAlgorithm
+from jaxrlhf.algorithms.rl import RolloutAlgorithm
 
 
 @register_algorithm

@@ -22,10 +22,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
-from jaxrlhf.algorithms.pairs import PAIR, pair_arrays, pair_scores
+from jaxrlhf.algorithms.pairs import pair_arrays, pair_scores
+from jaxrlhf.algorithms.stages import PAIR
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
-from jaxrlhf.graph import CallGraph, CallSpec
 
 
 def pairwise_loss(chosen: jax.Array, rejected: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -69,18 +68,8 @@ def rm_eval(
     return map_microbatches(one, inputs, micro_batch)
 
 
-@register_algorithm
-class RewardModelling(Algorithm):
-    name = "rm"
-    data = "pairs"
-
-    def roles(self) -> dict[str, RoleSpec]:
-        return {"reward": RoleSpec("reward", True, "it is trained")}
-
-    def graph(self) -> CallGraph:
-        call = CallSpec("reward.train", "reward", "train", "reward", inputs=(*PAIR, "rng_reward"),
-                        outputs=("reward_stats",), seqs_per_row=2)
-        return CallGraph((call,), feed=(*PAIR, "rng_reward"))
+class RewardModellingRuntime:
+    """The runtime half of the `rm` stage (declared in jaxrlhf.algorithms.stages)."""
 
     def functions(self) -> dict[str, Any]:
         reward = self.models["reward"]

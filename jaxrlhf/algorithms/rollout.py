@@ -1,6 +1,7 @@
-"""RL from rollouts: what PPO, GRPO, RLOO, REINFORCE++ and ReMax share.
+"""RL from rollouts: the calls and host steps PPO, GRPO, RLOO, REINFORCE++ and ReMax share.
 
-The step graph (bracketed parts depend on the algorithm and the config):
+The algorithms are declared (roles, graph, config rules) in `jaxrlhf.algorithms.rl`, without
+JAX; `RolloutRuntime` here is their runtime half. The step graph (bracketed parts depend on the algorithm and the config):
 
     feed   prompt_tokens, prompt_mask, prompts, answers, rng_generate, rng_actor[, rng_critic]
     state  kl_coef[, value_moments]
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,20 +42,16 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
-from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
-from jaxrlhf.algorithms.rewards import REWARD_FUNCTIONS, CombinedReward, overlong_penalty, shape_scores
+from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
+from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
-from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.generation import generate_tokens
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
-SEQUENCE = ("tokens", "mask", "positions")
-RESPONSE = ("response_tokens", "response_mask")
-GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,193 +371,29 @@ def select_groups(
     return out, stats
 
 
-# ---------------------------------------------------------------- the algorithm family
+# ---------------------------------------------------------------- the runtime of the family
 
 
-class RolloutAlgorithm(Algorithm):
-    """Base of the RL algorithms: subclasses set the estimator, the loss and where the KL goes."""
-
-    data = "prompts"
-    estimator: ClassVar[str] = "gae"
-    loss: ClassVar[str] = "ppo"
-    kl_in_reward: ClassVar[bool] = True  # -coef * KL per token in the reward; else a KL term in the loss
-    default_kl_estimator: ClassVar[str] = "k1"
-    default_loss_agg: ClassVar[str] = "token-mean"
-    greedy_baseline: ClassVar[bool] = False
-    grouped: ClassVar[bool] = False  # needs several samples per prompt
-    default_clip_eps: ClassVar[float] = 0.2
-    default_clip_eps_high: ClassVar[float | None] = None  # None = clip_eps
-    default_norm_adv_by_std: ClassVar[bool] = True
-    default_dynamic_sampling: ClassVar[bool] = False
-
-    # ---- declaration ----------------------------------------------------------------------
-    @property
-    def uses_critic(self) -> bool:
-        return ADVANTAGE_ESTIMATORS.get(self.estimator).needs_critic
-
-    @property
-    def uses_ref(self) -> bool:
-        alg = self.cfg.algorithm
-        return alg.kl_coef > 0 or alg.kl_target is not None
-
-    @property
-    def group_size(self) -> int:
-        return self.cfg.algorithm.group_size
-
-    @property
-    def dynamic_sampling(self) -> bool:
-        """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
-        ds = self.cfg.algorithm.dynamic_sampling
-        return self.default_dynamic_sampling if ds is None else ds
-
-    @property
-    def pool_factor(self) -> int:
-        """Prompts generated per prompt trained on."""
-        return self.cfg.algorithm.dynamic_sampling_factor if self.dynamic_sampling else 1
-
-    @property
-    def batch_rows(self) -> int:
-        return self.cfg.data.batch_size * self.group_size
-
-    @property
-    def minibatches(self) -> int:
-        return self.cfg.algorithm.minibatches
-
-    @property
-    def epochs(self) -> int:
-        return self.cfg.algorithm.epochs
-
-    @property
-    def updates_per_step(self) -> int:
-        return self.minibatches * self.epochs
-
-    def roles(self) -> dict[str, RoleSpec]:
-        out = {"actor": RoleSpec("lm", True, "it is trained")}
-        if self.uses_critic:
-            out["critic"] = RoleSpec("value", True, f"algorithm.name={self.name} learns a value function")
-        if self.uses_ref:
-            out["ref"] = RoleSpec("lm", False, "algorithm.kl_coef > 0 (KL to the reference policy)")
-        if self.cfg.rewards.model:
-            out["reward"] = RoleSpec("reward", False, "rewards.model=true")
-        return out
-
-    def validate(self) -> None:
-        alg, cfg = self.cfg.algorithm, self.cfg
-        name = f"algorithm.name={self.name}"
-        if self.grouped and alg.group_size < 2:
-            raise AlgorithmConfigError(
-                f"{name} compares samples of the same prompt: algorithm.group_size must be >= 2, got {alg.group_size}"
-            )
-        if self.batch_rows % alg.minibatches:
-            raise AlgorithmConfigError(
-                f"algorithm.minibatches={alg.minibatches} must divide the rollout batch "
-                f"data.batch_size x algorithm.group_size = {cfg.data.batch_size} x {alg.group_size} = {self.batch_rows}"
-            )
-        whitening = ADVANTAGE_ESTIMATORS.get(self.estimator).whitening
-        if alg.whiten_advantages is not None and whitening != "optional":
-            what = {"never": "would undo its normalisation", "always": "is part of the estimator"}[whitening]
-            raise AlgorithmConfigError(
-                f"algorithm.whiten_advantages does not apply to {name}: whitening {what}; leave it unset (null)"
-            )
-        if not cfg.rewards.model and not cfg.rewards.rules:
-            raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
-        if self.dynamic_sampling:
-            if not self.grouped:
-                raise AlgorithmConfigError(
-                    f"algorithm.dynamic_sampling drops groups of samples with equal rewards; {name} does not "
-                    "sample groups (use grpo, dr_grpo, dapo, gspo or rloo)")
-            if cfg.rewards.model or not cfg.rewards.rules:
-                raise AlgorithmConfigError(
-                    "algorithm.dynamic_sampling selects groups on the host by their rule scores: it needs "
-                    "rewards.rules and rewards.model=false (or set algorithm.dynamic_sampling=false)")
-        ev = cfg.eval
-        if ev.samples:
-            if max(ev.pass_k) > ev.samples or min(ev.pass_k) < 1:
-                raise AlgorithmConfigError(
-                    f"eval.pass_k={list(ev.pass_k)}: every k must be in [1, eval.samples={ev.samples}]")
-            if self.batch_rows % ev.samples:
-                raise AlgorithmConfigError(
-                    f"eval.samples={ev.samples} must divide the rollout batch data.batch_size x algorithm.group_size "
-                    f"= {self.batch_rows} (evaluation batches have the rollout's shape)")
-        names = [r.name for r in cfg.rewards.rules]
-        if ev.correct_rule is not None and ev.correct_rule not in names:
-            raise AlgorithmConfigError(f"eval.correct_rule={ev.correct_rule!r} is none of rewards.rules {names}")
-        if alg.overlong_buffer > cfg.generation.max_new_tokens:
-            raise AlgorithmConfigError(
-                f"algorithm.overlong_buffer={alg.overlong_buffer} exceeds generation.max_new_tokens="
-                f"{cfg.generation.max_new_tokens}: the penalty ramps over the last tokens of the response")
-        for i, rule in enumerate(cfg.rewards.rules):
-            if rule.name not in REWARD_FUNCTIONS:
-                raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
-
-    def graph(self) -> CallGraph:
-        pool = "pool_" if self.dynamic_sampling else ""
-        calls: list[CallSpec] = [
-            CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
-                     outputs=tuple(pool + v for v in GENERATED), seqs_per_row=self.pool_factor),
-        ]
-        prefixes = (pool,)
-        if self.greedy_baseline:
-            prefixes = ("", "greedy_")
-            calls.append(CallSpec("actor.generate_greedy", "actor", "generate",
-                                  inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
-                                  outputs=tuple("greedy_" + v for v in GENERATED)))
-        host: list[HostStep] = []
-        train_in = [*GENERATED, "kl_coef", "rng_actor"]
-        if self.cfg.rewards.rules:
-            outs = tuple(f"{p}rule_scores" for p in prefixes)
-            ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
-            host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
-            train_in += ["rule_scores"] if pool else outs
-        if pool:  # dynamic sampling: the pool's informative groups become the step's batch
-            host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
-                                                   "pool_rule_components"),
-                                 (*GENERATED, "rule_scores", "rule_components", "sampling_stats")))
-        if self.cfg.rewards.model:
-            outs = tuple(f"{p}model_scores" for p in prefixes)
-            calls.append(CallSpec("reward.inference", "reward", "inference", "reward",
-                                  inputs=tuple(f"{p}{v}" for p in prefixes for v in SEQUENCE), outputs=outs,
-                                  seqs_per_row=len(prefixes)))
-            train_in += outs
-        if self.greedy_baseline:
-            train_in.append("greedy_ended_with_eos")
-        if self.uses_ref:
-            calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*SEQUENCE, *RESPONSE),
-                                  outputs=("ref_logp",)))
-            train_in.append("ref_logp")
-        state = ["kl_coef"]
-        if self.uses_critic:
-            calls.append(CallSpec("critic.inference", "critic", "inference", "value",
-                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values",)))
-            train_in += ["values", "value_moments"]
-            state.append("value_moments")
-        calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
-                              outputs=("actor_stats", "advantages")))
-        if self.uses_critic:
-            critic_in = tuple(v for v in train_in if v != "rng_actor") + ("rng_critic",)
-            calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
-                                  outputs=("critic_stats", "value_moments")))
-        if self.uses_ref:
-            host.append(HostStep("kl_control", ("kl_coef", "actor_stats"), ("kl_coef",)))
-        feed = ["prompt_tokens", "prompt_mask", "prompts", "answers", "rng_generate", "rng_actor"]
-        if self.uses_critic:
-            feed.append("rng_critic")
-        return CallGraph(tuple(calls), tuple(host), tuple(feed), tuple(state))
+class RolloutRuntime:
+    """The runtime half of every `jaxrlhf.algorithms.rl.RolloutAlgorithm`: `build_algorithm` joins it to
+    the declaration (whose class attributes - estimator, loss, where the KL goes - it reads)."""
 
     def settings(self) -> RLSettings:
         alg, gen, rw = self.cfg.algorithm, self.cfg.generation, self.cfg.rewards
-        whiten = alg.whiten_advantages if alg.whiten_advantages is not None else True
+        # keys only some algorithms have (jaxrlhf.config_schema); an absent key is one the estimator ignores
+        whiten, norm_by_std = getattr(alg, "whiten_advantages", None), getattr(alg, "norm_adv_by_std", None)
         return RLSettings(
-            estimator=self.estimator, loss=self.loss, group_size=alg.group_size, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std=self.default_norm_adv_by_std if alg.norm_adv_by_std is None else alg.norm_adv_by_std,
-            whiten=whiten, clip_eps=alg.clip_eps or self.default_clip_eps,
+            estimator=self.estimator, loss=self.loss, group_size=alg.group_size, gamma=getattr(alg, "gamma", 1.0),
+            lam=getattr(alg, "lam", 1.0),
+            norm_adv_by_std=self.default_norm_adv_by_std if norm_by_std is None else norm_by_std,
+            whiten=True if whiten is None else whiten, clip_eps=alg.clip_eps or self.default_clip_eps,
             clip_eps_high=alg.clip_eps_high or self.default_clip_eps_high,
-            value_clip_eps=alg.value_clip_eps, kl_estimator=alg.kl_estimator or self.default_kl_estimator,
+            value_clip_eps=getattr(alg, "value_clip_eps", None), kl_estimator=alg.kl_estimator or self.default_kl_estimator,
             kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
             loss_agg=alg.loss_agg or self.default_loss_agg, max_new_tokens=gen.max_new_tokens,
             minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
             ratio_early_stop=alg.ratio_early_stop,
-            normalize_values=alg.normalize_values, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
+            normalize_values=getattr(alg, "normalize_values", False), entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
         )

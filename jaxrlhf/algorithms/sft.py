@@ -24,10 +24,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
 from jaxrlhf.algorithms.stats import masked_mean
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
-from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.sampling import next_token_logprobs
 
 
@@ -77,33 +75,8 @@ def sft_eval(
     return map_microbatches(one, inputs, micro_batch)
 
 
-@register_algorithm
-class SFT(Algorithm):
-    name = "sft"
-    data = "demonstrations"
-
-    def __init__(self, cfg: Any, *, warmup: bool = False):
-        super().__init__(cfg)
-        self.warmup = warmup
-
-    @property
-    def packing(self) -> bool:
-        return self.cfg.sft.packing if self.warmup else self.cfg.data.packing
-
-    @property
-    def batch_rows(self) -> int:
-        return self.cfg.sft.batch_size if self.warmup else self.cfg.data.batch_size
-
-    def roles(self) -> dict[str, RoleSpec]:
-        return {"actor": RoleSpec("lm", True, "it is trained")}
-
-    def graph(self) -> CallGraph:
-        inputs = ("tokens", "mask", "loss_mask", "positions") + (("segment_ids",) if self.packing else ())
-        return CallGraph(
-            (CallSpec("actor.train", "actor", "train", inputs=inputs + ("rng_actor",), outputs=("actor_stats",),
-                      logit_positions="all"),),
-            feed=inputs + ("rng_actor",),
-        )
+class SFTRuntime:
+    """The runtime half of the `sft` stage (declared in jaxrlhf.algorithms.stages)."""
 
     def functions(self) -> dict[str, Any]:
         actor = self.models["actor"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from jaxrlhf.registry import Registry
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -30,8 +32,8 @@ def _last_number(text: str) -> str | None:
 
 
 # name -> extractor; None from an extractor marks the row malformed ("bad_answer").
-ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+ANSWER_EXTRACTORS: Registry[Callable[[str], str | None]] = Registry("answer extractor", entries={
     "none": _verbatim,
     "gsm8k": _after_hashes,
     "last_number": _last_number,
-}
+})

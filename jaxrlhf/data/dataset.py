@@ -409,7 +409,7 @@ class PromptDataset(_BatchStream):
         )
         self.chat = chat
         if answer_extract not in ANSWER_EXTRACTORS:
-            raise DataError(f"unknown answer extractor {answer_extract!r}; known: {', '.join(ANSWER_EXTRACTORS)}")
+            raise DataError(ANSWER_EXTRACTORS.unknown(answer_extract))
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
         self.prompt_key = prompt_key

@@ -155,7 +155,7 @@ def _open_bundled(spec: str, split: str, data_dir: str | None) -> RowSource:
     from jaxrlhf.data.tasks import TASKS, prepare_task
 
     if spec not in TASKS:
-        raise DataError(f"unknown bundled task {spec!r}; known: {', '.join(TASKS)}")
+        raise DataError(TASKS.unknown(spec))
     return TfdsSource(prepare_task(spec, data_dir), split)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import tensorflow_datasets as tfds
 
 from jaxrlhf.data.bundled import bundled_file
+from jaxrlhf.registry import Registry
 
 DEFAULT_DATA_DIR_ENV = "JAXRLHF_DATA_DIR"
 
@@ -109,7 +110,7 @@ class TaskSpec:
         return self.builder.name
 
 
-TASKS: dict[str, TaskSpec] = {
+TASKS: Registry[TaskSpec] = Registry("bundled task", KeyError, {
     spec.name: spec
     for spec in (
         TaskSpec("arithmetic", JaxrlhfArithmetic, "prompt", reward_rules=("exact_match",),
@@ -119,14 +120,13 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("preference", JaxrlhfPreference, "preference", answer_key=None,
                  description=JaxrlhfPreference.DESCRIPTION),
     )
-}
+})
 
 
 def prepare_task(name: str, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
     """Prepare a bundled task once (array_record files under data_dir) and return its builder."""
-    if name not in TASKS:
-        raise KeyError(f"unknown bundled task {name!r}; known: {', '.join(TASKS)}")
+    spec = TASKS.get(name)
     directory = pathlib.Path(data_dir) if data_dir is not None else default_data_dir()
-    builder = TASKS[name].builder(data_dir=str(directory), file_format="array_record")
+    builder = spec.builder(data_dir=str(directory), file_format="array_record")
     builder.download_and_prepare(file_format="array_record")
     return builder

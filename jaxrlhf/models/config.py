@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxrlhf.registry import Registry
+
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
@@ -129,7 +131,7 @@ class ModelConfig:
 
 
 # Named presets hold only dimensions; they are usable without weights (planner, abstract plans).
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
     # Test sizes: fast to compile on CPU with 8 simulated devices.
     "tiny": ModelConfig(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -206,15 +208,10 @@ PRESETS: dict[str, ModelConfig] = {
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
         pad_token_id=None,
     ),
-}
+})
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    """Look up a named size preset, optionally replacing fields."""
-    if name not in PRESETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, PRESETS, n=3)
-        hint = f" Did you mean {close}?" if close else ""
-        raise KeyError(f"unknown model preset {name!r}.{hint} Known presets: {sorted(PRESETS)}")
-    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+    """Look up a named size preset (KeyError naming the close and the known ones), optionally replacing fields."""
+    config = PRESETS.get(name)
+    return config.replace(**overrides) if overrides else config

@@ -7,10 +7,10 @@ from jaxrlhf.graph import CallGraph
 
 def algorithm_graph(name: str = "ppo", *overrides: str) -> CallGraph:
     """The step graph `algorithm.name=name` declares under the default config plus `overrides`."""
-    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.algorithms import declare
     from jaxrlhf.config import load_config
 
-    return build_algorithm(load_config(None, [f"algorithm.name={name}", *overrides])).graph()
+    return declare(load_config(None, [f"algorithm.name={name}", *overrides])).graph()
 
 
 def ppo_graph(reward_model: bool = True) -> CallGraph:

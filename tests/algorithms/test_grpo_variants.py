@@ -208,7 +208,8 @@ def dapo_tokenizer():
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.name=gspo", "algorithm.loss_agg=token-mean"], "algorithm.loss_agg=token-mean does not apply"),
     (["algorithm.name=dapo", "rewards.model=true", "model.reward.init_from=actor"], "rewards.rules and rewards.model=false"),
-    (["algorithm.name=reinforce_pp", "algorithm.dynamic_sampling=true"], "does not sample groups"),
+    (["algorithm.name=reinforce_pp", "algorithm.dynamic_sampling=true"],
+         "'algorithm.dynamic_sampling' is not read by algorithm.name=reinforce_pp"),
     (["algorithm.name=dapo", "algorithm.overlong_buffer=5"], "exceeds generation.max_new_tokens=4"),
 ])
 def test_variant_config_errors(overrides, message):

@@ -5,14 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms.rewards import (
-    REWARD_FUNCTIONS,
-    CombinedReward,
-    get_reward,
-    parse_number,
-    sequence_ended_with_eos,
-    shape_scores,
-)
+from jaxrlhf.algorithms.rewards import sequence_ended_with_eos, shape_scores
+from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS, CombinedReward, get_reward, parse_number
 
 
 def _call(name, response, answer=None, **params):

@@ -1,0 +1,180 @@
+"""RL from rollouts, declared: what PPO, GRPO, RLOO, REINFORCE++ and ReMax share, without JAX.
+
+`RolloutAlgorithm` says which roles a run needs, what its step graph is and which config
+values it refuses; subclasses (ppo.py, grpo.py, ...) set the advantage estimator, the policy
+loss and where the KL goes. The calls the graph names and the host steps between them are
+`jaxrlhf.algorithms.rollout` (the module docstring there draws the graph).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
+from jaxrlhf.algorithms.estimators import ESTIMATORS
+from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
+from jaxrlhf.graph import CallGraph, CallSpec, HostStep
+
+SEQUENCE = ("tokens", "mask", "positions")
+RESPONSE = ("response_tokens", "response_mask")
+GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
+
+
+class RolloutAlgorithm(Algorithm):
+    """Base of the RL algorithms: subclasses set the estimator, the loss and where the KL goes."""
+
+    data = "prompts"
+    runtime = "jaxrlhf.algorithms.rollout:RolloutRuntime"
+    estimator: ClassVar[str] = "gae"
+    loss: ClassVar[str] = "ppo"
+    kl_in_reward: ClassVar[bool] = True  # -coef * KL per token in the reward; else a KL term in the loss
+    default_kl_estimator: ClassVar[str] = "k1"
+    default_loss_agg: ClassVar[str] = "token-mean"
+    greedy_baseline: ClassVar[bool] = False
+    grouped: ClassVar[bool] = False  # needs several samples per prompt
+    default_clip_eps: ClassVar[float] = 0.2
+    default_clip_eps_high: ClassVar[float | None] = None  # None = clip_eps
+    default_norm_adv_by_std: ClassVar[bool] = True
+    default_dynamic_sampling: ClassVar[bool] = False
+
+    @property
+    def uses_critic(self) -> bool:
+        return ESTIMATORS.get(self.estimator).needs_critic
+
+    @property
+    def uses_ref(self) -> bool:
+        alg = self.cfg.algorithm
+        return alg.kl_coef > 0 or alg.kl_target is not None
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.algorithm.group_size
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
+        ds = getattr(self.cfg.algorithm, "dynamic_sampling", None)  # only grouped algorithms have the key
+        return self.default_dynamic_sampling if ds is None else ds
+
+    @property
+    def pool_factor(self) -> int:
+        """Prompts generated per prompt trained on."""
+        return self.cfg.algorithm.dynamic_sampling_factor if self.dynamic_sampling else 1
+
+    @property
+    def batch_rows(self) -> int:
+        return self.cfg.data.batch_size * self.group_size
+
+    @property
+    def minibatches(self) -> int:
+        return self.cfg.algorithm.minibatches
+
+    @property
+    def epochs(self) -> int:
+        return self.cfg.algorithm.epochs
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.minibatches * self.epochs
+
+    def roles(self) -> dict[str, RoleSpec]:
+        out = {"actor": RoleSpec("lm", True, "it is trained")}
+        if self.uses_critic:
+            out["critic"] = RoleSpec("value", True, f"algorithm.name={self.name} learns a value function")
+        if self.uses_ref:
+            out["ref"] = RoleSpec("lm", False, "algorithm.kl_coef > 0 (KL to the reference policy)")
+        if self.cfg.rewards.model:
+            out["reward"] = RoleSpec("reward", False, "rewards.model=true")
+        return out
+
+    def validate(self) -> None:
+        alg, cfg = self.cfg.algorithm, self.cfg
+        name = f"algorithm.name={self.name}"
+        if self.grouped and alg.group_size < 2:
+            raise AlgorithmConfigError(
+                f"{name} compares samples of the same prompt: algorithm.group_size must be >= 2, got {alg.group_size}"
+            )
+        if self.batch_rows % alg.minibatches:
+            raise AlgorithmConfigError(
+                f"algorithm.minibatches={alg.minibatches} must divide the rollout batch "
+                f"data.batch_size x algorithm.group_size = {cfg.data.batch_size} x {alg.group_size} = {self.batch_rows}"
+            )
+        if not cfg.rewards.model and not cfg.rewards.rules:
+            raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
+        if self.dynamic_sampling and (cfg.rewards.model or not cfg.rewards.rules):
+            raise AlgorithmConfigError(
+                "algorithm.dynamic_sampling selects groups on the host by their rule scores: it needs "
+                "rewards.rules and rewards.model=false (or set algorithm.dynamic_sampling=false)")
+        ev = cfg.eval
+        if ev.samples:
+            if max(ev.pass_k) > ev.samples or min(ev.pass_k) < 1:
+                raise AlgorithmConfigError(
+                    f"eval.pass_k={list(ev.pass_k)}: every k must be in [1, eval.samples={ev.samples}]")
+            if self.batch_rows % ev.samples:
+                raise AlgorithmConfigError(
+                    f"eval.samples={ev.samples} must divide the rollout batch data.batch_size x algorithm.group_size "
+                    f"= {self.batch_rows} (evaluation batches have the rollout's shape)")
+        names = [r.name for r in cfg.rewards.rules]
+        if ev.correct_rule is not None and ev.correct_rule not in names:
+            raise AlgorithmConfigError(f"eval.correct_rule={ev.correct_rule!r} is none of rewards.rules {names}")
+        if alg.overlong_buffer > cfg.generation.max_new_tokens:
+            raise AlgorithmConfigError(
+                f"algorithm.overlong_buffer={alg.overlong_buffer} exceeds generation.max_new_tokens="
+                f"{cfg.generation.max_new_tokens}: the penalty ramps over the last tokens of the response")
+        for i, rule in enumerate(cfg.rewards.rules):
+            if rule.name not in REWARD_FUNCTIONS:
+                raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+
+    def graph(self) -> CallGraph:
+        pool = "pool_" if self.dynamic_sampling else ""
+        calls: list[CallSpec] = [
+            CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+                     outputs=tuple(pool + v for v in GENERATED), seqs_per_row=self.pool_factor),
+        ]
+        prefixes = (pool,)
+        if self.greedy_baseline:
+            prefixes = ("", "greedy_")
+            calls.append(CallSpec("actor.generate_greedy", "actor", "generate",
+                                  inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+                                  outputs=tuple("greedy_" + v for v in GENERATED)))
+        host: list[HostStep] = []
+        train_in = [*GENERATED, "kl_coef", "rng_actor"]
+        if self.cfg.rewards.rules:
+            outs = tuple(f"{p}rule_scores" for p in prefixes)
+            ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
+            host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
+            train_in += ["rule_scores"] if pool else outs
+        if pool:  # dynamic sampling: the pool's informative groups become the step's batch
+            host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
+                                                   "pool_rule_components"),
+                                 (*GENERATED, "rule_scores", "rule_components", "sampling_stats")))
+        if self.cfg.rewards.model:
+            outs = tuple(f"{p}model_scores" for p in prefixes)
+            calls.append(CallSpec("reward.inference", "reward", "inference", "reward",
+                                  inputs=tuple(f"{p}{v}" for p in prefixes for v in SEQUENCE), outputs=outs,
+                                  seqs_per_row=len(prefixes)))
+            train_in += outs
+        if self.greedy_baseline:
+            train_in.append("greedy_ended_with_eos")
+        if self.uses_ref:
+            calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*SEQUENCE, *RESPONSE),
+                                  outputs=("ref_logp",)))
+            train_in.append("ref_logp")
+        state = ["kl_coef"]
+        if self.uses_critic:
+            calls.append(CallSpec("critic.inference", "critic", "inference", "value",
+                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values",)))
+            train_in += ["values", "value_moments"]
+            state.append("value_moments")
+        calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
+                              outputs=("actor_stats", "advantages")))
+        if self.uses_critic:
+            critic_in = tuple(v for v in train_in if v != "rng_actor") + ("rng_critic",)
+            calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
+                                  outputs=("critic_stats", "value_moments")))
+        if self.uses_ref:
+            host.append(HostStep("kl_control", ("kl_coef", "actor_stats"), ("kl_coef",)))
+        feed = ["prompt_tokens", "prompt_mask", "prompts", "answers", "rng_generate", "rng_actor"]
+        if self.uses_critic:
+            feed.append("rng_critic")
+        return CallGraph(tuple(calls), tuple(host), tuple(feed), tuple(state))
