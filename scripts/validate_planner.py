@@ -1,7 +1,7 @@
 """Does the planner pick right? Run many plans for real and compare with what it predicted.
 
     python scripts/validate_planner.py [--steps 3] [--warmup 1] [--out F] [--workdir D]
-        [--profile hw.yaml] [--search-budget 60] [--quick] [--dry-run] [key=value ...]
+        [--profile hw.yaml] [--search-budget 60] [--quick] [--plans a,b] [--dry-run] [key=value ...]
 
 On the config's devices (default 8 simulated CPU devices) with a model big
 enough that each call takes a few tenths of a second (a 4-layer, 512-wide
@@ -69,7 +69,7 @@ FULL = [
     "data.batch_size=32", "generation.max_new_tokens=32",
 ]
 QUICK = ["model.actor.preset=tiny", "data.batch_size=16", "generation.max_new_tokens=4"]
-QUICK_PLANS = ("colocated", "disaggregated", "auto")
+QUICK_PLANS = ("colocated", "disaggregated", "planner-pick")
 RUN = ["sft.steps=0", "run.checkpoint_every=0", "run.export_hf=false", "run.tensorboard=false",
        "run.resume=false", "run.eval_every=0"]
 
@@ -91,9 +91,14 @@ def with_layouts(base, name: str, layout_of) -> object:
     return dataclasses.replace(base, strategy=name, calls=calls, notes=f"{base.strategy} variant: {name}")
 
 
-def candidates(cfg, algorithm, models, n: int, hw, quick: bool, search_budget: float) -> list[Candidate]:
-    """The plans to run: presets, colocated variants and the planner's pick, deduplicated and each
-    checked by the runtime's own plan validation (those that cannot run are skipped with the reason)."""
+PRESETS = ("colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl")
+VARIANTS = ("colocated-tensor2", "colocated-fsdp-train", "colocated-2-stages", "colocated-micro2")
+PLANS = PRESETS + VARIANTS + ("planner-pick",)
+
+
+def candidates(cfg, algorithm, models, n: int, hw, names, search_budget: float) -> list[Candidate]:
+    """The plans `names` (of PLANS): presets, colocated variants and the planner's pick, deduplicated
+    and each checked by the runtime's own plan validation (those that cannot run are skipped, saying why)."""
     from jaxrlhf import planning
     from jaxrlhf.planner.plan import Layout, PlanError, validate
     from jaxrlhf.planner.presets import build_plan
@@ -101,34 +106,34 @@ def candidates(cfg, algorithm, models, n: int, hw, quick: bool, search_budget: f
     graph = algorithm.graph()
     batch = algorithm.batch_rows
     minibatch = batch // algorithm.minibatches
+    trains = {c.name for c in graph.calls if c.kind == "train"}
+    gens = {c.name for c in graph.calls if c.kind == "generate"}
     out: list[Candidate] = []
 
     def preset(name: str):
         return build_plan(name, n, models, graph, batch_size=batch, workload=algorithm.workload(), hardware=hw)
 
-    names = [p for p in QUICK_PLANS if p != "auto"] if quick else [
-        "colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl"]
+    def variant(name: str) -> Candidate:
+        co = preset("colocated")
+        if name == "colocated-tensor2":
+            return Candidate(name, with_layouts(co, name, lambda c, lay: Layout(data=n // 2, tensor=2)))
+        if name == "colocated-fsdp-train":
+            return Candidate(name, with_layouts(co, name, lambda c, lay: Layout(fsdp=n) if c in trains else Layout(data=n)))
+        if name == "colocated-2-stages":
+            return Candidate(name, with_layouts(co, name, lambda c, lay: lay if c in gens else Layout(data=n // 2, stage=2)),
+                             (f"algorithm.micro_batch_size={max(minibatch // 4, 1)}",))
+        return Candidate(name, co, (f"algorithm.micro_batch_size={max(minibatch // 2, 1)}",))
+
     for name in names:
+        if name == "planner-pick":
+            continue
         try:
-            out.append(Candidate(name, preset(name)))
+            out.append(Candidate(name, preset(name)) if name in PRESETS else variant(name))
         except PlanError as e:
             print(f"skip {name}: {e}")
-    if not quick:
-        co = preset("colocated")
-        trains = {c.name for c in graph.calls if c.kind == "train"}
-        gens = {c.name for c in graph.calls if c.kind == "generate"}
-        out += [
-            Candidate("colocated-tensor2", with_layouts(co, "colocated-tensor2", lambda c, lay: Layout(data=n // 2, tensor=2))),
-            Candidate("colocated-fsdp-train", with_layouts(
-                co, "colocated-fsdp-train", lambda c, lay: Layout(fsdp=n) if c in trains else Layout(data=n))),
-            Candidate("colocated-2-stages", with_layouts(
-                co, "colocated-2-stages", lambda c, lay: lay if c in gens else Layout(data=n // 2, stage=2)),
-                (f"algorithm.micro_batch_size={max(minibatch // 4, 1)}",)),
-            Candidate("colocated-micro2", co, (f"algorithm.micro_batch_size={max(minibatch // 2, 1)}",)),
-        ]
     result = planning.search_plan(cfg, algorithm, models, n, hw, time_budget_s=search_budget)
     print(f"planner: searched {result.evaluations} plans in {result.seconds:.1f} s", flush=True)
-    out.append(Candidate("planner-pick", dataclasses.replace(result.best.plan, strategy="planner-pick")))
+    out.append(Candidate("planner-pick", result.best.plan))
 
     seen, kept = {}, []
     for c in out:
@@ -195,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per plan (default 3; quick 1)")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped per plan (compilation)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, 3 plans, 1 measured step")
+    ap.add_argument("--plans", help=f"comma-separated plans to run (default: all, or {','.join(QUICK_PLANS)} "
+                                    f"with --quick); known: {','.join(PLANS)}. The planner's pick always runs")
     ap.add_argument("--profile", help="hardware profile file to use (calibrated here and written there if missing)")
     ap.add_argument("--search-budget", type=float, default=60.0, help="seconds for the planner's search")
     ap.add_argument("--workdir", help="run folders go here (default: a temporary folder, removed after)")
@@ -203,6 +210,11 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value run config overrides")
     args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else (1 if args.quick else 3)
+    names = [p.strip() for p in args.plans.split(",") if p.strip()] if args.plans else \
+        list(QUICK_PLANS if args.quick else PLANS)
+    unknown = sorted(set(names) - set(PLANS))
+    if unknown:
+        ap.error(f"--plans: unknown {unknown}; known: {','.join(PLANS)}")
     if steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     if args.out and Path(args.out).exists():
@@ -241,7 +253,7 @@ def main(argv=None) -> int:
 
     algorithm = build_algorithm(cfg)
     models = role_configs(cfg, list(algorithm.roles()))
-    plans = candidates(cfg, algorithm, models, n, hw, args.quick, args.search_budget)
+    plans = candidates(cfg, algorithm, models, n, hw, names, args.search_budget)
     print(f"{len(plans)} plans on {n} devices; {args.warmup} warm-up + {steps} measured steps each", flush=True)
 
     runs = []
