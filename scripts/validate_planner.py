@@ -1,7 +1,7 @@
 """Does the planner pick right? Run many plans for real and compare with what it predicted.
 
     python scripts/validate_planner.py [--steps 3] [--warmup 1] [--out F] [--workdir D]
-        [--profile hw.yaml] [--search-budget 60] [--quick] [--plans a,b] [--dry-run] [key=value ...]
+        [--profile hw.yaml] [--search-budget 60] [--quick] [--measured] [--plans a,b] [--dry-run] [key=value ...]
 
 On the config's devices (default 8 simulated CPU devices) with a model big
 enough that each call takes a few tenths of a second (a 4-layer, 512-wide
@@ -21,8 +21,10 @@ Each plan runs `--warmup + --steps` PPO steps through `jaxrlhf.train.run`
 (compilation) are dropped and the measured step time is the median
 `time/step_s` of the rest. The prediction is the simulator's steady-state
 step time for the same plan, workload and offloaded roles, with a hardware
-profile calibrated on this machine (`jaxrlhf.placement.calibrate`, or
-`--profile` to reuse one). Prints predicted vs measured per plan, the
+profile calibrated on this machine (`jaxrlhf.placement.calibrate`), or with
+`--measured` one whose call tables `jaxrlhf.profile` measured first for this
+very config (calls on placements outside its grid keep the formulas), or
+`--profile` to reuse either. Prints predicted vs measured per plan, the
 Spearman rank correlation, the median |predicted / measured - 1|, and where
 the planner's pick (and the plan it predicts fastest among the candidates)
 ranks among the measured plans. `--out F` writes JSON with `spearman`,
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", help=f"comma-separated plans to run (default: all, or {','.join(QUICK_PLANS)} "
                                     f"with --quick); known: {','.join(PLANS)}. The planner's pick always runs")
     ap.add_argument("--profile", help="hardware profile file to use (calibrated here and written there if missing)")
+    ap.add_argument("--measured", action="store_true",
+                    help="measure this run's calls first (python -m jaxrlhf.profile) and predict from those tables")
     ap.add_argument("--search-budget", type=float, default=60.0, help="seconds for the planner's search")
     ap.add_argument("--workdir", help="run folders go here (default: a temporary folder, removed after)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
 
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.placement.calibrate import calibrate
+    from jaxrlhf.profile import profile as measured_profile
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planning import role_configs
 
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
     if args.profile and Path(args.profile).exists():
         hw = get_profile(args.profile)
     else:
-        hw = calibrate("cpu")
+        hw = measured_profile(cfg, repeats=2) if args.measured else calibrate("cpu")
         if args.profile:
             hw.save(args.profile)
     temp = args.workdir is None
@@ -282,6 +287,7 @@ def main(argv=None) -> int:
         row = {"name": c.name, "overrides": list(c.overrides), "plan": placed.to_dict(),
                "predicted_s": est.step_s, "measured_s": got["step_s"], "ratio": est.step_s / got["step_s"],
                "predicted_calls_s": {k: v.seconds for k, v in est.calls.items()},
+               "predicted_sources": {k: v.source for k, v in est.calls.items()},
                "predicted_moves_s": {k: v for k, v in est.moves.items() if v},
                "measured_calls_s": got["calls_s"], "measured_steps_s": got["steps_s"],
                "first_step_s": got["first_step_s"], "response_length": got["response_length"],
