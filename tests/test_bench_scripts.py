@@ -47,7 +47,7 @@ def test_validate_planner_quick_runs_plans_and_reports_their_ranking(tmp_path):
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert len(rows) >= 2 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)
-    assert {r["name"] for r in rows} >= {"colocated"}
+    assert any(r["name"].split("=")[0] == "colocated" for r in rows)  # "colocated=planner-pick" when they agree
     assert sum(r["name"].endswith("planner-pick") for r in rows) == 1
     assert all(set(r["measured_calls_s"]) >= {"actor.generate", "actor.train", "critic.train"} for r in rows)
     pred, meas = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
