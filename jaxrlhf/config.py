@@ -666,6 +666,12 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             "plan.offpolicy=true overlaps generation with training, which needs separate generation devices: "
             f"use plan.strategy=disaggregated (or auto), not {plan.strategy}"
         )
+    if plan.profile is not None and not pathlib.Path(plan.profile).expanduser().is_file():
+        raise ConfigError(f"plan.profile: profile file not found: {plan.profile}; write one with "
+                          "python -m jaxrlhf.profile --config <this config> --out <file>")
+    if plan.profile is not None and plan.hardware is not None:
+        raise ConfigError("plan.profile and plan.hardware both name the hardware; keep one (the measured "
+                          "profile holds its hardware numbers)")
     if hardware_profiles is not None and plan.hardware is not None:
         known = list(hardware_profiles)
         if plan.hardware not in known:

@@ -143,6 +143,8 @@ class PlanConfig:
     file: str | None = None  # a plan YAML; overrides strategy
     offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
     hardware: str | None = None  # planner hardware profile; null = detect from the platform
+    # a profile measured on this hardware (`python -m jaxrlhf.profile`): its numbers and call tables replace plan.hardware's
+    profile: str | None = None
     axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
     # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
     offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None

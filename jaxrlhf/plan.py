@@ -125,11 +125,11 @@ def _fmt_s(x: float | None) -> str:
 def report_text(res: SearchResult, devices: int, hardware: str) -> str:
     best = res.best
     lines = [best.plan.table(), "", "per call:"]
-    rows = [("call", "time", "move", "memory/device")]
+    rows = [("call", "time", "from", "move", "memory/device")]
     for name, c in best.calls.items():
-        rows.append((name, _fmt_s(c.seconds + best.reloads.get(name, 0.0)), _fmt_s(best.moves.get(name) or None),
-                     f"{best.memory.call_bytes[name] / GiB:.1f} GiB"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((name, _fmt_s(c.seconds + best.reloads.get(name, 0.0)), c.source,
+                     _fmt_s(best.moves.get(name) or None), f"{best.memory.call_bytes[name] / GiB:.1f} GiB"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     if best.memory.offloaded:
         lines.append(f"  offloaded to host between calls: {', '.join(best.memory.offloaded)}")
@@ -158,7 +158,8 @@ def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
             presets[name] = {"step_s": None, "reason": p.reason}
     return {
         "algorithm": algorithm,
-        "searched": {"step_s": res.best.step_s, "plan": res.best.plan.to_dict()},
+        "searched": {"step_s": res.best.step_s, "plan": res.best.plan.to_dict(),
+                     "calls": {n: {"seconds": c.seconds, "source": c.source} for n, c in res.best.calls.items()}},
         "presets": presets,
         "search_s": res.seconds,
     }

@@ -67,14 +67,16 @@ def hardware_name(cfg: cfglib.Config, platform: str | None = None) -> str:
 
 
 def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None, platform: str | None = None):
-    """The planner's profile of the machine (`hardware_name`), with `devices_per_host` when given."""
+    """The planner's profile of the machine: the measured `plan.profile` when set (its call tables
+    then price the calls they cover), else `hardware_name`; with `devices_per_host` when given."""
     from jaxrlhf.planner.hardware import get_profile
 
-    name = hardware_name(cfg, platform)
+    name = os.path.expanduser(cfg.plan.profile) if cfg.plan.profile else hardware_name(cfg, platform)
     try:
         hw = get_profile(name)
     except (KeyError, OSError, ValueError) as e:
-        raise cfglib.ConfigError(f"plan.hardware={name!r}: {e.args[0] if e.args else e}") from None
+        key = "plan.profile" if cfg.plan.profile else "plan.hardware"
+        raise cfglib.ConfigError(f"{key}={name!r}: {e.args[0] if e.args else e}") from None
     return dataclasses.replace(hw, devices_per_host=devices_per_host) if devices_per_host else hw
 
 

@@ -1,7 +1,11 @@
 """Benchmark scripts count the same thing on both sides (no timings here: benchmarks live in scripts/)."""
 
 import importlib.util
+import json
 import pathlib
+import sys
+
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -9,6 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -19,3 +24,41 @@ def test_tunix_completions_count_their_eos_like_jaxrlhf_response_mask():
     bench = _load("bench_grpo_tunix")
     assert bench.generated_tokens([3, 8, 0, 7], max_new=8) == 4 + 8 + 1 + 8
     assert bench.generated_tokens([], max_new=8) == 0
+
+
+def test_validate_planner_never_replaces_a_results_file(tmp_path, capsys):
+    """--out naming an existing file stops before anything runs, and the file keeps its content."""
+    out = tmp_path / "earlier.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit):
+        _load("validate_planner").main(["--quick", "--out", str(out)])
+    assert "exists" in capsys.readouterr().err
+    assert out.read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_validate_planner_quick_runs_plans_and_reports_their_ranking(tmp_path):
+    """The smoke mode runs every plan through the real executor and writes the summary the issue asks
+    for; Spearman is checked against the no-ties formula 1 - 6 sum d^2 / (n (n^2 - 1)) on its own rows,
+    and pick_vs_best against the rows' measured times."""
+    out = tmp_path / "v.json"
+    _load("validate_planner").main(["--quick", "--search-budget", "5", "--workdir", str(tmp_path / "w"),
+                                    "--out", str(out)])
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert len(rows) >= 2 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)
+    assert any(r["name"].split("=")[0] == "colocated" for r in rows)  # "colocated=planner-pick" when they agree
+    assert sum(r["name"].endswith("planner-pick") for r in rows) == 1
+    assert all(set(r["measured_calls_s"]) >= {"actor.generate", "actor.train", "critic.train"} for r in rows)
+    pred, meas = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
+    if len(set(pred)) == len(pred) and len(set(meas)) == len(meas):
+        rank = lambda xs: {x: i for i, x in enumerate(sorted(xs))}  # noqa: E731
+        rp, rm = rank(pred), rank(meas)
+        n = len(rows)
+        d2 = sum((rp[p] - rm[m]) ** 2 for p, m in zip(pred, meas))
+        assert res["spearman"] == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)))
+    pick = next(r for r in rows if r["name"].endswith("planner-pick"))
+    assert res["pick_vs_best"] == pytest.approx(pick["measured_s"] / min(meas))
+    assert res["median_abs_error"] == pytest.approx(
+        sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2] if len(rows) % 2 else
+        sum(sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2 - 1:len(rows) // 2 + 1]) / 2)

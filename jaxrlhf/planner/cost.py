@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 
@@ -267,6 +268,7 @@ class CallCost:
     hbm_bytes: float
     collective_bytes: float
     parts: Mapping[str, float]  # seconds: compute / memory-bound phases, collectives, overhead
+    source: str = "formula"  # "measured": interpolated from the hardware profile's tables (`planner.measured`)
 
 
 class _Ctx:
@@ -428,9 +430,44 @@ CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": t
 
 def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
               hw: HardwareProfile) -> CallCost:
-    """Seconds of `call` (one RLHF step's worth of it) with its role's model `cfg` on `group` x `layout`."""
+    """Seconds of `call` (one RLHF step's worth of it) with its role's model `cfg` on `group` x `layout`:
+    from the profile's measured tables when they cover it (`measured_cost`), else the formulas."""
     ctx = _Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw)
-    return CALL_COSTS[call.kind](ctx, wl, call)
+    formula = CALL_COSTS[call.kind](ctx, wl, call)
+    return measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
+
+
+def measured_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+                  hw: HardwareProfile, formula: CallCost) -> CallCost | None:
+    """`call` timed from `hw.measured` (None when a phase it needs has no table): generate = prefill +
+    gen_len decode steps over a cache of prompt + response slots, inference = one forward, train = one
+    optimizer step per minibatch and epoch. The profiler times whole calls without micro-batches, so a
+    micro-batched call keeps the formulas. FLOP and byte counts stay the formulas' (they are counts)."""
+    if not hw.measured or wl.micro_batches(call) > 1:
+        return None
+    key = model_key(cfg, call.head)
+    rows = wl.call_seqs(call)
+
+    def table(phase: str):
+        return hw.measured.find(key, phase, group.size, str(layout))
+
+    if call.kind == "generate":
+        pre, dec = table("prefill"), table("decode")
+        if pre is None or dec is None:
+            return None
+        parts = {"prefill": pre.seconds(rows, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
+    elif call.kind == "inference":
+        t = table("inference")
+        if t is None:
+            return None
+        parts = {"forward": t.seconds(rows, wl.seq_len)}
+    else:
+        t = table("train")
+        if t is None:
+            return None
+        parts = {"compute": wl.minibatches * wl.ppo_epochs * t.seconds(rows, wl.seq_len)}
+    return CallCost(sum(parts.values()), formula.flops, formula.hbm_bytes, formula.collective_bytes, parts,
+                    source="measured")
 
 
 # ---- moving parameters -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from jaxrlhf.planner.measured import Measured
 from jaxrlhf.yaml_input import read as read_yaml
 
 GB = 1e9
@@ -47,6 +48,8 @@ class HardwareProfile:
     host_flops: float | None = None  # all devices of a host together (shared cores), if capped
     host_memory_bandwidth: float | None = None  # likewise for memory bandwidth
     notes: str = ""
+    # call times measured on this hardware (`jaxrlhf.profile`); the cost model prefers them to its formulas
+    measured: Measured | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
@@ -94,8 +97,10 @@ class HardwareProfile:
 
     # ---- files -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "measured"}
         d["flops"] = dict(self.flops)
+        if self.measured:
+            d["measured"] = self.measured.to_dict()
         return d
 
     @classmethod
@@ -104,8 +109,10 @@ class HardwareProfile:
         unknown = set(d) - fields
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
+        measured = Measured.from_dict(d.get("measured"), where)
         try:
-            return cls(**{**d, "flops": {str(k): float(v) for k, v in dict(d["flops"]).items()}})
+            return cls(**{**d, "flops": {str(k): float(v) for k, v in dict(d["flops"]).items()},
+                          "measured": measured or None})
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: incomplete profile ({e})") from None
 

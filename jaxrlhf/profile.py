@@ -1,0 +1,273 @@
+"""Measure a config's model calls on the hardware at hand and write a profile the planner reads.
+
+    python -m jaxrlhf.profile --config FILE --out profile.yaml [--repeats 2] [--sizes 4,8] [key=value ...]
+
+For every model the algorithm's graph uses (a role's dimensions and head; the
+reference and the actor share one when their shapes match) and every phase
+its calls need - generation as a prefill plus per-token decode steps,
+inference, training per optimizer step - it times the phase on a small grid:
+placements of all devices and of half of them in each single-axis layout
+that fits (data, FSDP, the largest tensor size that divides the model;
+generation never FSDP), at half and full rows of the config's batch and half
+and full lengths (prompt for prefill, cache slots for decode, prompt +
+response otherwise). Each point is the best of `--repeats` runs after one
+warm-up (compilation); a prefill writes into a cache with room for the
+config's response, as generation does. The hardware numbers come from
+`jaxrlhf.placement.calibrate` on the same devices; parameter moves between
+the placements (`jaxrlhf.placement.realloc.reallocate`) and batch moves
+(`jax.device_put` of a token batch from one group to another) are recorded
+beside them as `moves`.
+
+The file is a hardware profile with a `measured` section (`jaxrlhf.planner.measured`),
+YAML, read back with the project's safe loader; set
+`plan.profile: FILE` and plan choice prices every call the tables cover from
+them (`CallCost.source == "measured"`) and the rest from its formulas. The
+same format holds profiles recorded on GPUs or TPUs elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from jaxrlhf import config as cfglib
+
+PHASES_OF = {"generate": ("prefill", "decode"), "inference": ("inference",), "train": ("train",)}
+
+
+def grid_layouts(call, cfg, size: int, wl, devices_per_host: int) -> list:
+    """The single-axis layouts of `size` devices `call` can run under: data, FSDP (not for
+    generation) and the largest tensor size that divides the model."""
+    from jaxrlhf.planner.search import valid_layouts
+
+    ok = [lay for lay in valid_layouts(call, cfg, size, wl, devices_per_host) if lay.stage == 1]
+    pure = [lay for lay in ok if sum(v > 1 for v in (lay.data, lay.fsdp, lay.tensor)) <= 1]
+    tensor = max((lay for lay in pure if lay.tensor > 1), key=lambda lay: lay.tensor, default=None)
+    return [lay for lay in pure if lay.tensor == 1] + ([tensor] if tensor else [])
+
+
+def halves(n: int, split: int = 1) -> list[int]:
+    """n // 2 and n where n // 2 still divides over `split` shards (n alone otherwise)."""
+    return sorted({m for m in (n // 2, n) if m >= 1 and m % split == 0}) or [n]
+
+
+class Timer:
+    """Times the phases of one model on one placement: jitted functions over sharded random inputs."""
+
+    def __init__(self, cfg, head: str, group, layout, repeats: int):
+        import jax
+        import optax
+        from flax import nnx
+        from jax.sharding import NamedSharding
+
+        from jaxrlhf.models.transformer import build_model
+        from jaxrlhf.placement.layout import activation_resolver, batch_spec, make_mesh, param_shardings
+
+        self.cfg, self.layout, self.repeats = cfg, layout, repeats
+        mesh = make_mesh(group, layout)
+        graphdef, params = nnx.split(build_model(cfg, head), nnx.Param)
+        self.graphdef, self.params = graphdef, jax.device_put(params, param_shardings(params, mesh))
+        self.resolver = activation_resolver(mesh)
+        self.batch_sharding = NamedSharding(mesh, batch_spec(2, mesh))
+        self.opt = optax.adamw(1e-4)
+        self.opt_state = self.opt.init(self.params)
+
+    def _inputs(self, rows: int, length: int):
+        import jax
+        import jax.numpy as jnp
+
+        tok = jnp.ones((rows, length), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+        return [jax.device_put(x, self.batch_sharding) for x in (tok, pos, jnp.ones((rows, length), bool))]
+
+    def _forward(self, p, tok, pos, mask, cache=None):
+        from flax import nnx
+
+        from jaxrlhf.models import axes as ax
+
+        with ax.activation_sharding(self.resolver):
+            return nnx.merge(self.graphdef, p)(tok, pos, mask, cache)
+
+    def time(self, phase: str, rows: int, length: int, free_slots: int = 0) -> float:
+        """Seconds of `phase` at `rows` x `length` (decode: per token, with a cache of `length` slots;
+        prefill: into a cache with `free_slots` more slots for the response)."""
+        import jax
+        import optax
+
+        from jaxrlhf.models.transformer import KVCache
+        from jaxrlhf.placement.calibrate import best_time
+
+        if phase == "inference":
+            f = jax.jit(lambda p, *x: self._forward(p, *x)[0])
+            args = self._inputs(rows, length)
+            return best_time(lambda: f(self.params, *args).block_until_ready(), self.repeats)
+        if phase == "train":
+            def step(p, s, tok, pos, mask):
+                g = jax.grad(lambda p: self._forward(p, tok, pos, mask)[0].astype("float32").mean())(p)
+                u, s = self.opt.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            f = jax.jit(step)
+            args = self._inputs(rows, length)
+            return best_time(lambda: jax.block_until_ready(f(self.params, self.opt_state, *args)), self.repeats)
+        prefill = jax.jit(lambda p, t, q, m, c: self._forward(p, t, q, m, c))
+        if phase == "prefill":
+            args = self._inputs(rows, length)
+            return best_time(lambda: jax.block_until_ready(
+                prefill(self.params, *args, KVCache.init(self.cfg, rows, length + free_slots))), self.repeats)
+        # decode: steps of one token into a cache of `length` slots filled half-way by a prefill
+        decode = jax.jit(lambda p, t, q, m, c: self._forward(p, t, q, m, c), donate_argnums=4)
+        tokens = max(length // 4, 1)
+        pre = self._inputs(rows, length - tokens)
+        one = self._inputs(rows, 1)
+
+        def run() -> float:
+            _, cache = prefill(self.params, *pre, KVCache.init(self.cfg, rows, length))
+            jax.block_until_ready(cache)
+            t0 = time.perf_counter()
+            for _ in range(tokens):
+                out, cache = decode(self.params, *one, cache)
+            jax.block_until_ready(out)
+            return (time.perf_counter() - t0) / tokens
+
+        run()
+        return min(run() for _ in range(self.repeats))
+
+
+def measure_moves(models: dict, placements: list, repeats: int) -> list[dict[str, Any]]:
+    """Seconds to reshard each model's parameters from its first placement to each other one, and to
+    copy a token batch between the same two groups."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from jaxrlhf.models.transformer import build_model
+    from jaxrlhf.placement.calibrate import best_time
+    from jaxrlhf.placement.layout import batch_spec, make_mesh, param_shardings
+    from jaxrlhf.placement.realloc import reallocate, tree_bytes
+
+    out = []
+    for key, (cfg, head, rows, length) in models.items():
+        params = nnx.state(build_model(cfg, head), nnx.Param)
+        (g0, l0), rest = placements[0], placements[1:]
+        m0 = make_mesh(g0, l0)
+        src = jax.device_put(params, param_shardings(params, m0))
+        batch = jax.device_put(jnp.ones((rows, length), jnp.int32), NamedSharding(m0, batch_spec(2, m0)))
+        for g, lay in rest:
+            mesh = make_mesh(g, lay)
+            target = param_shardings(params, mesh)
+            seconds = best_time(lambda: jax.block_until_ready(reallocate(src, target)[0]), repeats)
+            bsh = NamedSharding(mesh, batch_spec(2, mesh))
+            batch_s = best_time(lambda: jax.device_put(batch, bsh).block_until_ready(), repeats)
+            where = {"src": f"{g0.start}+{g0.size}:{l0}", "dst": f"{g.start}+{g.size}:{lay}"}
+            out.append({"model": key, "what": "params", **where, "bytes": float(tree_bytes(src)),
+                        "seconds": seconds})
+            out.append({"model": key, "what": "batch", **where, "bytes": float(rows * length * 4),
+                        "seconds": batch_s})
+    return out
+
+
+def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = None,
+            log=functools.partial(print, flush=True)):
+    """The calibrated hardware profile of the local devices with `cfg`'s calls measured into it, on
+    groups of `sizes` devices (default: half and all of them)."""
+    import jax
+
+    from jaxrlhf import planning
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.placement.calibrate import calibrate
+    from jaxrlhf.planner.measured import Measured, Table, model_key
+    from jaxrlhf.planner.plan import DeviceGroup
+
+    algorithm = build_algorithm(cfg)
+    graph = algorithm.graph()
+    wl = algorithm.workload()
+    models = planning.role_configs(cfg, list(graph.roles))
+    platform = jax.devices()[0].platform
+    hw = calibrate(planning.hardware_name(cfg, platform))
+    n = jax.device_count()
+    dph = hw.devices_per_host
+    sizes = sorted(set(sizes)) if sizes else halves(n)
+    if any(not 1 <= k <= n for k in sizes):
+        raise cfglib.ConfigError(f"--sizes {sizes}: group sizes must lie in 1..{n} (the local devices)")
+    tables: dict[tuple, list] = {}
+    moved: dict[str, tuple] = {}
+    placements: list = []
+    for call in graph.calls:
+        cfg_m = models[call.role]
+        key = model_key(cfg_m, call.head)
+        for size in sizes:
+            group = DeviceGroup("profile", 0, size)
+            for lay in grid_layouts(call, cfg_m, size, wl, dph):
+                if (group, lay) not in placements:
+                    placements.append((group, lay))
+                phases = [p for p in PHASES_OF[call.kind] if (key, p, size, str(lay)) not in tables]
+                if not phases:
+                    continue
+                timer = Timer(cfg_m, call.head, group, lay, repeats)
+                split = lay.data * lay.fsdp
+                rows_all = wl.call_seqs(call)
+                for phase in phases:
+                    full = {"prefill": wl.prompt_len, "decode": wl.seq_len}.get(phase, wl.seq_len)
+                    points = []
+                    for rows in halves(rows_all, split):
+                        for length in halves(full, 2 if phase == "decode" else 1):
+                            points.append((rows, length, timer.time(phase, rows, length, wl.gen_len)))
+                    tables[(key, phase, size, str(lay))] = points
+                    log(f"{key} {phase:9s} {size} dev {str(lay):8s} "
+                        + "  ".join(f"{r}x{n_}: {s * 1e3:.2f} ms" for r, n_, s in points))
+                moved.setdefault(key, (cfg_m, call.head, wl.batch_size, wl.seq_len))
+    moves = measure_moves(moved, placements, repeats) if len(placements) > 1 else []
+    measured = Measured((Table(k[0], k[1], k[2], k[3], tuple(p)) for k, p in tables.items()), moves)
+    notes = (f"{hw.notes}; calls measured by python -m jaxrlhf.profile on {n} {platform} devices "
+             f"({time.strftime('%Y-%m-%d')})")
+    return dataclasses.replace(hw, name=f"{hw.name}-profiled", measured=measured, notes=notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxrlhf.profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="the training config whose calls to measure")
+    ap.add_argument("--out", default="profile.yaml", help="profile file to write (never replaced)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per point, after one warm-up")
+    ap.add_argument("--sizes", help="comma-separated group sizes to measure (default: half and all devices)")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(k) for k in args.sizes.split(",")] if args.sizes else None
+    except ValueError:
+        print(f"error: --sizes {args.sizes!r}: give comma-separated integers, e.g. 4,8", file=sys.stderr)
+        return 2
+    if os.path.exists(args.out):
+        print(f"error: --out {args.out} exists; choose another file (a profile is never replaced)", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("error: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = cfglib.load_config(args.config, args.overrides)
+    except (cfglib.ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from jaxrlhf.train import setup_devices
+
+    setup_devices(cfg.run)
+    t0 = time.perf_counter()
+    try:
+        hw = profile(cfg, args.repeats, sizes)
+    except cfglib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hw.save(args.out)
+    print(f"wrote {args.out}: {len(hw.measured.tables)} measured tables, {len(hw.measured.moves)} moves "
+          f"({time.perf_counter() - t0:.0f} s); use it with plan.profile={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

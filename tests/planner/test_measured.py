@@ -1,0 +1,100 @@
+"""Measured profiles: interpolation by hand, which estimates use them, files and the config key."""
+
+import dataclasses
+
+import pytest
+
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.models.config import preset
+from jaxrlhf.planner.cost import Workload, call_cost
+from jaxrlhf.planner.hardware import HardwareProfile, get_profile
+from jaxrlhf.planner.measured import Measured, Table, model_key
+from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+CFG = preset("tiny")
+KEY = model_key(CFG, "lm")
+WL = Workload(batch_size=16, prompt_len=8, gen_len=8, minibatches=2)
+GEN = CallSpec("actor.generate", "actor", "generate")
+INF = CallSpec("ref.inference", "ref", "inference")
+TRAIN = CallSpec("actor.train", "actor", "train")
+GROUP, LAY = DeviceGroup("g", 0, 4), Layout(data=4)
+
+
+def table(phase, points, layout=LAY, devices=4):
+    return Table(KEY, phase, devices, str(layout), tuple(points))
+
+
+# rows x length grid: seconds = 0.01 + 0.001 * rows + 0.0002 * rows * length (bilinear -> exact)
+def line(r, n):
+    return 0.01 + 0.001 * r + 0.0002 * r * n
+
+
+GRID = [(r, n, line(r, n)) for r in (4, 8) for n in (8, 16)]
+
+
+def test_bilinear_inside_and_linear_outside_the_grid():
+    t = table("inference", GRID)
+    assert t.seconds(6, 12) == pytest.approx(line(6, 12))  # inside
+    assert t.seconds(16, 16) == pytest.approx(line(16, 16))  # rows past the grid: the end segment's slope
+    assert t.seconds(8, 32) == pytest.approx(line(8, 32))  # length past the grid
+    one = table("inference", [(4, 8, 0.5)])
+    assert one.seconds(100, 100) == 0.5  # a single point: constant
+    falling = table("inference", [(4, 8, 0.5), (8, 8, 0.1)])
+    assert falling.seconds(100, 8) == 0.0  # never negative
+
+
+def profile_with(*tables):
+    return dataclasses.replace(get_profile("cpu"), measured=Measured(tables))
+
+
+def test_calls_covered_by_tables_are_measured_by_hand_the_rest_formula():
+    hw = profile_with(table("prefill", GRID), table("decode", GRID), table("inference", GRID), table("train", GRID))
+    gen = call_cost(GEN, CFG, GROUP, LAY, WL, hw)
+    assert gen.source == "measured"
+    # prefill of 16 rows x 8 prompt tokens + 8 decode steps over a cache of 16 slots
+    assert gen.seconds == pytest.approx(line(16, 8) + 8 * line(16, 16))
+    inf = call_cost(INF, CFG, GROUP, LAY, WL, hw)
+    assert (inf.source, inf.seconds) == ("measured", pytest.approx(line(16, 16)))
+    train = call_cost(TRAIN, CFG, GROUP, LAY, WL, hw)  # 2 optimizer steps of an 8-row minibatch
+    assert (train.source, train.seconds) == ("measured", pytest.approx(2 * line(8, 16)))
+    # another layout, a micro-batched call, a missing decode table, another model: formulas
+    assert call_cost(INF, CFG, GROUP, Layout(fsdp=4), WL, hw).source == "formula"
+    micro = dataclasses.replace(WL, micro_batch=4)
+    assert call_cost(TRAIN, CFG, GROUP, LAY, micro, hw).source == "formula"
+    assert call_cost(GEN, CFG, GROUP, LAY, WL, profile_with(table("prefill", GRID))).source == "formula"
+    assert call_cost(INF, preset("small"), GROUP, LAY, WL, hw).source == "formula"
+    assert call_cost(INF, CFG, GROUP, LAY, WL, get_profile("cpu")).source == "formula"
+
+
+def test_profile_file_round_trip_and_bad_entries(tmp_path):
+    move = {"model": KEY, "what": "params", "src": "0+4:d4f1t1", "dst": "0+8:d8f1t1", "bytes": 1e6, "seconds": 0.01}
+    hw = dataclasses.replace(get_profile("cpu"), measured=Measured([table("train", GRID)], [move]))
+    path = str(tmp_path / "p.yaml")
+    hw.save(path)
+    back = HardwareProfile.load(path)
+    assert back.measured.find(KEY, "train", 4, "d4f1t1").points == tuple(GRID)
+    assert back.measured.moves == [move]
+    assert "measured" not in get_profile("cpu").to_dict()  # profiles without tables keep their format
+    bad = hw.to_dict()
+    bad["measured"]["calls"][0]["phase"] = "backward"
+    with pytest.raises(ValueError, match="phase 'backward'"):
+        HardwareProfile.from_dict(bad, "p.yaml")
+    bad["measured"]["calls"][0].update(phase="train", points=[[4, 8, 0.1], [4, 8, 0.2]])
+    with pytest.raises(ValueError, match="same .rows, length."):
+        HardwareProfile.from_dict(bad, "p.yaml")
+
+
+def test_plan_profile_feeds_plan_choice_and_bad_paths_say_which_key(tmp_path):
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import planning
+
+    hw = profile_with(table("train", GRID))
+    path = str(tmp_path / "measured.yaml")
+    hw.save(path)
+    cfg = cfglib.load_config(None, [f"plan.profile={path}"])
+    got = planning.hardware_profile(cfg)
+    assert got.measured.find(KEY, "train", 4, "d4f1t1") is not None
+    with pytest.raises(cfglib.ConfigError, match="plan.profile: profile file not found"):
+        cfglib.load_config(None, [f"plan.profile={tmp_path / 'missing.yaml'}"])
+    with pytest.raises(cfglib.ConfigError, match="keep one"):
+        cfglib.load_config(None, [f"plan.profile={path}", "plan.hardware=h100"])

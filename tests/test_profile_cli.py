@@ -1,0 +1,45 @@
+"""`python -m jaxrlhf.profile`: a measured profile that plan choice reads back."""
+
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import planning
+from jaxrlhf import profile as prof
+from jaxrlhf.algorithms import build_algorithm
+from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.simulator import estimate_plan
+
+
+def test_profile_never_replaces_a_file_and_bad_sizes_are_one_line(tmp_path, capsys):
+    out = tmp_path / "p.yaml"
+    out.write_text("kept")
+    assert prof.main(["--config", "configs/sft.yaml", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_text() == "kept"
+    assert prof.main(["--config", "configs/sft.yaml", "--out", str(tmp_path / "q.yaml"), "--sizes", "4x"]) == 2
+    assert "--sizes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
+    """SFT's one call (actor.train) on all 8 devices in every single-axis layout, 2 rows x 2 lengths:
+    the tables load back, and the plan `train` would run prices its train call from them."""
+    out = str(tmp_path / "sft.yaml")
+    assert prof.main(["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8"]) == 0
+    hw = HardwareProfile.load(out)
+    tables = list(hw.measured.tables.values())
+    assert {t.phase for t in tables} == {"train"} and {t.devices for t in tables} == {8}
+    assert {t.layout for t in tables} >= {"d8f1t1", "d1f8t1"}
+    # rows 16 / 32 of the 32-row batch, lengths 10 / 20 (16 prompt + 4 new tokens)
+    assert all(sorted((r, n) for r, n, _ in t.points) == [(16, 10), (16, 20), (32, 10), (32, 20)] for t in tables)
+    assert all(s > 0 for t in tables for _, _, s in t.points)
+    assert {m["what"] for m in hw.measured.moves} == {"params", "batch"}
+
+    cfg = cfglib.load_config("configs/sft.yaml", [f"plan.profile={out}"])
+    algorithm = build_algorithm(cfg)
+    models = planning.role_configs(cfg, list(algorithm.roles()))
+    plan = planning.plan_for(cfg, algorithm, models, 8, platform="cpu")
+    est = estimate_plan(plan, algorithm.graph(), models, algorithm.workload(), planning.hardware_profile(cfg))
+    train = est.calls["actor.train"]
+    assert train.source == "measured"
+    table = hw.measured.find(tables[0].model, "train", 8, str(plan.calls["actor.train"].layout))
+    assert train.seconds == pytest.approx(table.seconds(32, 20))
