@@ -98,12 +98,16 @@ def generate_continuous(
     if group_size < 1 or rows % group_size:
         raise ValueError(f"a batch of {rows} rows is not made of groups of group_size={group_size} rows")
     bucket = bucket_length(width, min_bucket)
-    # Each distinct prompt once: its left-aligned tokens, its last logits and its keys/values.
+    ways = ax.batch_ways()
+    # Each distinct prompt once: its left-aligned tokens, its last logits and its keys/values. A sharded
+    # batch axis must divide evenly, so the prompts are padded with repeats to a multiple of its shards.
+    groups = rows // group_size
+    picked = (jnp.arange(-(-groups // ways) * ways) % groups) * group_size
     group_tokens, group_mask, prefix_logits, prefix = _prefill(
-        graphdef, state, prompt_tokens[::group_size], prompt_mask[::group_size],
-        bucket=bucket, max_new_tokens=0, pad_id=pad_id)
+        graphdef, state, prompt_tokens[picked], prompt_mask[picked], bucket=bucket, max_new_tokens=0, pad_id=pad_id)
+    group_tokens, group_mask = group_tokens[:groups], group_mask[:groups]
     group_len = group_mask.sum(axis=1).astype(jnp.int32)  # rotary position of each prompt's first response token
-    s = pool_size(rows, slots, ax.batch_ways())
+    s = pool_size(rows, slots, ways)
     eos = jnp.asarray(eos_tuple(eos_id) or (-1,), jnp.int32)
     limits = jnp.full((rows,), n, jnp.int32) if max_lengths is None else jnp.clip(max_lengths, 1, n).astype(jnp.int32)
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(rows))

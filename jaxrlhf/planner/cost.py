@@ -174,7 +174,8 @@ class Workload:
         if self.gen_engine == "static":
             return rows / batch_ways, rows / batch_ways, self.gen_len
         pool = pool_size(rows, self.gen_slots, batch_ways)
-        return rows / self.gen_group / batch_ways, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
+        prompts = math.ceil(rows / self.gen_group / batch_ways)  # padded to whole shards, as the runtime does
+        return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
 
 
 def matmul_params(cfg: ModelConfig, head: str) -> int:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrlhf.models import generation as gen
 from jaxrlhf.models.config import preset
-from jaxrlhf.models.continuous import continuous_fn, kv_cache_bytes
+from jaxrlhf.models.continuous import continuous_fn, generate_continuous, kv_cache_bytes
 from jaxrlhf.models.slots import pool_size
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.sampling import GREEDY, SamplingParams
@@ -125,3 +125,25 @@ def test_engine_registry_matches_the_config_schema():
 
     hints = typing.get_type_hints(GenerationConfig)
     assert set(typing.get_args(hints["engine"])) == set(GENERATION_ENGINES)
+
+
+def test_a_sharded_batch_pads_the_prompts_and_rounds_the_slots(model):
+    """Under an 8-way batch sharding, 4 distinct prompts are padded to 8 and 3 slots become 8: same result."""
+    from jaxrlhf.models import axes as ax
+    from jaxrlhf.placement.layout import activation_resolver, make_mesh
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    tokens, mask = _grouped([*PROMPTS, [1, 90, 91]], 4)
+    limits = jnp.asarray(LIMITS + LIMITS[:4] + LIMITS, jnp.int32)
+    ref = _continuous(model, tokens, mask, eos_id=None, group_size=4, slots=3, max_lengths=limits)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def sharded(state, tokens, mask, limits):
+        return generate_continuous(graphdef, state, tokens, mask, jax.random.key(0), max_new_tokens=N,
+                                   sampling=GREEDY, eos_id=None, pad_id=0, group_size=4, slots=3, max_lengths=limits)
+
+    with ax.activation_sharding(activation_resolver(make_mesh(DeviceGroup("g", 0, 8), Layout(data=8)))):
+        assert ax.batch_ways() == 8
+        out = sharded(state, tokens, mask, limits)
+    _assert_same(out, ref)

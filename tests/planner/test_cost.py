@@ -109,6 +109,7 @@ def test_continuous_generation_prefills_each_group_once_and_decodes_a_slot_pool(
     cont = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4, gen_group=8, gen_engine="continuous")
     assert static.generate_shape(GEN, 2) == (32, 32, 128)
     assert cont.generate_shape(GEN, 2) == (4, 8, 4 * 128)
+    assert cont.generate_shape(GEN, 16)[0] == 1  # 8 prompts padded to 16 batch shards: one per device
     s, c = cost(GEN, 1, Layout(), wl=static), cost(GEN, 1, Layout(), wl=cont)
     assert c.parts["prefill"] < s.parts["prefill"] / 4  # 8x fewer prompt tokens (fixed costs aside)
     per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.dim_per_head * DTYPE_BYTES[CFG.dtype]
