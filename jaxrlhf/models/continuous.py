@@ -156,8 +156,8 @@ def generate_continuous(
         return (next_row < rows) | jnp.any(slot_row >= 0)
 
     def body(carry):
-        waiting = (carry[5] < rows) & jnp.any(carry[1] < 0)
-        carry = jax.lax.cond(waiting, refill, lambda c: c, carry)
+        slot_row, next_row = carry[1], carry[5]
+        carry = jax.lax.cond((next_row < rows) & jnp.any(slot_row < 0), refill, lambda c: c, carry)
         cache, slot_row, slot_i, slot_tok, slot_pos, next_row, outs, ended = carry
         active = slot_row >= 0
         logits, new_cache = model(slot_tok[:, None], slot_pos[:, None], active[:, None], cache, layers_split=layers)
