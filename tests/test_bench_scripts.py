@@ -19,3 +19,14 @@ def test_tunix_completions_count_their_eos_like_jaxrlhf_response_mask():
     bench = _load("bench_grpo_tunix")
     assert bench.generated_tokens([3, 8, 0, 7], max_new=8) == 4 + 8 + 1 + 8
     assert bench.generated_tokens([], max_new=8) == 0
+
+
+def test_rl_response_lengths_are_long_tailed_clipped_and_seeded():
+    """bench_generate --workload rl: log-normal lengths, median 64, clipped to [1, 512], same per seed."""
+    import numpy as np
+
+    bench = _load("bench_generate")
+    lengths = bench.rl_lengths(4096, 64, 1.0, 512)
+    assert lengths.min() >= 1 and lengths.max() == 512  # P(> 512) = P(z > ln 8) ~ 2%: the cap is reached
+    assert 60 <= np.median(lengths) <= 68 and lengths.mean() > np.median(lengths) * 1.4  # mean e^0.5 x median
+    np.testing.assert_array_equal(lengths, bench.rl_lengths(4096, 64, 1.0, 512))
