@@ -367,6 +367,10 @@ class GenerationConfig:
     top_k: Int = _field(0, check=non_negative)  # sample among the k likeliest tokens; 0 = off
     top_p: Float = _field(1.0, check=unit_interval)  # nucleus sampling mass; 1 = off
     greedy: Bool = False  # argmax decoding instead of sampling
+    # static: the batch decodes together until its longest row ends; continuous: each distinct prompt
+    # prefilled once, `slots` rows decode and finished rows make room for waiting ones (docs/generation.md)
+    engine: Literal["static", "continuous"] = "static"
+    slots: Int | None = _field(None, check=positive)  # continuous engine's pool; null = a quarter of the batch
 
 
 @_no_extra_keys

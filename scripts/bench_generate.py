@@ -1,7 +1,19 @@
-"""Decode throughput of jaxrlhf generation vs `transformers` `generate`, same weights, same run.
+"""Decode throughput of jaxrlhf generation vs `transformers` `generate`, same weights, same run;
+and (`--workload rl`) the static vs the continuous engine on an RL rollout's lengths.
 
     python scripts/bench_generate.py [--preset llama-100m] [--prompt-len 32] [--new-tokens 64]
         [--batches 1,8,32] [--repeats 2] [--dtype float32] [--out bench.json]
+    python scripts/bench_generate.py --workload rl [--preset small] [--prompt-len 256] [--new-tokens 512]
+        [--groups 8] [--group-size 8] [--median-len 64] [--sigma 1.0] [--slots N] [--out bench.json]
+
+RL workload: `--groups` random prompts of `--prompt-len` tokens, each repeated `--group-size` times
+(GRPO's G samples); row r's response is cut at a length drawn from a log-normal (median
+`--median-len`, log-space std `--sigma`, clipped to [1, --new-tokens], fixed seed) through the engines'
+per-row `max_lengths`, which ends a row exactly as an EOS at that length would. Both engines decode
+greedily; the run checks they return the same tokens. Reported per engine: generated tokens/s and the
+time to the last row (one call returns every row), the prefill time (static: every row; continuous: each
+distinct prompt once, the prefill its call runs), and the KV-cache bytes it allocates; the JSON holds
+`tokens_per_s_ratio` and `prefill_ratio` (continuous over static, and static time over continuous time).
 
 A random model of the preset is written as a HF checkpoint to a temp dir and
 loaded by both sides. Both decode greedily for exactly `--new-tokens` tokens
@@ -33,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxrlhf.models import generation as gen  # noqa: E402
+from jaxrlhf.models.continuous import continuous_fn, kv_cache_bytes  # noqa: E402
 from jaxrlhf.models.config import ModelConfig, preset  # noqa: E402
 from jaxrlhf.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from jaxrlhf.models.sampling import GREEDY  # noqa: E402
@@ -65,7 +78,7 @@ def bench_jax(graphdef, state, prompts: np.ndarray, new_tokens: int, repeats: in
         p_tokens, p_mask, logits, cache = prefill()
         return jax.block_until_ready(gen.decode_fn(
             graphdef, state, p_tokens, p_mask, logits, cache, rng,
-            max_new_tokens=new_tokens, sampling=GREEDY, eos_id=None, pad_id=0))
+            max_new_tokens=new_tokens, sampling=GREEDY, eos_ids=(), pad_id=0))
 
     out = full()
     assert bool(out.response_mask.all()), "jax generation stopped early"
@@ -96,6 +109,74 @@ def bench_hf(model_dir: Path, prompts: np.ndarray, new_tokens: int, repeats: int
     return {"seconds": t, "tokens": out}
 
 
+def rl_lengths(rows: int, median: float, sigma: float, max_len: int, seed: int = 0) -> np.ndarray:
+    """Long-tailed response lengths: log-normal with the given median, clipped to [1, max_len]."""
+    lengths = np.random.default_rng(seed).lognormal(np.log(median), sigma, rows)
+    return np.clip(np.rint(lengths), 1, max_len).astype(np.int32)
+
+
+def bench_rl(graphdef, state, config: ModelConfig, args: argparse.Namespace) -> dict:
+    """Static vs continuous engine on grouped prompts with long-tailed lengths (see the module docstring)."""
+    g, n = args.group_size, args.new_tokens
+    rng = np.random.default_rng(0)
+    distinct = rng.integers(3, config.vocab_size, size=(args.groups, args.prompt_len)).astype(np.int32)
+    prompts = jnp.asarray(np.repeat(distinct, g, axis=0))
+    mask = jnp.ones(prompts.shape, bool)
+    lengths = rl_lengths(prompts.shape[0], args.median_len, args.sigma, n)
+    limits = jnp.asarray(lengths)
+    bucket = gen.bucket_length(args.prompt_len)
+    key = jax.random.key(0)
+
+    def prefill(tokens, m, new_tokens):
+        return jax.block_until_ready(gen.prefill_fn(graphdef, state, tokens, m, bucket=bucket,
+                                                    max_new_tokens=new_tokens, pad_id=0))
+
+    def static():
+        p_tokens, p_mask, logits, cache = prefill(prompts, mask, n)
+        return jax.block_until_ready(gen.decode_fn(graphdef, state, p_tokens, p_mask, logits, cache, key,
+                                                   max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0,
+                                                   max_lengths=limits))
+
+    def continuous():
+        return jax.block_until_ready(continuous_fn(graphdef, state, prompts, mask, key, max_new_tokens=n,
+                                                   sampling=GREEDY, eos_id=(), pad_id=0, group_size=g,
+                                                   slots=args.slots, max_lengths=limits))
+
+    old, new = static(), continuous()
+    assert np.array_equal(np.asarray(old.lengths), lengths), "static engine ignored the forced lengths"
+    same = float(np.mean(np.asarray(old.response_tokens) == np.asarray(new.response_tokens)))
+    generated = int(lengths.sum())
+    t_old, t_new = _best(static, args.repeats), _best(continuous, args.repeats)
+    p_old = _best(lambda: prefill(prompts, mask, n), args.repeats)
+    p_new = _best(lambda: prefill(prompts[::g], mask[::g], 0), args.repeats)
+    kv = {e: kv_cache_bytes(config, prompts.shape[0], bucket, n, engine=e, group_size=g, slots=args.slots)
+          for e in ("static", "continuous")}
+    return {
+        "rows": int(prompts.shape[0]), "group_size": g, "generated_tokens": generated,
+        "length_median": float(np.median(lengths)), "length_mean": float(lengths.mean()),
+        "length_max": int(lengths.max()), "same_tokens": same,
+        "static": {"seconds": t_old, "time_to_last_row_s": t_old, "tokens_per_s": generated / t_old,
+                   "prefill_seconds": p_old, "peak_kv_bytes": kv["static"]},
+        "continuous": {"seconds": t_new, "time_to_last_row_s": t_new, "tokens_per_s": generated / t_new,
+                       "prefill_seconds": p_new, "peak_kv_bytes": kv["continuous"]},
+        "tokens_per_s_ratio": t_old / t_new, "prefill_ratio": p_old / p_new,
+        "kv_bytes_ratio": kv["static"] / kv["continuous"],
+    }
+
+
+def print_rl(result: dict) -> None:
+    print(f"{result['rows']} rows ({result['rows'] // result['group_size']} prompts x G={result['group_size']}); "
+          f"lengths median {result['length_median']:.0f}, mean {result['length_mean']:.1f}, "
+          f"max {result['length_max']}; same greedy tokens: {result['same_tokens']:.3f}")
+    print(f"{'engine':>10} {'tok/s':>9} {'last row s':>10} {'prefill s':>9} {'KV MiB':>8}")
+    for name in ("static", "continuous"):
+        r = result[name]
+        print(f"{name:>10} {r['tokens_per_s']:>9.1f} {r['time_to_last_row_s']:>10.3f} "
+              f"{r['prefill_seconds']:>9.4f} {r['peak_kv_bytes'] / 2**20:>8.1f}")
+    print(f"tokens/s x{result['tokens_per_s_ratio']:.2f}, prefill x{result['prefill_ratio']:.2f}, "
+          f"KV bytes /{result['kv_bytes_ratio']:.2f}")
+
+
 def decode_bytes_per_step(config: ModelConfig, batch: int, context: float) -> float:
     """Parameter bytes + KV bytes of `context` real tokens per row: what one decode step must read."""
     kv = 2 * config.num_layers * batch * context * config.num_kv_heads * config.dim_per_head
@@ -104,9 +185,16 @@ def decode_bytes_per_step(config: ModelConfig, batch: int, context: float) -> fl
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="llama-100m")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--workload", default="decode", choices=["decode", "rl"],
+                   help="decode: jaxrlhf vs transformers; rl: static vs continuous engine on long-tailed lengths")
+    p.add_argument("--preset", default=None, help="model preset (default llama-100m; rl: small)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 32 (rl: 256)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (rl: 512, the longest response)")
+    p.add_argument("--groups", type=int, default=8, help="rl: distinct prompts")
+    p.add_argument("--group-size", type=int, default=8, help="rl: samples per prompt (G)")
+    p.add_argument("--median-len", type=float, default=64.0, help="rl: median response length")
+    p.add_argument("--sigma", type=float, default=1.0, help="rl: log-space std of the response lengths")
+    p.add_argument("--slots", type=int, default=None, help="rl: continuous engine's slots (default a quarter)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -114,6 +202,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="only time jaxrlhf")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    rl = args.workload == "rl"
+    args.preset = args.preset or ("small" if rl else "llama-100m")
+    args.prompt_len = args.prompt_len or (256 if rl else 32)
+    args.new_tokens = args.new_tokens or (512 if rl else 64)
     batches = [int(b) for b in args.batches.split(",")]
 
     dev = jax.devices()[0]
@@ -140,6 +232,20 @@ def main(argv=None) -> int:
         from flax import nnx
 
         graphdef, state = nnx.split(model)
+        if rl:
+            result = bench_rl(graphdef, state, config, args)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+            print(f"{args.preset} ({config.num_params() / 1e6:.0f}M params, {args.dtype}) on {dev.device_kind}; "
+                  f"prompt {args.prompt_len}, up to {args.new_tokens} new tokens, best of {args.repeats}")
+            print_rl(result)
+            if args.out:
+                meta = {"workload": "rl", "preset": args.preset, "params": config.num_params(), "dtype": args.dtype,
+                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "groups": args.groups,
+                        "group_size": args.group_size, "median_len": args.median_len, "sigma": args.sigma,
+                        "slots": args.slots, "repeats": args.repeats, "device": dev.device_kind,
+                        "platform": dev.platform, "jax": jax.__version__}
+                Path(args.out).write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
+            return 0
         rng = np.random.default_rng(0)
         for batch in batches:
             prompts = rng.integers(3, config.vocab_size, size=(batch, args.prompt_len)).astype(np.int32)

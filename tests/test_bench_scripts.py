@@ -62,3 +62,14 @@ def test_validate_planner_quick_runs_plans_and_reports_their_ranking(tmp_path):
     assert res["median_abs_error"] == pytest.approx(
         sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2] if len(rows) % 2 else
         sum(sorted(abs(p / m - 1) for p, m in zip(pred, meas))[len(rows) // 2 - 1:len(rows) // 2 + 1]) / 2)
+
+
+def test_rl_response_lengths_are_long_tailed_clipped_and_seeded():
+    """bench_generate --workload rl: log-normal lengths, median 64, clipped to [1, 512], same per seed."""
+    import numpy as np
+
+    bench = _load("bench_generate")
+    lengths = bench.rl_lengths(4096, 64, 1.0, 512)
+    assert lengths.min() >= 1 and lengths.max() == 512  # P(> 512) = P(z > ln 8) ~ 2%: the cap is reached
+    assert 60 <= np.median(lengths) <= 68 and lengths.mean() > np.median(lengths) * 1.4  # mean e^0.5 x median
+    np.testing.assert_array_equal(lengths, bench.rl_lengths(4096, 64, 1.0, 512))

@@ -149,6 +149,9 @@ def test_wrong_type(override, message):
                                   "'rloo', 'rm', 'sft']"),
         (["optimizer.actor.lr=-0.001"], "config key 'optimizer.actor.lr' must be > 0, got -0.001"),
         (["generation.top_p=1.5"], "config key 'generation.top_p' must be in (0, 1], got 1.5"),
+        (["generation.engine=continous"], "config key 'generation.engine' must be one of static, continuous; "
+                                          "got 'continous'; did you mean 'continuous'?"),
+        (["generation.slots=0"], "config key 'generation.slots' must be > 0, got 0"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
                                       "data.batch_size x algorithm.group_size = 32 x 1 = 32"),
         (["algorithm.name=grpo"], "algorithm.name=grpo compares samples of the same prompt: "

@@ -95,12 +95,18 @@ class Algorithm(abc.ABC):
             remat={r: getattr(cfg.model, r).remat for r in roles},
             donate=True,  # the executor always donates parameters and optimizer state to train calls
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
+            gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
         )
 
     @property
     def batch_rows(self) -> int:
         """Rows of a step's batch (prompts x samples per prompt for RL, pairs for preference stages)."""
         return self.cfg.data.batch_size
+
+    @property
+    def group_size(self) -> int:
+        """Adjacent rows of a generate call that share one prompt (RL algorithms sample groups)."""
+        return 1
 
     @property
     def minibatches(self) -> int:

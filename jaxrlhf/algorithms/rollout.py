@@ -49,7 +49,7 @@ from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
-from jaxrlhf.models.generation import generate_tokens
+from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 
@@ -86,6 +86,8 @@ class RLSettings:
     eos_only: bool = True
     overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N tokens; 0 = off
     overlong_penalty: float = 1.0
+    engine: str = "static"  # generation.engine (models/engines.py)
+    slots: int | None = None  # generation.slots (continuous engine)
 
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
@@ -109,15 +111,19 @@ def generate_call(
     max_new_tokens: int,
     eos_id: int | tuple[int, ...] | None,
     pad_id: int,
+    engine: tuple[str, int, int | None],
     prefix: str,
     params: nnx.State,
     inputs: dict[str, Any],
 ) -> dict[str, jax.Array]:
     """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`.
-    A response ends on any of the ids in `eos_id`."""
-    out = generate_tokens(
+    A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots): the prompts
+    come in groups of `group_size` adjacent copies (`repeat_rows`), which the continuous engine prefills once."""
+    name, group_size, slots = engine
+    out = GENERATION_ENGINES[name](
         graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+        group_size=group_size, slots=slots,
     )
     values = {
         "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
@@ -396,6 +402,7 @@ class RolloutRuntime:
             normalize_values=getattr(alg, "normalize_values", False), entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
+            engine=gen.engine, slots=gen.slots,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -404,14 +411,14 @@ class RolloutRuntime:
         m = self.models
         tok = self.tokenizer
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
-                                tok.pad_id)
+                                tok.pad_id, (s.engine, self.group_size, s.slots))
         fns: dict[str, Any] = {
             "actor.generate": functools.partial(gen, "pool_" if self.dynamic_sampling else ""),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
         if self.greedy_baseline:
             greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-                                       s.max_new_tokens, tok.eos_ids, tok.pad_id)
+                                       s.max_new_tokens, tok.eos_ids, tok.pad_id, (s.engine, self.group_size, s.slots))
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
@@ -585,14 +592,15 @@ class RolloutRuntime:
         s = self.settings()
         return functools.partial(
             generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-            s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
+            s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, (s.engine, 1, s.slots), "")
 
     @functools.cached_property
     def _sampled_generate(self) -> Any:
         """Sampling with the rollout's settings for pass@k, bound once."""
         s = self.settings()
         return functools.partial(generate_call, self.models["actor"].graphdef, s.sampling, s.max_new_tokens,
-                                 self.tokenizer.eos_ids, self.tokenizer.pad_id, "")
+                                 self.tokenizer.eos_ids, self.tokenizer.pad_id,
+                                 (s.engine, self.cfg.eval.samples, s.slots), "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

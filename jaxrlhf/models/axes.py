@@ -50,6 +50,21 @@ def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
+def batch_ways() -> int:
+    """How many shards the batch axis of activations has under the current resolver (1 without one):
+    what a batch dimension created inside a traced call must be a multiple of."""
+    resolver = _resolver.get()
+    sharding = None if resolver is None else resolver((BATCH,))
+    if sharding is None or not hasattr(sharding, "spec") or not sharding.spec:
+        return 1
+    names = sharding.spec[0]
+    names = () if names is None else names if isinstance(names, tuple) else (names,)
+    ways = 1
+    for name in names:
+        ways *= sharding.mesh.shape[name]
+    return ways
+
+
 def param_logical_axes(tree: Any) -> Any:
     """Pytree of logical-axis tuples matching `nnx.state(model)` (or a sub-state).
 

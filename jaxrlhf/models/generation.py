@@ -156,8 +156,10 @@ def _decode(
     eos_ids: tuple[int, ...],
     pad_id: int,
     tag: Hashable = None,
+    max_lengths: Int[Array, "batch"] | None = None,
 ) -> GenerationOutput:
-    """Sample up to `max_new_tokens` tokens on device; a row ends on any of `eos_ids`, the loop when all have."""
+    """Sample up to `max_new_tokens` tokens on device; a row ends on any of `eos_ids` or after its
+    `max_lengths` tokens (optional, per row), the loop when all rows have ended."""
     _TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
     batch, n = prompt_tokens.shape[0], max_new_tokens
@@ -173,6 +175,8 @@ def _decode(
         )
         if eos_ids:
             done = done | jnp.isin(token, jnp.asarray(eos_ids, jnp.int32))
+        if max_lengths is not None:
+            done = done | (i + 1 >= max_lengths)
         return token, valid, done, outs
 
     outs = (
@@ -197,6 +201,9 @@ def _decode(
 
     carry = (jnp.int32(1), cache, token, valid, done, position, outs)
     *_, done, _, (out_tokens, out_logp, out_valid) = jax.lax.while_loop(cond, body, carry)
+    if max_lengths is not None:  # a row cut by its length limit did not end with EOS
+        last = jnp.take_along_axis(out_tokens, jnp.maximum(out_valid.sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0]
+        done = done & jnp.isin(last, jnp.asarray(eos_ids or (-1,), jnp.int32))
     return GenerationOutput(
         tokens=jnp.concatenate([prompt_tokens, out_tokens], axis=1),
         prompt_tokens=prompt_tokens,
@@ -221,11 +228,13 @@ def generate_tokens(
     eos_id: int | Sequence[int] | None,
     pad_id: int,
     min_bucket: int = 16,
+    max_lengths: Int[Array, "batch"] | None = None,
 ) -> GenerationOutput:
     """Prefill and decode as one pure function: the form a placed call compiles (one program
     per placement and prompt bucket). Prompts may be padded on either side (see `Generator`).
 
-    eos_id: one id or all the ids that end a row. Raises `GenerationError` at trace time when
+    eos_id: one id or all the ids that end a row; max_lengths (optional): a row's own cap on its
+    response length (a benchmark forces long-tailed lengths with it). Raises `GenerationError` at trace time when
     the prompt width plus `max_new_tokens` exceeds the model's `max_position_embeddings`.
     """
     config = nnx.merge(graphdef, state).config
@@ -237,6 +246,7 @@ def generate_tokens(
     return _decode(
         graphdef, state, tokens, mask, last_logits, cache, rng,
         max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id,
+        max_lengths=max_lengths,
     )
 
 
@@ -246,6 +256,11 @@ prefill_fn = jax.jit(_prefill, static_argnums=0, static_argnames=("bucket", "max
 decode_fn = jax.jit(
     _decode, static_argnums=0, static_argnames=("max_new_tokens", "sampling", "eos_ids", "pad_id", "tag")
 )
+
+
+def note_trace(name: str) -> None:
+    """Count one trace of a jitted generation function (another engine's, see `trace_count`)."""
+    _TRACES[name] += 1
 
 
 def pad_prompts(

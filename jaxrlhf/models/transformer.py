@@ -48,13 +48,15 @@ KV = tuple[jax.Array, jax.Array]  # the stacked cache keys and values, [layers, 
 
 @struct.dataclass
 class KVCache:
-    """Keys/values of every layer for `max_len` slots, which slots hold real tokens, and the next slot."""
+    """Keys/values of every layer for `max_len` slots, which slots hold real tokens, and the next slot:
+    one `index` for every row (prefill, the static decode loop) or one per row ([batch]: the continuous
+    engine's slots, each at its own length)."""
 
     # kv_heads before slots: the layout attention's batched matmuls read without a transposed copy
     k: Float[Array, "layers batch kv_heads slots head_dim"]
     v: Float[Array, "layers batch kv_heads slots head_dim"]
     valid: Bool[Array, "batch slots"]
-    index: Int[Array, ""]
+    index: Int[Array, ""] | Int[Array, "batch"]
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
@@ -174,33 +176,47 @@ class Attention(nnx.Module):
         k = apply_rope(self._project(x, self.k, "k_bias"), positions, inv_freq)
         v = self._project(x, self.v, "v_bias")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        b, t = x.shape[:2]
         if kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
-            start = (layer, 0, 0, offset, 0)
-            kv = tuple(jax.lax.dynamic_update_slice(c, new.swapaxes(1, 2)[None].astype(c.dtype), start)
-                       for c, new in zip(kv, (k, v)))
+            kv = tuple(_write_slots(c, new, layer, offset) for c, new in zip(kv, (k, v)))
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in kv)
         else:  # [B, S, kv_heads, D] -> [B, kv_heads, S, D], as the cache holds them
             k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
-        b, t = x.shape[:2]
         s = k.shape[2]
         groups = cfg.num_heads // cfg.num_kv_heads
         qg = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.dim_per_head)
         scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(cfg.dim_per_head)
-        q_slot = offset + jnp.arange(t)[:, None]
-        k_slot = jnp.arange(s)[None, :]
-        allowed = (k_slot <= q_slot)[None] & key_valid[:, None, :]  # [B, T, S]
+        q_slot = jnp.reshape(offset, (-1, 1, 1)) + jnp.arange(t)[None, :, None]  # [1 or B, T, 1]
+        k_slot = jnp.arange(s)[None, None, :]
+        allowed = (k_slot <= q_slot) & key_valid[:, None, :]  # [B, T, S]
         if cfg.sliding_window is not None:
-            allowed &= (q_slot - k_slot < cfg.sliding_window)[None]
+            allowed &= q_slot - k_slot < cfg.sliding_window
         if segment_ids is not None:  # packed rows: attend only within one's own sequence
             allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
-        allowed |= (k_slot == q_slot)[None]  # a padding query attends to itself: finite garbage, never NaN
+        allowed |= k_slot == q_slot  # a padding query attends to itself: finite garbage, never NaN
         scores = jnp.where(allowed[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
         o = self.o.value.astype(cfg.jnp_dtype)
         out = dense(out.reshape(b, t, -1).astype(cfg.jnp_dtype), o.reshape(-1, o.shape[-1]))
         return out, kv
+
+
+def _write_slots(
+    cache: Float[Array, "layers batch kv_heads slots head_dim"],
+    new: Float[Array, "batch length kv_heads head_dim"],
+    layer: Int[Array, ""],
+    offset: Int[Array, ""] | Int[Array, "batch"],
+) -> Float[Array, "layers batch kv_heads slots head_dim"]:
+    """Write one layer's new keys (or values) at slots [offset, offset + T): one slice when every row
+    shares the offset, a scatter when each row has its own (the continuous engine's slots)."""
+    if jnp.ndim(offset) == 0:
+        return jax.lax.dynamic_update_slice(cache, new.swapaxes(1, 2)[None].astype(cache.dtype),
+                                            (layer, 0, 0, offset, 0))
+    b, t = new.shape[:2]
+    cols = offset[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    return cache.at[layer, jnp.arange(b)[:, None], :, cols, :].set(new.astype(cache.dtype))
 
 
 class MLP(nnx.Module):
@@ -301,7 +317,7 @@ class Transformer(nnx.Module):
         if cache is None:
             key_valid, offset, kv = mask, 0, None
         else:
-            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.index, axis=1)
+            key_valid = _write_valid(cache.valid, mask, cache.index)
             offset, kv = cache.index, (cache.k, cache.v)
         graphdef, layer_states = nnx.split(self.layers)
         remat = self.remat != "none" and cache is None
@@ -340,6 +356,16 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])
         return x, cache
+
+
+def _write_valid(
+    valid: Bool[Array, "batch slots"], mask: Bool[Array, "batch length"], index: Int[Array, ""] | Int[Array, "batch"]
+) -> Bool[Array, "batch slots"]:
+    """Mark the new tokens' slots in the cache's validity mask (shared or per-row index, as `_write_slots`)."""
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(valid, mask, index, axis=1)
+    b, t = mask.shape
+    return valid.at[jnp.arange(b)[:, None], index[:, None] + jnp.arange(t)[None, :]].set(mask)
 
 
 def split_layers(model: nnx.Module) -> list[nnx.State]:

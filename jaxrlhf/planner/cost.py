@@ -49,6 +49,7 @@ from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.slots import pool_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
@@ -80,6 +81,8 @@ class Workload:
     - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
       AdamW moments (mixed precision); otherwise the moments use the param dtype.
       A bool for every role, or a mapping role -> bool.
+    - `gen_engine`, `gen_group`, `gen_slots`: the generation engine (`generation.engine`), how many
+      adjacent rows share a prompt, and the continuous engine's slot pool (`generate_shape`).
     - `search_micro`: the planner picks each call's micro-batch count for its
       placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
       all. Cluster studies set it; the runtime applies one
@@ -96,6 +99,9 @@ class Workload:
     donate: bool = True
     adam_master_fp32: Any = True
     search_micro: bool = False
+    gen_engine: str = "static"  # generation.engine
+    gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): the continuous engine prefills one
+    gen_slots: int | None = None  # generation.slots; None = a quarter of the batch
 
     def __post_init__(self):
         for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs"):
@@ -103,6 +109,10 @@ class Workload:
                 raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"workload.micro_batch must be >= 1 or None, got {self.micro_batch}")
+        if self.gen_engine not in ("static", "continuous"):
+            raise ValueError(f"workload.gen_engine {self.gen_engine!r} is not 'static' or 'continuous'")
+        if self.gen_group < 1 or self.batch_size % self.gen_group:
+            raise ValueError(f"workload.gen_group={self.gen_group} must divide batch_size={self.batch_size}")
         if self.batch_size % self.minibatches:
             raise ValueError(
                 f"workload.batch_size={self.batch_size} must divide into minibatches={self.minibatches}"
@@ -155,6 +165,18 @@ class Workload:
     def call_seqs(self, call: CallSpec) -> int:
         """Sequences one call step feeds at once: its batch rows times the call's sequences per row."""
         return self.call_batch(call.kind) * call.seqs_per_row
+
+    def generate_shape(self, call: CallSpec, batch_ways: int) -> tuple[float, float, int]:
+        """Per device: (prompts prefilled, rows each decode step runs, decode steps) of a generate call as
+        its engine runs it when every response is `gen_len` long (the planner's worst case): static
+        prefills every row and decodes all of them for gen_len steps; continuous prefills each group's
+        prompt once and runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of gen_len."""
+        rows = self.call_seqs(call)
+        if self.gen_engine == "static":
+            return rows / batch_ways, rows / batch_ways, self.gen_len
+        pool = pool_size(rows, self.gen_slots, batch_ways)
+        prompts = math.ceil(rows / self.gen_group / batch_ways)  # padded to whole shards, as the runtime does
+        return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
 
 
 def matmul_params(cfg: ModelConfig, head: str) -> int:
@@ -346,17 +368,16 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw = c.cfg, c.hw
     if c.stages > 1:
         raise ValueError(f"{call.name}: generation is never pipelined; layout {c.layout} has stage={c.stages}")
-    seqs = wl.call_seqs(call) / c.batch_ways
-    pre = c.forward(seqs * wl.prompt_len, wl.prompt_len, seqs, 1)
-    # Decode: step s attends to prompt_len + s cached tokens.
-    ctx_len = wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64)
+    prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
+    pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
+    # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps.
+    ctx_len = np.tile(wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64), n // wl.gen_len)
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
     flops_steps = (2 * matmul_params(cfg, c.head) * seqs + attention_flops(cfg, seqs, ctx_len)) / c.t
     kv = seqs * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
     hbm_steps = w_tensor + kv
     decode = float(np.maximum(flops_steps / c.flops_s, hbm_steps / c.mem_bw).sum())
-    n = wl.gen_len
     tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n,
                          c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
     fsdp = _ring_gather(n * w_tensor, c.layout.fsdp, c.bw["fsdp"], hw, count=cfg.num_layers * n)

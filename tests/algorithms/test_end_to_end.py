@@ -28,6 +28,11 @@ RL_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "adva
 CASES = {
     "grpo": (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"],
              "disaggregated", RL_KEYS + ("kl/loss",)),
+    # the continuous engine: 4 prompts prefilled once each (padded to the 8 batch shards), a pool of 8 of
+    # the 16 rows, then on a reallocated tensor-parallel generation layout
+    "grpo_continuous": (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2",
+                         "algorithm.kl_coef=0.05", "data.batch_size=4", "generation.engine=continuous"],
+                        "reallocated", RL_KEYS + ("kl/loss",)),
     # dynamic sampling: a pool of 2 x 8 prompts, selected on the host, trained on another device group
     "dapo": (["algorithm.name=dapo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0",
               "algorithm.overlong_buffer=2"], "disaggregated",

@@ -98,3 +98,22 @@ def test_analytic_flops_match_xla_cost_analysis():
     xla = jax.jit(fwd).lower(params, tok, pos, mask).cost_analysis()["flops"]
     analytic = 2 * matmul_params(cfg, "lm") * b * t + attention_flops(cfg, b * t, t)
     assert analytic == pytest.approx(xla, rel=0.05)
+
+
+def test_continuous_generation_prefills_each_group_once_and_decodes_a_slot_pool():
+    """GRPO G=8: the continuous engine prefills batch/8 prompts; its pool (a quarter of the batch) runs
+    4 rounds of gen_len steps when every response is max length; the KV memory is the hand count."""
+    from jaxrlhf.planner.memory import working_set
+
+    static = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4, gen_group=8)
+    cont = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4, gen_group=8, gen_engine="continuous")
+    assert static.generate_shape(GEN, 2) == (32, 32, 128)
+    assert cont.generate_shape(GEN, 2) == (4, 8, 4 * 128)
+    assert cont.generate_shape(GEN, 16)[0] == 1  # 8 prompts padded to 16 batch shards: one per device
+    s, c = cost(GEN, 1, Layout(), wl=static), cost(GEN, 1, Layout(), wl=cont)
+    assert c.parts["prefill"] < s.parts["prefill"] / 4  # 8x fewer prompt tokens (fixed costs aside)
+    per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.dim_per_head * DTYPE_BYTES[CFG.dtype]
+    assert working_set(GEN, CFG, Layout(), static)["kv_cache"] == 2 * 64 * 256 * per_token
+    assert working_set(GEN, CFG, Layout(), cont)["kv_cache"] == (2 * 16 * 256 + 8 * 128) * per_token
+    with pytest.raises(ValueError, match="gen_group"):
+        Workload(batch_size=64, gen_group=5)

@@ -1,0 +1,33 @@
+"""Generation engines by name (`generation.engine`): one signature, so a placed generate call and the
+planner pick the same one from the config.
+
+- "static": `generation.generate_tokens`: the whole batch prefilled and decoded together until its
+  longest row ends; cache batch x (prompt + max_new_tokens).
+- "continuous": `continuous.generate_continuous`: each distinct prompt prefilled once, a pool of `slots`
+  rows that finished rows leave and waiting rows enter; cache prompts x prompt + slots x (prompt + max_new_tokens).
+
+Every engine is called as `generate_continuous` is: (graphdef, state, prompt_tokens, prompt_mask, rng,
+*, max_new_tokens, sampling, eos_id, pad_id, group_size, slots, max_lengths). Both return a
+`GenerationOutput` in the original row order with the processed-distribution log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxrlhf.models.continuous import generate_continuous
+from jaxrlhf.models.generation import GenerationOutput, generate_tokens
+from jaxrlhf.registry import Registry
+
+GENERATION_ENGINES: Registry[Callable[..., GenerationOutput]] = Registry("generation engine")
+
+
+@GENERATION_ENGINES.register("static")
+def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, **kwargs: Any) -> GenerationOutput:
+    """`generate_tokens` with the shared signature: `group_size` and `slots` do not apply to a static
+    batch (every row is prefilled and decoded)."""
+    del group_size, slots
+    return generate_tokens(*args, **kwargs)
+
+
+GENERATION_ENGINES.register("continuous")(generate_continuous)
