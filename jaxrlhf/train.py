@@ -106,7 +106,9 @@ class RoleBuilder:
     roles with a checkpoint path are loaded; roles with `init_from` copy the
     source role's current parameters (so after a warm-up the reference is the
     warmed-up actor): the whole model when the heads agree, the trunk under a
-    fresh head otherwise (a critic or reward model from an actor). A source
+    fresh head otherwise (a critic or reward model from an actor); a source's
+    LoRA adapters are merged into a copy whose role has other adapters or none
+    (`lora.merge_adapters`), and the role's own start fresh. A source
     the algorithm does not use itself (the actor of a reward-model stage) is
     built where the role that copies it lives, and dropped after.
     """
@@ -164,12 +166,22 @@ class RoleBuilder:
         """A copy of `source` laid out for `role`'s home: whole, or its trunk under a fresh head."""
         from jaxrlhf.placement.realloc import reallocate
 
+        from jaxrlhf.models import lora
+
         head = self.head(role)
-        if head == source.head:
+        source_lora = self.model_configs[getattr(self.cfg.model, role).init_from].lora
+        mine = self.model_configs[role].lora
+        if head == source.head and mine == source_lora:
             copy, _ = reallocate(source.params, self.shardings(role, source.params))  # always new buffers
             return Built(source.graphdef, copy, head)
         fresh = self.fresh(role, head, self.seed + 1, role)
-        trunk, _ = reallocate(source.params["model"], self.shardings(role, fresh.params)["model"])
+        params = source.params
+        if source_lora != mine:  # the source's adapters folded in; the role's own adapters start fresh
+            params = lora.with_base(fresh.params, lora.merge_adapters(params, source_lora) if source_lora else params)
+        if head == source.head:
+            copy, _ = reallocate(params, self.shardings(role, fresh.params))
+            return Built(fresh.graphdef, copy, head)
+        trunk, _ = reallocate(params["model"], self.shardings(role, fresh.params)["model"])
         out = dict(fresh.params)
         out["model"] = trunk
         return Built(fresh.graphdef, type(fresh.params)(out), head)

@@ -111,6 +111,14 @@ def adapter_state(state: nnx.State) -> nnx.State:
     return nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(state) if is_adapter(p)])
 
 
+def with_base(target: nnx.State, source: nnx.State) -> nnx.State:
+    """`target` with every non-adapter parameter that `source` also has taken from `source`: a copy of a
+    model under a role with other adapters (its own stay), or another head (the target's stays)."""
+    base = {tuple(p): v for p, v in nnx.to_flat_state(source) if not is_adapter(p)}
+    return nnx.from_flat_state([(p, v if is_adapter(p) else base.get(tuple(p), v))
+                                for p, v in nnx.to_flat_state(target)])
+
+
 def delta(a: np.ndarray, b: np.ndarray, scale: float, weight_shape: tuple[int, ...]) -> np.ndarray:
     """`scale * A @ B` in `W`'s layout ([layers, in..., out...]): what merging adds to `W`."""
     layers, r = a.shape[0], a.shape[-1]
