@@ -479,14 +479,15 @@ def _hosts(group: DeviceGroup, hw: HardwareProfile) -> set[int]:
     return set(range(group.start // hw.devices_per_host, (group.stop - 1) // hw.devices_per_host + 1))
 
 
-def transfer_bytes(cfg: ModelConfig, head: str, dst_layout: Layout) -> float:
-    """Bytes each destination device receives: its shard of the (data-replicated) parameters."""
-    return shard_bytes(cfg, head, dst_layout)
+def adapter_shard_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """A device's LoRA adapter bytes under `layout` (what a LoRA shadow sync sends)."""
+    return lora_param_count(cfg) * DTYPE_BYTES[trained_dtype(cfg)] / (layout.stage * layout.fsdp * layout.tensor)
 
 
 def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
-                 dst_layout: Layout, hw: HardwareProfile) -> float:
-    """Seconds to reshard a role's parameters from one placement to another (0 if identical).
+                 dst_layout: Layout, hw: HardwareProfile, adapters_only: bool = False) -> float:
+    """Seconds to reshard a role's parameters from one placement to another (0 if identical);
+    `adapters_only`: just its LoRA adapters (the sync of a shadow whose frozen base is already there).
 
     Receivers pull their shard over NVLink/ICI when their host also holds source
     devices, else over the host's NICs shared by its receiving devices; senders
@@ -495,13 +496,14 @@ def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layo
     """
     if (src.start, src.size, src_layout) == (dst.start, dst.size, dst_layout):
         return 0.0
-    recv = transfer_bytes(cfg, head, dst_layout)
+    shard = (lambda lay: adapter_shard_bytes(cfg, lay)) if adapters_only else (lambda lay: shard_bytes(cfg, head, lay))
+    recv = shard(dst_layout)
     total = recv * dst.size
     crosses = not _hosts(dst, hw) <= _hosts(src, hw)
     dst_on_host = min(dst.size, hw.devices_per_host)
     bw_recv = hw.link_bandwidth(crosses, dst_on_host)
     bw_send = hw.link_bandwidth(crosses, min(src.size, hw.devices_per_host))
-    src_shard = shard_bytes(cfg, head, src_layout)
+    src_shard = shard(src_layout)
     reshard = 2 * src_shard / hw.memory_bandwidth(min(src.size, hw.devices_per_host))
     if src.start == dst.start and src.size == dst.size:
         # Same devices, other layout: a reshuffle among the group's own devices.
@@ -535,10 +537,11 @@ class CostCache:
         return self._calls[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
-             dst_layout: Layout) -> float:
-        """Seconds to bring `call`'s role's parameters from (src, src_layout) to (dst, dst_layout)."""
-        key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout)
+             dst_layout: Layout, adapters_only: bool = False) -> float:
+        """Seconds to bring `call`'s role's parameters (or only its adapters) from (src, src_layout) to
+        (dst, dst_layout)."""
+        key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout, adapters_only)
         if key not in self._moves:
             self._moves[key] = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
-                                            self.hw)
+                                            self.hw, adapters_only)
         return self._moves[key]

@@ -111,3 +111,19 @@ def test_lora_train_step_peak_is_measurably_below_full_fine_tuning():
         estimate = (params_per_device(cfg, "lm", Layout()) + optimizer_per_device(cfg, "lm", Layout(), wl)
                     + sum(working_set(call, cfg, Layout(), wl).values()))
         assert estimate == pytest.approx(measured, rel=0.2), cfg.lora
+
+
+def test_a_lora_shadow_sync_is_priced_as_its_adapters():
+    """Disaggregated GRPO: the generation copy's per-step sync costs the adapters' transfer, not a model's."""
+    from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.planner.simulator import call_durations
+
+    base = preset("llama2-7b")
+    adapted = base.replace(lora=LoraConfig(rank=16, alpha=32.0, targets=ALL))
+    wl = Workload(batch_size=64)
+    graph = algorithm_graph("grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.0")
+    plan = build_plan("disaggregated", 16, {"actor": base}, graph, batch_size=64)
+    assert "actor" in plan.shadow_roles
+    _, full = call_durations(graph, plan, {"actor": base}, wl, H100)
+    _, low = call_durations(graph, plan, {"actor": adapted}, wl, H100)
+    assert 0 < low["actor.generate"] < full["actor.generate"] / 20
