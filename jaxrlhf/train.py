@@ -164,9 +164,8 @@ class RoleBuilder:
 
     def derived(self, role: str, source: Built) -> Built:
         """A copy of `source` laid out for `role`'s home: whole, or its trunk under a fresh head."""
-        from jaxrlhf.placement.realloc import reallocate
-
         from jaxrlhf.models import lora
+        from jaxrlhf.placement.realloc import reallocate
 
         head = self.head(role)
         source_lora = self.model_configs[getattr(self.cfg.model, role).init_from].lora
@@ -199,7 +198,6 @@ def init_depth(cfg: cfglib.Config, role: str) -> int:
 def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int, model_config):
     """The role's AdamW; fp32 master weights only where its parameters are low precision."""
     from jaxrlhf.algorithms.optim import build_optimizer
-
     from jaxrlhf.models import lora
 
     o = getattr(cfg.optimizer, role)
@@ -231,14 +229,13 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     from jaxrlhf.algorithms.optim import build_optimizer
     from jaxrlhf.algorithms.sft import SFT
     from jaxrlhf.distributed import host_get
+    from jaxrlhf.models import lora
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
 
     stage = SFT(cfg, warmup=True)
     wplan = warmup_plan(plan)
     wcache = CallCache(wplan, devices=cache.devices, rules=cache.rules)
-    from jaxrlhf.models import lora
-
     optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps),
                                 trainable=lora.trainable if cfg.model.actor.lora else None)
     role = Role("actor", actor.graphdef, actor.params, optimizer)
