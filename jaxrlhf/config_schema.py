@@ -248,6 +248,20 @@ ALGORITHM_CONFIGS: Registry[type[AlgorithmConfig]] = Registry("algorithm", entri
 })
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on the role's chosen projections (HF module names); the base is frozen."""
+
+    rank: Int = _field(8, check=positive)
+    alpha: Float = _field(16.0, check=positive)  # the update is scaled by alpha / rank (PEFT's lora_alpha)
+    targets: tuple[LoraTarget, ...] = _field(("q_proj", "v_proj"), check=not_empty)
+    dtype: Dtype = "float32"  # the adapters' dtype; the base keeps its own
+
+
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class RoleModelConfig:
@@ -261,6 +275,7 @@ class RoleModelConfig:
     param_dtype: Dtype | None = None  # stored parameter dtype; null = the model's own
     # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
     remat: Literal["none", "full", "dots"] = "none"
+    lora: LoraSection | None = None  # train LoRA adapters only (docs/lora.md); not inherited through init_from
 
     @property
     def source(self) -> str | None:

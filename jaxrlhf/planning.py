@@ -26,7 +26,7 @@ SEARCH_TIME_BUDGET_S = 60.0  # the planner search's wall-clock cap for plan.stra
 
 def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
     """ModelConfig of every role (and of the roles they initialise from); no weights touched."""
-    from jaxrlhf.models.config import preset
+    from jaxrlhf.models.config import LoraConfig, preset
 
     out = {}
 
@@ -49,6 +49,8 @@ def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
             changes["dtype"] = rc.dtype
         if rc.param_dtype:
             changes["param_dtype"] = rc.param_dtype
+        if rc.lora or base.lora:  # a role's adapters are its own: a reference copied from a LoRA actor has none
+            changes["lora"] = LoraConfig(**dataclasses.asdict(rc.lora)) if rc.lora else None
         out[role] = base.replace(**changes) if changes else base
         return out[role]
 

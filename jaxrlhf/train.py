@@ -106,7 +106,9 @@ class RoleBuilder:
     roles with a checkpoint path are loaded; roles with `init_from` copy the
     source role's current parameters (so after a warm-up the reference is the
     warmed-up actor): the whole model when the heads agree, the trunk under a
-    fresh head otherwise (a critic or reward model from an actor). A source
+    fresh head otherwise (a critic or reward model from an actor); a source's
+    LoRA adapters are merged into a copy whose role has other adapters or none
+    (`lora.merge_adapters`), and the role's own start fresh. A source
     the algorithm does not use itself (the actor of a reward-model stage) is
     built where the role that copies it lives, and dropped after.
     """
@@ -132,7 +134,7 @@ class RoleBuilder:
         if rc.path:
             # each parameter placed as it is read: no process holds the whole model
             model, _ = load_hf_checkpoint(rc.path, head, param_dtype=mc.param_dtype, dtype=mc.dtype, seed=self.seed,
-                                          remat=rc.remat, config_overrides=dict(rc.overrides),
+                                          remat=rc.remat, config_overrides={**rc.overrides, "lora": mc.lora},
                                           shardings=lambda state: self.shardings(at, state))
             graphdef, state = nnx.split(model)
             return Built(graphdef, state, head)
@@ -151,16 +153,34 @@ class RoleBuilder:
         params = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.shardings(at, abstract))()
         return Built(graphdef, params, head)
 
+    def structure(self, role: str):
+        """The role's model structure (graphdef) without building its weights."""
+        from flax import nnx
+
+        from jaxrlhf.models.transformer import build_model
+
+        mc, remat = self.model_configs[role], getattr(self.cfg.model, role).remat
+        return nnx.split(nnx.eval_shape(lambda: build_model(mc, self.head(role), remat=remat)))[0]
+
     def derived(self, role: str, source: Built) -> Built:
         """A copy of `source` laid out for `role`'s home: whole, or its trunk under a fresh head."""
+        from jaxrlhf.models import lora
         from jaxrlhf.placement.realloc import reallocate
 
         head = self.head(role)
-        if head == source.head:
+        source_lora = self.model_configs[getattr(self.cfg.model, role).init_from].lora
+        mine = self.model_configs[role].lora
+        if head == source.head and mine == source_lora:
             copy, _ = reallocate(source.params, self.shardings(role, source.params))  # always new buffers
             return Built(source.graphdef, copy, head)
         fresh = self.fresh(role, head, self.seed + 1, role)
-        trunk, _ = reallocate(source.params["model"], self.shardings(role, fresh.params)["model"])
+        params = source.params
+        if source_lora != mine:  # the source's adapters folded in; the role's own adapters start fresh
+            params = lora.with_base(fresh.params, lora.merge_adapters(params, source_lora) if source_lora else params)
+        if head == source.head:
+            copy, _ = reallocate(params, self.shardings(role, fresh.params))
+            return Built(fresh.graphdef, copy, head)
+        trunk, _ = reallocate(params["model"], self.shardings(role, fresh.params)["model"])
         out = dict(fresh.params)
         out["model"] = trunk
         return Built(fresh.graphdef, type(fresh.params)(out), head)
@@ -178,13 +198,15 @@ def init_depth(cfg: cfglib.Config, role: str) -> int:
 def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int, model_config):
     """The role's AdamW; fp32 master weights only where its parameters are low precision."""
     from jaxrlhf.algorithms.optim import build_optimizer
+    from jaxrlhf.models import lora
 
     o = getattr(cfg.optimizer, role)
-    low_precision = model_config.param_dtype in ("bfloat16", "float16")
+    trained_dtype = model_config.lora.dtype if model_config.lora else model_config.param_dtype
     return build_optimizer(
         lr=o.lr, total_updates=total_updates, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
         warmup_steps=o.warmup_steps, schedule=o.schedule, max_grad_norm=o.max_grad_norm,
-        master_weights=o.master_weights and low_precision,
+        master_weights=o.master_weights and trained_dtype in ("bfloat16", "float16"),
+        trainable=lora.trainable if model_config.lora else None,
     )
 
 
@@ -207,13 +229,15 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.algorithms.optim import build_optimizer
     from jaxrlhf.distributed import host_get
+    from jaxrlhf.models import lora
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
 
     stage = build_algorithm(cfg, "sft", warmup=True)
     wplan = warmup_plan(plan)
     wcache = CallCache(wplan, devices=cache.devices, rules=cache.rules)
-    optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps))
+    optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=cfg.sft.steps, warmup_steps=min(10, cfg.sft.steps),
+                                trainable=lora.trainable if cfg.model.actor.lora else None)
     role = Role("actor", actor.graphdef, actor.params, optimizer)
     role.opt_state = init_opt_state(role, wcache.placed("actor.train"))
     stage.bind(tokenizer, {"actor": role})
@@ -340,9 +364,12 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     builder = RoleBuilder(cfg, specs, model_configs, cache, plan)
     built: dict[str, Built] = {}
     warm_metrics: dict[str, float] = {}
+    views = algorithm.base_views()  # frozen roles that run on a LoRA role's base: no weights of their own
     for name in sorted(specs, key=lambda r: init_depth(cfg, r)):
         source = getattr(cfg.model, name).init_from
-        if source is None:
+        if name in views:  # the LoRA actor's frozen base: structure only, its weights are the actor's
+            built[name] = Built(builder.structure(name), None, builder.head(name))
+        elif source is None:
             built[name] = builder.direct(name, at=name)
         else:
             if source not in built:  # a weight source the algorithm does not otherwise use
@@ -355,7 +382,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     total_updates = cfg.run.steps * algorithm.updates_per_step
     roles: dict[str, Role] = {}
     for name, spec in specs.items():
-        role = Role(name, built[name].graphdef, built[name].params)
+        role = Role(name, built[name].graphdef, built[name].params, base_of=views.get(name))
         if spec.trained:
             role.optimizer = build_optimizer_for(cfg, name, total_updates, model_configs[name])
             role.opt_state = init_opt_state(role, cache.placed(plan.home_call(name)))
@@ -367,7 +394,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
                         host_steps=algorithm.host_steps(), state=algorithm.initial_state())
     executor.commit_state()
-    derived_frozen = [r for r, s in specs.items() if not s.trained and getattr(cfg.model, r).init_from]
+    derived_frozen = [r for r, s in specs.items()
+                      if not s.trained and getattr(cfg.model, r).init_from and r not in views]
 
     def arrays() -> dict[str, Any]:
         out: dict[str, Any] = {"state": executor.commit_state()}
@@ -460,16 +488,22 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
 
 def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
-    """Write a role as an HF checkpoint (with the tokenizer, when it is a file)."""
+    """Write a role as an HF checkpoint (with the tokenizer, when it is a file); a LoRA actor also as its
+    adapters alone in PEFT's layout (`<name>_lora/`, beside the merged `<name>_hf/`)."""
     import shutil
 
     from flax import nnx
 
     from jaxrlhf.models.hf_io import save_hf_checkpoint
+    from jaxrlhf.models.lora import save_peft_adapter
+    from jaxrlhf.models.transformer import CausalLM
 
     from jaxrlhf.distributed import is_main
 
-    save_hf_checkpoint(nnx.merge(role.graphdef, role.params), model_config, out)
+    model = nnx.merge(role.graphdef, role.params)
+    save_hf_checkpoint(model, model_config, out)
+    if model_config.lora and isinstance(model, CausalLM):  # the adapters alone, in PEFT's layout
+        save_peft_adapter(role.params, model_config.lora, out.removesuffix("_hf") + "_lora")
     if not is_main():
         return
     tok_path = cfg.model.tokenizer
@@ -585,7 +619,7 @@ def prepare_output_dir(run_cfg: cfglib.RunConfig, write: bool = True) -> None:
         )
     if not write:
         return
-    for name in found + [n for n in os.listdir(out) if n.endswith("_hf") or n == "profile"]:
+    for name in found + [n for n in os.listdir(out) if n.endswith(("_hf", "_lora")) or n == "profile"]:
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     print(f"run.overwrite=true: removed the previous run's {', '.join(found)} from {out}", flush=True)

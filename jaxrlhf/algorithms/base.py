@@ -96,7 +96,22 @@ class Algorithm(abc.ABC):
             donate=True,  # the executor always donates parameters and optimizer state to train calls
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
             gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
+            base_views=tuple(sorted(self.base_views().items())),
         )
+
+    def base_views(self) -> dict[str, str]:
+        """Frozen roles that are a LoRA role's base (role -> that role): copied from a role with adapters,
+        with none of their own and the same head, before any training changed it (no SFT warm-up). They
+        hold no weights: their calls run on the source's frozen base (`Role.base_of`), no second copy."""
+        cfg, specs = self.cfg, self.roles()
+        out = {}
+        for role, spec in specs.items():
+            rc = getattr(cfg.model, role)
+            source = rc.init_from
+            if (source in specs and not spec.trained and getattr(cfg.model, source).lora and not rc.lora
+                    and spec.head == specs[source].head and not cfg.sft.steps):
+                out[role] = source
+        return out
 
     @property
     def batch_rows(self) -> int:

@@ -1,5 +1,6 @@
 """Optimizers for trained roles: AdamW with warmup + decay, gradient clipping,
-and a non-finite guard that leaves parameters and optimizer state untouched."""
+a non-finite guard that leaves parameters and optimizer state untouched, and
+`only_trainable`, which restricts an optimizer to part of the parameters (LoRA)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from jaxrlhf.registry import Registry
 
@@ -38,16 +40,19 @@ def build_optimizer(
     schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
     master_weights: bool = False,
+    trainable: Callable[[tuple], bool] | None = None,
 ) -> optax.GradientTransformation:
     """AdamW with a learning-rate schedule over `total_updates` optimizer updates.
 
     `master_weights`: keep an fp32 master copy (for bf16 parameters; see `with_fp32_master`).
+    `trainable(path)`: update only the parameters it accepts (LoRA; see `only_trainable`).
     """
     sched = SCHEDULES.get(schedule)(lr, warmup_steps, total_updates)
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     chain = optax.chain(*parts)
-    return with_fp32_master(chain) if master_weights else chain
+    chain = with_fp32_master(chain) if master_weights else chain
+    return chain if trainable is None else only_trainable(chain, trainable)
 
 
 class MasterWeightsState(NamedTuple):
@@ -113,3 +118,56 @@ def guarded_update(
         jax.tree_util.tree_map(keep, new_opt_state, opt_state),
         finite,
     )
+
+
+class PartialOptimizer(NamedTuple):
+    """An optimizer over the parameters whose path `trainable` accepts; the others are frozen.
+
+    `init` takes the whole parameter tree but keeps state only for the trainable part, and
+    `update` sees only that part (`minibatch_updates` differentiates it alone), so frozen
+    parameters have no gradient, no moments and no master copy. Duck-types an optax
+    `GradientTransformation`; `trainable_params` is what `Placed.opt_state_shardings` lays out.
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[..., Any]
+    trainable: Callable[[tuple], bool]
+
+    def split(self, params: nnx.State) -> tuple[nnx.State, nnx.State]:
+        """(trainable, frozen) parts of `params`; the leaves are shared, not copied."""
+        return _split(params, self.trainable)
+
+    def trainable_params(self, params: Any) -> Any:
+        """The trainable part of a parameter tree (anything else, e.g. optax's placeholder, as is)."""
+        return _split(params, self.trainable)[0] if isinstance(params, nnx.State) else params
+
+    @staticmethod
+    def join(trainable: nnx.State, frozen: nnx.State) -> nnx.State:
+        return nnx.merge_state(frozen, trainable)
+
+
+def _split(params: nnx.State, trainable: Callable[[tuple], bool]) -> tuple[nnx.State, nnx.State]:
+    flat = nnx.to_flat_state(params)
+    return (nnx.from_flat_state([(p, v) for p, v in flat if trainable(tuple(p))]),
+            nnx.from_flat_state([(p, v) for p, v in flat if not trainable(tuple(p))]))
+
+
+def only_trainable(inner: optax.GradientTransformation, trainable: Callable[[tuple], bool]) -> PartialOptimizer:
+    """`inner` applied to the parameters `trainable(path)` selects (LoRA adapters, a scalar head)."""
+
+    def init(params: Any) -> Any:
+        return inner.init(_split(params, trainable)[0] if isinstance(params, nnx.State) else params)
+
+    return PartialOptimizer(init, inner.update, trainable)
+
+
+def split_trainable(optimizer: Any, params: Any) -> tuple[Any, Any]:
+    """(what `optimizer` updates, the frozen rest or None): all of `params` for a plain optimizer."""
+    if isinstance(optimizer, PartialOptimizer):
+        return optimizer.split(params)
+    return params, None
+
+
+def join_trainable(trainable: Any, frozen: Any) -> Any:
+    """Inverse of `split_trainable`."""
+    return trainable if frozen is None else PartialOptimizer.join(trainable, frozen)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int
 
-from jaxrlhf.algorithms.optim import guarded_update
+from jaxrlhf.algorithms.optim import guarded_update, join_trainable, split_trainable
 from jaxrlhf.models import pipeline
 
 # loss_fn(params, minibatch) -> (loss, {"stats": {...}, "stop": bool scalar, "weight": scalar})
@@ -179,6 +179,10 @@ def minibatch_updates(
 
     With `early_stop` the stop flag a loss returns skips that update and every later one.
     """
+    params, frozen = split_trainable(optimizer, params)  # LoRA: differentiate and update the adapters only
+    if frozen is not None:
+        full_loss = loss_fn
+        loss_fn = lambda trained, rows: full_loss(join_trainable(trained, frozen), rows)  # noqa: E731
     batch = _rows(data)
     if batch % minibatches:
         raise ValueError(f"batch of {batch} rows does not split into {minibatches} minibatches")
@@ -200,4 +204,4 @@ def minibatch_updates(
 
     (params, opt_state, _), stats = jax.lax.scan(one, (params, opt_state, jnp.array(False)), idx)
     stats = {k: (jnp.sum(v) if k in SUMMED_STATS else jnp.mean(v)) for k, v in stats.items()}
-    return params, opt_state, stats
+    return join_trainable(params, frozen), opt_state, stats

@@ -26,6 +26,37 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# HF / PEFT module name -> (our sub-module, our parameter, how many leading axes of W are its input)
+TARGETS: dict[str, tuple[str, str, int]] = {
+    "q_proj": ("attn", "q", 1), "k_proj": ("attn", "k", 1), "v_proj": ("attn", "v", 1), "o_proj": ("attn", "o", 2),
+    "gate_proj": ("mlp", "gate", 1), "up_proj": ("mlp", "up", 1), "down_proj": ("mlp", "down", 1),
+}
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Rank, scaling (`alpha / rank`), targeted projections (HF names) and the adapters' dtype."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"lora.targets {list(self.targets)}: choose from {list(TARGETS)}")
+        if self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank} must be >= 1")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def targets_of(self, module: str) -> list[str]:
+        """Our parameter names (q, v, ...) targeted in `module` ("attn" or "mlp")."""
+        return [TARGETS[t][1] for t in self.targets if TARGETS[t][0] == module]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Dimensions and numerics of a decoder-only (LLaMA-family) transformer."""
@@ -53,6 +84,7 @@ class ModelConfig:
     # [128001, 128008, 128009]); generation stops on any of `eos_token_ids`.
     extra_eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = 0
+    lora: LoraConfig | None = None  # LoRA adapters on chosen projections (models/lora.py); None: none
 
     def __post_init__(self):
         self._normalize_eos()

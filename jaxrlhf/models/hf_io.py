@@ -36,6 +36,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrlhf.models import lora
 from jaxrlhf.models.config import ModelConfig, RopeScaling
 from jaxrlhf.models.transformer import build_model
 
@@ -568,6 +569,9 @@ def load_hf_checkpoint(
         if fresh_head and p[0] != "model":
             value = _fresh_head(tuple(p), struct.shape, struct.dtype, seed)
             value = place(p, jax.device_get(value)) if placement else value
+        elif specs is None and lora.is_adapter(p):  # adapters (config lora) start fresh: B = 0, the base model
+            value = lora.fresh_value(tuple(p), struct.shape, struct.dtype, seed)
+            value = place(p, jax.device_get(value)) if placement else value
         elif specs is None:
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
         elif specs[0].layer is None:
@@ -637,7 +641,8 @@ def save_hf_checkpoint(
     models record the head in config.json so `load_hf_checkpoint` restores the
     same model.
 
-    Multi-process: call it on every process; each parameter is gathered to host one at a time on all
+    A model with LoRA adapters is written merged (`lora.merge_adapters`); `lora.save_peft_adapter`
+    writes the adapters alone. Multi-process: call it on every process; each parameter is gathered to host one at a time on all
     of them (its shards may live on any host), and only process 0 writes.
     """
     from jaxrlhf.distributed import host_get, is_main
@@ -645,7 +650,10 @@ def save_hf_checkpoint(
     path = Path(path)
     head = _head_of(model)
     hf = config_to_hf(config)
-    params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    state = nnx.state(model, nnx.Param)
+    if config.lora:  # LoRA: the checkpoint is the merged model (W + scale * A @ B), a plain HF model
+        state = lora.merge_adapters(state, config.lora)
+    params = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
     if head == "reward":
         _reward_config(hf, config, path)
     if head != "lm":

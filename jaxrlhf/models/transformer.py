@@ -30,7 +30,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models import pipeline
+from jaxrlhf.models import lora, pipeline
 from jaxrlhf.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
@@ -151,13 +151,17 @@ class Attention(nnx.Module):
             self.q_bias = _param(rngs, _zeros, (h, hd), (ax.HEADS, ax.HEAD_DIM), pd)
             self.k_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
             self.v_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
+        for name, adapter in lora.adapters(config.lora, "attn", {
+            name: (getattr(self, name).value.shape, getattr(self, name).get_metadata()["logical_axes"],
+                   2 if name == "o" else 1) for name in ("q", "k", "v", "o")}, rngs).items():
+            setattr(self, name, adapter)
 
-    def _project(self, x, kernel: nnx.Param, bias_name: str):
+    def _project(self, x, name: str):
         dt = self.config.jnp_dtype
-        y = dense(x, kernel.value.astype(dt))
+        y = dense(x, getattr(self, name).value.astype(dt))
         if self.config.attention_bias:
-            y = y + getattr(self, bias_name).value.astype(dt)
-        return y
+            y = y + getattr(self, name + "_bias").value.astype(dt)
+        return _adapted(self, name, x, y, dt)
 
     def __call__(
         self,
@@ -172,9 +176,9 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "batch length embed"], KV | None]:
         """`kv` is the whole stacked cache: only this layer's new slots are written (in place in a loop)."""
         cfg = self.config
-        q = apply_rope(self._project(x, self.q, "q_bias"), positions, inv_freq)
-        k = apply_rope(self._project(x, self.k, "k_bias"), positions, inv_freq)
-        v = self._project(x, self.v, "v_bias")
+        q = apply_rope(self._project(x, "q"), positions, inv_freq)
+        k = apply_rope(self._project(x, "k"), positions, inv_freq)
+        v = self._project(x, "v")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         b, t = x.shape[:2]
         if kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
@@ -199,8 +203,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.dim_per_head)
         o = self.o.value.astype(cfg.jnp_dtype)
-        out = dense(out.reshape(b, t, -1).astype(cfg.jnp_dtype), o.reshape(-1, o.shape[-1]))
-        return out, kv
+        out = out.reshape(b, t, -1).astype(cfg.jnp_dtype)
+        return _adapted(self, "o", out, dense(out, o.reshape(-1, o.shape[-1])), cfg.jnp_dtype), kv
 
 
 def _write_slots(
@@ -226,13 +230,23 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
         self.up = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
         self.down = _param(rngs, _normal, (f, d), (ax.MLP, ax.EMBED), pd)
+        for name, adapter in lora.adapters(config.lora, "mlp", {
+            name: (getattr(self, name).value.shape, getattr(self, name).get_metadata()["logical_axes"], 1)
+            for name in ("gate", "up", "down")}, rngs).items():
+            setattr(self, name, adapter)
 
     def __call__(self, x: Float[Array, "batch length embed"]) -> Float[Array, "batch length embed"]:
         dt = self.dtype
-        g = dense(x, self.gate.value.astype(dt))
-        u = dense(x, self.up.value.astype(dt))
+        g = _adapted(self, "gate", x, dense(x, self.gate.value.astype(dt)), dt)
+        u = _adapted(self, "up", x, dense(x, self.up.value.astype(dt)), dt)
         h = ax.constrain(jax.nn.silu(g) * u, (ax.BATCH, ax.LENGTH, ax.MLP))
-        return dense(h, self.down.value.astype(dt))
+        return _adapted(self, "down", h, dense(h, self.down.value.astype(dt)), dt)
+
+
+def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array, dtype) -> jax.Array:
+    """`y` (= x @ W) plus the projection's LoRA update when `module` has an adapter for it."""
+    adapter = getattr(module, name + lora.SUFFIX, None)
+    return y if adapter is None else y + adapter(x, dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -469,4 +483,5 @@ def build_model(
     """Random-initialised model with the given head ("lm", "value" or "reward"); remat as in `Transformer`."""
     if head not in HEADS:
         raise ValueError(f"unknown model head {head!r}; choose one of {sorted(HEADS)}")
-    return HEADS[head](config, rngs=nnx.Rngs(params=seed), remat=remat)
+    # adapters draw from their own stream, so the base weights are those of the same seed without LoRA
+    return HEADS[head](config, rngs=nnx.Rngs(params=seed, lora=seed), remat=remat)

@@ -53,7 +53,9 @@ class Placed:
         return param_shardings(tree, self.mesh, self.rules)
 
     def opt_state_shardings(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
-        """Optimizer state laid out like the parameters it mirrors; counters replicated."""
+        """Optimizer state laid out like the parameters it mirrors; counters replicated. An optimizer over
+        part of the parameters (LoRA, `PartialOptimizer`) says which part with `trainable_params`."""
+        params = getattr(optimizer, "trainable_params", lambda p: p)(params)
         shapes = jax.eval_shape(optimizer.init, params)
         return optax.tree_map_params(
             optimizer,

@@ -45,6 +45,7 @@ import optax
 from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
+from jaxrlhf.models.lora import strip_adapters
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
 from jaxrlhf.distributed import host_get
 from jaxrlhf.placement.realloc import (
@@ -67,6 +68,9 @@ class Role:
     optimizer: optax.GradientTransformation | None = None
     opt_state: Any = None
     shadow: nnx.State | None = None  # persistent copy at another placement (disaggregated plans)
+    # The frozen base of role `base_of` (its parameters without LoRA adapters), shared, not copied: a
+    # reference model that is the LoRA actor's base holds no parameters of its own (`params` is None).
+    base_of: str | None = None
 
     @property
     def trainable(self) -> bool:
@@ -224,7 +228,7 @@ class Executor:
         Call again after replacing their parameters (a checkpoint restore)."""
         for name in self.plan.offload_roles:
             role = self.roles.get(name)
-            if role is not None and not is_offloaded(role.params):
+            if role is not None and role.base_of is None and not is_offloaded(role.params):
                 role.params = offload(role.params)
 
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
@@ -232,6 +236,11 @@ class Executor:
         once the call that uses it is done: nothing else holds it)."""
         role = self.roles[role_name]
         placed = self.placed(call)
+        if role.base_of is not None:  # the base of a LoRA role: its frozen weights, moved only where needed
+            base = strip_adapters(self.roles[role.base_of].params)
+            if placed.placement == self.home_placed(role.base_of).placement:
+                return base, False
+            return self.move(base, placed.param_shardings(base), call=call, copy=True), True
         if is_offloaded(role.params):  # host -> device for this call only; the host copy stays
             home = reload(role.params, free_source=False)
             self._ops.append(self.timeline.device("move", call, home, device_ids(home), what="reload",
@@ -255,8 +264,15 @@ class Executor:
             role = self.roles.get(name)
             if role is None or role.shadow is None:
                 continue
-            target = jax.tree_util.tree_map(lambda x: x.sharding, role.shadow)
-            role.shadow = self.move(role.params, target, call=f"{name}.sync", copy=True)
+            split = getattr(role.optimizer, "split", None)  # LoRA (`PartialOptimizer`): the base never changes
+            if split is None:
+                target = jax.tree_util.tree_map(lambda x: x.sharding, role.shadow)
+                role.shadow = self.move(role.params, target, call=f"{name}.sync", copy=True)
+                continue
+            old_trained, frozen = split(role.shadow)  # only the adapters travel; the shadow keeps its base
+            target = jax.tree_util.tree_map(lambda x: x.sharding, old_trained)
+            trained = self.move(split(role.params)[0], target, call=f"{name}.sync", copy=True)
+            role.shadow = nnx.merge_state(frozen, trained)
 
     def function(self, call: str) -> PlacedFunction:
         """The call's function compiled for its placement; shardings follow the (committed) arguments.

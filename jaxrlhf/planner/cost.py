@@ -83,6 +83,8 @@ class Workload:
       A bool for every role, or a mapping role -> bool.
     - `gen_engine`, `gen_group`, `gen_slots`: the generation engine (`generation.engine`), how many
       adjacent rows share a prompt, and the continuous engine's slot pool (`generate_shape`).
+    - `base_views`: frozen roles (a reference) that are a LoRA role's base: no resident weights of their
+      own, a temporary copy of the base where their call runs away from the source's home.
     - `search_micro`: the planner picks each call's micro-batch count for its
       placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
       all. Cluster studies set it; the runtime applies one
@@ -102,6 +104,8 @@ class Workload:
     gen_engine: str = "static"  # generation.engine
     gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): the continuous engine prefills one
     gen_slots: int | None = None  # generation.slots; None = a quarter of the batch
+    # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
+    base_views: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs"):
@@ -215,8 +219,40 @@ def shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
     return stage_param_count(cfg, head, layout.stage) / (layout.fsdp * layout.tensor)
 
 
+def lora_param_count(cfg: ModelConfig) -> int:
+    """LoRA adapter parameters of all layers: rank x (fan_in + fan_out) per targeted projection."""
+    if cfg.lora is None:
+        return 0
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.dim_per_head, \
+        cfg.num_kv_heads * cfg.dim_per_head
+    widths = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d,
+              "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    return cfg.num_layers * cfg.lora.rank * sum(widths[t] for t in cfg.lora.targets)
+
+
+def trained_dtype(cfg: ModelConfig) -> str:
+    """The dtype of what the optimizer updates: the adapters under LoRA, else the parameters."""
+    return cfg.lora.dtype if cfg.lora else cfg.param_dtype
+
+
+def trained_shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    """Parameters one device trains (gradients, optimizer state): all of its shard, or under LoRA its
+    share of the adapters (split like the layers) plus a critic's or reward model's scalar head."""
+    if cfg.lora is None:
+        return shard_count(cfg, head, layout)
+    heads = 0 if head == "lm" else cfg.hidden_size + 1
+    return (lora_param_count(cfg) / layout.stage + heads) / (layout.fsdp * layout.tensor)
+
+
 def shard_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
-    return shard_count(cfg, head, layout) * DTYPE_BYTES[cfg.param_dtype]
+    """A device's parameter bytes: its shard of the base, plus its adapters (their own dtype) under LoRA."""
+    adapters = lora_param_count(cfg) * DTYPE_BYTES[trained_dtype(cfg)] / (layout.stage * layout.fsdp * layout.tensor)
+    return shard_count(cfg, head, layout) * DTYPE_BYTES[cfg.param_dtype] + adapters
+
+
+def trained_shard_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    """A device's gradient bytes: its trained parameters in their dtype."""
+    return trained_shard_count(cfg, head, layout) * DTYPE_BYTES[trained_dtype(cfg)]
 
 
 def attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
@@ -405,8 +441,9 @@ def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
 
 def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
     """AdamW state per parameter: m and v in the param dtype, or with mixed precision an fp32
-    master copy and fp32 m and v (what `jaxrlhf.algorithms.optim` builds)."""
-    pb = DTYPE_BYTES[cfg.param_dtype]
+    master copy and fp32 m and v (what `jaxrlhf.algorithms.optim` builds). Per trained parameter:
+    under LoRA only the adapters (`trained_shard_count`), in their dtype."""
+    pb = DTYPE_BYTES[trained_dtype(cfg)]
     return 3 * 4 if wl.master_for(role) and pb < 4 else 2 * pb
 
 
@@ -418,18 +455,21 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     micro = wl.micro_batches(call)
     f = c.forward(tokens, wl.seq_len, seqs, micro)
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
-    passes = 3 + recompute  # forward, backward = 2 forwards, recomputed forward
+    # forward, backward = 2 forwards (input and weight gradients), recomputed forward; under LoRA the
+    # frozen base has no weight gradients, so the backward is about one forward (the adapters are tiny)
+    passes = (2 if cfg.lora else 3) + recompute
     tp_passes = 2 + recompute  # forward, backward, recomputed forward all-reduce activations
     # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch run.
     fsdp = 3 * f["fsdp_comm"]
     pb = DTYPE_BYTES[cfg.param_dtype]
-    grad_shard = shard_count(cfg, c.head, lay) * pb
+    grad_shard = trained_shard_bytes(cfg, c.head, lay)
     dp = _ring_allreduce(grad_shard, lay.data, c.bw["data"], hw)
-    # The embedding and head live on every stage: their gradients are summed over stages.
-    rest_shard = (param_count(cfg, c.head) - layer_param_count(cfg)) * pb / c.shards
+    # The embedding and head live on every stage: their gradients are summed over stages (frozen under LoRA).
+    rest_shard = 0.0 if cfg.lora else (param_count(cfg, c.head) - layer_param_count(cfg)) * pb / c.shards
     stage_ar = _ring_allreduce(rest_shard, c.stages, c.bw["stage"], hw)
-    n_params_dev = shard_count(cfg, c.head, lay)
-    opt_bytes = n_params_dev * (3 * pb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
+    n_params_dev = trained_shard_count(cfg, c.head, lay)
+    tb = DTYPE_BYTES[trained_dtype(cfg)]
+    opt_bytes = n_params_dev * (3 * tb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
     per_step = {
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],
@@ -497,14 +537,15 @@ def _hosts(group: DeviceGroup, hw: HardwareProfile) -> set[int]:
     return set(range(group.start // hw.devices_per_host, (group.stop - 1) // hw.devices_per_host + 1))
 
 
-def transfer_bytes(cfg: ModelConfig, head: str, dst_layout: Layout) -> float:
-    """Bytes each destination device receives: its shard of the (data-replicated) parameters."""
-    return shard_bytes(cfg, head, dst_layout)
+def adapter_shard_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """A device's LoRA adapter bytes under `layout` (what a LoRA shadow sync sends)."""
+    return lora_param_count(cfg) * DTYPE_BYTES[trained_dtype(cfg)] / (layout.stage * layout.fsdp * layout.tensor)
 
 
 def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
-                 dst_layout: Layout, hw: HardwareProfile) -> float:
-    """Seconds to reshard a role's parameters from one placement to another (0 if identical).
+                 dst_layout: Layout, hw: HardwareProfile, adapters_only: bool = False) -> float:
+    """Seconds to reshard a role's parameters from one placement to another (0 if identical);
+    `adapters_only`: just its LoRA adapters (the sync of a shadow whose frozen base is already there).
 
     Receivers pull their shard over NVLink/ICI when their host also holds source
     devices, else over the host's NICs shared by its receiving devices; senders
@@ -513,13 +554,14 @@ def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layo
     """
     if (src.start, src.size, src_layout) == (dst.start, dst.size, dst_layout):
         return 0.0
-    recv = transfer_bytes(cfg, head, dst_layout)
+    shard = (lambda lay: adapter_shard_bytes(cfg, lay)) if adapters_only else (lambda lay: shard_bytes(cfg, head, lay))
+    recv = shard(dst_layout)
     total = recv * dst.size
     crosses = not _hosts(dst, hw) <= _hosts(src, hw)
     dst_on_host = min(dst.size, hw.devices_per_host)
     bw_recv = hw.link_bandwidth(crosses, dst_on_host)
     bw_send = hw.link_bandwidth(crosses, min(src.size, hw.devices_per_host))
-    src_shard = shard_bytes(cfg, head, src_layout)
+    src_shard = shard(src_layout)
     reshard = 2 * src_shard / hw.memory_bandwidth(min(src.size, hw.devices_per_host))
     if src.start == dst.start and src.size == dst.size:
         # Same devices, other layout: a reshuffle among the group's own devices.
@@ -553,10 +595,11 @@ class CostCache:
         return self._calls[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
-             dst_layout: Layout) -> float:
-        """Seconds to bring `call`'s role's parameters from (src, src_layout) to (dst, dst_layout)."""
-        key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout)
+             dst_layout: Layout, adapters_only: bool = False) -> float:
+        """Seconds to bring `call`'s role's parameters (or only its adapters) from (src, src_layout) to
+        (dst, dst_layout)."""
+        key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout, adapters_only)
         if key not in self._moves:
             self._moves[key] = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
-                                            self.hw)
+                                            self.hw, adapters_only)
         return self._moves[key]

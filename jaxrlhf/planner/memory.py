@@ -21,7 +21,8 @@ from typing import Mapping
 import numpy as np
 
 from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, shard_bytes, shard_count,
+    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, shard_bytes,
+    trained_shard_bytes, trained_shard_count,
 )
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
@@ -83,7 +84,8 @@ def params_per_device(cfg: ModelConfig, head: str, layout: Layout) -> float:
 
 
 def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload, role: str | None = None) -> float:
-    return shard_count(cfg, head, layout) * optimizer_bytes_per_param(cfg, wl, role)
+    """AdamW state of what the role trains (under LoRA: the adapters only)."""
+    return trained_shard_count(cfg, head, layout) * optimizer_bytes_per_param(cfg, wl, role)
 
 
 def _logit_tokens(call: CallSpec, tokens: float, wl: Workload) -> float:
@@ -151,14 +153,15 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     else:
         saved = kept * layer
     act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off
-    grads = params_per_device(cfg, head, layout)
+    grads = trained_shard_bytes(cfg, head, layout)  # under LoRA: the adapters' gradients only
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
     if wl.micro_batches(call) > 1 and staged_micro == 1:
         # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
-        out["gradient_accumulator"] = shard_count(cfg, head, layout) * 4
+        out["gradient_accumulator"] = trained_shard_count(cfg, head, layout) * 4
     if not wl.donate:  # new params and optimizer state are written beside the old ones
-        out["undonated_state"] = grads + optimizer_per_device(cfg, head, layout, wl, call.role)
+        out["undonated_state"] = params_per_device(cfg, head, layout) + optimizer_per_device(
+            cfg, head, layout, wl, call.role)
     return out
 
 
@@ -215,7 +218,8 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     calls = [c for c in graph.calls if c.name in plan.calls]
     trained = {c.role for c in graph.calls if c.kind == "train"}
     roles = list(dict.fromkeys(c.role for c in calls))
-    homes = {r: plan.home_call(r) for r in roles}
+    views = {r: src for r, src in wl.base_views if r in roles and src in roles}
+    homes = {r: plan.home_call(views.get(r, r)) for r in roles}  # a base view lives where its source does
     heads = {c.role: c.head for c in calls}
     # Devices between consecutive group boundaries hold the same bytes: compute per such segment
     # (a handful) rather than per device (hundreds), and expand to devices at the end.
@@ -234,6 +238,9 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         home_call = homes[role]
         home = plan.calls[home_call]
         arr = [0.0] * segments
+        if role in views:  # its weights are the source's, counted there
+            resident_by_role[role] = arr
+            continue
         per = params_per_device(cfg, head, home.layout)
         if role in trained:
             per += optimizer_per_device(cfg, head, home.layout, wl, role)
@@ -261,7 +268,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         home_call = homes[c.role]
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
-        if moved and c.role not in plan.shadow_roles:
+        if moved and (c.role not in plan.shadow_roles or c.role in views):
             w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 
@@ -270,10 +277,10 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     def per_device(values: list[float]) -> np.ndarray:
         return np.repeat(np.asarray(values, dtype=float), widths)
 
-    offloaded: list[str] = [r for r in plan.offload_roles if r in resident_by_role]  # the plan's own choice
+    offloaded: list[str] = [r for r in plan.offload_roles if r in resident_by_role and r not in views]
     for r in offloaded:
         resident_by_role[r] = [0.0] * segments
-    frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles]
+    frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles and r not in views]
     while True:
         resident = [sum(col) for col in zip(*resident_by_role.values())] if resident_by_role else [0.0] * segments
         peak = list(resident)

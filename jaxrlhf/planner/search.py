@@ -45,7 +45,7 @@ from typing import Iterator, Mapping
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import presets
-from jaxrlhf.planner.cost import DTYPE_BYTES, CostCache, Workload, optimizer_bytes_per_param, shard_count
+from jaxrlhf.planner.cost import CostCache, Workload, optimizer_bytes_per_param, shard_bytes, trained_shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of
@@ -576,11 +576,14 @@ _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seed
 def state_bytes(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload) -> float:
     """Bytes of every role's parameters and, for trained roles, optimizer state: what any plan must hold."""
     total = 0.0
+    views = dict(wl.base_views)
     for role in graph.roles:
+        if views.get(role) in graph.roles:  # a LoRA role's base: its weights are counted with that role
+            continue
         cfg, head = models[role], graph.head(role)
-        total += shard_count(cfg, head, Layout()) * DTYPE_BYTES[cfg.param_dtype]
+        total += shard_bytes(cfg, head, Layout())
         if graph.train_call(role) is not None:
-            total += shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
+            total += trained_shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
     return total
 
 

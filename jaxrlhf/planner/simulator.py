@@ -223,12 +223,15 @@ def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, M
     micro = micro or {}
     costs: dict[str, CallCost] = {}
     moves: dict[str, float] = {}
+    views = dict(wl.base_views)
     for c in graph.calls:
         p = plan.calls[c.name]
         costs[c.name] = cache.call(c, plan.group_of(c.name), p.layout, micro.get(c.name))
-        home_call = plan.home_call(c.role)
+        home_call = plan.home_call(views.get(c.role, c.role))  # a LoRA role's base moves from that role's home
+        # a LoRA shadow's base is copied once; each sync sends only the adapters
+        sync_adapters = c.role in plan.shadow_roles and models[c.role].lora is not None and c.role not in views
         moves[c.name] = cache.move(c, plan.group_of(home_call), plan.calls[home_call].layout,
-                                   plan.group_of(c.name), p.layout)
+                                   plan.group_of(c.name), p.layout, adapters_only=sync_adapters)
     return costs, moves
 
 
