@@ -37,6 +37,7 @@ def worker(spec: dict) -> None:
     """One process: train, timing host_get and barriers per step; process 0 writes the timings."""
     from jaxrlhf import config as cfglib
     from jaxrlhf import distributed, train
+    from jaxrlhf.backend import setup_devices
     from jaxrlhf.placement import executor, realloc
 
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=spec["processes"] > 1,
@@ -44,7 +45,7 @@ def worker(spec: dict) -> None:
     dist = cfglib.DistributedConfig(coordinator_address=f"127.0.0.1:{spec['port']}",
                                     num_processes=spec["processes"], process_id=spec["process_id"],
                                     transfer_port_base=spec["port"] + 1)
-    train.setup_devices(run, dist)
+    setup_devices(run, dist)
     spent = {"host_get_s": [], "barrier_s": []}
     current = {"host_get_s": 0.0, "barrier_s": 0.0}
 

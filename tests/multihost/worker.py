@@ -57,13 +57,14 @@ def main() -> int:
     pid = spec["process_id"]
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
+    from jaxrlhf.backend import setup_devices
 
     dist = cfglib.DistributedConfig(
         coordinator_address=f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
         transfer_port_base=spec["port"] + 1, heartbeat_timeout_s=spec.get("heartbeat_s", 100),
     )
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=True, compile_cache=None)
-    train.setup_devices(run, dist)
+    setup_devices(run, dist)
     print(f"process {pid} joined", flush=True)
     found: dict = {"runs": {}}
     if spec.get("realloc"):
