@@ -33,7 +33,7 @@ def _expected() -> tuple[type[BaseException], ...]:
     from jaxrlhf.algorithms.base import AlgorithmConfigError
     from jaxrlhf.config import ConfigError
     from jaxrlhf.data.sources import DataError
-    from jaxrlhf.distributed import DistributedError
+    from jaxrlhf.transfer.processes import DistributedError
     from jaxrlhf.models.generation import GenerationError
     from jaxrlhf.models.hf_io import CheckpointError
     from jaxrlhf.models.tokenizer import TokenizerError
@@ -104,9 +104,9 @@ def _run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str
 
 def _multiprocess() -> bool:
     """Whether this process is one of several joined by jax.distributed (without importing JAX)."""
-    mod = sys.modules.get("jax._src.distributed")
-    state = getattr(mod, "global_state", None)
-    return state is not None and state.client is not None and (state.num_processes or 1) > 1
+    from jaxrlhf.jax_private import joined_several_processes
+
+    return joined_several_processes()
 
 
 def _exit_now(code: int) -> None:

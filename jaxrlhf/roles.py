@@ -78,7 +78,7 @@ class RoleBuilder:
 
     def derived(self, role: str, source: Built) -> Built:
         """A copy of `source` laid out for `role`'s home: whole, or its trunk under a fresh head."""
-        from jaxrlhf.placement.realloc import reallocate
+        from jaxrlhf.transfer.realloc import reallocate
 
         head = self.head(role)
         if head == source.head:
@@ -89,15 +89,6 @@ class RoleBuilder:
         out = dict(fresh.params)
         out["model"] = trunk
         return Built(fresh.graphdef, type(fresh.params)(out), head)
-
-
-def init_depth(cfg: cfglib.Config, role: str) -> int:
-    """How many init_from links lead from `role` to a role with its own weights."""
-    depth, rc, seen = 0, getattr(cfg.model, role), {role}
-    while rc.init_from and rc.init_from not in seen:
-        seen.add(rc.init_from)
-        depth, rc = depth + 1, getattr(cfg.model, rc.init_from)
-    return depth
 
 
 def build_optimizer_for(cfg: cfglib.Config, role: str, total_updates: int, model_config):
@@ -131,7 +122,7 @@ def build_roles(cfg: cfglib.Config, specs: Mapping[str, Any], model_configs: Map
 
     builder = RoleBuilder(cfg, specs, model_configs, cache, plan)
     built: dict[str, Built] = {}
-    for name in sorted(specs, key=lambda r: init_depth(cfg, r)):
+    for name in sorted(specs, key=lambda r: len(cfg.model.init_chain(r))):  # sources before their copies
         source = getattr(cfg.model, name).init_from
         if source is None:
             built[name] = builder.direct(name, at=name)
@@ -162,7 +153,7 @@ def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
 
     from flax import nnx
 
-    from jaxrlhf.distributed import is_main
+    from jaxrlhf.transfer.processes import is_main
     from jaxrlhf.models.hf_io import save_hf_checkpoint
 
     save_hf_checkpoint(nnx.merge(role.graphdef, role.params), model_config, out)

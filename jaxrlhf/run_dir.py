@@ -24,7 +24,7 @@ def output_dir_lock(out: str) -> Iterator[None]:
     killed run leaves no stale lock; the empty file stays."""
     import fcntl
 
-    from jaxrlhf.distributed import any_process, is_main
+    from jaxrlhf.transfer.processes import any_process, is_main
 
     handle, busy = None, False
     if is_main() and not (os.path.exists(out) and not os.path.isdir(out)):  # a file: prepare_output_dir says so
@@ -85,3 +85,4 @@ def set_aside_log(out: str) -> None:
         kept = os.path.join(out, f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
         os.replace(log, kept)
         print(f"the previous metrics.jsonl (no checkpoint) is kept as {kept}", flush=True)
+

@@ -28,7 +28,7 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, offpolic
     executor's step (a profiler trace)."""
     import jax
 
-    from jaxrlhf.distributed import HostValues
+    from jaxrlhf.transfer.host import HostValues
 
     batch = None
     for step in range(start + 1, stop + 1):

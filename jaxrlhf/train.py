@@ -38,7 +38,6 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.checkpoint import CheckpointManager
-    from jaxrlhf.distributed import any_process, barrier, is_main
     from jaxrlhf.metrics import MetricsWriter
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.placement.calls import CallCache
@@ -47,6 +46,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.layout import AxisRules
     from jaxrlhf.roles import build_roles, export_role
     from jaxrlhf.stages import open_checked_data, run_steps, warm_up_actor
+    from jaxrlhf.transfer.processes import any_process, barrier, is_main
 
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -79,7 +79,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     def warm_up(actor) -> None:
         warm_metrics.update(warm_up_actor(cfg, actor, plan, cache, tokenizer))
 
-    roles = build_roles(cfg, specs, model_configs, cache, plan, total_updates=cfg.run.steps * algorithm.updates_per_step,
+    roles = build_roles(cfg, specs, model_configs, cache, plan,
+                        total_updates=cfg.run.steps * algorithm.updates_per_step,
                         warm_up=warm_up if cfg.sft.steps and resume_step is None else None)
     algorithm.bind(tokenizer, roles)
     executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
@@ -173,7 +174,7 @@ def profiled(run_cfg: cfglib.RunConfig, step: int) -> Iterator[None]:
         return
     import jax
 
-    from jaxrlhf.distributed import is_main
+    from jaxrlhf.transfer.processes import is_main
 
     folder = os.path.join(run_cfg.output_dir, "profile", f"step_{step}")
     jax.profiler.start_trace(folder, create_perfetto_trace=True)

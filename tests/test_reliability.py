@@ -148,7 +148,7 @@ def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_p
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf import distributed
+    from jaxrlhf.transfer import processes
     from jaxrlhf.checkpoint import CheckpointManager
 
     def tree(v):
@@ -158,7 +158,7 @@ def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_p
     for step in (2, 4):
         mngr.save(step, tree(step), {"step": step})
     answers = iter([True, False])  # step 4: another process failed; step 2: every process read it
-    monkeypatch.setattr(distributed, "any_process", lambda flag: flag or next(answers))
+    monkeypatch.setattr(processes, "any_process", lambda flag: flag or next(answers))
     step, arrays, _ = mngr.restore_latest(tree(0))
     mngr.close()
     assert step == 2

@@ -7,6 +7,13 @@ stages of the InstructGPT pipeline and its offline alternative (`sft`, `rm`, `dp
 """
 
 from jaxrlhf.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft  # noqa: F401  (registration)
-from jaxrlhf.algorithms.base import ALGORITHMS, Algorithm, AlgorithmConfigError, RoleSpec, build_algorithm
+from jaxrlhf.algorithms.base import ALGORITHMS, Algorithm, AlgorithmConfigError, RoleSpec
+
+
+def build_algorithm(cfg) -> Algorithm:
+    """The algorithm `algorithm.name` names, built from the config (every algorithm is registered by
+    the imports above)."""
+    return ALGORITHMS.get(cfg.algorithm.name)(cfg)
+
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmConfigError", "RoleSpec", "build_algorithm"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.registry import Registry
@@ -150,26 +148,3 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: register under `cls.name`."""
     return ALGORITHMS.register(cls.name)(cls)
-
-
-def build_algorithm(cfg: "Config") -> Algorithm:
-    """The algorithm `algorithm.name` names, built from the config."""
-    import jaxrlhf.algorithms  # noqa: F401  (registers every algorithm)
-
-    return ALGORITHMS.get(cfg.algorithm.name)(cfg)
-
-
-# ---- evaluation batches ------------------------------------------------------------------------
-def eval_batches(rows: int, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One pass over `rows` held-out rows in fixed-size batches: (row indices, real-row weights).
-
-    The last batch is padded by repeating rows with weight 0, so every batch has the
-    compiled shape and its rows split evenly over the batch axes.
-    """
-    for start in range(0, rows, batch_size):
-        idx = np.arange(start, min(start + batch_size, rows))
-        weight = np.ones(batch_size, np.float32)
-        if len(idx) < batch_size:
-            weight[len(idx):] = 0.0
-            idx = np.concatenate([idx, np.resize(idx, batch_size - len(idx))])
-        yield idx, weight

@@ -46,12 +46,12 @@ from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
-from jaxrlhf.distributed import host_get
-from jaxrlhf.placement.realloc import (
-    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
-)
 from jaxrlhf.placement.timeline import Op, StepTimes, Timeline, breakdown, device_ids
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+from jaxrlhf.transfer.host import host_get
+from jaxrlhf.transfer.realloc import (
+    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
+)
 
 CallFn = Callable[..., Any]
 HostFn = Callable[..., Mapping[str, Any]]

@@ -20,9 +20,9 @@ def realloc_check() -> dict:
     import numpy as np
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxrlhf.distributed import host_get
+    from jaxrlhf.transfer.host import host_get
     from jaxrlhf.placement.devices import global_devices
-    from jaxrlhf.placement.realloc import put_host, reallocate
+    from jaxrlhf.transfer.realloc import put_host, reallocate
 
     devs = global_devices()
 
