@@ -148,7 +148,7 @@ def build_roles(cfg: cfglib.Config, specs: Mapping[str, Any], model_configs: Map
 
 def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
     """Write a role as an HF checkpoint (with the tokenizer, when it is a file); every process gathers
-    each tensor, process 0 writes."""
+    each tensor, process 0 writes. The run's closing summary says where (`run_dir.RunFiles`)."""
     import shutil
 
     from flax import nnx
@@ -163,4 +163,3 @@ def export_role(cfg: cfglib.Config, role, model_config, out: str) -> None:
     if tok_path != "byte" and os.path.exists(tok_path):
         src = tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")
         shutil.copy(src, os.path.join(out, "tokenizer.json"))
-    print(f"{role.name} exported to {out}", flush=True)

@@ -2,12 +2,14 @@
 
 `output_dir_lock` refuses a second run started into a folder in use;
 `prepare_output_dir` refuses to start over a finished run's files unless the
-config says to resume or overwrite it.
+config says to resume or overwrite it; `RunFiles` names every file a run
+writes there, and says so on the console at the start and at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Iterator
@@ -86,3 +88,43 @@ def set_aside_log(out: str) -> None:
         os.replace(log, kept)
         print(f"the previous metrics.jsonl (no checkpoint) is kept as {kept}", flush=True)
 
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """Where a run writes: the one place that names its files, printed at the start and at the end."""
+
+    folder: str
+    metrics: str
+    tensorboard: str | None  # None: run.tensorboard=false
+    checkpoints: str
+    exports: dict[str, str]  # role -> its HF checkpoint folder (empty: run.export_hf=false)
+
+    @classmethod
+    def of(cls, run_cfg: cfglib.RunConfig, export_roles: tuple[str, ...]) -> "RunFiles":
+        out = run_cfg.output_dir
+        return cls(out, os.path.join(out, "metrics.jsonl"),
+                   os.path.join(out, "tensorboard") if run_cfg.tensorboard else None,
+                   os.path.join(out, "checkpoints"),
+                   {role: os.path.join(out, f"{role}_hf") for role in export_roles} if run_cfg.export_hf else {})
+
+    def summary(self, run_cfg: cfglib.RunConfig, last_checkpoint: int | None = None, finished: bool = False) -> str:
+        """What goes where, with how often; at the end (`finished`) only what was written."""
+        every = run_cfg.log_every
+        often = _every(every)
+        saves = _every(run_cfg.checkpoint_every) if run_cfg.checkpoint_every else "at the last step"
+        lines = [f"run folder: {self.folder}",
+                 f"  metrics:     {self.metrics} ({often}, run.log_every={every}; the console shows the same steps)"]
+        if self.tensorboard:
+            lines.append(f"  tensorboard: {self.tensorboard} (tensorboard --logdir {self.tensorboard})")
+        if finished:
+            lines.append(f"  checkpoints: {self.checkpoints} (latest: step {last_checkpoint})" if last_checkpoint
+                         else f"  checkpoints: none written ({self.checkpoints})")
+        else:
+            lines.append(f"  checkpoints: {self.checkpoints} ({saves}, the newest {run_cfg.keep_checkpoints} kept)")
+        for role, folder in self.exports.items():
+            lines.append(f"  {role} model: {folder} (HF checkpoint{'' if finished else ', written at the end'})")
+        return "\n".join(lines)
+
+
+def _every(n: int) -> str:
+    return "every step" if n == 1 else f"every {n} steps and the last"

@@ -23,7 +23,7 @@ from jaxrlhf import config as cfglib
 from jaxrlhf.backend import setup_devices
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
 from jaxrlhf.planning import plan_for, role_configs
-from jaxrlhf.run_dir import output_dir_lock, prepare_output_dir, set_aside_log
+from jaxrlhf.run_dir import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
 
 
 def run(cfg: cfglib.Config) -> dict[str, Any]:
@@ -68,7 +68,10 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
     prepare_output_dir(cfg.run, write=is_main())
     barrier("output_dir")  # no process opens files in the folder before process 0 has cleared it
-    ckpt = CheckpointManager(os.path.join(cfg.run.output_dir, "checkpoints"), max_to_keep=cfg.run.keep_checkpoints)
+    files = RunFiles.of(cfg.run, algorithm.export_roles())
+    if is_main():
+        print(files.summary(cfg.run), flush=True)
+    ckpt = CheckpointManager(files.checkpoints, max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
     if cfg.run.resume and resume_step is None and is_main():
         set_aside_log(cfg.run.output_dir)
@@ -159,9 +162,10 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
         writer.close()
         ckpt.close()
 
-    if cfg.run.export_hf:
-        for name in algorithm.export_roles():
-            export_role(cfg, roles[name], model_configs[name], os.path.join(cfg.run.output_dir, f"{name}_hf"))
+    for name, folder in files.exports.items():
+        export_role(cfg, roles[name], model_configs[name], folder)
+    if is_main():
+        print(files.summary(cfg.run, last_checkpoint=saved_step, finished=True), flush=True)
     return metrics
 
 
