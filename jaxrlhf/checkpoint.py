@@ -81,7 +81,7 @@ class CheckpointManager:
         """Remove what a failed save of `step` left behind (only one process touches the shared folder)."""
         import shutil
 
-        from jaxrlhf.distributed import barrier, is_main
+        from jaxrlhf.transfer.processes import barrier, is_main
 
         if is_main():
             for name in os.listdir(self.directory):
@@ -145,7 +145,7 @@ class CheckpointManager:
         be visible to one process only, in its own shard files), and only process 0 moves damaged steps
         aside (the folder is shared). When none restores because the checkpoint was written by another
         algorithm or other model shapes, that is the error."""
-        from jaxrlhf.distributed import agreed_steps, any_process, barrier, is_main
+        from jaxrlhf.transfer.processes import agreed_steps, any_process, barrier, is_main
 
         problems = []
         for step in reversed(agreed_steps(self.steps())):
@@ -206,7 +206,7 @@ def _save_sharding(x: Any) -> NamedSharding | None:
 
 def _spread(arrays: Any) -> tuple[Any, list[jax.Array]]:
     """`arrays` with every one-process array copied to its save layout; returns the copies to delete."""
-    from jaxrlhf.placement.realloc import reallocate
+    from jaxrlhf.transfer.realloc import reallocate
 
     leaves, treedef = jax.tree_util.tree_flatten(arrays)
     todo = [(i, t) for i, x in enumerate(leaves) if (t := _save_sharding(x)) is not None]
@@ -220,7 +220,7 @@ def _spread(arrays: Any) -> tuple[Any, list[jax.Array]]:
 
 def _gather_back(restored: Any, target: Any) -> Any:
     """Restored arrays moved from their save layout to `target`'s shardings (where those differ)."""
-    from jaxrlhf.placement.realloc import reallocate
+    from jaxrlhf.transfer.realloc import reallocate
 
     leaves, treedef = jax.tree_util.tree_flatten(restored)
     wanted = jax.tree_util.tree_leaves(target)

@@ -551,23 +551,16 @@ def _check_role(config: Config, role: str, needed_for: str) -> None:
                 close = difflib.get_close_matches(name, sorted(fields), n=1)
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise ConfigError(f"model.{role}.overrides: {name!r} is not a model field{hint}")
-    seen = {role}
-    while spec.init_from is not None:  # follow the chain to a role with real weights
-        source = spec.init_from
-        if source in seen:
-            raise ConfigError(f"model.{role}.init_from forms a cycle through {', '.join(sorted(seen))}")
-        seen.add(source)
-        spec = getattr(config.model, source)
-        if not (spec.preset or spec.path or spec.init_from):
-            raise ConfigError(f"model.{role} is initialised from model.{source}, which has no weights")
+    chain = config.model.init_chain(role)
+    end: RoleModelConfig = getattr(config.model, chain[-1])
+    if end.init_from is not None:
+        raise ConfigError(f"model.{role}.init_from forms a cycle through {', '.join(sorted(chain))}")
+    if not (end.preset or end.path):
+        raise ConfigError(f"model.{role} is initialised from model.{chain[-1]}, which has no weights")
 
 
 def _resolved_preset(config: Config, role: str) -> Any | None:
-    spec: RoleModelConfig = getattr(config.model, role)
-    seen = set()
-    while spec.init_from is not None and spec.init_from not in seen:
-        seen.add(spec.init_from)
-        spec = getattr(config.model, spec.init_from)
+    spec: RoleModelConfig = getattr(config.model, config.model.init_chain(role)[-1])
     if spec.preset is None:
         return None
     preset = _model_presets()[spec.preset]

@@ -136,7 +136,7 @@ class DistributedConfig:
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """How model calls are placed on devices (see jaxrlhf.planner and docs/pipelines.md)."""
+    """How model calls are placed on devices: the plan (jaxrlhf.planner), run by jaxrlhf.placement."""
 
     # a preset placement, or auto: the planner searches plans for these devices and picks the fastest
     strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl", "auto"] = "colocated"
@@ -298,6 +298,15 @@ class ModelsConfig:
     ref: RoleModelConfig = _field(factory=lambda: RoleModelConfig(init_from="actor"))
     reward: RoleModelConfig = _field(factory=RoleModelConfig)  # used when rewards.model is true
     tokenizer: str = "byte"  # "byte" or a path to tokenizer.json (or its folder)
+
+    def init_chain(self, role: str) -> tuple[str, ...]:
+        """`role`, the role it is initialised from, and so on: the one walk of the init_from links. The
+        last role has its own weights, unless the links form a cycle (the chain stops before repeating a
+        role; validation refuses that) or it has none at all."""
+        chain = [role]
+        while (source := getattr(self, chain[-1]).init_from) is not None and source not in chain:
+            chain.append(source)
+        return tuple(chain)
 
 
 @_no_extra_keys

@@ -34,7 +34,7 @@ _EXPECTED = (
     ("jaxrlhf.config", "ConfigError"), ("jaxrlhf.planner.plan", "PlanError"), ("jaxrlhf.data.sources", "DataError"),
     ("jaxrlhf.models.hf_io", "CheckpointError"), ("jaxrlhf.models.tokenizer", "TokenizerError"),
     ("jaxrlhf.models.generation", "GenerationError"), ("jaxrlhf.algorithms.base", "AlgorithmConfigError"),
-    ("jaxrlhf.distributed", "DistributedError"),
+    ("jaxrlhf.transfer.processes", "DistributedError"),
 )
 
 
@@ -106,9 +106,9 @@ def _run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str
 
 def _multiprocess() -> bool:
     """Whether this process is one of several joined by jax.distributed (without importing JAX)."""
-    mod = sys.modules.get("jax._src.distributed")
-    state = getattr(mod, "global_state", None)
-    return state is not None and state.client is not None and (state.num_processes or 1) > 1
+    from jaxrlhf.jax_private import joined_several_processes
+
+    return joined_several_processes()
 
 
 def _exit_now(code: int) -> None:

@@ -29,33 +29,31 @@ def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
     from jaxrlhf.models.config import LoraConfig, preset
 
     out = {}
+    for role in roles:
+        chain = cfg.model.init_chain(role)  # role, its source, ..., the role with its own weights
+        base = None
+        for link in reversed(chain):  # from the weights down to `role`, each link's changes on top
+            if link in out:
+                base = out[link]
+                continue
+            rc = getattr(cfg.model, link)
+            if base is None:
+                if rc.path:
+                    from jaxrlhf.models.hf_io import config_from_hf, read_hf_config
 
-    def resolve(role: str):
-        if role in out:
-            return out[role]
-        rc = getattr(cfg.model, role)
-        if rc.init_from:
-            base = resolve(rc.init_from)
-        elif rc.path:
-            from jaxrlhf.models.hf_io import config_from_hf, read_hf_config
-
-            base = config_from_hf(read_hf_config(rc.path), source=os.path.join(rc.path, "config.json"))
-        elif rc.preset:
-            base = preset(rc.preset)
-        else:
-            raise cfglib.ConfigError(f"model.{role}: set one of preset, path or init_from")
-        changes = dict(rc.overrides)
-        if rc.dtype:
-            changes["dtype"] = rc.dtype
-        if rc.param_dtype:
-            changes["param_dtype"] = rc.param_dtype
-        if rc.lora or base.lora:  # a role's adapters are its own: a reference copied from a LoRA actor has none
-            changes["lora"] = LoraConfig(**dataclasses.asdict(rc.lora)) if rc.lora else None
-        out[role] = base.replace(**changes) if changes else base
-        return out[role]
-
-    for r in roles:
-        resolve(r)
+                    base = config_from_hf(read_hf_config(rc.path), source=os.path.join(rc.path, "config.json"))
+                elif rc.preset:
+                    base = preset(rc.preset)
+                else:
+                    raise cfglib.ConfigError(f"model.{link}: set one of preset, path or init_from")
+            changes = dict(rc.overrides)
+            if rc.dtype:
+                changes["dtype"] = rc.dtype
+            if rc.param_dtype:
+                changes["param_dtype"] = rc.param_dtype
+            if rc.lora or base.lora:  # a role's adapters are its own: a reference copied from a LoRA actor has none
+                changes["lora"] = LoraConfig(**dataclasses.asdict(rc.lora)) if rc.lora else None
+            out[link] = base = base.replace(**changes) if changes else base
     return out
 
 

@@ -14,7 +14,7 @@ response otherwise). Each point is the best of `--repeats` runs after one
 warm-up (compilation); a prefill writes into a cache with room for the
 config's response, as generation does. The hardware numbers come from
 `jaxrlhf.placement.calibrate` on the same devices; parameter moves between
-the placements (`jaxrlhf.placement.realloc.reallocate`) and batch moves
+the placements (`jaxrlhf.transfer.realloc.reallocate`) and batch moves
 (`jax.device_put` of a token batch from one group to another) are recorded
 beside them as `moves`.
 
@@ -150,7 +150,7 @@ def measure_moves(models: dict, placements: list, repeats: int) -> list[dict[str
     from jaxrlhf.models.transformer import build_model
     from jaxrlhf.placement.calibrate import best_time
     from jaxrlhf.placement.layout import batch_spec, make_mesh, param_shardings
-    from jaxrlhf.placement.realloc import reallocate, tree_bytes
+    from jaxrlhf.transfer.realloc import reallocate, tree_bytes
 
     out = []
     for key, (cfg, head, rows, length) in models.items():

@@ -219,7 +219,9 @@ def jax_worker(spec_path: str, out_path: str) -> None:
 
     overrides = spec["overrides"] + [f"run.devices={spec['devices']}"]
     cfg = _cfg(spec["config"], overrides, [])
-    train.setup_devices(cfg.run)
+    from jaxrlhf.backend import setup_devices
+
+    setup_devices(cfg.run)
     import jax
 
     workdir = Path(spec["workdir"]) / f"jaxrlhf_{spec['devices']}dev"
@@ -317,10 +319,11 @@ def main() -> int:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     overrides = WORKLOAD + ["sft.steps=0"] + list(args.overrides)
     cfg = _cfg(args.config, overrides, [])
-    from jaxrlhf import train
+    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.planning import role_configs
 
-    train.setup_devices(cfg.run)  # this process only draws prompts and writes the HF checkpoint
-    mc = train.role_configs(cfg, ["actor"])["actor"]
+    setup_devices(cfg.run)  # this process only draws prompts and writes the HF checkpoint
+    mc = role_configs(cfg, ["actor"])["actor"]
     alg, data, gen = cfg.algorithm, cfg.data, cfg.generation
     problems = [
         (alg.name != "grpo", f"algorithm.name={alg.name!r}: this benchmark compares GRPO; use a grpo config"),

@@ -36,15 +36,17 @@ BASE = [
 def worker(spec: dict) -> None:
     """One process: train, timing host_get and barriers per step; process 0 writes the timings."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf import distributed, train
-    from jaxrlhf.placement import executor, realloc
+    from jaxrlhf import train
+    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.placement import executor
+    from jaxrlhf.transfer import host, processes, realloc
 
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=spec["processes"] > 1,
                            compile_cache=None)
     dist = cfglib.DistributedConfig(coordinator_address=f"127.0.0.1:{spec['port']}",
                                     num_processes=spec["processes"], process_id=spec["process_id"],
                                     transfer_port_base=spec["port"] + 1)
-    train.setup_devices(run, dist)
+    setup_devices(run, dist)
     spent = {"host_get_s": [], "barrier_s": []}
     current = {"host_get_s": 0.0, "barrier_s": 0.0}
 
@@ -57,9 +59,9 @@ def worker(spec: dict) -> None:
                 current[key] += time.perf_counter() - t0
         return wrapper
 
-    executor.host_get = timed(distributed.host_get, "host_get_s")
-    distributed.HostValues.__getitem__ = timed(distributed.HostValues.__getitem__, "host_get_s")
-    realloc.barrier = timed(distributed.barrier, "barrier_s")
+    executor.host_get = timed(host.host_get, "host_get_s")
+    host.HostValues.__getitem__ = timed(host.HostValues.__getitem__, "host_get_s")
+    realloc.barrier = timed(processes.barrier, "barrier_s")
     step = executor.Executor.step
 
     def step_and_record(self, *args, **kwargs):

@@ -468,9 +468,10 @@ def main() -> int:
 
     n_steps = args.warmup + args.steps
     cfg = _cfg(args.config, args.overrides, ["sft.steps=0"])
-    from jaxrlhf import train
+    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.planning import role_configs
 
-    train.setup_devices(cfg.run)
+    setup_devices(cfg.run)
     import jax
 
     from jaxrlhf.models.hf_io import save_hf_checkpoint
@@ -480,7 +481,7 @@ def main() -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ppo_"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    mc = train.role_configs(cfg, ["actor"])["actor"]
+    mc = role_configs(cfg, ["actor"])["actor"]
     alg, data, gen = cfg.algorithm, cfg.data, cfg.generation
     rows, jax_width = prompt_rows(cfg, n_steps)
     workload = {

@@ -2,7 +2,7 @@
 
 For a LLaMA-shaped parameter tree (default ~270M parameters, float32: about
 1 GiB; `--size 1b` for ~1B) and several layout pairs, measures the seconds of
-`jaxrlhf.placement.realloc.reallocate` and, in the same run, of a plain
+`jaxrlhf.transfer.realloc.reallocate` and, in the same run, of a plain
 `jax.device_put` between two congruent shardings (same mesh shape and spec,
 other devices) that moves exactly the bytes the target holds. Every measured
 call runs under the device<->host transfer guards, so any byte through host
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     from jaxrlhf.placement.layout import make_mesh, param_shardings
     from jaxrlhf.planner.plan import DeviceGroup, Layout
-    from jaxrlhf.placement.realloc import reallocate, tree_bytes
+    from jaxrlhf.transfer.realloc import reallocate, tree_bytes
     from jaxrlhf.models.config import ModelConfig
     from jaxrlhf.models.transformer import build_model
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import train
+from jaxrlhf import planning
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import plan_memory
@@ -39,7 +39,7 @@ def test_bundled_config_plans_on_its_simulated_devices(name):
     assert cfg.run.platform == "cpu" and cfg.run.devices == 8
     algorithm = build_algorithm(cfg)
     graph = algorithm.graph()
-    plan = train.plan_for(cfg, algorithm, train.role_configs(cfg, graph.roles), cfg.run.devices)
+    plan = planning.plan_for(cfg, algorithm, planning.role_configs(cfg, graph.roles), cfg.run.devices)
     assert set(plan.calls) == set(graph.names)
 
 
@@ -49,8 +49,8 @@ def test_realistic_config_plans_without_weights(name):
     devices, per_host = CLUSTERS[name]
     algorithm = build_algorithm(cfg)
     graph = algorithm.graph()
-    models = train.role_configs(cfg, graph.roles)
-    plan = train.plan_for(cfg, algorithm, models, devices, devices_per_host=per_host)
+    models = planning.role_configs(cfg, graph.roles)
+    plan = planning.plan_for(cfg, algorithm, models, devices, devices_per_host=per_host)
     assert set(plan.calls) == set(graph.names)
     assert plan.num_devices == devices
     # The plan fits in the memory of the hardware it names, for the workload the runtime will run.

@@ -120,7 +120,7 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
 def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
     """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget).
     Fewer search iterations for both, so a loaded machine never hits the time budget."""
-    from jaxrlhf import train
+    from jaxrlhf import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner import search as search_module
 
@@ -131,7 +131,7 @@ def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
     search_module._RESULTS.clear()  # no remembered search: train searches afresh
     cfg = cfglib.load_config(QUICKSTART, [*overrides, "plan.strategy=auto"])
     algorithm = build_algorithm(cfg)
-    chosen = train.plan_for(cfg, algorithm, train.role_configs(cfg, algorithm.graph().roles), cfg.run.devices)
+    chosen = planning.plan_for(cfg, algorithm, planning.role_configs(cfg, algorithm.graph().roles), cfg.run.devices)
     assert chosen.to_dict() == planned
 
 

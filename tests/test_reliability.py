@@ -14,7 +14,7 @@ import time
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning, train
+from jaxrlhf import planning, run_dir, train
 from jaxrlhf.errors import RunError
 from jaxrlhf.metrics import read_metrics
 
@@ -78,7 +78,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
                                            r"\(it holds .*\.lock\); nothing was changed"):
             _run(out, "run.steps=1", "run.overwrite=true")
         assert os.listdir(out) == [".lock"]
-    with train.output_dir_lock(str(out)):  # free again once the first run ends (or dies: the OS drops it)
+    with run_dir.output_dir_lock(str(out)):  # free again once the first run ends (or dies: the OS drops it)
         pass
 
 
@@ -148,7 +148,7 @@ def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_p
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf import distributed
+    from jaxrlhf.transfer import processes
     from jaxrlhf.checkpoint import CheckpointManager
 
     def tree(v):
@@ -158,7 +158,7 @@ def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_p
     for step in (2, 4):
         mngr.save(step, tree(step), {"step": step})
     answers = iter([True, False])  # step 4: another process failed; step 2: every process read it
-    monkeypatch.setattr(distributed, "any_process", lambda flag: flag or next(answers))
+    monkeypatch.setattr(processes, "any_process", lambda flag: flag or next(answers))
     step, arrays, _ = mngr.restore_latest(tree(0))
     mngr.close()
     assert step == 2
@@ -403,10 +403,10 @@ def test_plan_file_placing_a_call_on_an_undefined_group_names_the_file_and_group
                               for c in ("ref.inference", "critic.inference", "actor.train", "critic.train")))
     cfg = cfglib.load_config(None, [*BASE, f"plan.file={plan}"])
     algorithm = build_algorithm(cfg)
-    models = train.role_configs(cfg, algorithm.graph().roles)
+    models = planning.role_configs(cfg, algorithm.graph().roles)
     with pytest.raises(PlanError, match=rf"plan.file={plan}: call 'actor.generate' uses group 'nowhere', which the "
                                         r"plan does not define; defined groups: \['all'\]"):
-        train.plan_for(cfg, algorithm, models, 1)
+        planning.plan_for(cfg, algorithm, models, 1)
 
 
 BOMB = "".join(f"{k}: &{k} [{', '.join([f'*{p}'] * 10 if p else ['x'] * 10)}]\n"

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
-import importlib
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from jaxrlhf.config_schema import ALGORITHM_CONFIGS, AlgorithmConfig
@@ -187,26 +185,3 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
     if cls.name not in ALGORITHM_CONFIGS:
         raise ValueError(f"algorithm {cls.name!r}: add the class of its keys to jaxrlhf.config_schema.ALGORITHM_CONFIGS")
     return ALGORITHMS.register(cls.name)(cls)
-
-
-def declare(cfg: "Config", name: str | None = None, **kwargs: Any) -> Algorithm:
-    """The declaration of algorithm `name` (default `algorithm.name`) for this config; imports no JAX."""
-    import jaxrlhf.algorithms  # noqa: F401  (registers every algorithm)
-
-    return ALGORITHMS.get(name or cfg.algorithm.name)(cfg, **kwargs)
-
-
-def build_algorithm(cfg: "Config", name: str | None = None, **kwargs: Any) -> Algorithm:
-    """Algorithm `name` (default `algorithm.name`) with its runtime, for a run: imports the jitted code."""
-    import jaxrlhf.algorithms  # noqa: F401  (registers every algorithm)
-
-    return runtime_class(ALGORITHMS.get(name or cfg.algorithm.name))(cfg, **kwargs)
-
-
-@functools.cache
-def runtime_class(cls: type[Algorithm]) -> type[Algorithm]:
-    """`cls` with its runtime half first in the method order (the runtime reads the declaration's
-    class attributes, so one runtime serves a family such as every RL algorithm)."""
-    module, _, attr = cls.runtime.partition(":")
-    runtime = getattr(importlib.import_module(module), attr)
-    return type(cls.__name__, (runtime, cls), {"__module__": runtime.__module__, "__doc__": cls.__doc__})

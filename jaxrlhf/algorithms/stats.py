@@ -1,6 +1,6 @@
 """Masked statistics over token-level [batch, time] arrays.
 
-Everything in PPO is averaged over *response tokens only*, so every reduction
+Every RL loss and statistic is averaged over *response tokens only*, so every reduction
 here takes a mask (float or bool, 1 = real response token). The reductions are
 plain `jnp.sum` over the whole array: under `jax.jit` with batch-sharded inputs
 XLA (GSPMD) inserts the cross-device all-reduce itself, so `masked_whiten` on a

@@ -13,7 +13,6 @@ from jaxrlhf.data.dataset import (
     PromptDataset,
     SFTBatch,
     SFTDataset,
-    bucket_length,
     left_pad,
 )
 from jaxrlhf.data.sources import (
@@ -44,7 +43,6 @@ __all__ = [
     "SFTBatch",
     "SFTDataset",
     "TfdsSource",
-    "bucket_length",
     "left_pad",
     "open_source",
 ]

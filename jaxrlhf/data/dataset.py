@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -33,15 +32,11 @@ import numpy as np
 from jaxrlhf.data.answers import ANSWER_EXTRACTORS
 from jaxrlhf.data.sources import DataError, RowError, RowSource, open_source
 from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
+from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.tokenizer import Tokenizer, TokenizerError, prompt_prefix
 
 if TYPE_CHECKING:
     from jaxrlhf.config import Config
-
-
-def bucket_length(longest: int, multiple: int, cap: int) -> int:
-    """Padded length for a batch whose longest sequence is `longest`."""
-    return min(cap, max(multiple, math.ceil(longest / multiple) * multiple))
 
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +267,8 @@ class _BatchStream(abc.ABC):
     def next_batch(self) -> Any:
         """This process's shard of the next global batch."""
         row_ids, items = self._take(self.batch_size)
-        length = bucket_length(max(self._length(item) for item in items), self.pad_multiple, self._max_len())
+        length = bucket_length(max(self._length(item) for item in items), self.pad_multiple,
+                               multiple=self.pad_multiple, cap=self._max_len())
         lo = self.process_index * self.local_batch_size
         hi = lo + self.local_batch_size
         return self._collate(np.asarray(row_ids[lo:hi], dtype=np.int64), items[lo:hi], length)
@@ -304,7 +300,8 @@ class _BatchStream(abc.ABC):
             weight[: len(chunk)] = 1.0
             while len(chunk) < size:
                 chunk_ids, chunk = chunk_ids + chunk_ids[: size - len(chunk)], chunk + chunk[: size - len(chunk)]
-            length = bucket_length(max(self._length(item) for item in chunk), self.pad_multiple, self._max_len())
+            length = bucket_length(max(self._length(item) for item in chunk), self.pad_multiple,
+                                   multiple=self.pad_multiple, cap=self._max_len())
             yield self._collate(np.asarray(chunk_ids[lo:hi], np.int64), chunk[lo:hi], length), weight[lo:hi]
 
     def check(self) -> None:

@@ -1,8 +1,8 @@
 """Logical axis names: the only thing `models/` knows about placement.
 
 Every parameter carries a `logical_axes` tuple in its metadata; activations
-are annotated with `constrain(x, names)`. The mesh layer (`jaxrlhf.mesh`)
-turns names into `PartitionSpec`s by installing a resolver with
+are annotated with `constrain(x, names)`. The placement layer
+(`jaxrlhf.placement.layout`) turns names into `PartitionSpec`s by installing a resolver with
 `activation_sharding(...)` while a call is traced. Outside such a context
 `constrain` is the identity, so models run unchanged on one device.
 """
@@ -22,8 +22,6 @@ VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_he
 LAYERS = "layers"
 # Activation axes. STAGE is the leading axis of a pipeline's per-stage activations (see `pipeline.py`).
 BATCH, LENGTH, STAGE = "batch", "length", "stage"
-PARAM_AXES = (LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP)
-ACTIVATION_AXES = (BATCH, LENGTH, STAGE)
 
 LogicalAxes = tuple[str | None, ...]
 Resolver = Callable[[LogicalAxes], Any]  # logical names -> jax.sharding.Sharding (or None)

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
 from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
@@ -69,14 +70,6 @@ def check_max_positions(max_position_embeddings: int, prompt_length: int, max_ne
             f"model's max_position_embeddings {max_position_embeddings}; shorten the prompts or generate fewer "
             "tokens (in training: data.max_prompt_len, generation.max_new_tokens)"
         )
-
-
-def bucket_length(length: int, min_bucket: int = 16) -> int:
-    """Smallest power of two >= length (and >= min_bucket): bounds recompiles to log2(max_len)."""
-    bucket = max(int(min_bucket), 1)
-    while bucket < length:
-        bucket *= 2
-    return bucket
 
 
 @struct.dataclass
@@ -281,7 +274,7 @@ def pad_prompts(
 class Generator:
     """Generation bound to a model structure (graphdef) and special tokens; the state is passed per call.
 
-    For the PPO rollout: build once from the actor's graphdef, call with the
+    For the RL rollout: build once from the actor's graphdef, call with the
     current (possibly sharded) actor state each step. Same shapes and
     settings never recompile. `tag` (any hashable) keeps separate compiled
     programs per tag: use one per placement when tracing under different

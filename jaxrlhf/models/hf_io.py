@@ -551,7 +551,7 @@ def load_hf_checkpoint(
     target = np.dtype(config.jnp_param_dtype)
     placement = {}
     if shardings is not None:
-        from jaxrlhf.placement.realloc import put_host
+        from jaxrlhf.transfer.realloc import put_host
 
         placement = {tuple(p): sh.get_value() if isinstance(sh, nnx.Variable) else sh
                      for p, sh in nnx.to_flat_state(shardings(state))}
@@ -645,7 +645,8 @@ def save_hf_checkpoint(
     writes the adapters alone. Multi-process: call it on every process; each parameter is gathered to host one at a time on all
     of them (its shards may live on any host), and only process 0 writes.
     """
-    from jaxrlhf.distributed import host_get, is_main
+    from jaxrlhf.transfer.host import host_get
+    from jaxrlhf.transfer.processes import is_main
 
     path = Path(path)
     head = _head_of(model)

@@ -130,7 +130,7 @@ def delta(a: np.ndarray, b: np.ndarray, scale: float, weight_shape: tuple[int, .
 def merge_adapters(state: nnx.State, cfg: LoraConfig) -> nnx.State:
     """The base parameters with every adapter folded into its projection (`W + scale * A @ B`, on host in
     float32, cast back to `W`'s dtype): a plain model that computes what the adapted one does."""
-    from jaxrlhf.distributed import host_get
+    from jaxrlhf.transfer.host import host_get
 
     flat = dict((tuple(p), v) for p, v in nnx.to_flat_state(state))
     out = []
@@ -158,7 +158,7 @@ _HF_MODULE = {"attn": "self_attn", "mlp": "mlp"}
 def peft_tensors(state: nnx.State, cfg: LoraConfig) -> dict[str, np.ndarray]:
     """The adapters under PEFT's key names, in torch's [out, in] layout: `lora_A.weight` [rank, in],
     `lora_B.weight` [out, rank], one pair per layer and targeted projection."""
-    from jaxrlhf.distributed import host_get
+    from jaxrlhf.transfer.host import host_get
 
     ours = {ours_name: hf for hf, (_, ours_name, _) in TARGETS.items()}
     out: dict[str, np.ndarray] = {}
@@ -186,7 +186,7 @@ def save_peft_adapter(state: nnx.State, cfg: LoraConfig, path: str, base_model: 
 
     from safetensors.numpy import save_file
 
-    from jaxrlhf.distributed import is_main
+    from jaxrlhf.transfer.processes import is_main
 
     tensors = peft_tensors(state, cfg)
     if not is_main():

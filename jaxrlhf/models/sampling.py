@@ -1,6 +1,6 @@
 """Logits processing shared by sampling and by training-time log-prob recomputation.
 
-PPO needs the behaviour log-probs (recorded while sampling) and the training
+The RL losses need the behaviour log-probs (recorded while sampling) and the training
 log-probs (recomputed by a forward pass) to come from the *same*
 distribution, so both go through `process_logits`. The order is fixed and
 matches Hugging Face's warpers:

@@ -4,8 +4,8 @@
 sharding helpers) and hands out `PlacedFunction`s: a function jitted with
 in/out shardings on that placement, traced with the placement's activation
 rules installed, and compiled once per shape bucket (the abstract signature
-of its arguments). Pad variable lengths with `bucket()` so a run compiles a
-handful of shapes, not one per batch.
+of its arguments). Pad variable lengths with `jaxrlhf.models.lengths.bucket_length` so a run
+compiles a handful of shapes, not one per batch.
 
 Calling a `PlacedFunction` only dispatches: nothing waits for the result, so
 calls on disjoint device groups issued one after another run at the same
@@ -30,12 +30,6 @@ from jaxrlhf.placement.layout import (
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import pipeline
-
-
-def bucket(n: int, minimum: int = 8) -> int:
-    """Smallest power of two >= max(n, minimum): a padded length with few distinct values."""
-    size = max(int(n), minimum, 1)
-    return 1 << (size - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,14 +45,13 @@ import optax
 from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
-from jaxrlhf.models.lora import strip_adapters
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
-from jaxrlhf.distributed import host_get
-from jaxrlhf.placement.realloc import (
-    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
-)
 from jaxrlhf.placement.timeline import Op, StepTimes, Timeline, breakdown, device_ids
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+from jaxrlhf.transfer.host import host_get
+from jaxrlhf.transfer.realloc import (
+    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
+)
 
 CallFn = Callable[..., Any]
 HostFn = Callable[..., Mapping[str, Any]]
@@ -68,8 +67,9 @@ class Role:
     optimizer: optax.GradientTransformation | None = None
     opt_state: Any = None
     shadow: nnx.State | None = None  # persistent copy at another placement (disaggregated plans)
-    # The frozen base of role `base_of` (its parameters without LoRA adapters), shared, not copied: a
-    # reference model that is the LoRA actor's base holds no parameters of its own (`params` is None).
+    # The frozen part of role `base_of` (what its optimizer never updates: a LoRA actor's base), shared,
+    # not copied: a reference model that is the LoRA actor's base holds no parameters of its own
+    # (`params` is None; the source's optimizer has a `split`, as `algorithms.optim.PartialOptimizer`).
     base_of: str | None = None
 
     @property
@@ -237,7 +237,8 @@ class Executor:
         role = self.roles[role_name]
         placed = self.placed(call)
         if role.base_of is not None:  # the base of a LoRA role: its frozen weights, moved only where needed
-            base = strip_adapters(self.roles[role.base_of].params)
+            source = self.roles[role.base_of]
+            base = source.optimizer.split(source.params)[1]
             if placed.placement == self.home_placed(role.base_of).placement:
                 return base, False
             return self.move(base, placed.param_shardings(base), call=call, copy=True), True

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.placement.devices import Device, group_devices
-from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, ExecutionPlan, Layout, PlanError
+from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout, PlanError
 from jaxrlhf.models import axes as ax
 
 MeshAxes = tuple[str, ...]
@@ -127,14 +127,6 @@ def make_mesh(group: DeviceGroup, layout: Layout, devices: Sequence[Device] | No
     devs = np.array(group_devices(group, devices), dtype=object)
     shape = tuple(layout.axis_sizes[a] for a in MESH_AXES)
     return Mesh(devs.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def plan_mesh(plan: ExecutionPlan, call: str, devices: Sequence[Device] | None = None) -> Mesh:
-    """The mesh a call of `plan` runs on."""
-    p = plan.calls[call]
-    if p.group not in plan.groups:
-        raise PlanError(f"call {call!r} uses undefined group {p.group!r}; defined: {sorted(plan.groups)}")
-    return make_mesh(plan.groups[p.group], p.layout, devices)
 
 
 def _axis_sizes(mesh_or_layout: Mesh | Layout) -> Mapping[str, int]:

@@ -7,7 +7,7 @@ gives each call of the graph a `Placement`: a group plus a `Layout`
 (mesh axis sizes). The plan is pure data: YAML in and out, a printable
 table, and validation with specific messages. Turning it into meshes is
 `jaxrlhf.placement.layout`'s job; moving parameters between placements is
-`jaxrlhf.placement.realloc`'s.
+`jaxrlhf.transfer.realloc`'s.
 
 Where a role's parameters live ("home") is the placement of its train call
 if it has one, else of its first call. A call placed elsewhere works on a

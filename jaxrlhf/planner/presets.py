@@ -443,8 +443,3 @@ def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=N
                 best, chosen = est.step_s, i
         knob[key] = chosen
     return make()
-
-
-def preset_names() -> list[str]:
-    return sorted(STRATEGIES)
-

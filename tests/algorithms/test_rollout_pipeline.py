@@ -254,12 +254,13 @@ def test_ppo_gae_whitened_over_the_global_batch(whiten):
 def grpo_step():
     """One GRPO step, set up as `jaxrlhf.train.run` does, with a rule that scores every response 1."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf import train
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.placement.calls import CallCache
-    from jaxrlhf.placement.executor import Executor, Role
+    from jaxrlhf.placement.executor import Executor
     from jaxrlhf.placement.layout import AxisRules
+    from jaxrlhf.planning import plan_for, role_configs
+    from jaxrlhf.roles import build_roles
 
     cfg = cfglib.load_config(None, [
         "model.actor.preset=tiny", "algorithm.name=grpo", "algorithm.group_size=2", "algorithm.minibatches=1",
@@ -271,27 +272,11 @@ def grpo_step():
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     specs = algorithm.roles()
-    model_configs = train.role_configs(cfg, list(specs))
+    model_configs = role_configs(cfg, list(specs))
     graph = algorithm.graph()
-    plan = train.plan_for(cfg, algorithm, model_configs, jax.device_count())
+    plan = plan_for(cfg, algorithm, model_configs, jax.device_count())
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
-    builder = train.RoleBuilder(cfg, specs, model_configs, cache, plan)
-    built = {}
-    for name in sorted(specs, key=lambda r: train.init_depth(cfg, r)):
-        source = getattr(cfg.model, name).init_from
-        if source is None:
-            built[name] = builder.direct(name, at=name)
-        else:
-            if source not in built:
-                built[source] = builder.direct(source, at=name)
-            built[name] = builder.derived(name, built[source])
-    roles = {}
-    for name, spec in specs.items():
-        role = Role(name, built[name].graphdef, built[name].params)
-        if spec.trained:
-            role.optimizer = train.build_optimizer_for(cfg, name, algorithm.updates_per_step, model_configs[name])
-            role.opt_state = train.init_opt_state(role, cache.placed(plan.home_call(name)))
-        roles[name] = role
+    roles = build_roles(cfg, specs, model_configs, cache, plan, total_updates=algorithm.updates_per_step)
     algorithm.bind(tokenizer, roles)
     executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
                         host_steps=algorithm.host_steps(), state=algorithm.initial_state())

@@ -41,16 +41,22 @@ def _overrides(tmp_path, source: str, name: str, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("name, keys", [("dpo", ("loss/dpo", "eval/rewards_accuracy")),
                                         ("rm", ("loss/rm", "eval/rm_accuracy"))])
-def test_dpo_and_rm_on_hh_shaped_pairs_from_the_cli(name, keys, tmp_path):
+def test_dpo_and_rm_on_hh_shaped_pairs_from_the_cli(name, keys, tmp_path, capsys):
     source = _write(tmp_path / "hh", {"train": _hh_rows(), "test": _hh_rows(3)})
     cfg = cfglib.load_config(None, _overrides(tmp_path, source, name))
     assert cfg.data.prompt_key is None
     train.run(cfg)
-    records = read_metrics(str(tmp_path / f"run-{name}" / "metrics.jsonl"))
+    run = tmp_path / f"run-{name}"
+    records = read_metrics(str(run / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
     for key in keys:
         assert math.isfinite(records[-1][key]), (key, records[-1])
     assert records[-1]["data/skipped"] == 0.0
+    # The console names the run's files at the start and again at the end (run_dir.RunFiles).
+    out = capsys.readouterr().out
+    assert out.count(f"run folder: {run}\n  metrics:     {run}/metrics.jsonl (every step, run.log_every=1") == 2
+    assert f"checkpoints: {run}/checkpoints (at the last step, the newest 3 kept)" in out
+    assert f"checkpoints: {run}/checkpoints (latest: step 2)" in out
 
 
 def _cli(overrides: list[str], capsys) -> tuple[int, str, str]:

@@ -14,9 +14,9 @@ from jaxrlhf.data import (
     PreferenceDataset,
     PromptDataset,
     SFTDataset,
-    bucket_length,
     left_pad,
 )
+from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -33,8 +33,8 @@ def _dataset(source, tokenizer=TOK, **kw):
 
 
 def test_bucket_length_and_left_pad():
-    assert [bucket_length(n, 16, 64) for n in (1, 16, 17, 40, 64)] == [16, 16, 32, 48, 64]
-    assert bucket_length(40, 16, 40) == 40  # capped at the maximum even when it is not a multiple
+    assert [bucket_length(n, 16, multiple=16, cap=64) for n in (1, 16, 17, 40, 64)] == [16, 16, 32, 48, 64]
+    assert bucket_length(40, 16, multiple=16, cap=40) == 40  # capped at the maximum even when it is not a multiple
     tokens, mask = left_pad([[5, 6], [7]], 4, 0)
     assert tokens.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]]
     assert mask.tolist() == [[False, False, True, True], [False, False, False, True]]

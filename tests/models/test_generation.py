@@ -208,7 +208,8 @@ def test_bucket_padding_bounds_recompiles():
 
 def test_bucket_length():
     assert [gen.bucket_length(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]
-    assert gen.bucket_length(3, min_bucket=4) == 4
+    assert gen.bucket_length(3, minimum=4) == 4
+    assert gen.bucket_length(13, 12) == 24  # the minimum doubled, whatever it is
 
 
 def test_process_logits_filters():

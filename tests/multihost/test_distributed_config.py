@@ -7,6 +7,7 @@ import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf import distributed
+from jaxrlhf.transfer import processes
 
 
 def _dist(*keys: str) -> cfglib.DistributedConfig:
@@ -40,9 +41,9 @@ def test_keys_are_validated():
 
 
 def test_one_process_helpers_do_nothing():
-    distributed.barrier("nothing to wait for")
-    assert distributed.any_process(False) is False and distributed.any_process(True) is True
-    assert distributed.is_main()
+    processes.barrier("nothing to wait for")
+    assert processes.any_process(False) is False and processes.any_process(True) is True
+    assert processes.is_main()
 
 
 @pytest.mark.parametrize("address", ["localhost", "10.0.0.1:", ":47600", "10.0.0.1:http", "10.0.0.1:70000"])

@@ -20,9 +20,9 @@ def realloc_check() -> dict:
     import numpy as np
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxrlhf.distributed import host_get
+    from jaxrlhf.transfer.host import host_get
     from jaxrlhf.placement.devices import global_devices
-    from jaxrlhf.placement.realloc import put_host, reallocate
+    from jaxrlhf.transfer.realloc import put_host, reallocate
 
     devs = global_devices()
 
@@ -57,13 +57,14 @@ def main() -> int:
     pid = spec["process_id"]
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
+    from jaxrlhf.backend import setup_devices
 
     dist = cfglib.DistributedConfig(
         coordinator_address=f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
         transfer_port_base=spec["port"] + 1, heartbeat_timeout_s=spec.get("heartbeat_s", 100),
     )
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=True, compile_cache=None)
-    train.setup_devices(run, dist)
+    setup_devices(run, dist)
     print(f"process {pid} joined", flush=True)
     found: dict = {"runs": {}}
     if spec.get("realloc"):

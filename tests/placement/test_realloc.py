@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.placement.layout import make_mesh, param_shardings
 from jaxrlhf.planner.plan import DeviceGroup, Layout
-from jaxrlhf.placement.realloc import offload, reallocate, reload, tree_bytes
+from jaxrlhf.transfer.realloc import offload, reallocate, reload, tree_bytes
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding, Sharding
 
-from jaxrlhf.distributed import barrier
+from jaxrlhf.transfer.processes import barrier
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
