@@ -43,6 +43,7 @@ def test_bundled_config_plans_on_its_simulated_devices(name):
     assert set(plan.calls) == set(graph.names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CLUSTERS))
 def test_realistic_config_plans_without_weights(name):
     cfg = cfglib.load_config(os.path.join(ROOT, "configs", name))

@@ -27,6 +27,7 @@ def checkpoint(tmp_path_factory):
     return save_tiny_hf_checkpoint(tmp_path_factory.mktemp("cli"), "llama", seed=0)
 
 
+@pytest.mark.slow
 def test_greedy_json_matches_transformers_generate(checkpoint):
     import torch
     import transformers
@@ -66,6 +67,7 @@ def checkpoints_with_tokenizer(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["qwen2", "llama3"])
 def test_prompt_ids_and_tokens_match_transformers(checkpoints_with_tokenizer, style):
     import torch
@@ -84,6 +86,7 @@ def test_prompt_ids_and_tokens_match_transformers(checkpoints_with_tokenizer, st
     assert out["token_ids"] == ref[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_past_max_positions_is_one_clear_line(checkpoint):
     res = _cli("--model", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "600", "--json")
     assert res.returncode == 2 and res.stdout == ""
@@ -92,6 +95,7 @@ def test_past_max_positions_is_one_clear_line(checkpoint):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_sampling_flags(checkpoint):
     res = _cli("--model", str(checkpoint), "--prompt", "hi", "--temperature", "0.8", "--top-p", "0.9",
                "--top-k", "20", "--max-new-tokens", "6", "--seed", "3", "--json")
@@ -100,6 +104,7 @@ def test_sampling_flags(checkpoint):
     assert 1 <= len(out["token_ids"]) <= 6 and all(0 <= t < 384 for t in out["token_ids"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, expect",
     [

@@ -10,6 +10,7 @@ from jaxrlhf.plan import main, parse_args, resolve_config
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
 
+@pytest.mark.slow
 def test_json_output_and_plan_file(tmp_path, capsys):
     rc = main(["--model-preset", "tiny", "--devices", "8", "--hardware", "cpu", "--batch", "32", "--gen-len", "8",
                "--prompt-len", "16", "--iterations", "300", "--json", "--out", str(tmp_path)])
@@ -26,6 +27,7 @@ def test_json_output_and_plan_file(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "timeline.png") > 1000
 
 
+@pytest.mark.slow
 def test_text_output_with_config(tmp_path, capsys):
     rc = main(["--config", QUICKSTART, "--hardware", "cpu", "--iterations", "200", "--out", str(tmp_path)])
     assert rc == 0
@@ -46,6 +48,7 @@ def test_flags_resolve_to_the_training_config():
     assert cfg.model.actor.preset == "small" and cfg.model.critic.init_from == "actor"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, calls", [
     ("grpo", {"actor.generate", "ref.inference", "actor.train"}),
     ("dpo", {"ref.inference", "actor.train"}),
@@ -81,6 +84,7 @@ def test_model_preset_is_applied_before_the_config_is_validated(tmp_path):
     assert cfg.model.critic.init_from == "actor"
 
 
+@pytest.mark.slow
 def test_writes_into_a_folder_it_names_and_keeps_an_earlier_plan(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["--model-preset", "tiny", "--hardware", "cpu", "--batch", "16", "--iterations", "100", "--json"]
@@ -104,6 +108,7 @@ def test_devices_default_to_every_process(tmp_path):
     assert planning.machine(cfg) == (8, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [6, 12, 24, 48, 64, 96, 128, 192])
 def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, capsys):
     """Device counts that are not powers of two (6 = 2 x 3, 96 = 32 x 3) search groups whose sizes the
@@ -117,6 +122,7 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
         assert rc == 2 and captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
     """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget).
     Fewer search iterations for both, so a loaded machine never hits the time budget."""

@@ -54,6 +54,7 @@ def reference(tmp_path_factory):
     return out, records
 
 
+@pytest.mark.slow
 def test_a_new_run_into_another_runs_folder_changes_nothing(reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference[0], out)
@@ -115,6 +116,7 @@ def _damage_empty_step(step_dir):
 DAMAGES = [_damage_truncated_array, _damage_missing_arrays, _damage_missing_metadata, _damage_empty_step]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.removeprefix("_damage_"))
 def test_every_kind_of_damage_falls_back_to_the_previous_step(damage, tmp_path, capsys):
     """The checkpoint manager restores step 2 when step 4 is damaged in any of these ways, and keeps
@@ -183,6 +185,7 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_
     assert _strip_times(records) == _strip_times(ref_records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ("model.actor.overrides={hidden_size: 32}", r"actor.params.* with shape \[.*64.*\], but this config builds"),
     ("model.actor.overrides={num_layers: 3}", r"actor.params.model.layers.* with shape \[2, .*\], but this config "
@@ -201,6 +204,7 @@ def test_resume_with_other_model_shapes_names_the_difference(reference, tmp_path
     assert _snapshot(out / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_resume_with_another_algorithm_names_what_wrote_the_checkpoint(reference, tmp_path):
     """A PPO run resumed as RLOO: the error says which algorithm and roles wrote the checkpoint (not
     Orbax's "tree structures do not match" for every step, which reads as damage)."""
@@ -277,6 +281,7 @@ def test_a_run_whose_disk_fills_during_a_save_stops_and_resumes(reference, tmp_p
     assert _strip_times(records) == _strip_times(reference[1])
 
 
+@pytest.mark.slow
 def test_one_role_whose_updates_are_all_skipped_stops_the_run(tmp_path):
     """NaN in every update of the critic only (learning rate 1e30): the actor still learns, but a critic
     that never changes again makes every later advantage wrong, so the run stops with one line after
@@ -296,6 +301,7 @@ def test_one_role_whose_updates_are_all_skipped_stops_the_run(tmp_path):
     mngr.close()
 
 
+@pytest.mark.slow
 def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(RunError, match="every update of the last 5 steps"):
@@ -355,6 +361,7 @@ def test_plan_cli_mistakes_are_one_line(argv, message, tmp_path):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_train_cli_platform_and_output_folder_mistakes_are_one_line(tmp_path):
     file = tmp_path / "taken"
     file.write_text("x")

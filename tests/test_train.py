@@ -169,6 +169,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
 # ------------------------------------------------------------------ user mistakes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ---------------------------------------------------------------- DAPO
 
 
+@pytest.mark.slow
 def test_dapo_clip_higher_and_token_mean():
     # rows: [r=1.25 A=+1, r=1.4 A=+1] and [r=0.7 A=-1]
     #   1.25: inside [0.8, 1.28] -> -1.25   (symmetric 0.2 would clip it at 1.2 -> -1.2)
@@ -88,6 +89,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_masks_fillers():
 # ---------------------------------------------------------------- Dr. GRPO
 
 
+@pytest.mark.slow
 def test_dr_grpo_advantage_and_constant_length_normaliser():
     # group rewards [1, 0, 0, 1]: mean 0.5; Dr. GRPO A = r - 0.5; GRPO divides by std = sqrt(1/3)
     lengths = [1, 2, 3, 2]
@@ -117,6 +119,7 @@ G_MASK = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
 G_ADV = jnp.array([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0], [1.0, 1.0, 0.0]])
 
 
+@pytest.mark.slow
 def test_gspo_sequence_ratio_and_clip_by_hand():
     # s = e^0.1 = 1.10517 (inside [0.8, 1.2]) -> -1.10517
     # s = e^0.4 = 1.49182, A < 0: max(2 * 1.49182, 2 * 1.2) = 2.98365 (a high ratio is not clipped for A < 0)

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 20
 
 
+@pytest.mark.slow
 def test_ppo_raises_a_discoverable_reward(tmp_path):
     out = tmp_path / "run"
     cfg = cfglib.load_config(
@@ -64,6 +65,7 @@ def test_ppo_raises_a_discoverable_reward(tmp_path):
 DPO_STEPS = 60
 
 
+@pytest.mark.slow
 def test_dpo_implicit_reward_accuracy_rises(tmp_path):
     """DPO on the bundled preference pairs (correct sum chosen, a near miss rejected) after the
     config's SFT warm-up: the implicit reward beta * (log pi - log pi_ref) ranks the chosen answer

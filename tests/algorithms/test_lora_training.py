@@ -56,6 +56,7 @@ def test_lora_grpo_raises_a_discoverable_reward(tmp_path):
     assert records[-1]["kl/mean"] > 0.0  # the reference (the base without adapters) stayed behind
 
 
+@pytest.mark.slow
 def test_disaggregated_lora_syncs_only_adapters_and_exports_both_forms(tmp_path):
     out = tmp_path / "run"
     cfg = cfglib.load_config(os.path.join(ROOT, "configs", "grpo_lora.yaml"), [

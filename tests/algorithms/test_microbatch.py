@@ -53,6 +53,7 @@ def actor():
     return nnx.split(build_model(preset("tiny"), seed=0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss, agg, estimator", [
     ("ppo", "token-mean", "reinforce_pp"),
     ("grpo", "seq-mean-token-mean", "grpo"),
@@ -75,6 +76,7 @@ def test_micro_batched_update_equals_whole_minibatch(actor, loss, agg, estimator
         np.testing.assert_allclose(o0["actor_stats"][key], o1["actor_stats"][key], rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_micro_batched_inference_equals_whole_batch(actor):
     graphdef, params = actor
     sampling = SamplingParams(temperature=0.7, top_k=20)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf.algorithms import build_algorithm
@@ -19,6 +20,7 @@ def _run(opt, params, grads, steps):
     return params, state
 
 
+@pytest.mark.slow
 def test_master_weights_keep_updates_that_bf16_would_lose():
     params = {"w": jnp.ones((4,), jnp.bfloat16)}
     grads = {"w": jnp.full((4,), 0.5, jnp.bfloat16)}

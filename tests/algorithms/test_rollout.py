@@ -35,6 +35,7 @@ def critic():
     return nnx.split(model)
 
 
+@pytest.mark.slow
 def test_values_are_aligned_with_response_tokens(critic):
     graphdef, state = critic
     tokens, mask, response_mask = _batch()
@@ -61,6 +62,7 @@ def _inputs(scores):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [False, True])
 def test_nonfinite_update_is_skipped_and_counted(bad):
     model = build_model(preset("tiny"), "lm", seed=0)

@@ -286,6 +286,7 @@ def grpo_step():
     return algorithm, result
 
 
+@pytest.mark.slow
 def test_grpo_step_with_equal_group_rewards_has_zero_advantages(grpo_step):
     algorithm, result = grpo_step
     assert set(algorithm.roles()) == {"actor", "ref"}  # kl_coef 0.1: KL to the reference, in the loss

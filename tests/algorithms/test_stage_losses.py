@@ -136,6 +136,7 @@ def test_dpo_gradient_direction():
 # ---------------------------------------------------------------- SFT
 
 
+@pytest.mark.slow
 def test_sft_nll_completion_tokens_only(lm):
     graphdef, params = lm
     # Two left-padded demonstrations: [pad pad pad | BOS 40 41 | 50 51 52 EOS] and
@@ -177,6 +178,7 @@ def test_sft_nll_completion_tokens_only(lm):
 # ---------------------------------------------------------------- pair log-probs
 
 
+@pytest.mark.slow
 def test_pair_logprobs_sum_response_tokens_only(lm):
     graphdef, params = lm
     # Two pairs, left-padded to length 9; prompts of 3 and 4 tokens (BOS included).

@@ -37,6 +37,7 @@ def test_every_task_split_has_a_file():
         bundled_file("nothing_here.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_builder_prepares_and_reads_back(name, tmp_path):
     spec = TASKS[name]

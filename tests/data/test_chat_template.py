@@ -213,6 +213,7 @@ def test_assistant_targets_equal_transformers_assistant_mask(tmp_path):
         assert [int(t) for t in targets] == list(out["assistant_masks"]), messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sft", "grpo"])
 def test_a_run_chooses_the_template_from_its_config(name, tmp_path):
     """`data.prompt_format=chat` through `jaxrlhf.train.run`: SFT on conversations and GRPO on

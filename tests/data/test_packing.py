@@ -163,6 +163,7 @@ def _np_token_nll(logits, tokens, targets):
     return np.array([-logp[t - 1, tokens[t]] for t in range(1, len(tokens)) if targets[t]])
 
 
+@pytest.mark.slow
 def test_packed_nll_equals_unpacked_nll_per_demonstration(lm):
     graphdef, params = lm
     model = nnx.merge(graphdef, params)
@@ -192,6 +193,7 @@ def test_packed_nll_equals_unpacked_nll_per_demonstration(lm):
     assert checked == 5
 
 
+@pytest.mark.slow
 def test_sft_loss_same_packed_and_unpacked(lm):
     graphdef, params = lm
     packed = _packed().next_batch()  # items 0..4

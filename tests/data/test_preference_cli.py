@@ -39,6 +39,7 @@ def _overrides(tmp_path, source: str, name: str, *extra: str) -> list[str]:
     return out + list(extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, keys", [("dpo", ("loss/dpo", "eval/rewards_accuracy")),
                                         ("rm", ("loss/rm", "eval/rm_accuracy"))])
 def test_dpo_and_rm_on_hh_shaped_pairs_from_the_cli(name, keys, tmp_path, capsys):

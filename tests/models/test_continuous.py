@@ -51,6 +51,7 @@ def _assert_same(a, b):
     np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [1, 4])
 def test_greedy_equals_static_engine_on_mixed_lengths(model, slots):
     """Rows of lengths 1..12 (per-row caps) through pools smaller than the batch, with shared prefixes."""
@@ -61,6 +62,7 @@ def test_greedy_equals_static_engine_on_mixed_lengths(model, slots):
     _assert_same(_continuous(model, tokens, mask, eos_id=None, group_size=G, slots=slots, max_lengths=limits), ref)
 
 
+@pytest.mark.slow
 def test_eos_ends_rows_like_the_static_engine(model):
     """EOS ids taken from the greedy output end rows at different steps; lengths, masks, EOS flags agree."""
     tokens, mask = _grouped(PROMPTS, 1)
@@ -71,6 +73,7 @@ def test_eos_ends_rows_like_the_static_engine(model):
     _assert_same(_continuous(model, tokens, mask, eos_id=eos, slots=1), ref)
 
 
+@pytest.mark.slow
 def test_shared_prefix_equals_prefilling_every_row(model):
     """group_size=G prefills each prompt once; the result equals prefilling all G copies (group_size=1)."""
     tokens, mask = _grouped(PROMPTS, 4)
@@ -83,6 +86,7 @@ def test_shared_prefix_equals_prefilling_every_row(model):
     _assert_same(_continuous(model, tokens, mask, sampling, rng=3, eos_id=None, group_size=4, slots=3), shared)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)])
 def test_logprobs_equal_training_forward_recomputation(model, sampling):
     tokens, mask = _grouped(PROMPTS, G)
@@ -93,6 +97,7 @@ def test_logprobs_equal_training_forward_recomputation(model, sampling):
     assert out.lengths.tolist() == LIMITS
 
 
+@pytest.mark.slow
 def test_compiles_once_per_shape(model):
     """New prompts, limits and keys of the same shapes reuse the program: entering a slot is data."""
     tokens, mask = _grouped(PROMPTS, G)
@@ -127,6 +132,7 @@ def test_engine_registry_matches_the_config_schema():
     assert set(typing.get_args(hints["engine"])) == set(GENERATION_ENGINES)
 
 
+@pytest.mark.slow
 def test_a_sharded_batch_pads_the_prompts_and_rounds_the_slots(model):
     """Under an 8-way batch sharding, 4 distinct prompts are padded to 8 and 3 slots become 8: same result."""
     from jaxrlhf.models import axes as ax

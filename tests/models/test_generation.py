@@ -48,6 +48,7 @@ def _full_forward_argmax(model, prompt: list[int], n: int) -> list[int]:
     return tokens[0, len(prompt) : len(prompt) + n].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_cached_decode_equals_full_forward_argmax(model, greedy_out):
     for row, prompt in enumerate(PROMPTS):
         assert greedy_out.response_tokens[row].tolist() == _full_forward_argmax(model, prompt, 12)
@@ -56,6 +57,7 @@ def test_greedy_cached_decode_equals_full_forward_argmax(model, greedy_out):
     assert not bool(greedy_out.ended_with_eos.any())
 
 
+@pytest.mark.slow
 def test_output_layout(greedy_out):
     out = greedy_out
     p = out.prompt_length
@@ -68,6 +70,7 @@ def test_output_layout(greedy_out):
         assert not bool(out.prompt_mask[row, : p - len(prompt)].any())
 
 
+@pytest.mark.slow
 def test_left_padding_does_not_change_unpadded_results(model, greedy_out):
     for row, prompt in enumerate(PROMPTS):
         alone = gen.generate(model, [prompt], 12, GREEDY, eos_id=NO_EOS)
@@ -95,6 +98,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
 def test_logprobs_equal_training_forward_recomputation(model, sampling):
     out = gen.generate(model, PROMPTS, 10, sampling, rng=7, eos_id=NO_EOS)
@@ -112,6 +116,7 @@ def test_sampling_uses_the_rng(model):
     assert not np.array_equal(np.asarray(a.response_tokens), np.asarray(c.response_tokens))
 
 
+@pytest.mark.slow
 def test_eos_stops_the_row_and_masks_the_rest(model, greedy_out):
     # Use the token that row 0 emits at step 4 as EOS: row 0 must stop right there.
     eos = int(greedy_out.response_tokens[0, 4])
@@ -137,6 +142,7 @@ def test_all_rows_stopped_exits_early(model, greedy_out):
     assert out.response_tokens[0, 1:].tolist() == [0] * 11
 
 
+@pytest.mark.slow
 def test_any_of_several_eos_ids_stops_the_row(model, greedy_out):
     """Llama 3.1 lists three EOS ids: a row ends on whichever comes first, here the second id."""
     ref = np.asarray(greedy_out.response_tokens)
@@ -169,6 +175,7 @@ def test_eos_tuple():
     assert gen.eos_tuple([7, 5, 7, -1]) == (7, 5)
 
 
+@pytest.mark.slow
 def test_generating_past_max_positions_is_an_error():
     """Positions count real tokens only: a 20-token prompt (bucket 32) + 20 new fits 40 positions, + 21 does not."""
     model = build_model(preset("tiny").replace(max_position_embeddings=40), seed=0)
@@ -188,6 +195,7 @@ def test_generating_past_max_positions_is_an_error():
         ))(state, tokens, mask)
 
 
+@pytest.mark.slow
 def test_bucket_padding_bounds_recompiles():
     model = build_model(preset("tiny"), seed=3)
     generator, state = gen.Generator.for_model(model)
@@ -245,6 +253,7 @@ def test_process_logits_matches_hf_warpers():
         np.testing.assert_allclose(ours[np.isfinite(ours)], ref[np.isfinite(ref)], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_entropy_and_gradients_are_finite_with_filters():
     logits = jax.random.normal(jax.random.key(0), (2, 3, 30))
     tokens = jnp.argmax(logits, -1)
@@ -274,6 +283,7 @@ def hf_checkpoints(tmp_path_factory):
     return {arch: save_tiny_hf_checkpoint(root, arch, seed=1) for arch in ("llama", "qwen2", "mistral")}
 
 
+@pytest.mark.slow
 def test_eos_list_stops_like_transformers_generate(tmp_path):
     """A config.json eos_token_id list survives export/import, and generation stops on its second id
     exactly where transformers' generate (reading generation_config.json) stops."""
@@ -303,6 +313,7 @@ def test_eos_list_stops_like_transformers_generate(tmp_path):
     assert ours.response_tokens[0, :length].tolist() == theirs[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_greedy_equals_transformers_generate(hf_checkpoints, arch):
     import torch

@@ -114,6 +114,7 @@ def test_qwen2_sliding_window_config():
 # ---------------------------------------------------------------- export / import
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_then_transformers_load_gives_same_logits(tmp_path, arch):
     config = tiny_config(arch)
@@ -205,6 +206,7 @@ def test_bfloat16_saved_as_bf16(tmp_path):
 # ---------------------------------------------------------------- critic and reward heads
 
 
+@pytest.mark.slow
 def test_value_and_reward_heads_from_actor_checkpoint(checkpoints):
     actor, _ = load_hf_checkpoint(checkpoints["llama"])
     trunk = {p: v for p, v in params(actor).items() if p[0] == "model"}
@@ -274,6 +276,7 @@ def hf_reward_checkpoint(path, arch, seed):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_reward_export_scores_match_transformers(tmp_path, arch):
     import torch
@@ -302,6 +305,7 @@ def test_reward_export_scores_match_transformers(tmp_path, arch):
     assert np.abs(ours).min() > 0 and len(set(ours.tolist())) == 3  # a real, row-dependent score
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_reward_model_loads_with_same_scores(tmp_path, arch):
     theirs = tmp_path / "theirs"

@@ -44,6 +44,7 @@ def base_and_adapted(arch: str = "llama", targets=ALL, rank: int = 4):
     return cfg, lcfg, base, zero_init
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_zero_initialised_adapter_gives_the_base_logits(arch):
     cfg, _, base, adapted = base_and_adapted(arch)
@@ -81,6 +82,7 @@ def test_merged_adapters_give_the_adapted_logits():
     assert max_relative_error(ours, ref, mask) < 1e-5
 
 
+@pytest.mark.slow
 def test_only_adapters_train_and_only_they_have_optimizer_state():
     _, lcfg, _, model = base_and_adapted(targets=("q_proj", "v_proj"))
     graphdef, params = nnx.split(with_random_adapters(model))  # B != 0, so A has a gradient too
@@ -109,6 +111,7 @@ def test_only_adapters_train_and_only_they_have_optimizer_state():
     assert float(stats["grad_norm"]) > 0
 
 
+@pytest.mark.slow
 def test_hf_load_with_lora_starts_at_the_base_model(tmp_path):
     cfg, _, base, _ = base_and_adapted()
     save_hf_checkpoint(base, cfg, tmp_path / "base")
@@ -121,6 +124,7 @@ def test_hf_load_with_lora_starts_at_the_base_model(tmp_path):
     np.testing.assert_array_equal(jax_logits(model, tokens, mask), jax_logits(base, tokens, mask))
 
 
+@pytest.mark.slow
 def test_exports_load_in_transformers_and_peft_with_the_same_logits(tmp_path):
     """The merged checkpoint (transformers) and the adapter alone on the base (PEFT) both reproduce our
     adapted model's logits."""

@@ -24,6 +24,7 @@ def checkpoints(tmp_path_factory):
     return {arch: save_tiny_hf_checkpoint(root, arch, seed=1) for arch in ("llama", "qwen2", "mistral")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_logits_match_transformers_left_padded(checkpoints, arch):
     model, config = load_hf_checkpoint(checkpoints[arch])
@@ -42,6 +43,7 @@ def test_qwen2_features_are_exercised(checkpoints):
     assert np.abs(np.asarray(model.model.layers.attn.q_bias[...][0])).max() > 0
 
 
+@pytest.mark.slow
 def test_mistral_sliding_window_is_exercised(checkpoints):
     """Without the window our logits would differ from transformers': the test sequence is long enough."""
     path = checkpoints["mistral"]
@@ -54,6 +56,7 @@ def test_mistral_sliding_window_is_exercised(checkpoints):
     assert max_relative_error(jax_logits(full, tokens, mask), ref, mask) > 100 * TOL
 
 
+@pytest.mark.slow
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
     # original_max_position_embeddings=64 puts the 8 rotary wavelengths of head_dim 16 in all three
     # regimes (kept, interpolated, divided by factor)

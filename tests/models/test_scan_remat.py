@@ -24,6 +24,7 @@ def _loss_and_grads(remat: str):
     return jax.jit(jax.value_and_grad(loss))(state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_policies_match_no_remat(policy):
     ref_loss, ref_grads = _loss_and_grads("none")

@@ -77,6 +77,7 @@ def colocated_result(actor):
 CASES = [(s, "actor.train") for s in sorted(STRATEGIES) if s != "colocated"] + [("reallocated", "actor.generate")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,call", CASES, ids=[f"{s}:{c}" for s, c in CASES])
 def test_train_step_under_each_preset_matches_colocated(strategy, call, actor, colocated_result):
     plan = build_plan(strategy, 8, TINY, PPO_GRAPH, batch_size=BATCH)

@@ -74,6 +74,7 @@ def _live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays())
 
 
+@pytest.mark.slow
 def test_train_calls_donate_params_and_optimizer_state():
     ex = _executor()
     ex.step(FEED)  # compile and settle
@@ -95,6 +96,7 @@ def test_train_calls_donate_params_and_optimizer_state():
     assert memory.alias_size_in_bytes >= 0.9 * per_device
 
 
+@pytest.mark.slow
 def test_offloaded_role_waits_in_host_memory_and_gives_the_same_results():
     plain, offloaded = _executor(), _executor(offload=("ref",))
     assert is_offloaded(offloaded.roles["ref"].params) and not is_offloaded(plain.roles["ref"].params)
@@ -109,6 +111,7 @@ def test_offloaded_role_waits_in_host_memory_and_gives_the_same_results():
     assert got.times.moves["reload"] > 0 and "reload" not in want.times.moves
 
 
+@pytest.mark.slow
 def test_offloaded_role_reloads_without_a_host_round_trip():
     ex = _executor(offload=("ref",), ref_layout=Layout(data=2, tensor=2))
     ex.step(FEED)  # compile

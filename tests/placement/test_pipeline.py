@@ -87,6 +87,7 @@ def reference(actor):
     return np.asarray(logp), params, out["actor_stats"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(STAGED))
 def test_pipelined_inference_equals_unpipelined(case, actor, reference):
     graphdef, host = actor
@@ -100,6 +101,7 @@ def test_pipelined_inference_equals_unpipelined(case, actor, reference):
 
 
 # 4 stages here; 2-stage train calls (actor and critic) run in tests/algorithms/test_pipeline_ppo.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(STAGED)[1:2])
 def test_pipelined_train_call_equals_unpipelined(case, actor, reference):
     graphdef, host = actor

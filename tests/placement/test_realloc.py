@@ -65,6 +65,7 @@ def assert_same(result, expected_host, target):
         np.testing.assert_array_equal(np.asarray(got), want)  # bit-identical
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MATRIX))
 def test_reallocation_matrix_bit_identical_without_host(case, host_params):
     ga, la, gb, lb = MATRIX[case]
@@ -84,6 +85,7 @@ def test_reallocation_matrix_bit_identical_without_host(case, host_params):
         assert staged["model"]["layers"]["mlp"]["up"].sharding.spec[0] == "stage"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp4 -> tensor2 x data2, disjoint", "2 -> 4 devices, more blocks than sources",
                                   "identical"])
 def test_free_source_deletes_or_hands_over(case, host_params):
@@ -97,6 +99,7 @@ def test_free_source_deletes_or_hands_over(case, host_params):
     assert_same(out, host_params, target)
 
 
+@pytest.mark.slow
 def test_reallocate_and_drop_leaves_nothing_behind(host_params):
     ga, la, gb, lb = MATRIX["fsdp4 -> tensor2 x data2, disjoint"]
     src, _ = place(host_params, ga, la)

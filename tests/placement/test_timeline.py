@@ -53,6 +53,7 @@ def test_start_is_the_end_of_earlier_work_on_shared_devices():
     assert first.wait == 0.0 and second.wait >= 0.0
 
 
+@pytest.mark.slow
 def test_executor_step_explains_its_time(devices):
     """A real step (reference inference on one group, actor training on the other): the parts add up to
     the step, both calls are timed, and the values asked for come back on host."""

@@ -82,6 +82,7 @@ def test_reallocation_costs():
     assert far > near
 
 
+@pytest.mark.slow
 def test_analytic_flops_match_xla_cost_analysis():
     # One layer: the layers run in a scan, and XLA's cost analysis counts a loop body once.
     cfg = preset("small", num_layers=1)

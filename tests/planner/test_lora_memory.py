@@ -95,6 +95,7 @@ def _compiled_train_step(cfg, trainable):
     return _compiled_bytes(jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tok).compile()), params, state
 
 
+@pytest.mark.slow
 def test_lora_train_step_peak_is_measurably_below_full_fine_tuning():
     """Same model, batch and placement (one device): XLA's compiled peak of the LoRA update is below the
     full update's by about the full gradients and AdamW moments, and the memory model predicts both."""

@@ -38,6 +38,7 @@ def _batch(b: int, t: int):
     return jnp.zeros((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), bool)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [8])
 def test_train_step_memory_within_20_percent_of_xla(small_model, batch):
     params, fwd = small_model
@@ -57,6 +58,7 @@ def test_train_step_memory_within_20_percent_of_xla(small_model, batch):
     assert estimate == pytest.approx(measured, rel=0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [8, 32])
 def test_forward_memory_within_20_percent_of_xla(small_model, batch):
     params, fwd = small_model

@@ -53,6 +53,7 @@ def _small_instance():
     return hw, models, wl
 
 
+@pytest.mark.slow
 def test_search_finds_the_exhaustive_optimum():
     hw, models, wl = _small_instance()
     space = SearchSpace.build(GRAPH, models, wl, 4, hw)
@@ -76,6 +77,7 @@ def test_search_is_deterministic_for_a_seed():
     assert a.best.plan.to_dict() == b.best.plan.to_dict() and a.evaluations == b.evaluations
 
 
+@pytest.mark.slow
 def test_search_never_returns_an_over_memory_plan():
     models = {r: preset("llama2-13b") for r in ("actor", "critic", "ref", "reward")}
     wl = Workload(batch_size=128, gen_len=384)
@@ -94,6 +96,7 @@ def test_impossible_instance_says_why():
         search(models, Workload(), H100, 2, ppo_graph(), iterations=100)
 
 
+@pytest.mark.slow
 def test_more_devices_are_never_estimated_slower_and_seeds_repeat():
     hw = dataclasses.replace(H100, devices_per_host=4)
     models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
@@ -135,6 +138,7 @@ def _lay(data: int, tensor: int, stage: int) -> Layout:
     return Layout(data=data, fsdp=1, tensor=tensor, stage=stage)
 
 
+@pytest.mark.slow
 def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     """Scaled critic, 70B critic and reward with 7B actor and reference on 64 H100s: every call on all
     devices is a local optimum for single-call moves, but reward and critic inference on the two
@@ -156,6 +160,7 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
 
 
+@pytest.mark.slow
 def test_a_kick_keeps_a_bottom_no_kick_beats():
     """Four 70B models on 64 H100s: generation on all devices without shadow copies is a bottom for the
     polish (every single-call and compound move is slower). The kicks (a critic shadow copy with one
