@@ -172,8 +172,8 @@ class Algorithm(abc.ABC):
         """Roles written as HF checkpoints at the end of a run (`<role>_hf/`)."""
         return tuple(r for r, spec in self.roles().items() if spec.trained and spec.head in ("lm", "reward"))
 
-
     def _declaration_only(self) -> Exception:
+        """The error a runtime method raises on a bare declaration (callers `raise` it)."""
         return NotImplementedError(f"{type(self).__name__} is a declaration; build_algorithm() adds its runtime")
 
 
