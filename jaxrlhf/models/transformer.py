@@ -11,9 +11,9 @@ stored with separate head axes ([embed, heads, head_dim]) so tensor
 parallelism can shard heads without reshapes.
 
 The decoder layers are one module whose parameters are stacked along a
-leading "layers" axis, run by `jax.lax.scan`: the compiled program holds one
-layer body whatever the depth, so compile time does not grow with
-`num_layers`. Pipeline parallelism splits that axis into stages: under a
+leading "layers" axis, run by `jax.lax.scan`: beyond `UNROLL_MAX_LAYERS` the
+compiled program holds one layer body whatever the depth, so compile time does
+not grow with `num_layers`; shallower models unroll the scan (faster to run). Pipeline parallelism splits that axis into stages: under a
 placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
 The KV cache is stacked the same way and carried through the scan, so each
 layer writes only its new slots in place.
@@ -263,6 +263,15 @@ class DecoderLayer(nnx.Module):
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
+# Models with at most this many layers run the scan over their stacked layers unrolled: the
+# compiled program holds one copy of the layer body per layer, reading each layer's weights with
+# a static slice. A rolled loop reads and writes the stacked weights, gradients and saved
+# activations through dynamic slices, which XLA:CPU also zero-fills first (measured on a
+# 23.6M-parameter, 8-layer model: forward 1.2x and forward + backward 1.1x faster unrolled, the
+# backward compiling in 10.7 instead of 6.8 CPU s). Deeper models keep the rolled loop so that
+# compile time does not grow with depth.
+UNROLL_MAX_LAYERS = 8
+
 REMAT_POLICIES = ("none", "full", "dots")
 _CHECKPOINT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
@@ -365,7 +374,8 @@ class Transformer(nnx.Module):
 
             if remat:
                 step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
-            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)))
+            unroll = cfg.num_layers <= UNROLL_MAX_LAYERS  # see UNROLL_MAX_LAYERS
+            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)), unroll=unroll)
         x = self.final_norm(x)
         if cache is not None:
             cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])
