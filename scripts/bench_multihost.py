@@ -3,6 +3,12 @@
     python scripts/bench_multihost.py [--steps 6] [--warmup 2] [--strategies colocated,interleaved,...]
         [--out docs/results/bench_multihost.json] [key=value ...]
 
+Strategies: the presets plus `offpolicy` (disaggregated with `plan.offpolicy=true`).
+`--out` JSON: `{"rows": [{"strategy", "ratio", "outside_calls_fraction", ...}], "results": {...}}`
+where ratio = 2-process s/step over 1-process s/step and outside_calls_fraction is the share of the
+2-process step that is not device compute (moves, host work, waiting: 1 - time/step/compute_s /
+time/step_s), the two numbers issue-style targets are stated in.
+
 The tiny-model PPO run of the multi-process tests, per placement strategy,
 once in one process and once in two local processes. The first `warmup`
 steps (compilation) are dropped; the median `time/step_s` of the rest is
@@ -84,7 +90,9 @@ def measure(strategy: str, processes: int, args, extra: list[str]) -> dict:
     from jaxrlhf.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as out:
-        overrides = [*BASE, *extra, f"plan.strategy={strategy}", f"run.steps={args.warmup + args.steps}",
+        plan = ["plan.strategy=disaggregated", "plan.offpolicy=true"] if strategy == "offpolicy" \
+            else [f"plan.strategy={strategy}"]
+        overrides = [*BASE, *extra, *plan, f"run.steps={args.warmup + args.steps}",
                      f"run.output_dir={out}/run"]
         port = 30000 + (os.getpid() * 7 + processes) % 20000
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -100,6 +108,7 @@ def measure(strategy: str, processes: int, args, extra: list[str]) -> dict:
     median = lambda key: statistics.median(r.get(key, 0.0) for r in records)  # noqa: E731
     return {
         "step_s": median("time/step_s"),
+        "compute_s": median("time/step/compute_s"),
         "realloc_s": median("time/realloc_s"),
         "transfer_s": median("time/transfer_s"),
         "host_get_s": statistics.median(spent["host_get_s"][keep]),
@@ -114,19 +123,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--strategies", default="colocated,interleaved,disaggregated,reallocated")
+    parser.add_argument("--strategies", default="colocated,interleaved,disaggregated,offpolicy,reallocated")
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args()
-    results = {}
+    results, rows = {}, []
+    print(f"{'plan':14s} {'1 proc s':>9s} {'2 proc s':>9s} {'ratio':>6s} {'outside':>8s} {'host_get':>9s} "
+          f"{'barriers':>9s}", flush=True)
     for strategy in args.strategies.split(","):
         results[strategy] = {f"{n}_process": measure(strategy, n, args, extra) for n in (1, 2)}
         one, two = results[strategy]["1_process"], results[strategy]["2_process"]
-        print(f"{strategy:14s} 1 process {one['step_s']:.3f} s/step   2 processes {two['step_s']:.3f} s/step   "
-              f"(2-process host_get {two['host_get_s']:.3f} s, barriers {two['barrier_s']:.3f} s, "
-              f"realloc {two['realloc_s']:.3f} s, transfer {two['transfer_s']:.3f} s)", flush=True)
+        row = {"strategy": strategy, "one_process_s": one["step_s"], "two_process_s": two["step_s"],
+               "ratio": two["step_s"] / one["step_s"],
+               "outside_calls_fraction": max(0.0, 1.0 - two["compute_s"] / two["step_s"])}
+        rows.append(row)
+        print(f"{strategy:14s} {one['step_s']:9.3f} {two['step_s']:9.3f} {row['ratio']:6.2f} "
+              f"{row['outside_calls_fraction']:8.1%} {two['host_get_s']:9.3f} {two['barrier_s']:9.3f}", flush=True)
+    print(json.dumps({"rows": rows}))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"steps": args.steps, "warmup": args.warmup, "results": results}, f, indent=2)
+            json.dump({"steps": args.steps, "warmup": args.warmup, "rows": rows, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
