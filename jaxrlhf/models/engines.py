@@ -23,10 +23,11 @@ GENERATION_ENGINES: Registry[Callable[..., GenerationOutput]] = Registry("genera
 
 
 @GENERATION_ENGINES.register("static")
-def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, **kwargs: Any) -> GenerationOutput:
+def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, kv_pages: int | None = None,
+                  **kwargs: Any) -> GenerationOutput:
     """`generate_tokens` with the shared signature: `group_size` and `slots` do not apply to a static
     batch (every row is prefilled and decoded)."""
-    del group_size, slots
+    del group_size, slots, kv_pages
     return generate_tokens(*args, **kwargs)
 
 
