@@ -273,7 +273,8 @@ def generate_continuous(
         "tok": jnp.full((ways, s), pad_id, jnp.int32), "pos": jnp.zeros((ways, s), jnp.int32),
         "table": jnp.full((ways, s, width_t), unassigned, jnp.int32), "valid": jnp.zeros((ways, s, cols), bool),
         "free": jnp.ones((ways, resp_pages), bool), "status": jnp.zeros((ways, per_shard), jnp.int32),
-        "tokens": jnp.full((ways, per_shard, n), pad_id, jnp.int32), "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
+        "tokens": jnp.full((ways, per_shard, n), pad_id, jnp.int32),
+        "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
         "out_valid": jnp.zeros((ways, per_shard, n), bool), "ended": jnp.zeros((ways, per_shard), bool),
     }
     _, st, peak = jax.lax.while_loop(cond, body, (pool, st, jnp.int32(0)))
