@@ -246,7 +246,7 @@ def generate_continuous(
         return new, valid, widen(token, pad_id), widen(logp, 0.0)
 
     branches = [lambda pool, st, w=w: decode(w, pool, st) for w in widths]
-    shards = jax.vmap
+    shards = jax.vmap  # the bookkeeping runs per batch shard
 
     def cond(carry):
         return jnp.any(carry[1]["status"] != 2)

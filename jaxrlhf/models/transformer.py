@@ -16,7 +16,9 @@ layer body whatever the depth, so compile time does not grow with
 `num_layers`. Pipeline parallelism splits that axis into stages: under a
 placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
 The KV cache is stacked the same way and carried through the scan, so each
-layer writes only its new slots in place.
+layer writes only its new slots in place. A paged cache (`PagedKVCache`, the
+continuous engine's) is read through each row's block table instead and left
+unchanged by the forward, which returns the new keys/values for `write_pages`.
 """
 
 from __future__ import annotations
