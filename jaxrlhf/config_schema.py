@@ -392,9 +392,13 @@ class GenerationConfig:
     top_p: Float = _field(1.0, check=unit_interval)  # nucleus sampling mass; 1 = off
     greedy: Bool = False  # argmax decoding instead of sampling
     # static: the batch decodes together until its longest row ends; continuous: each distinct prompt
-    # prefilled once, `slots` rows decode and finished rows make room for waiting ones (docs/generation.md)
+    # prefilled once, `slots` rows decode over a paged KV cache, finished rows make room for waiting ones
+    # and steps narrow to the rows still running (docs/generation.md)
     engine: Literal["static", "continuous"] = "static"
-    slots: Int | None = _field(None, check=positive)  # continuous engine's pool; null = a quarter of the batch
+    slots: Int | None = _field(None, check=positive)  # continuous engine's rows decoding at once; null = the batch
+    # continuous engine's KV page pool: response pages of 16 tokens (all batch shards together); null = every
+    # slot can hold max_new_tokens (never preempts). Smaller trades memory for recomputing preempted rows
+    kv_pages: Int | None = _field(None, check=positive)
 
 
 @_no_extra_keys

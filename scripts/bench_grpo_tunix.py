@@ -3,6 +3,11 @@
     python scripts/bench_grpo_tunix.py [--config configs/quickstart-grpo.yaml] [--devices 1,8]
         [--steps 5] [--warmup 2] [--tunix-python PATH] [--skip-tunix] [--out results.json]
         [--workdir DIR] [key=value ...]
+    python scripts/bench_grpo_tunix.py --engines static,continuous [--devices 1] [key=value ...]
+
+`--engines`: jaxrlhf only, once per generation engine (`generation.engine`), same workload and seed;
+prints step time, the `actor.generate` call's time and generated tokens per engine and the speedup of
+each over the first (table, then one JSON line; `--out` writes all per-step results).
 
 Workload: the config (default: the GRPO quickstart) with the benchmark's
 settings (`WORKLOAD`: the `small` actor, 16 prompts x G=8 samples, 32 new
@@ -287,6 +292,42 @@ def _run_worker(kind: str, python: str, spec: dict, workdir: Path) -> dict:
     return r
 
 
+def compare_engines(engines: list[str], spec: dict, devices: list[int], workdir: Path, out: str | None,
+                    own_workdir: bool) -> int:
+    """jaxrlhf's GRPO once per generation engine (`--engines`): step time, generate-call time, tokens."""
+    results: dict = {"workload": {k: v for k, v in spec.items() if k not in ("prompts", "workdir", "model_dir")},
+                     "host": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "rows": [], "runs": {}}
+    for n in devices:
+        for engine in engines:
+            print(f"jaxrlhf, generation.engine={engine}, on {n} device(s) ...", flush=True)
+            tag = f"{engine}_{n}dev"
+            r = _run_worker("jaxrlhf", sys.executable, dict(spec, devices=n, overrides=spec["overrides"] + [
+                f"generation.engine={engine}"], workdir=str(workdir / tag)), workdir)
+            results["runs"][tag] = r
+            if "summary" not in r:
+                return finish(results, out, workdir if own_workdir else None) or 1
+            measured = [s for s in r["steps"] if s["step"] > spec["warmup"]]
+            row = {"devices": n, "engine": engine, **{k: r["summary"][k] for k in (
+                "step_s", "generated_tokens_per_step", "tokens_per_s", "eos_frac")},
+                "generate_s": _median([s["actor.generate"] for s in measured if "actor.generate" in s])}
+            base = next((b for b in results["rows"] if b["devices"] == n), row)
+            row["step_speedup"] = base["step_s"] / row["step_s"]
+            row["generate_speedup"] = base["generate_s"] / row["generate_s"]
+            results["rows"].append(row)
+    results["host"]["loadavg_end"] = os.getloadavg()
+    print(f"\n{'devices':>7} {'engine':>10} | {'step s':>7} {'generate s':>10} {'tok/step':>8} {'tok/s':>7} | "
+          f"{'step x':>6} {'generate x':>10}")
+    for row in results["rows"]:
+        print(f"{row['devices']:>7} {row['engine']:>10} | {row['step_s']:>7.3f} {row['generate_s']:>10.3f} "
+              f"{row['generated_tokens_per_step']:>8.0f} {row['tokens_per_s']:>7.0f} | {row['step_speedup']:>6.2f} "
+              f"{row['generate_speedup']:>10.2f}")
+    print(f"\nmedians of {spec['steps']} steps after {spec['warmup']}; x: speedup over {engines[0]} (time ratio). "
+          f"Load average {results['host']['loadavg_start'][0]:.2f} at the start, "
+          f"{results['host']['loadavg_end'][0]:.2f} at the end, on {os.cpu_count()} CPUs")
+    print(json.dumps(results["rows"]))
+    return finish(results, out, workdir if own_workdir else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart-grpo.yaml"))
@@ -296,6 +337,8 @@ def main() -> int:
     ap.add_argument("--tunix-python", default=sys.executable,
                     help="interpreter that can import tunix (default: this one)")
     ap.add_argument("--skip-tunix", action="store_true")
+    ap.add_argument("--engines", default=None,
+                    help="compare jaxrlhf's generation engines instead (e.g. static,continuous); no tunix")
     ap.add_argument("--out", default=None, help="write the rows and all per-step results as JSON here")
     ap.add_argument("--workdir", default=None, help="run outputs and logs (default: a temp dir, removed afterwards)")
     ap.add_argument("--tunix-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -317,6 +360,10 @@ def main() -> int:
         ap.error(f"--devices={args.devices!r}: give positive integers, comma separated, e.g. 1,8")
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    engines = [e.strip() for e in (args.engines or "").split(",") if e.strip()]
+    if args.engines is not None and len(engines) < 2:
+        ap.error(f"--engines={args.engines!r}: name two or more generation engines, e.g. static,continuous")
+    args.skip_tunix = args.skip_tunix or bool(engines)
     overrides = WORKLOAD + ["sft.steps=0"] + list(args.overrides)
     cfg = _cfg(args.config, overrides, [])
     from jaxrlhf.backend import setup_devices
@@ -375,6 +422,8 @@ def main() -> int:
           f"{mc.num_heads} heads / {mc.num_kv_heads} KV, ffn {mc.intermediate_size}, vocab {mc.vocab_size}), "
           f"{B} prompts x G={G}, prompt {width}, up to {gen.max_new_tokens} new tokens, one update per batch; "
           f"{args.warmup} warm-up + {args.steps} measured steps; devices {devices}", flush=True)
+    if engines:
+        return compare_engines(engines, spec, devices, workdir, args.out, own_workdir)
     if run_tunix:
         from jaxrlhf.models.hf_io import save_hf_checkpoint
         from jaxrlhf.models.transformer import build_model

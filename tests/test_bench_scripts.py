@@ -73,3 +73,23 @@ def test_rl_response_lengths_are_long_tailed_clipped_and_seeded():
     assert lengths.min() >= 1 and lengths.max() == 512  # P(> 512) = P(z > ln 8) ~ 2%: the cap is reached
     assert 60 <= np.median(lengths) <= 68 and lengths.mean() > np.median(lengths) * 1.4  # mean e^0.5 x median
     np.testing.assert_array_equal(lengths, bench.rl_lengths(4096, 64, 1.0, 512))
+
+
+@pytest.mark.slow
+def test_rl_workload_reports_the_pool_and_the_pages_in_use(tmp_path):
+    """bench_generate --workload rl (tiny): both engines return the same tokens; the JSON holds the ratios,
+    both engines' peak KV bytes, and the continuous engine's pool and the part of it in use at peak."""
+    out = tmp_path / "rl.json"
+    assert _load("bench_generate").main([
+        "--workload", "rl", "--preset", "tiny", "--prompt-len", "16", "--new-tokens", "40", "--groups", "2",
+        "--group-size", "2", "--median-len", "8", "--kv-pages", "6", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["same_tokens"] == 1.0 and res["tokens_per_s_ratio"] > 0 and res["prefill_ratio"] > 0
+    cont = res["continuous"]
+    # the seed's lengths are 9, 7, 15 and 9 tokens: each row stores at most 14 tokens, one page of 16, and
+    # all four decode at once (4 slots); hand count in cache columns: static 4 rows x (16 + 40); continuous
+    # pool 2 prompts x 16 + 6 pages x 16, in use 2 x 16 + 4 x 16, plus the prefill's 2 x 16
+    assert cont["kv_pages"] == 6 and cont["kv_pages_used_peak"] == 4
+    column = res["static"]["peak_kv_bytes"] // (4 * 56)
+    assert (cont["kv_pool_bytes"], cont["kv_used_peak_bytes"], cont["peak_kv_bytes"]) == (
+        128 * column, 96 * column, 160 * column)

@@ -94,6 +94,7 @@ class Algorithm(abc.ABC):
             donate=True,  # the executor always donates parameters and optimizer state to train calls
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
             gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
+            gen_pages=cfg.generation.kv_pages,
             base_views=tuple(sorted(self.base_views().items())),
         )
 

@@ -88,6 +88,7 @@ class RLSettings:
     overlong_penalty: float = 1.0
     engine: str = "static"  # generation.engine (models/engines.py)
     slots: int | None = None  # generation.slots (continuous engine)
+    kv_pages: int | None = None  # generation.kv_pages (continuous engine)
 
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
@@ -111,19 +112,19 @@ def generate_call(
     max_new_tokens: int,
     eos_id: int | tuple[int, ...] | None,
     pad_id: int,
-    engine: tuple[str, int, int | None],
+    engine: tuple[str, int, int | None, int | None],
     prefix: str,
     params: nnx.State,
     inputs: dict[str, Any],
 ) -> dict[str, jax.Array]:
     """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`.
-    A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots): the prompts
+    A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots, kv_pages): the prompts
     come in groups of `group_size` adjacent copies (`repeat_rows`), which the continuous engine prefills once."""
-    name, group_size, slots = engine
+    name, group_size, slots, kv_pages = engine
     out = GENERATION_ENGINES[name](
         graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-        group_size=group_size, slots=slots,
+        group_size=group_size, slots=slots, kv_pages=kv_pages,
     )
     values = {
         "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
@@ -402,7 +403,7 @@ class RolloutRuntime:
             normalize_values=getattr(alg, "normalize_values", False), entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
-            engine=gen.engine, slots=gen.slots,
+            engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -411,14 +412,15 @@ class RolloutRuntime:
         m = self.models
         tok = self.tokenizer
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
-                                tok.pad_id, (s.engine, self.group_size, s.slots))
+                                tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
             "actor.generate": functools.partial(gen, "pool_" if self.dynamic_sampling else ""),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
         if self.greedy_baseline:
             greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-                                       s.max_new_tokens, tok.eos_ids, tok.pad_id, (s.engine, self.group_size, s.slots))
+                                       s.max_new_tokens, tok.eos_ids, tok.pad_id,
+                                       (s.engine, self.group_size, s.slots, s.kv_pages))
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
@@ -592,7 +594,7 @@ class RolloutRuntime:
         s = self.settings()
         return functools.partial(
             generate_call, self.models["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-            s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, (s.engine, 1, s.slots), "")
+            s.max_new_tokens, self.tokenizer.eos_ids, self.tokenizer.pad_id, (s.engine, 1, s.slots, s.kv_pages), "")
 
     @functools.cached_property
     def _sampled_generate(self) -> Any:
@@ -600,7 +602,7 @@ class RolloutRuntime:
         s = self.settings()
         return functools.partial(generate_call, self.models["actor"].graphdef, s.sampling, s.max_new_tokens,
                                  self.tokenizer.eos_ids, self.tokenizer.pad_id,
-                                 (s.engine, self.cfg.eval.samples, s.slots), "")
+                                 (s.engine, self.cfg.eval.samples, s.slots, s.kv_pages), "")
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

@@ -4,10 +4,11 @@ planner pick the same one from the config.
 - "static": `generation.generate_tokens`: the whole batch prefilled and decoded together until its
   longest row ends; cache batch x (prompt + max_new_tokens).
 - "continuous": `continuous.generate_continuous`: each distinct prompt prefilled once, a pool of `slots`
-  rows that finished rows leave and waiting rows enter; cache prompts x prompt + slots x (prompt + max_new_tokens).
+  rows that finished rows leave and waiting rows enter, a paged cache of prompt pages + `kv_pages`
+  response pages, steps as narrow as the rows still running.
 
 Every engine is called as `generate_continuous` is: (graphdef, state, prompt_tokens, prompt_mask, rng,
-*, max_new_tokens, sampling, eos_id, pad_id, group_size, slots, max_lengths). Both return a
+*, max_new_tokens, sampling, eos_id, pad_id, group_size, slots, kv_pages, max_lengths). Both return a
 `GenerationOutput` in the original row order with the processed-distribution log-probs.
 """
 
@@ -23,10 +24,11 @@ GENERATION_ENGINES: Registry[Callable[..., GenerationOutput]] = Registry("genera
 
 
 @GENERATION_ENGINES.register("static")
-def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, **kwargs: Any) -> GenerationOutput:
-    """`generate_tokens` with the shared signature: `group_size` and `slots` do not apply to a static
-    batch (every row is prefilled and decoded)."""
-    del group_size, slots
+def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, kv_pages: int | None = None,
+                  **kwargs: Any) -> GenerationOutput:
+    """`generate_tokens` with the shared signature: `group_size`, `slots` and `kv_pages` do not apply to a
+    static batch (every row is prefilled and decoded over a dense cache)."""
+    del group_size, slots, kv_pages
     return generate_tokens(*args, **kwargs)
 
 

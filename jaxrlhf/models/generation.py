@@ -88,6 +88,8 @@ class GenerationOutput:
     logprobs: Float[Array, "batch new"]  # of the processed distribution, 0 where masked
     lengths: Int[Array, "batch"]  # response lengths (EOS included)
     ended_with_eos: Bool[Array, "batch"]
+    # the continuous engine's most response KV pages in use at once (all shards); None for the static engine
+    kv_pages_used: Int[Array, ""] | None = None
 
     @property
     def mask(self) -> Bool[Array, "batch total"]:

@@ -1,19 +1,87 @@
-"""The continuous engine's slot pool size, JAX-free: the runtime (`continuous.py`) and the planner's
-cost and memory model (`planner/cost.py`) size it with the same function."""
+"""The continuous engine's sizes, JAX-free: the runtime (`continuous.py`) and the planner's cost and
+memory model (`planner/cost.py`, `planner/memory.py`) size the slot pool, the page pool and the
+active-width steps with the same functions, so a plan assumes exactly what the engine allocates.
+
+Every size is per batch shard: a sharded generate call runs one engine per shard of the batch axis
+(its own rows, slots and pages), so nothing a shard decodes is read from another device.
+"""
 
 from __future__ import annotations
 
+import math
+
+PAGE_SIZE = 16  # tokens per KV page (a prompt bucket is a multiple of it: buckets are 16 x 2^k)
+WIDTHS = 4  # active-width steps: the pool's width, 1/2, 1/4 and 1/8 of it
+
 
 def default_slots(rows: int) -> int:
-    """A quarter of the batch: with long-tailed lengths (mean well under a quarter of the longest) the
-    pool stays busy until the longest row, while each step runs a quarter of the rows."""
-    return max(rows // 4, 1)
+    """The whole batch: every row starts at once (no refill round trips when responses all run to the
+    cap), the page pool bounds memory and the active-width steps bound compute on a long tail."""
+    return max(rows, 1)
 
 
 def pool_size(rows: int, slots: int | None, batch_ways: int = 1) -> int:
-    """Slots the engine runs: `slots` (None = `default_slots`) rounded up to a multiple of the batch's
-    shards (a sharded batch axis must divide evenly), at most the batch."""
+    """Slots the engine runs (all shards): `slots` (None = `default_slots`) rounded up to a multiple of
+    the batch's shards (a sharded batch axis must divide evenly), at most the batch."""
     s = default_slots(rows) if slots is None else int(slots)
     if s < 1:
-        raise ValueError(f"generation slots must be >= 1, got {s}")
+        raise ValueError(f"generation.slots must be >= 1, got {s}")
     return min(-(-s // batch_ways) * batch_ways, rows)
+
+
+def page_size(prompt_bucket: int) -> int:
+    """Tokens per page: `PAGE_SIZE`, or less for a prompt bucket it does not divide (a response's
+    first token must start a fresh page, so a prompt's pages are never written)."""
+    return math.gcd(PAGE_SIZE, int(prompt_bucket))
+
+
+def pages_per_row(prompt_bucket: int, max_new_tokens: int) -> tuple[int, int]:
+    """(prompt pages, response pages) one row spans: its block table's width."""
+    ps = page_size(prompt_bucket)
+    return prompt_bucket // ps, -(-max_new_tokens // ps)
+
+
+def shard_group(rows: int, group_size: int, batch_ways: int = 1) -> int:
+    """Adjacent rows that share one prefilled prompt inside a shard: G, or the largest divisor of G
+    that tiles a shard's rows (a group never straddles two shards)."""
+    if rows % batch_ways:
+        raise ValueError(f"a batch of {rows} rows does not split into {batch_ways} shards")
+    return math.gcd(group_size, rows // batch_ways)
+
+
+def response_pages(prompt_bucket: int, max_new_tokens: int, rows: int, slots: int | None,
+                   kv_pages: int | None, batch_ways: int = 1) -> int:
+    """Response pages of one shard's pool (`generation.kv_pages` over all shards, rounded up).
+    None: every slot can hold a full response (never preempts; the worst case). A pool must hold at
+    least one full response per shard, so the oldest row always progresses."""
+    one_row = pages_per_row(prompt_bucket, max_new_tokens)[1]
+    if kv_pages is None:
+        return pool_size(rows, slots, batch_ways) // batch_ways * one_row
+    pages = -(-int(kv_pages) // batch_ways)
+    if pages < one_row:
+        raise ValueError(
+            f"generation.kv_pages={kv_pages} gives {pages} pages per batch shard, fewer than one response of "
+            f"max_new_tokens={max_new_tokens} needs ({one_row} pages of {page_size(prompt_bucket)} tokens); "
+            f"set it to at least {one_row * batch_ways} or leave it null")
+    return pages
+
+
+def kv_columns(prompt_bucket: int, max_new_tokens: int, rows: int, group_size: int, slots: int | None,
+               kv_pages: int | None, batch_ways: int = 1) -> tuple[int, int]:
+    """Cache columns (tokens) of one shard: (prefix = its distinct prompts x bucket, stored once and
+    referenced by every row of the group; pool = prefix pages + response pages)."""
+    prefix = rows // batch_ways // shard_group(rows, group_size, batch_ways) * prompt_bucket
+    pool = prefix + response_pages(prompt_bucket, max_new_tokens, rows, slots, kv_pages, batch_ways) * page_size(
+        prompt_bucket)
+    return prefix, pool
+
+
+def step_widths(slots_per_shard: int) -> tuple[int, ...]:
+    """Widths a decode step may run at, widest first: the active slots are moved to the front and each
+    step runs the narrowest width that holds them, so a long tail's last rows cost a narrow step."""
+    out: list[int] = []
+    for k in range(WIDTHS):
+        w = -(-slots_per_shard // 2**k)
+        if w not in out:
+            out.append(w)
+    return tuple(out)

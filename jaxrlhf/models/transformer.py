@@ -16,7 +16,9 @@ compiled program holds one layer body whatever the depth, so compile time does
 not grow with `num_layers`; shallower models unroll the scan (faster to run). Pipeline parallelism splits that axis into stages: under a
 placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
 The KV cache is stacked the same way and carried through the scan, so each
-layer writes only its new slots in place.
+layer writes only its new slots in place. A paged cache (`PagedKVCache`, the
+continuous engine's) is read through each row's block table instead and left
+unchanged by the forward, which returns the new keys/values for `write_pages`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,31 @@ class KVCache:
             valid=jnp.zeros((batch, max_len), bool),
             index=jnp.zeros((), jnp.int32),
         )
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
+@struct.dataclass
+class PagedKVCache:
+    """A paged cache (the continuous engine's): keys/values live in pages of a pool shared by the rows
+    of each batch shard, and a row's block table lists the pages that hold its columns in order
+    (prompt pages, which rows of a group share, then response pages). A table entry past the pool
+    (>= pages) is unassigned: reads of it are masked by `valid`, writes to it are dropped.
+
+    Rows are grouped by shard: row b = shard * rows_per_shard + j reads only its shard's pool, so a
+    batch-sharded call never reads another device's pages. A forward reads the pool and leaves it
+    unchanged: it returns the new tokens' keys/values in `new_k` / `new_v`, and `write_pages` stores
+    them (the engine writes once per step, outside the branch that picked the step's width)."""
+
+    k: Float[Array, "layers shards pages kv_heads page head_dim"]
+    v: Float[Array, "layers shards pages kv_heads page head_dim"]
+    valid: Bool[Array, "batch slots"]  # slots = the columns a row attends over (prompt + response)
+    index: Int[Array, "batch"]  # each row's next column
+    table: Int[Array, "shards rows_per_shard table"]  # page ids of each row's columns, page by page
+    new_k: Float[Array, "layers batch length kv_heads head_dim"] | None = None
+    new_v: Float[Array, "layers batch length kv_heads head_dim"] | None = None
 
     @property
     def max_len(self) -> int:
@@ -173,15 +200,23 @@ class Attention(nnx.Module):
         layer: Int[Array, ""],
         offset: jax.Array | int,
         segment_ids: Int[Array, "batch length"] | None = None,
+        pages: Int[Array, "shards rows_per_shard table"] | None = None,
     ) -> tuple[Float[Array, "batch length embed"], KV | None]:
-        """`kv` is the whole stacked cache: only this layer's new slots are written (in place in a loop)."""
+        """`kv` is the whole stacked cache: only this layer's new slots are written (in place in a loop).
+        `pages`: the block tables of a paged cache (`PagedKVCache`); `kv` is then its page pool."""
         cfg = self.config
         q = apply_rope(self._project(x, "q"), positions, inv_freq)
         k = apply_rope(self._project(x, "k"), positions, inv_freq)
         v = self._project(x, "v")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         b, t = x.shape[:2]
-        if kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
+        if kv is not None and pages is not None:  # paged: gather the rows' columns, the new tokens in place
+            pool_k, pool_v, new_k, new_v = kv
+            kv = (pool_k, pool_v, *(jax.lax.dynamic_update_index_in_dim(c, x.astype(c.dtype), layer, 0)
+                                    for c, x in zip((new_k, new_v), (k, v))))
+            k, v = (_read_pages(c, layer, pages, key_valid.shape[1], offset, x.astype(c.dtype))
+                    for c, x in zip((pool_k, pool_v), (k, v)))
+        elif kv is not None:  # write the new keys/values into their slots, then read back all of this layer's
             kv = tuple(_write_slots(c, new, layer, offset) for c, new in zip(kv, (k, v)))
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False) for c in kv)
         else:  # [B, S, kv_heads, D] -> [B, kv_heads, S, D], as the cache holds them
@@ -223,6 +258,47 @@ def _write_slots(
     return cache.at[layer, jnp.arange(b)[:, None], :, cols, :].set(new.astype(cache.dtype))
 
 
+def write_pages(
+    pool: Float[Array, "layers shards pages kv_heads page head_dim"],
+    new: Float[Array, "layers batch length kv_heads head_dim"],
+    offset: Int[Array, "batch"],
+    pages: Int[Array, "shards rows table"],
+) -> Float[Array, "layers shards pages kv_heads page head_dim"]:
+    """Store every layer's new keys (or values) at each row's columns [offset, offset + T) in its pages
+    (`PagedKVCache.new_k`); a row whose page is unassigned (id past the pool: an idle row) is dropped."""
+    shards, per_shard, _ = pages.shape
+    t, ps = new.shape[2], pool.shape[4]
+    columns = jnp.reshape(offset, (-1, 1)) + jnp.arange(t)[None, :]  # [B, T]
+    ids = jnp.take_along_axis(pages.reshape(shards * per_shard, -1), columns // ps, axis=1, mode="clip")
+    shard = jnp.broadcast_to(jnp.arange(shards).repeat(per_shard)[:, None], columns.shape)
+    # advanced indices (shard, page, offset) on dims 1, 2, 4 around the kv_heads slice: the update is
+    # laid out [B, T, layers, kv_heads, head_dim]
+    return pool.at[:, shard, ids, :, columns % ps].set(
+        jnp.moveaxis(new, 0, 2).astype(pool.dtype), mode="drop")
+
+
+def _read_pages(
+    pool: Float[Array, "layers shards pages kv_heads page head_dim"],
+    layer: Int[Array, ""],
+    pages: Int[Array, "shards rows table"],
+    columns: int,
+    offset: Int[Array, "batch"],
+    new: Float[Array, "batch length kv_heads head_dim"],
+) -> Float[Array, "batch kv_heads slots head_dim"]:
+    """One layer's keys (or values) of each row's first `columns` columns in the dense cache's layout:
+    its pages gathered in order, with the new tokens (`new`, not yet in the pool) at [offset, offset + T).
+    Unassigned pages read a clipped page: masked by the caller."""
+    shards, per_shard, width = pages.shape
+    shard = jnp.broadcast_to(jnp.arange(shards)[:, None, None], pages.shape)
+    x = pool[layer].at[shard, pages].get(mode="clip")  # [shards, rows, table, kv_heads, page, head_dim]
+    kvh, page, hd = pool.shape[3], pool.shape[4], pool.shape[5]
+    x = jnp.moveaxis(x, 3, 2).reshape(shards * per_shard, kvh, width * page, hd)[:, :, :columns]
+    col = jnp.arange(columns)[None, None, :, None]
+    for j in range(new.shape[1]):
+        x = jnp.where(col == jnp.reshape(offset, (-1, 1, 1, 1)) + j, new[:, j][:, :, None, :], x)
+    return x
+
+
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.jnp_dtype
@@ -256,8 +332,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids=None):
-        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, layer, offset, segment_ids)
+    def __call__(self, x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids=None, pages=None):
+        h, kv = self.attn(self.input_norm(x), positions, key_valid, inv_freq, kv, layer, offset, segment_ids, pages)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
@@ -320,10 +396,10 @@ class Transformer(nnx.Module):
         tokens: Int[Array, "batch length"],
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         segment_ids: Int[Array, "batch length"] | None = None,
         layers_split: Sequence[nnx.State] | None = None,
-    ) -> tuple[Float[Array, "batch length embed"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch length embed"], KVCache | PagedKVCache | None]:
         """Hidden states; `segment_ids` (packed rows, no cache) keeps attention inside each sequence.
 
         `layers_split` (from `split_layers`) runs the layers one by one from weights already split
@@ -342,6 +418,10 @@ class Transformer(nnx.Module):
         else:
             key_valid = _write_valid(cache.valid, mask, cache.index)
             offset, kv = cache.index, (cache.k, cache.v)
+        pages = cache.table if isinstance(cache, PagedKVCache) else None
+        if pages is not None:  # the pool is read only; the new tokens' keys/values are collected per layer
+            new = jnp.zeros((cfg.num_layers, *tokens.shape, cfg.num_kv_heads, cfg.dim_per_head), cache.k.dtype)
+            kv = (*kv, new, new)
         graphdef, layer_states = nnx.split(self.layers)
         remat = self.remat != "none" and cache is None
 
@@ -361,14 +441,15 @@ class Transformer(nnx.Module):
             if len(layers_split) != cfg.num_layers:
                 raise ValueError(f"layers_split holds {len(layers_split)} layers; the model has {cfg.num_layers}")
             for i, layer_state in enumerate(layers_split):
-                x, kv = nnx.merge(graphdef, layer_state)(x, positions, key_valid, inv_freq, kv, i, offset, segment_ids)
+                x, kv = nnx.merge(graphdef, layer_state)(
+                    x, positions, key_valid, inv_freq, kv, i, offset, segment_ids, pages)
         else:
 
             def step(carry, xs):
                 x, kv = carry
                 layer_state, layer = xs
                 x, kv = nnx.merge(graphdef, layer_state)(
-                    x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids
+                    x, positions, key_valid, inv_freq, kv, layer, offset, segment_ids, pages
                 )
                 return (x, kv), None
 
@@ -378,7 +459,8 @@ class Transformer(nnx.Module):
             (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)), unroll=unroll)
         x = self.final_norm(x)
         if cache is not None:
-            cache = KVCache(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1])
+            new_kv = dict(new_k=kv[2], new_v=kv[3]) if pages is not None else {}
+            cache = cache.replace(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1], **new_kv)
         return x, cache
 
 
@@ -417,11 +499,11 @@ class CausalLM(nnx.Module):
         tokens: Int[Array, "batch length"],
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         segment_ids: Int[Array, "batch length"] | None = None,
         logits_from: int = 0,
         layers_split: Sequence[nnx.State] | None = None,
-    ) -> tuple[Float[Array, "batch out vocab"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch out vocab"], KVCache | PagedKVCache | None]:
         """Logits of positions `logits_from`.. (static; -1 = the last only): the full-vocabulary
         logits are the largest activation, so callers that need a suffix never build the rest.
         `layers_split`: see `Transformer.__call__`."""

@@ -49,7 +49,7 @@ from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.slots import pool_size
+from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
@@ -81,8 +81,9 @@ class Workload:
     - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
       AdamW moments (mixed precision); otherwise the moments use the param dtype.
       A bool for every role, or a mapping role -> bool.
-    - `gen_engine`, `gen_group`, `gen_slots`: the generation engine (`generation.engine`), how many
-      adjacent rows share a prompt, and the continuous engine's slot pool (`generate_shape`).
+    - `gen_engine`, `gen_group`, `gen_slots`, `gen_pages`: the generation engine (`generation.engine`), how
+      many adjacent rows share a prompt, the continuous engine's slot pool (`generate_shape`) and its KV
+      page pool (`generation.kv_pages`, `generate_kv_columns`).
     - `base_views`: frozen roles (a reference) that are a LoRA role's base: no resident weights of their
       own, a temporary copy of the base where their call runs away from the source's home.
     - `search_micro`: the planner picks each call's micro-batch count for its
@@ -103,7 +104,8 @@ class Workload:
     search_micro: bool = False
     gen_engine: str = "static"  # generation.engine
     gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): the continuous engine prefills one
-    gen_slots: int | None = None  # generation.slots; None = a quarter of the batch
+    gen_slots: int | None = None  # generation.slots; None = the whole batch
+    gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
     # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
     base_views: tuple[tuple[str, str], ...] = ()
 
@@ -174,13 +176,26 @@ class Workload:
         """Per device: (prompts prefilled, rows each decode step runs, decode steps) of a generate call as
         its engine runs it when every response is `gen_len` long (the planner's worst case): static
         prefills every row and decodes all of them for gen_len steps; continuous prefills each group's
-        prompt once and runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of gen_len."""
+        prompt once per shard (`models.slots.shard_group`) and runs its slot pool (`models.slots.pool_size`)
+        ceil(rows / pool) rounds of gen_len at full width (a pool that preempts is not modelled)."""
         rows = self.call_seqs(call)
-        if self.gen_engine == "static":
+        if self.gen_engine == "static" or rows % batch_ways:
             return rows / batch_ways, rows / batch_ways, self.gen_len
         pool = pool_size(rows, self.gen_slots, batch_ways)
-        prompts = math.ceil(rows / self.gen_group / batch_ways)  # padded to whole shards, as the runtime does
+        prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
         return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
+
+    def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
+        """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
+        static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies);
+        continuous: the page pool (prefix pages + response pages, `models.slots.kv_columns`), carried in
+        and out, plus the prefill's dense prefix the pool is built from."""
+        rows = self.call_seqs(call)
+        if self.gen_engine == "static" or rows % batch_ways:
+            return 2 * rows / batch_ways * self.seq_len
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+                                  self.gen_pages, batch_ways)
+        return 2 * pool + prefix
 
 
 def matmul_params(cfg: ModelConfig, head: str) -> int:

@@ -113,12 +113,9 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     gathered = 2 * layer_bytes / t if layout.fsdp > 1 else 0.0
     head_gathered = head_gather_bytes(cfg, head, layout)
     seqs = wl.call_seqs(call) / batch_ways
-    if call.kind == "generate":  # the decode loop carries the rows' cache in and out: two copies
+    if call.kind == "generate":  # the engine's cache as it allocates it (`Workload.generate_kv_columns`)
         prompts, rows, _ = wl.generate_shape(call, batch_ways)
-        columns = 2 * rows * wl.seq_len
-        if wl.gen_engine == "continuous":  # plus the prefix cache: each distinct prompt once, read only
-            columns += prompts * wl.prompt_len
-        kv = columns * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
+        kv = wl.generate_kv_columns(call, batch_ways) * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
         tok = _tokens_per_micro(call, prompts, wl.prompt_len, wl)
         prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(
             cfg, head, _logit_tokens(call, tok, wl), t, 1)

@@ -28,10 +28,12 @@ RL_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "adva
 CASES = {
     "grpo": (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"],
              "disaggregated", RL_KEYS + ("kl/loss",)),
-    # the continuous engine: 4 prompts prefilled once each (padded to the 8 batch shards), a pool of 8 of
-    # the 16 rows, then on a reallocated tensor-parallel generation layout
+    # the continuous engine: 4 prompts x G = 4 rows, each prompt prefilled once per batch shard, a page
+    # pool of one response per shard for two rows per shard (the second waits, preempted at its first
+    # page), then on a reallocated tensor-parallel generation layout (other shards, pool and slots)
     "grpo_continuous": (["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2",
-                         "algorithm.kl_coef=0.05", "data.batch_size=4", "generation.engine=continuous"],
+                         "algorithm.kl_coef=0.05", "data.batch_size=4", "generation.engine=continuous",
+                         "generation.kv_pages=8"],
                         "reallocated", RL_KEYS + ("kl/loss",)),
     # dynamic sampling: a pool of 2 x 8 prompts, selected on the host, trained on another device group
     "dapo": (["algorithm.name=dapo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0",

@@ -1,5 +1,6 @@
 """Continuous-batching engine: same greedy tokens and log-probs as the static engine on mixed lengths,
-shared-prefix groups, log-probs equal to a training forward, seeds reproducible across slot counts."""
+shared-prefix groups, log-probs equal to a training forward, seeds reproducible across slot counts and
+page-pool sizes (a pool too small preempts rows and recomputes them: same result)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from flax import nnx
 
 from jaxrlhf.models import generation as gen
 from jaxrlhf.models.config import preset
-from jaxrlhf.models.continuous import continuous_fn, generate_continuous, kv_cache_bytes
+from jaxrlhf.models import slots as sz
+from jaxrlhf.models.continuous import continuous_fn, generate_continuous, kv_cache_bytes, kv_column_bytes
 from jaxrlhf.models.slots import pool_size
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.sampling import GREEDY, SamplingParams
@@ -39,9 +41,9 @@ def _static(model, tokens, mask, sampling=GREEDY, rng=0, **kw):
                                sampling=sampling, pad_id=0, **kw)
 
 
-def _continuous(model, tokens, mask, sampling=GREEDY, rng=0, **kw):
+def _continuous(model, tokens, mask, sampling=GREEDY, rng=0, n=N, **kw):
     graphdef, state = nnx.split(model)
-    return continuous_fn(graphdef, state, tokens, mask, jax.random.key(rng), max_new_tokens=N,
+    return continuous_fn(graphdef, state, tokens, mask, jax.random.key(rng), max_new_tokens=n,
                          sampling=sampling, pad_id=0, **kw)
 
 
@@ -114,13 +116,52 @@ def test_a_batch_that_is_not_whole_groups_is_an_error(model):
         _continuous(model, tokens, mask, eos_id=None, group_size=2)
 
 
+@pytest.mark.slow
+def test_a_pool_too_small_preempts_and_recomputes_to_the_same_result(model):
+    """40 new tokens span 3 pages of 16; a pool of 3 response pages holds one such row while 4 slots want
+    pages: younger rows are preempted mid-response and restart later. Greedy equals the static engine and
+    a sampled run equals the same seed with a pool that never preempts (keys are per row and token)."""
+    n = 40
+    tokens, mask = _grouped(PROMPTS, G)
+    limits = jnp.asarray([40, 33, 17, 40, 2, 25], jnp.int32)
+    graphdef, state = nnx.split(model)
+    ref = gen.generate_tokens(graphdef, state, tokens, mask, jax.random.key(0), max_new_tokens=n, sampling=GREEDY,
+                              eos_id=None, pad_id=0, max_lengths=limits)
+    tight = _continuous(model, tokens, mask, n=n, eos_id=None, group_size=G, slots=4, kv_pages=3, max_lengths=limits)
+    _assert_same(tight, ref)
+    assert int(tight.kv_pages_used) == 3
+    sampling = SamplingParams(temperature=0.9, top_k=40)
+    roomy = _continuous(model, tokens, mask, sampling, rng=2, n=n, eos_id=None, group_size=G, max_lengths=limits)
+    _assert_same(_continuous(model, tokens, mask, sampling, rng=2, n=n, eos_id=None, group_size=G, slots=4,
+                             kv_pages=3, max_lengths=limits), roomy)
+    # the default pool holds every slot's full response (6 x 3 pages); what is used follows the generated
+    # tokens. A row of L tokens stores keys/values of its first L - 1 (the last is sampled, never fed): at
+    # the step that feeds token 16, the rows of 40, 33, 40 and 25 tokens hold 2 pages each (the rows of
+    # 17 and 2 have ended), the most at any step
+    assert int(roomy.kv_pages_used) == 8
+
+
+def test_a_pool_smaller_than_one_response_is_an_error(model):
+    tokens, mask = _grouped(PROMPTS, 1)
+    with pytest.raises(ValueError, match="generation.kv_pages=2 .* at least 3"):
+        _continuous(model, tokens, mask, n=40, eos_id=None, kv_pages=2)
+
+
 def test_pool_size_and_cache_bytes():
-    assert pool_size(64, None) == 16 and pool_size(64, 5, batch_ways=4) == 8 and pool_size(6, 10) == 6
+    assert pool_size(64, None) == 64 and pool_size(64, 5, batch_ways=4) == 8 and pool_size(6, 10) == 6
+    assert sz.page_size(256) == 16 and sz.page_size(8) == 8 and sz.pages_per_row(256, 500) == (16, 32)
+    assert sz.shard_group(64, 8, 8) == 8 and sz.shard_group(16, 4, 8) == 2
+    assert sz.step_widths(64) == (64, 32, 16, 8) and sz.step_widths(3) == (3, 2, 1)
     cfg = preset("tiny")
     per_column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * np.dtype(cfg.dtype).itemsize
-    # hand count: static 64 rows x (256 + 512); continuous 8 prompts x 256 + 16 slots x (256 + 512)
+    assert kv_column_bytes(cfg) == per_column
+    # hand count: static 64 rows x (256 + 512); continuous: the prefill's 8 prompts x 256, and the pool
+    # of those 8 x 16 prompt pages + 64 slots x 32 response pages (default) or 512 pages, of 16 tokens
     assert kv_cache_bytes(cfg, 64, 256, 512, engine="static") == 64 * 768 * per_column
-    assert kv_cache_bytes(cfg, 64, 256, 512, engine="continuous", group_size=8) == (8 * 256 + 16 * 768) * per_column
+    assert kv_cache_bytes(cfg, 64, 256, 512, engine="continuous", group_size=8) == (
+        8 * 256 + 8 * 256 + 64 * 32 * 16) * per_column
+    assert kv_cache_bytes(cfg, 64, 256, 512, engine="continuous", group_size=8, kv_pages=512, batch_ways=4) == (
+        8 * 256 + 8 * 256 + 512 * 16) * per_column
 
 
 def test_engine_registry_matches_the_config_schema():
