@@ -621,7 +621,9 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
         raise PlanError(f"no model config for roles {sorted(set(missing))}")
-    key = repr((sorted(models.items()), wl, hw, num_devices, graph.calls, seed, iterations, steps, allow_offpolicy))
+    measured = hw.measured.to_dict() if hw.measured else None  # not in the profile's repr, but it prices calls
+    key = repr((sorted(models.items()), wl, hw, measured, num_devices, graph.calls, seed, iterations, steps,
+                allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
     if _cannot_fit(models, graph, wl, hw, num_devices):
