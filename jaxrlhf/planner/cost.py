@@ -608,6 +608,7 @@ class CostCache:
         self.models, self.wl, self.hw = models, wl, hw
         self._calls: dict[tuple, CallCost] = {}
         self._moves: dict[tuple, float] = {}
+        self.move_sources: dict[tuple, str] = {}  # move key -> "measured" (the profile timed it) or "formula"
         self.memory: dict = {}  # per-(call, layout) byte counts for `memory.plan_memory`
 
     def call(self, call: CallSpec, group: DeviceGroup, layout: Layout, micro: int | None = None) -> CallCost:
@@ -622,8 +623,23 @@ class CostCache:
              dst_layout: Layout, adapters_only: bool = False) -> float:
         """Seconds to bring `call`'s role's parameters (or only its adapters) from (src, src_layout) to
         (dst, dst_layout)."""
+        return self.move_cost(call, src, src_layout, dst, dst_layout, adapters_only)[0]
+
+    def move_cost(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
+                  dst_layout: Layout, adapters_only: bool = False) -> tuple[float, str]:
+        """`move` and what priced it: "measured" where the profile timed this parameter move
+        (`Measured.move`; adapters-only syncs are never timed), else "formula" (`realloc_cost`)."""
         key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout, adapters_only)
         if key not in self._moves:
-            self._moves[key] = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
-                                            self.hw, adapters_only)
-        return self._moves[key]
+            seconds, source = None, "formula"
+            same = (src.start, src.size, src_layout) == (dst.start, dst.size, dst_layout)
+            if self.hw.measured and self.hw.measured.moves and not adapters_only and not same:
+                seconds = self.hw.measured.move(model_key(self.models[call.role], call.head), "params",
+                                                f"{src.start}+{src.size}:{src_layout}",
+                                                f"{dst.start}+{dst.size}:{dst_layout}")
+                source = "formula" if seconds is None else "measured"
+            if seconds is None:
+                seconds = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
+                                       self.hw, adapters_only)
+            self._moves[key], self.move_sources[key] = seconds, source
+        return self._moves[key], self.move_sources[key]

@@ -2,7 +2,8 @@
 
 A profile file is a hardware profile (`jaxrlhf.planner.hardware`) with a
 `measured` section: `calls`, a list of tables, `moves`, the parameter and
-batch moves the profiler timed, and `runs`, whole calls a training run timed
+batch moves the profiler timed (a parameter move it timed prices that move,
+`Measured.move`; the formulas price the others), and `runs`, whole calls a training run timed
 on its own plan (`Run`, written by the re-planner, `plan.replan_every`).
 Each table is one phase of one model on one placement, timed at a small grid
 of shapes:
@@ -154,6 +155,15 @@ class Measured:
 
     def find(self, model: str, phase: str, devices: int, layout: str) -> Table | None:
         return self.tables.get((model, phase, devices, layout))
+
+    def move(self, model: str, what: str, src: str, dst: str) -> float | None:
+        """Seconds the profiler measured for moving `model`'s parameters (`what="params"`) or a batch
+        (`"batch"`) from placement `src` to `dst` (each "start+size:layout", e.g. "0+4:d4f1t1"), if it
+        timed that move."""
+        for m in self.moves:
+            if (m["model"], m["what"], m["src"], m["dst"]) == (model, what, src, dst):
+                return float(m["seconds"])
+        return None
 
     def run(self, call: str, model: str, devices: int, layout: str, rows: int, length: int, micro: int) -> Run | None:
         """The run's own time of exactly this call, placement and shape, if a run timed it."""
