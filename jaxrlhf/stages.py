@@ -128,6 +128,11 @@ class Replanner:
             metrics["replan/predicted_step_s"] = decision.current_s
         if decision.best_s is not None:
             metrics["replan/best_step_s"] = decision.best_s
+        if decision.switch and not self._agreed(decision.plan):
+            print(f"step {step}: re-plan: the processes' searches picked different plans (a search time budget "
+                  "hit on some); keeping the plan", flush=True)
+            metrics["replan/switched"] = 0.0
+            return executor
         print(decision.line(step), flush=True)
         if not decision.switch:
             return executor
@@ -143,6 +148,20 @@ class Replanner:
             plan.save(os.path.join(self.folder, f"plan_step{step}.yaml"))
             self.hw.save(os.path.join(self.folder, f"profile_step{step}.yaml"))
         return new
+
+
+    @staticmethod
+    def _agreed(plan) -> bool:
+        """Whether every process would switch to the same `plan` (each searched on its own; the
+        times they searched with are process 0's, but a search that hits its time budget may stop
+        elsewhere). With one process, always."""
+        import zlib
+
+        from jaxrlhf.planner.replan import placements
+        from jaxrlhf.transfer.processes import any_process, main_values
+
+        mine = zlib.crc32(repr(placements(plan)).encode()) % (1 << 20)  # exact in the float32 main_values sends
+        return not any_process(int(main_values([float(mine)])[0]) != mine)
 
 
 def warmup_plan(plan):
