@@ -65,7 +65,7 @@ class Replanner:
     roles' parameters, optimizer states and carried values onto the new plan device to device
     (`Executor.moved_to`) and the run goes on there: no restart, the same math. Each check adds
     `replan/*` metrics and a console line; the first check after a switch reports the gain then
-    measured (mean step time on the old plan / on the new one - 1). The plans switched to and the
+    measured (median step time on the old plan / on the new one - 1). No switch at the last step. The plans switched to and the
     corrected profile are written to `<output_dir>/replan/`. The decision is made from process 0's
     times, so every process switches alike.
     """
@@ -84,7 +84,7 @@ class Replanner:
         self.calls = [c.name for c in algorithm.graph().calls]
         self.samples: list[tuple[float, list[float]]] = []  # (step seconds, call seconds) on the running plan
         self.fresh = True  # the next step is the first on this plan
-        self.before: float | None = None  # mean step time on the plan switched away from
+        self.before: float | None = None  # median step time on the plan switched away from
         self.switches = 0
         self.executor = None  # the executor the run is on after the latest step
 
@@ -103,7 +103,6 @@ class Replanner:
     def check(self, step: int, metrics: dict[str, Any], executor):
         """Feed the medians of the samples into the profile, search again, switch if worth it."""
         from jaxrlhf import planning
-        from jaxrlhf.placement.calls import CallCache
         from jaxrlhf.planner.replan import timed_runs, with_runs
         from jaxrlhf.transfer.processes import main_values
 
@@ -120,7 +119,7 @@ class Replanner:
         self.samples = []
         self.hw = with_runs(self.hw, timed_runs(self.plan, graph, self.models, wl, self.hw, call_s))
         t0 = time.perf_counter()
-        decision, result = planning.replan(self.cfg, self.algorithm, self.models, self.plan, self.hw,
+        decision, _ = planning.replan(self.cfg, self.algorithm, self.models, self.plan, self.hw,
                                            self.num_devices, self.devices_per_host)
         metrics.update({"replan/search_s": time.perf_counter() - t0, "replan/switched": float(decision.switch),
                         "replan/predicted_gain": decision.gain, "replan/measured_step_s": step_s})
@@ -128,6 +127,11 @@ class Replanner:
             metrics["replan/predicted_step_s"] = decision.current_s
         if decision.best_s is not None:
             metrics["replan/best_step_s"] = decision.best_s
+        if decision.switch and step >= self.cfg.run.steps:
+            print(f"step {step}: re-plan: another plan is predicted {100 * decision.gain:+.1f} % faster, but this "
+                  "was the last step", flush=True)
+            metrics["replan/switched"] = 0.0
+            return executor
         if decision.switch and not self._agreed(decision.plan):
             print(f"step {step}: re-plan: the processes' searches picked different plans (a search time budget "
                   "hit on some); keeping the plan", flush=True)
@@ -139,8 +143,8 @@ class Replanner:
         t0 = time.perf_counter()
         plan = decision.plan
         new = executor.moved_to(plan, self.make_cache(plan))
-        metrics["replan/switch_s"] = time.perf_counter() - t0
         self.switches += 1
+        metrics.update({"replan/switch_s": time.perf_counter() - t0, "replan/switches": float(self.switches)})
         self.plan, self.before, self.fresh = plan, step_s, True
         print(plan.table(), flush=True)
         if self.folder:
@@ -148,7 +152,6 @@ class Replanner:
             plan.save(os.path.join(self.folder, f"plan_step{step}.yaml"))
             self.hw.save(os.path.join(self.folder, f"profile_step{step}.yaml"))
         return new
-
 
     @staticmethod
     def _agreed(plan) -> bool:
