@@ -73,3 +73,11 @@ def test_rl_response_lengths_are_long_tailed_clipped_and_seeded():
     assert lengths.min() >= 1 and lengths.max() == 512  # P(> 512) = P(z > ln 8) ~ 2%: the cap is reached
     assert 60 <= np.median(lengths) <= 68 and lengths.mean() > np.median(lengths) * 1.4  # mean e^0.5 x median
     np.testing.assert_array_equal(lengths, bench.rl_lengths(4096, 64, 1.0, 512))
+
+
+def test_bench_replan_never_replaces_a_results_file(tmp_path, capsys):
+    out = tmp_path / "earlier.json"
+    out.write_text("{}")
+    assert _load("bench_replan").main(["--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert out.read_text() == "{}"

@@ -12,38 +12,17 @@ is logged and leaves the math unchanged.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning, train
-from jaxrlhf.algorithms import declare
+from jaxrlhf import train
 from jaxrlhf.metrics import read_metrics
-from jaxrlhf.planner.hardware import get_profile
-from jaxrlhf.planner.measured import Measured, Table, model_key
 from jaxrlhf.planner.plan import ExecutionPlan
+from jaxrlhf.testing.replan import TINY_GRPO, WRONG_LAYOUT, write_wrong_profile
 
-BASE = [
-    "model.actor.preset=tiny", "run.steps=4", "run.checkpoint_every=0", "run.tensorboard=false",
-    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
-    "sft.steps=0", "optimizer.actor.lr=1e-3", "rewards.eos_only=false",
-    'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
-    "algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05",
-]
+BASE = [*TINY_GRPO, "run.steps=4"]
 KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean", "kl/loss")
-
-
-def _wrong_profile(path) -> str:
-    cfg = cfglib.load_config(None, BASE)
-    graph = declare(cfg).graph()
-    actor = planning.role_configs(cfg, graph.roles)["actor"]
-    key = model_key(actor, graph["actor.generate"].head)
-    points = tuple((float(r), float(n), 1e-6) for r in (16, 32) for n in (16, 20))
-    tables = [Table(key, phase, 8, "d4f1t2", points) for phase in ("prefill", "decode")]
-    dataclasses.replace(get_profile("cpu"), name="wrong", measured=Measured(tables)).save(str(path))
-    return str(path)
 
 
 def test_replan_keys_are_checked():
@@ -58,7 +37,7 @@ def test_replan_keys_are_checked():
 def test_a_run_from_a_wrong_profile_switches_live_and_keeps_its_math(tmp_path, capsys):
     out = tmp_path / "replanned"
     train.run(cfglib.load_config(None, [
-        *BASE, "plan.strategy=auto", f"plan.profile={_wrong_profile(tmp_path / 'wrong.yaml')}",
+        *BASE, "plan.strategy=auto", f"plan.profile={write_wrong_profile(BASE, str(tmp_path / 'wrong.yaml'))}",
         "plan.replan_every=2", f"run.output_dir={out}"]))
     console = capsys.readouterr().out
     records = read_metrics(str(out / "metrics.jsonl"))
@@ -69,7 +48,7 @@ def test_a_run_from_a_wrong_profile_switches_live_and_keeps_its_math(tmp_path, c
     assert "step 4: re-plan: the plan switched to runs" in console
     switched = ExecutionPlan.load(str(out / "replan" / "plan_step2.yaml"))
     gen = switched.calls["actor.generate"]
-    assert (switched.groups[gen.group].size, str(gen.layout)) != (8, "d4f1t2")
+    assert (switched.groups[gen.group].size, str(gen.layout)) != (8, WRONG_LAYOUT)
     assert (out / "replan" / "profile_step2.yaml").is_file()
 
     reference = tmp_path / "reference"

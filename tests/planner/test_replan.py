@@ -20,11 +20,11 @@ from jaxrlhf.planner.measured import Measured, Run, Table, model_key
 from jaxrlhf.planner.presets import build_plan
 from jaxrlhf.planner.replan import decide, placements, timed_runs, with_runs
 from jaxrlhf.planner.simulator import estimate_plan
+from jaxrlhf.testing.replan import WRONG_LAYOUT, wrong_profile
 
 GRPO = ["model.actor.preset=tiny", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
         "sft.steps=0", "algorithm.name=grpo", "algorithm.group_size=4", "algorithm.minibatches=2",
         "algorithm.kl_coef=0.05", "plan.strategy=auto", "plan.replan_every=2", "run.platform=cpu"]
-WRONG_LAYOUT = "d4f1t2"  # generation on all 8 devices, the placement the wrong profile calls nearly free
 
 
 def setup(*overrides):
@@ -33,14 +33,6 @@ def setup(*overrides):
     graph = algorithm.graph()
     models = planning.role_configs(cfg, graph.roles)
     return cfg, algorithm, graph, {r: models[r] for r in graph.roles}, algorithm.workload()
-
-
-def wrong_profile(models, graph) -> HardwareProfile:
-    """The CPU profile with prefill and decode tables that price generation on all 8 devices at 1 us."""
-    key = model_key(models["actor"], graph["actor.generate"].head)
-    points = tuple((float(r), float(n), 1e-6) for r in (16, 32) for n in (16, 20))
-    tables = [Table(key, phase, 8, WRONG_LAYOUT, points) for phase in ("prefill", "decode")]
-    return dataclasses.replace(get_profile("cpu"), name="wrong", measured=Measured(tables))
 
 
 def timed_on(plan, graph, models, wl, truth) -> dict[str, float]:
@@ -119,7 +111,7 @@ def test_a_wrong_profile_is_overturned_by_the_run_times_and_the_new_plan_holds()
     the times measured on that plan then keep it. (In this truth the wrong plan is 9.7 % slower, so
     the threshold is 5 %; a real CPU run measures generation there 3x slower, tests/test_replan.py.)"""
     cfg, algorithm, graph, models, wl = setup("plan.replan_threshold=0.05")
-    truth, wrong = get_profile("cpu"), wrong_profile(models, graph)
+    truth, wrong = get_profile("cpu"), wrong_profile(GRPO)
     first = planning.search_plan(cfg, algorithm, models, 8, wrong).best.plan
     assert (first.group_of("actor.generate").size, str(first.calls["actor.generate"].layout)) == (8, WRONG_LAYOUT)
 
