@@ -127,12 +127,13 @@ class Replanner:
             metrics["replan/predicted_step_s"] = decision.current_s
         if decision.best_s is not None:
             metrics["replan/best_step_s"] = decision.best_s
+        agreed = self._agreed(decision.plan)  # on every process at every check: its collectives must match
         if decision.switch and step >= self.cfg.run.steps:
             print(f"step {step}: re-plan: another plan is predicted {100 * decision.gain:+.1f} % faster, but this "
                   "was the last step", flush=True)
             metrics["replan/switched"] = 0.0
             return executor
-        if decision.switch and not self._agreed(decision.plan):
+        if decision.switch and not agreed:
             print(f"step {step}: re-plan: the processes' searches picked different plans (a search time budget "
                   "hit on some); keeping the plan", flush=True)
             metrics["replan/switched"] = 0.0
@@ -155,9 +156,9 @@ class Replanner:
 
     @staticmethod
     def _agreed(plan) -> bool:
-        """Whether every process would switch to the same `plan` (each searched on its own; the
-        times they searched with are process 0's, but a search that hits its time budget may stop
-        elsewhere). With one process, always."""
+        """Whether every process decided for the same `plan` (the one to run next: each searched on
+        its own; the times they searched with are process 0's, but a search that hits its time
+        budget may stop elsewhere). With one process, always."""
         import zlib
 
         from jaxrlhf.planner.replan import placements
