@@ -59,8 +59,11 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
     graph = algorithm.graph()
-    # With several processes the planner checks that device groups respect host boundaries.
-    host_size = devices_per_host() if jax.process_count() > 1 else None
+    # With several processes the planner checks that device groups respect host boundaries. On TPU the
+    # chips one process sees are its host's (4 on multi-host slices, 8 on a v5litepod-8), which also caps
+    # tensor parallelism (`HardwareProfile.max_tensor`).
+    hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
+    host_size = devices_per_host() if hosts_matter else None
     plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
                     platform=jax.devices()[0].platform)
     print(plan.table(), flush=True)

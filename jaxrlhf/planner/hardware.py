@@ -184,8 +184,8 @@ PROFILES: dict[str, HardwareProfile] = {
                  notes="H200 SXM; NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s per node"),
     "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 200 * GB,
                      notes="A100 SXM 80 GB; 1800 Gb/s NVLink per device, 8x200 Gb/s NICs per node"),
-    # Chips per host: 4 on every multi-host slice of these (a single-host v5litepod-8 has 8; a run takes
-    # the count JAX reports, `planning.hardware_profile`).
+    # Chips per host: 4 on every multi-host slice of these (a single-host v5litepod-8 has 8; a run on TPU
+    # takes the count JAX shows each process, `jaxrlhf.train` -> `planning.hardware_profile`).
     "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, 6, 3, notes="TPU v4; 6 ICI links, 3D torus"),
     "tpu-v5e": _tpu("tpu-v5e", 197e12, 0.82e12, 16, 100 * GB, 4, 4, 2, notes="TPU v5e; 4 ICI links, 2D torus"),
     "tpu-v5p": _tpu("tpu-v5p", 459e12, 2.76e12, 95, 300 * GB, 4, 6, 3, notes="TPU v5p; 6 ICI links, 3D torus"),
