@@ -659,6 +659,13 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             "plan.offpolicy=true overlaps generation with training, which needs separate generation devices: "
             f"use plan.strategy=disaggregated (or auto), not {plan.strategy}"
         )
+    if plan.replan_every and (plan.file is not None or plan.strategy != "auto"):
+        raise ConfigError(f"plan.replan_every={plan.replan_every} re-runs the planner's search, which only "
+                          f"plan.strategy=auto uses (and no plan.file); set plan.strategy=auto or plan.replan_every=0")
+    if plan.replan_every and plan.offpolicy:
+        raise ConfigError("plan.replan_every with plan.offpolicy=true is not supported: an off-policy plan always "
+                          "has the next rollout in flight, so there is no step boundary to switch plans at; "
+                          "set one of them off")
     if plan.profile is not None and not pathlib.Path(plan.profile).expanduser().is_file():
         raise ConfigError(f"plan.profile: profile file not found: {plan.profile}; write one with "
                           "python -m jaxrlhf.profile --config <this config> --out <file>")

@@ -148,6 +148,10 @@ class PlanConfig:
     axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
     # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
     offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None
+    # with strategy=auto: every K steps feed the run's own call times into the cost model, search again and
+    # switch to another plan live when it is predicted faster by more than replan_threshold; 0 = never
+    replan_every: Int = _field(0, check=non_negative)
+    replan_threshold: Float = _field(0.1, check=non_negative)  # predicted gain a switch needs (0.1 = 10 %)
 
 
 @_no_extra_keys

@@ -128,7 +128,9 @@ def report_text(res: SearchResult, devices: int, hardware: str) -> str:
     rows = [("call", "time", "from", "move", "memory/device")]
     for name, c in best.calls.items():
         rows.append((name, _fmt_s(c.seconds + best.reloads.get(name, 0.0)), c.source,
-                     _fmt_s(best.moves.get(name) or None), f"{best.memory.call_bytes[name] / GiB:.1f} GiB"))
+                     _fmt_s(best.moves.get(name) or None)
+                     + (f" ({best.move_sources.get(name, 'formula')})" if best.moves.get(name) else ""),
+                     f"{best.memory.call_bytes[name] / GiB:.1f} GiB"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     if best.memory.offloaded:
@@ -159,7 +161,9 @@ def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
     return {
         "algorithm": algorithm,
         "searched": {"step_s": res.best.step_s, "plan": res.best.plan.to_dict(),
-                     "calls": {n: {"seconds": c.seconds, "source": c.source} for n, c in res.best.calls.items()}},
+                     "calls": {n: {"seconds": c.seconds, "source": c.source, "move_s": res.best.moves.get(n, 0.0),
+                                   "move_source": res.best.move_sources.get(n, "formula")}
+                               for n, c in res.best.calls.items()}},
         "presets": presets,
         "search_s": res.seconds,
     }

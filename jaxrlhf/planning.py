@@ -6,6 +6,8 @@ the role model configs, the hardware profile, the machine (devices and devices
 per host, over every process), and the plan itself (a plan file, a strategy
 preset, or the planner's search with `SEARCH_TIME_BUDGET_S`, the run's seed
 and `plan.offpolicy`). Only model dimensions are read: no weights, no JAX.
+A run that re-plans (`plan.replan_every`) searches again through `replan`,
+with the same defaults, on the profile its own call times corrected.
 """
 
 from __future__ import annotations
@@ -149,3 +151,21 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
     return search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
                   iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=time_budget_s,
                   allow_offpolicy=cfg.plan.offpolicy)
+
+
+def replan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], current, hw, num_devices: int,
+           devices_per_host: int | None = None):
+    """The re-planner's question, asked the way `plan_for` asks at the start: search again on `hw` (the
+    run's profile with its own call times, `planner.replan.with_runs`) and compare the best plan with
+    the running `current` one (`planner.replan.decide`, `plan.replan_threshold`). Returns the Decision
+    and the search's result; a plan to switch to is validated like any other plan."""
+    from jaxrlhf.planner.plan import validate as validate_plan
+    from jaxrlhf.planner.replan import decide
+
+    graph = algorithm.graph()
+    result = search_plan(cfg, algorithm, models, num_devices, hw)
+    decision = decide(current, result.best, graph, models, algorithm.workload(), hw, cfg.plan.replan_threshold)
+    if decision.switch:
+        validate_plan(decision.plan, graph, models, devices=num_devices, batch_size=algorithm.batch_rows,
+                      devices_per_host=devices_per_host)
+    return decision, result

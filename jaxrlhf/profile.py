@@ -40,12 +40,12 @@ from jaxrlhf import config as cfglib
 PHASES_OF = {"generate": ("prefill", "decode"), "inference": ("inference",), "train": ("train",)}
 
 
-def grid_layouts(call, cfg, size: int, wl, devices_per_host: int) -> list:
+def grid_layouts(call, cfg, size: int, wl, max_tensor: int) -> list:
     """The single-axis layouts of `size` devices `call` can run under: data, FSDP (not for
     generation) and the largest tensor size that divides the model."""
     from jaxrlhf.planner.search import valid_layouts
 
-    ok = [lay for lay in valid_layouts(call, cfg, size, wl, devices_per_host) if lay.stage == 1]
+    ok = [lay for lay in valid_layouts(call, cfg, size, wl, max_tensor) if lay.stage == 1]
     pure = [lay for lay in ok if sum(v > 1 for v in (lay.data, lay.fsdp, lay.tensor)) <= 1]
     tensor = max((lay for lay in pure if lay.tensor > 1), key=lambda lay: lay.tensor, default=None)
     return [lay for lay in pure if lay.tensor == 1] + ([tensor] if tensor else [])
@@ -192,7 +192,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     platform = jax.devices()[0].platform
     hw = calibrate(planning.hardware_name(cfg, platform))
     n = jax.device_count()
-    dph = hw.devices_per_host
+    max_tensor = hw.max_tensor
     sizes = sorted(set(sizes)) if sizes else halves(n)
     if any(not 1 <= k <= n for k in sizes):
         raise cfglib.ConfigError(f"--sizes {sizes}: group sizes must lie in 1..{n} (the local devices)")
@@ -204,7 +204,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
         key = model_key(cfg_m, call.head)
         for size in sizes:
             group = DeviceGroup("profile", 0, size)
-            for lay in grid_layouts(call, cfg_m, size, wl, dph):
+            for lay in grid_layouts(call, cfg_m, size, wl, max_tensor):
                 if (group, lay) not in placements:
                     placements.append((group, lay))
                 phases = [p for p in PHASES_OF[call.kind] if (key, p, size, str(lay)) not in tables]

@@ -10,8 +10,10 @@ stage run by the same loop on the actor's training placement of the RL plan.
 from __future__ import annotations
 
 import contextlib
+import os
+import statistics
 import time
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from jaxrlhf import config as cfglib
 
@@ -20,12 +22,15 @@ WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
 def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, offpolicy: bool = False,
               around: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
+              after: Callable[[int, dict[str, Any], Any], Any] | None = None,
               ) -> Iterator[tuple[int, dict[str, Any], dict]]:
     """Run steps `start + 1 .. stop`: yields (step, metrics, data position before the step's batch).
 
     Step `s` draws from `fold_in(rng, s)`. With `offpolicy` the next step's batch is fed with this
     one, so the executor can start its generation while this step trains. `around(step)` wraps the
-    executor's step (a profiler trace)."""
+    executor's step (a profiler trace). `after(step, metrics, executor)`, when given, runs after each
+    step (it may add metrics) and returns the executor for the next steps: the same one, or one on
+    another plan (`Replanner`: a live switch; the data stream and random keys go on unchanged)."""
     import jax
 
     from jaxrlhf.transfer.host import HostValues
@@ -43,8 +48,124 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, offpolic
         metrics = algorithm.metrics(result)
         metrics.update(result.metrics())
         metrics.update(data.metrics())
+        if after is not None:
+            executor = after(step, metrics, executor)
         batch = nxt
         yield step, metrics, data_state
+
+
+class Replanner:
+    """Re-planning while the run goes (`plan.replan_every: K` with `plan.strategy: auto`).
+
+    After every step it keeps the step's time and each call's run time (`time/<call>_s`), leaving
+    out the first step on each plan (first runs of freshly compiled functions). Every K steps, the
+    median time of each call becomes a `planner.measured.Run` in the run's hardware profile, the
+    planner searches again on that profile (`planning.replan`, the path `plan_for` takes) and, when
+    another plan is predicted faster by more than `plan.replan_threshold`, the executor moves the
+    roles' parameters, optimizer states and carried values onto the new plan device to device
+    (`Executor.moved_to`) and the run goes on there: no restart, the same math. Each check adds
+    `replan/*` metrics and a console line; the first check after a switch reports the gain then
+    measured (median step time on the old plan / on the new one - 1). No switch at the last step. The plans switched to and the
+    corrected profile are written to `<output_dir>/replan/`. The decision is made from process 0's
+    times, so every process switches alike.
+    """
+
+    def __init__(self, cfg: cfglib.Config, algorithm, models: Mapping[str, Any], plan, num_devices: int,
+                 devices_per_host: int | None, platform: str | None, make_cache: Callable[[Any], Any],
+                 write: bool):
+        from jaxrlhf import planning
+
+        self.cfg, self.algorithm, self.plan = cfg, algorithm, plan
+        self.models = {r: models[r] for r in algorithm.graph().roles}
+        self.num_devices, self.devices_per_host = num_devices, devices_per_host
+        self.hw = planning.hardware_profile(cfg, devices_per_host, platform)
+        self.make_cache = make_cache
+        self.folder = os.path.join(cfg.run.output_dir, "replan") if write else None
+        self.calls = [c.name for c in algorithm.graph().calls]
+        self.samples: list[tuple[float, list[float]]] = []  # (step seconds, call seconds) on the running plan
+        self.fresh = True  # the next step is the first on this plan
+        self.before: float | None = None  # median step time on the plan switched away from
+        self.switches = 0
+        self.executor = None  # the executor the run is on after the latest step
+
+    def __call__(self, step: int, metrics: dict[str, Any], executor):
+        """After `step`: keep its times; every K steps, the check. Returns (and keeps, as `executor`)
+        the executor the next steps run on."""
+        if not self.fresh:
+            self.samples.append((float(metrics["time/step_s"]),
+                                 [float(metrics.get(f"time/{c}_s", 0.0)) for c in self.calls]))
+        self.fresh = False
+        self.executor = executor
+        if step % self.cfg.plan.replan_every == 0 and self.samples:
+            self.executor = self.check(step, metrics, executor)
+        return self.executor
+
+    def check(self, step: int, metrics: dict[str, Any], executor):
+        """Feed the medians of the samples into the profile, search again, switch if worth it."""
+        from jaxrlhf import planning
+        from jaxrlhf.planner.replan import timed_runs, with_runs
+        from jaxrlhf.transfer.processes import main_values
+
+        graph, wl = self.algorithm.graph(), self.algorithm.workload()
+        medians = main_values([statistics.median(s[0] for s in self.samples)]
+                              + [statistics.median(s[1][i] for s in self.samples) for i in range(len(self.calls))])
+        step_s, call_s = medians[0], dict(zip(self.calls, medians[1:]))
+        if self.before is not None:  # the first check on the plan switched to: what the switch bought
+            gain = self.before / step_s - 1.0
+            metrics["replan/measured_gain"] = gain
+            print(f"step {step}: re-plan: the plan switched to runs {step_s:.4g} s per step against "
+                  f"{self.before:.4g} s before ({100 * gain:+.1f} % measured)", flush=True)
+            self.before = None
+        self.samples = []
+        self.hw = with_runs(self.hw, timed_runs(self.plan, graph, self.models, wl, self.hw, call_s))
+        t0 = time.perf_counter()
+        decision, _ = planning.replan(self.cfg, self.algorithm, self.models, self.plan, self.hw,
+                                           self.num_devices, self.devices_per_host)
+        metrics.update({"replan/search_s": time.perf_counter() - t0, "replan/switched": float(decision.switch),
+                        "replan/predicted_gain": decision.gain, "replan/measured_step_s": step_s})
+        if decision.current_s is not None:
+            metrics["replan/predicted_step_s"] = decision.current_s
+        if decision.best_s is not None:
+            metrics["replan/best_step_s"] = decision.best_s
+        agreed = self._agreed(decision.plan)  # on every process at every check: its collectives must match
+        if decision.switch and step >= self.cfg.run.steps:
+            print(f"step {step}: re-plan: another plan is predicted {100 * decision.gain:+.1f} % faster, but this "
+                  "was the last step", flush=True)
+            metrics["replan/switched"] = 0.0
+            return executor
+        if decision.switch and not agreed:
+            print(f"step {step}: re-plan: the processes' searches picked different plans (a search time budget "
+                  "hit on some); keeping the plan", flush=True)
+            metrics["replan/switched"] = 0.0
+            return executor
+        print(decision.line(step), flush=True)
+        if not decision.switch:
+            return executor
+        t0 = time.perf_counter()
+        plan = decision.plan
+        new = executor.moved_to(plan, self.make_cache(plan))
+        self.switches += 1
+        metrics.update({"replan/switch_s": time.perf_counter() - t0, "replan/switches": float(self.switches)})
+        self.plan, self.before, self.fresh = plan, step_s, True
+        print(plan.table(), flush=True)
+        if self.folder:
+            os.makedirs(self.folder, exist_ok=True)
+            plan.save(os.path.join(self.folder, f"plan_step{step}.yaml"))
+            self.hw.save(os.path.join(self.folder, f"profile_step{step}.yaml"))
+        return new
+
+    @staticmethod
+    def _agreed(plan) -> bool:
+        """Whether every process decided for the same `plan` (the one to run next: each searched on
+        its own; the times they searched with are process 0's, but a search that hits its time
+        budget may stop elsewhere). With one process, always."""
+        import zlib
+
+        from jaxrlhf.planner.replan import placements
+        from jaxrlhf.transfer.processes import any_process, main_values
+
+        mine = zlib.crc32(repr(placements(plan)).encode()) % (1 << 20)  # exact in the float32 main_values sends
+        return not any_process(int(main_values([float(mine)])[0]) != mine)
 
 
 def warmup_plan(plan):

@@ -45,7 +45,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.executor import Executor
     from jaxrlhf.placement.layout import AxisRules
     from jaxrlhf.roles import build_roles, export_role
-    from jaxrlhf.stages import open_checked_data, run_steps, warm_up_actor
+    from jaxrlhf.stages import Replanner, open_checked_data, run_steps, warm_up_actor
     from jaxrlhf.transfer.processes import any_process, barrier, is_main
 
     algorithm = build_algorithm(cfg)
@@ -59,8 +59,11 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
     graph = algorithm.graph()
-    # With several processes the planner checks that device groups respect host boundaries.
-    host_size = devices_per_host() if jax.process_count() > 1 else None
+    # With several processes the planner checks that device groups respect host boundaries. On TPU the
+    # chips one process sees are its host's (4 on multi-host slices, 8 on a v5litepod-8), which also caps
+    # tensor parallelism (`HardwareProfile.max_tensor`).
+    hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
+    host_size = devices_per_host() if hosts_matter else None
     plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
                     platform=jax.devices()[0].platform)
     print(plan.table(), flush=True)
@@ -119,6 +122,12 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     def save(step: int, data_state: dict) -> None:
         ckpt.save(step, arrays(), {"step": step, "data": data_state, "algorithm": cfg.algorithm.name})
 
+    replanner = None
+    if cfg.plan.replan_every:
+        replanner = Replanner(cfg, algorithm, model_configs, plan, jax.device_count(), host_size,
+                              jax.devices()[0].platform, write=is_main(),
+                              make_cache=lambda p: CallCache(p, devices=cache.devices, rules=cache.rules))
+
     steps = cfg.run.steps
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard,
                            enabled=is_main())
@@ -129,7 +138,9 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
         stop.install()
         for step, metrics, data_state in run_steps(algorithm, executor, data, jax.random.key(cfg.run.seed), start,
                                                    steps, offpolicy=plan.offpolicy,
-                                                   around=lambda s: profiled(cfg.run, s)):
+                                                   around=lambda s: profiled(cfg.run, s), after=replanner):
+            if replanner is not None:  # a re-plan may have moved the run onto another plan
+                executor = replanner.executor
             if step == 1:
                 metrics.update(warm_metrics)
             if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or step == steps):

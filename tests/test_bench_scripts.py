@@ -93,3 +93,11 @@ def test_rl_workload_reports_the_pool_and_the_pages_in_use(tmp_path):
     column = res["static"]["peak_kv_bytes"] // (4 * 56)
     assert (cont["kv_pool_bytes"], cont["kv_used_peak_bytes"], cont["peak_kv_bytes"]) == (
         128 * column, 96 * column, 160 * column)
+
+
+def test_bench_replan_never_replaces_a_results_file(tmp_path, capsys):
+    out = tmp_path / "earlier.json"
+    out.write_text("{}")
+    assert _load("bench_replan").main(["--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert out.read_text() == "{}"

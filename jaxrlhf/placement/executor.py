@@ -284,18 +284,54 @@ class Executor:
         return self.cache.function(call, self.functions[call], in_shardings=None, out_shardings=None,
                                    donate_argnums=donate)
 
+    def _state_placed(self, name: str) -> Placed:
+        """Where carried value `name` lives: replicated where the first call that reads it runs."""
+        readers = {v: n.name for n in reversed(self.graph.order()) if isinstance(n, CallSpec) for v in n.inputs}
+        return self.placed(readers.get(name, self.graph.calls[0].name))
+
     def commit_state(self) -> dict[str, Any]:
         """Make every carried value a device array (replicated where the first call that reads it
         runs), so checkpoints save and restore it like any other array; returns the state."""
-        readers = {v: n.name for n in reversed(self.graph.order()) if isinstance(n, CallSpec) for v in n.inputs}
         for name, value in self.state.items():
-            placed = self.placed(readers.get(name, self.graph.calls[0].name))
+            placed = self._state_placed(name)
             self.state[name] = jax.tree_util.tree_map(
                 lambda x: x if isinstance(x, jax.Array) and x.committed
                 else put_host(x, placed.replicated()),
                 value,
             )
         return self.state
+
+    def moved_to(self, plan: ExecutionPlan, cache: CallCache) -> "Executor":
+        """An executor for `plan` (with `cache` compiled for it) that owns this one's roles and carried
+        state, resharded device to device onto the new plan: each role's parameters and optimizer state
+        to its new home placement, carried values to where their first reader runs. Shadow copies are
+        dropped (the new plan makes its own where it needs them) and offloaded roles come back to
+        device first (the new executor offloads what its plan offloads). Values are moved, never
+        recomputed, so the run's math does not change: the live switch of a re-plan. Call it between
+        steps; this executor must not be used afterwards."""
+        if self._pending is not None:
+            raise RuntimeError("cannot switch plans while the next step's rollout is in flight (off-policy plan)")
+        for role in self.roles.values():
+            if role.shadow is not None:
+                delete_tree(role.shadow)
+                role.shadow = None
+        for name, role in self.roles.items():
+            if role.base_of is not None:  # runs on its source's base: nothing of its own to move
+                continue
+            placed = cache.placed(plan.home_call(name))
+            if is_offloaded(role.params):
+                role.params = reload(role.params)
+            role.params, _ = move_where_needed(role.params, placed.param_shardings(role.params), free_source=True)
+            if role.trainable:
+                target = placed.opt_state_shardings(role.optimizer, role.params)
+                role.opt_state, _ = move_where_needed(role.opt_state, target, free_source=True)
+        new = Executor(plan, self.graph, self.roles, cache=cache, functions=self.functions,
+                       host_steps=self.host_steps, state=self.state)
+        for name, value in new.state.items():
+            target = jax.tree_util.tree_map(lambda _: new._state_placed(name).replicated(), value)
+            new.state[name], _ = move_where_needed(value, target, free_source=True)
+        jax.block_until_ready((new.state, [(r.params, r.opt_state) for r in self.roles.values()]))
+        return new
 
     # ---------------------------------------------------------------- running nodes
     def run_call(self, spec: CallSpec, inputs: Mapping[str, Any]) -> dict[str, Any]:

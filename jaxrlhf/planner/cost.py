@@ -341,7 +341,9 @@ class CallCost:
     hbm_bytes: float
     collective_bytes: float
     parts: Mapping[str, float]  # seconds: compute / memory-bound phases, collectives, overhead
-    source: str = "formula"  # "measured": interpolated from the hardware profile's tables (`planner.measured`)
+    # "formula"; "measured": interpolated from the hardware profile's tables (`planner.measured`); "run": a
+    # training run's own time of this call here; "formula x run" / "measured x run": corrected by runs elsewhere
+    source: str = "formula"
 
 
 class _Ctx:
@@ -507,7 +509,29 @@ CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": t
 def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
               hw: HardwareProfile) -> CallCost:
     """Seconds of `call` (one RLHF step's worth of it) with its role's model `cfg` on `group` x `layout`:
-    from the profile's measured tables when they cover it (`measured_cost`), else the formulas."""
+    a training run's own time of exactly this call and placement when the profile holds one
+    (`source` "run"), else the profile's measured tables when they cover it (`measured_cost`), else
+    the formulas; the latter two scaled by how far they were off for this call in runs on other
+    placements (`Measured.correction`; `source` then says "measured x run" or "formula x run")."""
+    base = profile_call_cost(call, cfg, group, layout, wl, hw)
+    if not hw.measured or not hw.measured.runs:
+        return base
+    key = model_key(cfg, call.head)
+    run = hw.measured.run(call.name, key, group.size, str(layout), wl.call_seqs(call), wl.seq_len,
+                          wl.micro_batches(call))
+    if run is not None:
+        return dataclasses.replace(base, seconds=run.seconds, parts={"run": run.seconds}, source="run")
+    factor = hw.measured.correction(call.name, key, base.source)
+    if factor is None:
+        return base
+    return dataclasses.replace(base, seconds=base.seconds * factor,
+                               parts={k: v * factor for k, v in base.parts.items()}, source=f"{base.source} x run")
+
+
+def profile_call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+                      hw: HardwareProfile) -> CallCost:
+    """`call_cost` from the profile alone (its tables, else the formulas), no run's times: what a
+    run's time of the call is compared with (`Run.estimate`)."""
     ctx = _Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw)
     formula = CALL_COSTS[call.kind](ctx, wl, call)
     return measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
@@ -599,6 +623,7 @@ class CostCache:
         self.models, self.wl, self.hw = models, wl, hw
         self._calls: dict[tuple, CallCost] = {}
         self._moves: dict[tuple, float] = {}
+        self.move_sources: dict[tuple, str] = {}  # move key -> "measured" (the profile timed it) or "formula"
         self.memory: dict = {}  # per-(call, layout) byte counts for `memory.plan_memory`
 
     def call(self, call: CallSpec, group: DeviceGroup, layout: Layout, micro: int | None = None) -> CallCost:
@@ -613,8 +638,23 @@ class CostCache:
              dst_layout: Layout, adapters_only: bool = False) -> float:
         """Seconds to bring `call`'s role's parameters (or only its adapters) from (src, src_layout) to
         (dst, dst_layout)."""
+        return self.move_cost(call, src, src_layout, dst, dst_layout, adapters_only)[0]
+
+    def move_cost(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
+                  dst_layout: Layout, adapters_only: bool = False) -> tuple[float, str]:
+        """`move` and what priced it: "measured" where the profile timed this parameter move
+        (`Measured.move`; adapters-only syncs are never timed), else "formula" (`realloc_cost`)."""
         key = (call.role, call.head, src.start, src.size, src_layout, dst.start, dst.size, dst_layout, adapters_only)
         if key not in self._moves:
-            self._moves[key] = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
-                                            self.hw, adapters_only)
-        return self._moves[key]
+            seconds, source = None, "formula"
+            same = (src.start, src.size, src_layout) == (dst.start, dst.size, dst_layout)
+            if self.hw.measured and self.hw.measured.moves and not adapters_only and not same:
+                seconds = self.hw.measured.move(model_key(self.models[call.role], call.head), "params",
+                                                f"{src.start}+{src.size}:{src_layout}",
+                                                f"{dst.start}+{dst.size}:{dst_layout}")
+                source = "formula" if seconds is None else "measured"
+            if seconds is None:
+                seconds = realloc_cost(self.models[call.role], call.head, src, src_layout, dst, dst_layout,
+                                       self.hw, adapters_only)
+            self._moves[key], self.move_sources[key] = seconds, source
+        return self._moves[key], self.move_sources[key]

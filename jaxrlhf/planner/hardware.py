@@ -45,6 +45,10 @@ class HardwareProfile:
     collective_latency: float = 10e-6  # seconds per collective (launch + sync)
     kernel_latency: float = 5e-6  # seconds per dispatched kernel / layer op
     memory_reserve: float = 0.1  # fraction of capacity kept free (allocator, fragmentation)
+    # TPU slices: ICI links per chip and the dimensions of the slice's torus (v5e: 4 links, 2D; v4 and v5p: 6
+    # links, 3D); 0 = devices talk over a switch (NVLink inside a host, NICs between hosts)
+    ici_links: int = 0
+    torus_dims: int = 0
     host_flops: float | None = None  # all devices of a host together (shared cores), if capped
     host_memory_bandwidth: float | None = None  # likewise for memory bandwidth
     notes: str = ""
@@ -79,11 +83,19 @@ class HardwareProfile:
         a ring over all NICs). So a 16-member FSDP ring over two full hosts gets the whole
         NIC, and 8 concurrent 2-member rings (fsdp=2 x tensor=8) get 1/8 of it each.
         """
-        if not crosses_hosts:
+        if not crosses_hosts or self.torus_dims:  # a TPU slice's hosts are joined by the same ICI torus, no NICs
             return self.intra_host_bandwidth * self.link_efficiency
         sharing = max(min(devices_on_host, self.devices_per_host), 1)
         share = self.inter_host_bandwidth * min(max(members_on_host, 1), sharing) / sharing
         return min(share, self.intra_host_bandwidth) * self.link_efficiency
+
+    @property
+    def max_tensor(self) -> int:
+        """The most ways the planner splits a layer by tensor parallelism: the devices of one host (a
+        GPU node's NVLink domain; a TPU host's chips, a 2x2 block of direct ICI neighbours on v4, v5e
+        and v5p). Tensor parallelism all-reduces twice per layer and token, so it stays where those
+        latency-bound collectives are shortest; data, FSDP and pipeline axes span hosts."""
+        return self.devices_per_host
 
     def with_inter_host_bandwidth(self, bytes_per_s: float) -> "HardwareProfile":
         """This profile with another per-node NIC bandwidth (a cluster's own network)."""
@@ -149,12 +161,15 @@ def _gpu(name: str, bf16: float, tf32: float, hbm_bw: float, hbm_gb: float, nvli
     )
 
 
-def _tpu(name: str, bf16: float, hbm_bw: float, hbm_gb: float, ici: float, per_host: int, **kw: Any) -> HardwareProfile:
-    # Inside a pod slice hosts talk over the same ICI torus, so inter-host ~ ICI x chips per host.
+def _tpu(name: str, bf16: float, hbm_bw: float, hbm_gb: float, ici: float, per_host: int, links: int, dims: int,
+         **kw: Any) -> HardwareProfile:
+    # Inside a pod slice hosts talk over the same ICI torus (`link_bandwidth` ignores host boundaries there);
+    # inter-host is stated as ICI x chips per host for tools that read it.
     return HardwareProfile(
         name=name, flops={"bfloat16": bf16, "float16": bf16, "float32": bf16 / 2}, hbm_bandwidth=hbm_bw,
         hbm_capacity=hbm_gb * GB, intra_host_bandwidth=ici, inter_host_bandwidth=ici * per_host,
-        devices_per_host=per_host, host_bandwidth=16 * GB, collective_latency=5e-6, kernel_latency=2e-6, **kw,
+        devices_per_host=per_host, host_bandwidth=16 * GB, collective_latency=5e-6, kernel_latency=2e-6,
+        ici_links=links, torus_dims=dims, **kw,
     )
 
 
@@ -169,9 +184,11 @@ PROFILES: dict[str, HardwareProfile] = {
                  notes="H200 SXM; NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s per node"),
     "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 200 * GB,
                      notes="A100 SXM 80 GB; 1800 Gb/s NVLink per device, 8x200 Gb/s NICs per node"),
-    "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, notes="TPU v4; 6 ICI links"),
-    "tpu-v5e": _tpu("tpu-v5e", 197e12, 0.82e12, 16, 100 * GB, 4, notes="TPU v5e; 4 ICI links"),
-    "tpu-v5p": _tpu("tpu-v5p", 459e12, 2.76e12, 95, 300 * GB, 4, notes="TPU v5p; 6 ICI links"),
+    # Chips per host: 4 on every multi-host slice of these (a single-host v5litepod-8 has 8; a run on TPU
+    # takes the count JAX shows each process, `jaxrlhf.train` -> `planning.hardware_profile`).
+    "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, 6, 3, notes="TPU v4; 6 ICI links, 3D torus"),
+    "tpu-v5e": _tpu("tpu-v5e", 197e12, 0.82e12, 16, 100 * GB, 4, 4, 2, notes="TPU v5e; 4 ICI links, 2D torus"),
+    "tpu-v5p": _tpu("tpu-v5p", 459e12, 2.76e12, 95, 300 * GB, 4, 6, 3, notes="TPU v5p; 6 ICI links, 3D torus"),
     # Uncalibrated guess for one simulated CPU device; run `calibrate()` for real numbers.
     "cpu": HardwareProfile(
         name="cpu", flops={"float32": 50e9, "bfloat16": 10e9, "float16": 5e9}, hbm_bandwidth=10 * GB,

@@ -1,10 +1,12 @@
 """Measured call times (`python -m jaxrlhf.profile`) and their interpolation; no JAX here.
 
 A profile file is a hardware profile (`jaxrlhf.planner.hardware`) with a
-`measured` section: `calls`, a list of tables, and `moves`, the parameter and
-batch moves the profiler timed (recorded for reading; the cost model still
-prices moves with its formulas). Each table is one phase of one model on one
-placement, timed at a small grid of shapes:
+`measured` section: `calls`, a list of tables, `moves`, the parameter and
+batch moves the profiler timed (a parameter move it timed prices that move,
+`Measured.move`; the formulas price the others), and `runs`, whole calls a training run timed
+on its own plan (`Run`, written by the re-planner, `plan.replan_every`).
+Each table is one phase of one model on one placement, timed at a small grid
+of shapes:
 
     {model: <model_key>, phase: prefill | decode | inference | train,
      devices: 8, layout: d1f1t8, points: [[rows, length, seconds], ...]}
@@ -96,32 +98,105 @@ class Table:
 MOVE_KEYS = {"model", "what", "src", "dst", "bytes", "seconds"}
 
 
-class Measured:
-    """The measured tables of a profile, looked up by (model, phase, devices, layout), and its moves."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One call of a training run, timed by the run itself on its plan's placement (the median of its
+    `time/<call>_s` over the steps since the last re-plan), beside what the cost model estimated for it
+    there without any run's times (`estimate`, priced from `source`: a profile table or the formulas).
 
-    def __init__(self, tables: Iterable[Table] = (), moves: Sequence[Mapping[str, Any]] = ()):
+    It prices that call on that placement at that shape exactly, and corrects the other placements of
+    the call that the same source prices by seconds / estimate (`Measured.correction`): a run on one
+    placement says how far the profile or the formulas are off for that call."""
+
+    call: str  # the call's name in the algorithm's graph ("actor.generate")
+    model: str  # `model_key` of the call's role
+    devices: int
+    layout: str
+    rows: int  # sequences the call feeds at once (`Workload.call_seqs`)
+    length: int  # tokens per sequence
+    micro: int  # micro-batches the run split the call into
+    source: str  # "measured" or "formula": what priced `estimate`
+    estimate: float
+    seconds: float
+
+    def key(self) -> tuple:
+        return (self.call, self.model, self.devices, self.layout, self.rows, self.length, self.micro)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str) -> "Run":
+        need = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, Mapping) or set(d) != need:
+            raise ValueError(f"{where}: a run entry has keys {sorted(need)}, got {sorted(d) if isinstance(d, Mapping) else d}")
+        try:
+            run = cls(str(d["call"]), str(d["model"]), int(d["devices"]), str(d["layout"]), int(d["rows"]),
+                      int(d["length"]), int(d["micro"]), str(d["source"]), float(d["estimate"]), float(d["seconds"]))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: devices, rows, length, micro must be integers, estimate and seconds numbers") from None
+        if run.source not in ("measured", "formula") or not (run.estimate > 0 and run.seconds > 0):
+            raise ValueError(f"{where}: source must be 'measured' or 'formula', estimate and seconds > 0")
+        return run
+
+
+class Measured:
+    """The measured tables of a profile, looked up by (model, phase, devices, layout), its moves, and the
+    calls runs timed on their plans (`Run`)."""
+
+    def __init__(self, tables: Iterable[Table] = (), moves: Sequence[Mapping[str, Any]] = (),
+                 runs: Iterable[Run] = ()):
         self.tables = {(t.model, t.phase, t.devices, t.layout): t for t in tables}
         self.moves = [dict(m) for m in moves]
+        self.runs = {r.key(): r for r in runs}  # a later run of the same call and placement replaces an earlier
 
     def __bool__(self) -> bool:
-        return bool(self.tables or self.moves)
+        return bool(self.tables or self.moves or self.runs)
 
     def find(self, model: str, phase: str, devices: int, layout: str) -> Table | None:
         return self.tables.get((model, phase, devices, layout))
 
+    def move(self, model: str, what: str, src: str, dst: str) -> float | None:
+        """Seconds the profiler measured for moving `model`'s parameters (`what="params"`) or a batch
+        (`"batch"`) from placement `src` to `dst` (each "start+size:layout", e.g. "0+4:d4f1t1"), if it
+        timed that move."""
+        for m in self.moves:
+            if (m["model"], m["what"], m["src"], m["dst"]) == (model, what, src, dst):
+                return float(m["seconds"])
+        return None
+
+    def run(self, call: str, model: str, devices: int, layout: str, rows: int, length: int, micro: int) -> Run | None:
+        """The run's own time of exactly this call, placement and shape, if a run timed it."""
+        return self.runs.get((call, model, devices, layout, rows, length, micro))
+
+    def correction(self, call: str, model: str, source: str) -> float | None:
+        """How far `source`'s estimates of `call` were off in runs: the geometric mean of seconds /
+        estimate over the runs of that call priced by that source (None when no run was)."""
+        ratios = [r.seconds / r.estimate for r in self.runs.values()
+                  if (r.call, r.model, r.source) == (call, model, source)]
+        return float(np.exp(np.mean(np.log(ratios)))) if ratios else None
+
+    def with_runs(self, runs: Iterable[Run]) -> "Measured":
+        """These tables and moves, with `runs` added (replacing earlier runs of the same key)."""
+        return Measured(self.tables.values(), self.moves, [*self.runs.values(), *runs])
+
     def to_dict(self) -> dict[str, Any]:
-        return {"calls": [t.to_dict() for t in self.tables.values()], "moves": self.moves}
+        out: dict[str, Any] = {"calls": [t.to_dict() for t in self.tables.values()], "moves": self.moves}
+        if self.runs:
+            out["runs"] = [r.to_dict() for r in self.runs.values()]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, where: str = "profile") -> "Measured":
         if d is None:
             return cls()
-        if not isinstance(d, Mapping) or set(d) - {"calls", "moves"}:
-            raise ValueError(f"{where}.measured must be a mapping with 'calls' and 'moves' lists")
-        calls, moves = d.get("calls") or [], d.get("moves") or []
-        if not isinstance(calls, list) or not isinstance(moves, list):
-            raise ValueError(f"{where}.measured.calls and .moves must be lists")
+        if not isinstance(d, Mapping) or set(d) - {"calls", "moves", "runs"}:
+            raise ValueError(f"{where}.measured must be a mapping with 'calls', 'moves' and 'runs' lists")
+        calls, moves, runs = d.get("calls") or [], d.get("moves") or [], d.get("runs") or []
+        if not isinstance(calls, list) or not isinstance(moves, list) or not isinstance(runs, list):
+            raise ValueError(f"{where}.measured.calls, .moves and .runs must be lists")
         for i, m in enumerate(moves):
             if not isinstance(m, Mapping) or set(m) != MOVE_KEYS:
                 raise ValueError(f"{where}.measured.moves[{i}] needs exactly the keys {sorted(MOVE_KEYS)}")
-        return cls((Table.from_dict(e, f"{where}.measured.calls[{i}]") for i, e in enumerate(calls)), moves)
+        return cls((Table.from_dict(e, f"{where}.measured.calls[{i}]") for i, e in enumerate(calls)), moves,
+                   [Run.from_dict(e, f"{where}.measured.runs[{i}]") for i, e in enumerate(runs)])

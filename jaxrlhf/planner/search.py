@@ -74,13 +74,14 @@ def candidate_groups(num_devices: int, devices_per_host: int) -> list[tuple[int,
     return sorted(set(out), key=lambda g: (g[1], g[0]))
 
 
-def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, devices_per_host: int) -> list[Layout]:
-    """Layouts of `size` devices under which `call` can run with model `cfg`."""
+def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max_tensor: int) -> list[Layout]:
+    """Layouts of `size` devices under which `call` can run with model `cfg`, tensor parallelism at most
+    `max_tensor` ways (`HardwareProfile.max_tensor`: the devices of one host)."""
     batch = wl.call_batch(call.kind)
     out = []
     stages = [1] if call.kind == "generate" else [s for s in _divisors(size) if cfg.num_layers % s == 0]
     for t in _divisors(size):
-        if t > devices_per_host or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
+        if t > max_tensor or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
             continue
         if call.head == "lm" and cfg.vocab_size % t:
             continue
@@ -102,14 +103,14 @@ class LayoutTable(dict):
     """(call, group size) -> valid layouts, computed on first use. A preset or seed may use a group
     size the candidate groups lack (2 of 6 devices, say), and its moves then ask for that size."""
 
-    def __init__(self, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, devices_per_host: int):
+    def __init__(self, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload, max_tensor: int):
         super().__init__()
-        self.graph, self.models, self.wl, self.devices_per_host = graph, models, wl, devices_per_host
+        self.graph, self.models, self.wl, self.max_tensor = graph, models, wl, max_tensor
 
     def __missing__(self, key: tuple[str, int]) -> list[Layout]:
         call, size = key
         spec = self.graph[call]
-        self[key] = valid_layouts(spec, self.models[spec.role], size, self.wl, self.devices_per_host)
+        self[key] = valid_layouts(spec, self.models[spec.role], size, self.wl, self.max_tensor)
         return self[key]
 
 
@@ -128,7 +129,7 @@ class SearchSpace:
               hw: HardwareProfile) -> "SearchSpace":
         groups = candidate_groups(num_devices, hw.devices_per_host)
         return cls(graph, num_devices, hw.devices_per_host, groups,
-                   LayoutTable(graph, models, wl, hw.devices_per_host))
+                   LayoutTable(graph, models, wl, hw.max_tensor))
 
     def slots(self, call: str) -> list[Slot]:
         return [(s, n, lay) for s, n in self.groups for lay in self.layouts[(call, n)]]
@@ -621,7 +622,9 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
         raise PlanError(f"no model config for roles {sorted(set(missing))}")
-    key = repr((sorted(models.items()), wl, hw, num_devices, graph.calls, seed, iterations, steps, allow_offpolicy))
+    measured = hw.measured.to_dict() if hw.measured else None  # not in the profile's repr, but it prices calls
+    key = repr((sorted(models.items()), wl, hw, measured, num_devices, graph.calls, seed, iterations, steps,
+                allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
     if _cannot_fit(models, graph, wl, hw, num_devices):

@@ -212,17 +212,19 @@ class PlanEstimate:
     reloads: dict[str, float]  # seconds of host -> device reloads added to a call
     memory: MemoryReport | None
     micro: dict[str, int] = dataclasses.field(default_factory=dict)  # per-call micro-batch counts chosen
+    move_sources: dict[str, str] = dataclasses.field(default_factory=dict)  # call -> what priced its move
 
 
 def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, ModelConfig], wl: Workload,
                    hw: HardwareProfile, cache: CostCache | None = None, micro: Mapping[str, int] | None = None
-                   ) -> tuple[dict[str, CallCost], dict[str, float]]:
-    """Cost of every call (in its `micro` micro-batch count, else the workload's) and of the move
-    (realloc or shadow sync) each one needs."""
+                   ) -> tuple[dict[str, CallCost], dict[str, float], dict[str, str]]:
+    """Cost of every call (in its `micro` micro-batch count, else the workload's), of the move
+    (realloc or shadow sync) each one needs, and what priced that move ("measured" or "formula")."""
     cache = cache or CostCache(models, wl, hw)
     micro = micro or {}
     costs: dict[str, CallCost] = {}
     moves: dict[str, float] = {}
+    sources: dict[str, str] = {}
     views = dict(wl.base_views)
     for c in graph.calls:
         p = plan.calls[c.name]
@@ -230,9 +232,9 @@ def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, M
         home_call = plan.home_call(views.get(c.role, c.role))  # a LoRA role's base moves from that role's home
         # a LoRA shadow's base is copied once; each sync sends only the adapters
         sync_adapters = c.role in plan.shadow_roles and models[c.role].lora is not None and c.role not in views
-        moves[c.name] = cache.move(c, plan.group_of(home_call), plan.calls[home_call].layout,
-                                   plan.group_of(c.name), p.layout, adapters_only=sync_adapters)
-    return costs, moves
+        moves[c.name], sources[c.name] = cache.move_cost(c, plan.group_of(home_call), plan.calls[home_call].layout,
+                                                         plan.group_of(c.name), p.layout, sync_adapters)
+    return costs, moves, sources
 
 
 def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig]) -> str | None:
@@ -356,13 +358,13 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         return PlanEstimate(plan, False, problem, None, None, {}, {}, {}, None)
     cache = cache or CostCache(models, wl, hw)
     micro, mem = plan_fit(plan, graph, models, wl, hw, cache)
-    costs, moves = call_durations(graph, plan, models, wl, hw, cache, micro)
+    costs, moves, sources = call_durations(graph, plan, models, wl, hw, cache, micro)
     reloads = {
         c.name: offload_cost(models[c.role], c.head, plan.calls[c.name].layout, hw)
         for c in graph.calls if c.role in mem.offloaded
     }
     if not mem.feasible:
-        return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro)
+        return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
     timeline = steady_state(graph, plan, call_s, moves, steps)
-    return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro)
+    return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)

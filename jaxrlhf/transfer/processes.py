@@ -80,3 +80,15 @@ def agreed_steps(steps: list[int]) -> list[int]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def main_values(values: list[float]) -> list[float]:
+    """Process 0's `values` on every process (the same length everywhere): decisions made from
+    measurements, such as a re-plan from call times, must come out the same on every process."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return list(values)
+    return [float(v) for v in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32)))]

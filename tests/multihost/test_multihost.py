@@ -22,6 +22,7 @@ import pytest
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing.replan import write_wrong_profile
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -44,6 +45,9 @@ CASES = {
     # generation on process 0, training on 1; checkpoints every step, for the 2 -> 1 process resume
     "ppo-disaggregated": (["plan.strategy=disaggregated", "run.checkpoint_every=1"], "ppo", PPO_KEYS),
     "grpo-disaggregated": ([*GRPO, "plan.strategy=disaggregated"], "grpo", GRPO_KEYS),
+    # searched on a profile that says generation on all 8 devices is nearly free (jaxrlhf.testing.replan),
+    # re-planned after step 2 from process 0's call times: both processes switch alike, mid-run
+    "grpo-replanned": ([*GRPO, "plan.strategy=auto", "plan.replan_every=2"], "grpo", GRPO_KEYS),
 }
 REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1", "run.export_hf=true"],
               "grpo": [*GRPO, "plan.strategy=colocated"]}
@@ -113,6 +117,7 @@ def session(tmp_path_factory):
     """The 1-process references (here, 8 devices) and one 2-process session running every case."""
     out = tmp_path_factory.mktemp("multihost")
     runs = {name: [*BASE, *o, f"run.output_dir={out / name}"] for name, (o, _, _) in CASES.items()}
+    runs["grpo-replanned"].append(f"plan.profile={write_wrong_profile([*BASE, *GRPO], str(out / 'wrong.yaml'))}")
     runs[RESUMED] = [*BASE, "plan.strategy=interleaved", "run.resume=true", f"run.output_dir={out / RESUMED}"]
     # The workers start at once and wait for the reference's checkpoint only before the resumed run.
     procs = launch(out, runs, realloc=True, wait_for={RESUMED: str(out / RESUMED)})
@@ -137,6 +142,15 @@ def test_two_processes_match_one(session, case):
     assert [r["step"] for r in got] == [1, 2, 3]
     for a, b in zip(got, want):
         assert_same(a, b, keys, case)
+
+
+def test_two_processes_replan_alike(session):
+    """The re-planned case checked its plan at step 2 on both processes (it matches the one-process
+    run above whether or not it switched; on a switch both went on, on the same plan)."""
+    step2 = session["records"]["grpo-replanned"][1]
+    assert "replan/switched" in step2 and "replan/predicted_gain" in step2
+    lines = [[line for line in log_of(session["out"], pid).splitlines() if "re-plan:" in line] for pid in (0, 1)]
+    assert lines[0] and lines[0][0].startswith("step 2: re-plan:") and lines[0] == lines[1]
 
 
 def test_only_process_zero_writes_metrics(session):

@@ -128,3 +128,38 @@ def test_only_frozen_roles_can_be_offloaded():
         validate(plan, GRAPH)
     again = ExecutionPlan.from_yaml(plan.to_yaml())
     assert again.offload_roles == ("actor",)
+
+
+@pytest.mark.slow
+def test_a_live_switch_reshards_every_role_and_the_next_step_is_unchanged():
+    """`Executor.moved_to` (a re-plan's switch): parameters and optimizer state land on their home in
+    the new plan with the same values, the offloaded reference comes back to device, and the next
+    step gives what the old plan gives."""
+    from jaxrlhf.transfer.host import host_get
+
+    def values(tree):
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves(host_get(tree))]
+
+    old, twin = _executor(offload=("ref",)), _executor(offload=("ref",))
+    for ex in (old, twin):
+        ex.step(FEED)
+    before = {n: (values(r.params), values(r.opt_state)) for n, r in old.roles.items()}
+    assert is_offloaded(old.roles["ref"].params)
+    plan = ExecutionPlan(
+        "other", 8, {"all": DeviceGroup("all", 0, 8), "a": DeviceGroup("a", 0, 4)},
+        {"actor.train": Placement("all", Layout(data=2, fsdp=4)),
+         "ref.inference": Placement("a", Layout(data=2, tensor=2))},
+    )
+    validate(plan, GRAPH)
+    new = old.moved_to(plan, CallCache(plan))
+    for name, role in new.roles.items():
+        assert not is_offloaded(role.params), name
+        target = jax.tree_util.tree_leaves(new.cache.placed(plan.home_call(name)).param_shardings(role.params))
+        for x, s in zip(jax.tree_util.tree_leaves(role.params), target):
+            assert x.sharding.is_equivalent_to(s, x.ndim), name
+        assert all(np.array_equal(a, b) for a, b in zip(values(role.params), before[name][0])), name
+        if role.trainable:
+            assert all(np.array_equal(a, b) for a, b in zip(values(role.opt_state), before[name][1]))
+    got, ref = new.step(FEED, read=("loss", "ref_mean")), twin.step(FEED, read=("loss", "ref_mean"))
+    assert float(got.values["loss"]) == pytest.approx(float(ref.values["loss"]), rel=1e-5)
+    assert float(got.values["ref_mean"]) == pytest.approx(float(ref.values["ref_mean"]), rel=1e-5)

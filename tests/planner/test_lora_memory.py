@@ -125,6 +125,6 @@ def test_a_lora_shadow_sync_is_priced_as_its_adapters():
     graph = algorithm_graph("grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.0")
     plan = build_plan("disaggregated", 16, {"actor": base}, graph, batch_size=64)
     assert "actor" in plan.shadow_roles
-    _, full = call_durations(graph, plan, {"actor": base}, wl, H100)
-    _, low = call_durations(graph, plan, {"actor": adapted}, wl, H100)
+    _, full, _ = call_durations(graph, plan, {"actor": base}, wl, H100)
+    _, low, _ = call_durations(graph, plan, {"actor": adapted}, wl, H100)
     assert 0 < low["actor.generate"] < full["actor.generate"] / 20

@@ -98,3 +98,19 @@ def test_plan_profile_feeds_plan_choice_and_bad_paths_say_which_key(tmp_path):
         cfglib.load_config(None, [f"plan.profile={tmp_path / 'missing.yaml'}"])
     with pytest.raises(cfglib.ConfigError, match="keep one"):
         cfglib.load_config(None, [f"plan.profile={path}", "plan.hardware=h100"])
+
+
+def test_a_timed_parameter_move_prices_that_move_the_formulas_the_rest():
+    from jaxrlhf.planner.cost import CostCache, realloc_cost
+
+    half, other = DeviceGroup("a", 0, 4), DeviceGroup("b", 4, 4)
+    move = {"model": KEY, "what": "params", "src": "0+4:d4f1t1", "dst": "4+4:d2f1t2", "bytes": 1e6, "seconds": 0.25}
+    batch = dict(move, what="batch", seconds=9.0)  # a batch move never prices a parameter move
+    hw = dataclasses.replace(get_profile("cpu"), measured=Measured([], [batch, move]))
+    cache = CostCache({"actor": CFG}, WL, hw)
+    assert cache.move_cost(GEN, half, LAY, other, Layout(data=2, tensor=2)) == (0.25, "measured")
+    back = cache.move_cost(GEN, other, Layout(data=2, tensor=2), half, LAY)  # the other direction was not timed
+    assert back == (realloc_cost(CFG, "lm", other, Layout(data=2, tensor=2), half, LAY, hw), "formula")
+    # an adapters-only sync is never what the profiler timed
+    assert cache.move_cost(GEN, half, LAY, other, Layout(data=2, tensor=2), adapters_only=True)[1] == "formula"
+    assert cache.move(GEN, half, LAY, other, Layout(data=2, tensor=2)) == 0.25
