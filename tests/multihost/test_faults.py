@@ -2,7 +2,7 @@
 a second run into the folder of a running one is refused; a signal to one process stops both after one
 agreed checkpoint, with exit code 130 and no failure reported; a newest checkpoint damaged for every
 process is moved aside once (by process 0) and both resume from the step before, continuing the run's
-metrics; a process given another process count is refused."""
+metrics; processes given different counts or a repeated id are refused in one line."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(out, *overrides: str, counts=(2, 2)) -> list[subprocess.Popen]:
-    """The two processes of one run, with the environment variables launch_env.sh --local sets (`counts`:
-    the JAXRLHF_NUM_PROCESSES each is given)."""
+def _start(out, *overrides: str, claims=((0, 2), (1, 2))) -> list[subprocess.Popen]:
+    """The processes of one run, with the environment variables launch_env.sh --local sets (`claims`: the
+    JAXRLHF_PROCESS_ID and JAXRLHF_NUM_PROCESSES each is given)."""
     port = _free_port()
     procs = []
-    for pid in range(2):
+    for pid, count in claims:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
-                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(counts[pid]),
+                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(count),
                    JAXRLHF_PROCESS_ID=str(pid))
         env.pop("XLA_FLAGS", None)
         cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
@@ -105,16 +105,19 @@ def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
     shutil.rmtree(out)
 
 
-def test_a_process_given_another_num_processes_is_refused(tmp_path):
-    """Process 1 believes the run has 3 processes, process 0 started it with 2: JAX accepts that without a
-    word; process 1 says which key differs and exits, and process 0 stops on the missed heartbeats
-    (distributed.heartbeat_timeout_s=10 here)."""
+@pytest.mark.parametrize("claims, message", [
+    (((0, 3), (1, 2)), "distributed.num_processes differs between processes: process 0 was given 3, process 1"),
+    (((0, 3), (1, 3), (1, 3)), "distributed.process_id=1 was given to two processes"),
+], ids=["counts", "repeated-id"])
+def test_launch_parameters_that_differ_end_every_process_in_one_line(tmp_path, claims, message):
+    """Process 0 given a larger distributed.num_processes than process 1, and a repeated process id: every
+    process exits with code 2 and the same line naming the key, before JAX starts (JAX waited 300 s and
+    aborted)."""
     t0 = time.monotonic()
-    (code0, err0), (code1, err1) = _finish(_start(tmp_path / "run", "run.steps=1", counts=(2, 3)), 600)
-    assert code1 == 2 and "distributed.num_processes=3 on process 1, but process 0 started the run with 2" in err1
-    assert "Traceback" not in err1, err1
-    assert code0 != 0
-    assert time.monotonic() - t0 < 300  # not JAX's initialization timeout
+    for code, err in _finish(_start(tmp_path / "run", "run.steps=1", claims=claims), 300):
+        assert code == 2 and message in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 120
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
