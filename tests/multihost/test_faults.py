@@ -2,7 +2,9 @@
 a second run into the folder of a running one is refused; a signal to one process stops both after one
 agreed checkpoint, with exit code 130 and no failure reported; a newest checkpoint damaged for every
 process is moved aside once (by process 0) and both resume from the step before, continuing the run's
-metrics; processes given different counts or a repeated id are refused in one line."""
+metrics; processes given different counts or a repeated id are refused in one line; a disk that fills
+for one process during a save stops both in one line, and damage only one process sees is agreed on.
+Each resume reproduces the interrupted run's metrics."""
 
 from __future__ import annotations
 
