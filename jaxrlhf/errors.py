@@ -62,7 +62,8 @@ _OS_FIXES = {
 
 
 def _kind(e: BaseException) -> str:
-    """"checkpoint error" for a CheckpointError, and for a subclass not named ...Error (DiskFull)."""
+    """The error's kind in words, from the first of its classes named ...Error: a DiskFull (a
+    CheckpointError) reads "checkpoint error"."""
     name = next((c.__name__ for c in type(e).__mro__ if c.__name__.endswith("Error")), type(e).__name__)
     return name.replace("Error", " error").lower()
 

@@ -15,7 +15,7 @@ from jaxrlhf import jax_private
 BARRIER_TIMEOUT_S = 600  # a process that does not reach a barrier in this time is stuck or dead
 
 _barriers = itertools.count()
-_passes: dict[str, int] = {}  # barrier_unless_posted: how often this process reached each name
+_passes: dict[str, int] = {}  # barrier_unless_posted, any_process_at: how often this process reached each name
 _passes_lock = threading.Lock()
 
 
