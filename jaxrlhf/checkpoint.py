@@ -16,6 +16,7 @@ so a run resumes on any number of processes.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import time
@@ -26,11 +27,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxrlhf.errors import EveryProcess
 from jaxrlhf.models.hf_io import CheckpointError
 
 
 class CheckpointMismatch(CheckpointError):
     """A readable checkpoint of another run: another algorithm, other roles or other model shapes."""
+
+
+class DiskFull(CheckpointError, EveryProcess):
+    """A save ran out of space on some process; every process raises it, after the partial step is gone."""
 
 
 class CheckpointManager:
@@ -39,11 +45,25 @@ class CheckpointManager:
     def __init__(self, directory: str, max_to_keep: int | None = 3):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        arrays, meta = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
+        self._abandon_key = ""  # where a process whose writes of the current save failed says so
+        if jax.process_count() > 1:
+            # Orbax's save thread waits for every process's writes; one whose writes failed never comes, so
+            # it tells the others at once (`_telling`) and they stop waiting (`_save_barrier`) instead of
+            # waiting out Orbax's 20-minute timeout.
+            options.async_options = ocp.AsyncOptions(barrier_sync_fn=self._save_barrier)
+            _telling(arrays, self._tell_failure)
+            _telling(meta, self._tell_failure)
+            # A restore that fails on one process only (damage to the shard files it alone reads) must fail
+            # on all, before Orbax's barrier after the read, which the failed process would never reach.
+            _agreeing(arrays)
+            _agreeing(meta)
         self._mngr = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=options,
             # declared up front, so a fresh manager can read a step's metadata before restoring it
-            item_handlers={"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={"arrays": arrays, "meta": meta},
         )
 
     def latest_step(self) -> int | None:
@@ -54,8 +74,16 @@ class CheckpointManager:
 
         A save that fails for want of space leaves the earlier steps as they were (Orbax writes into a
         temporary folder and renames it only when complete); the partial folder is removed and the
-        error says which step is the newest intact one."""
+        error says which step is the newest intact one. With several processes the space may run out
+        for one of them only: it tells the others, and all stop alike."""
+        import json
+
+        from jaxrlhf.transfer.processes import Abandoned
+
         arrays, copies = _spread(arrays)
+        self._abandon_key = f"checkpoint-save-failed/{step}"
+        quiet = _OrbaxErrorLogs()
+        logging.getLogger("absl").addFilter(quiet)
         try:
             self._mngr.save(
                 step,
@@ -64,18 +92,46 @@ class CheckpointManager:
             )
             self._mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - Orbax reports a full disk as a ValueError from TensorStore
-            if not _disk_full(e):
+            told = _in_chain(e, Abandoned)
+            failed = json.loads(str(told)) if told else self._tell_failure(e)
+            if not failed["disk_full"]:
+                if told:
+                    raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: process "
+                                          f"{failed['process']} could not write its part ({failed['reason']}); "
+                                          "its output has the error") from None
                 raise
             self._remove_partial(step)
             kept = [s for s in self.steps() if s != step]
-            raise CheckpointError(
+            raise DiskFull(
                 f"cannot save checkpoint step {step} in {self.directory}: the disk is full (no space left on device); "
                 + (f"the newest intact checkpoint is step {kept[-1]}. " if kept else "no earlier checkpoint exists. ")
                 + "Free space (or lower run.keep_checkpoints), then run the same command with run.resume=true"
             ) from None
         finally:
+            logging.getLogger("absl").removeFilter(quiet)
             for x in copies:
                 x.delete()
+
+    def _tell_failure(self, e: BaseException) -> dict[str, Any]:
+        """Tell the other processes that this one's writes of the current save failed, and why."""
+        import json
+
+        from jaxrlhf.transfer.processes import post
+
+        failed = {"process": jax.process_index(), "disk_full": _disk_full(e), "reason": _reason(e)}
+        post(self._abandon_key, json.dumps(failed))
+        return failed
+
+    def _save_barrier(self, *, key: str, timeout_ms: int) -> None:
+        """Orbax's barriers: the one after every process's writes is called off by a process whose writes
+        failed; the others (reached by every process, also after a failure) are plain."""
+        from jaxrlhf import jax_private
+        from jaxrlhf.transfer.processes import barrier_unless_posted
+
+        if _WRITES_DONE in key:
+            barrier_unless_posted(f"orbax/{key}", timeout_ms / 1000, self._abandon_key)
+        else:
+            jax_private.coordination_client().wait_at_barrier(key, timeout_ms)
 
     def _remove_partial(self, step: int) -> None:
         """Remove what a failed save of `step` left behind (only one process touches the shared folder)."""
@@ -186,6 +242,78 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._mngr.close()
+
+
+# Orbax's barrier after every process's writes of a save (orbax-checkpoint 0.12 names it so); should it
+# be renamed, a process whose writes fail leaves the others waiting for Orbax's timeout again.
+_WRITES_DONE = "async_write_complete"
+
+
+class _OrbaxErrorLogs(logging.Filter):
+    """Drops Orbax's error logs during a save: a failed save is logged with its traceback, from two
+    threads, before it raises; the error boundary says it in one line (with the traceback under --debug,
+    and a bug's traceback always)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _telling(handler: Any, tell) -> None:
+    """Make `handler`'s writes, when they fail, `tell` the other processes at once: from Orbax's save
+    thread, before the barrier where the others wait for this process's writes. (The instance's method
+    is wrapped, not the class subclassed: Orbax looks handlers up by class.)"""
+    async_save = handler.async_save
+
+    async def telling_async_save(*args, **kwargs):
+        return [_TellingFuture(f, tell) for f in await async_save(*args, **kwargs) or []]
+
+    handler.async_save = telling_async_save
+
+
+def _agreeing(handler: Any) -> None:
+    """Make `handler`'s restores succeed or fail on every process alike: one whose read failed raises its
+    error, the others a CheckpointError saying another process could not read it."""
+    from jaxrlhf.transfer.processes import any_process_at
+
+    restore = handler.restore
+
+    def agreeing_restore(directory, *args, **kwargs):
+        try:
+            out, error = restore(directory, *args, **kwargs), None
+        except Exception as e:  # noqa: BLE001 - agreed on first, then raised as it was
+            out, error = None, e
+        where = "/".join(os.path.normpath(str(directory)).split(os.sep)[-2:])  # "<step>/<item>": the same on every host
+        if any_process_at(f"restore/{where}", error is not None) and error is None:
+            raise CheckpointError(f"another process could not read {where}")
+        if error is not None:
+            raise error
+        return out
+
+    handler.restore = agreeing_restore
+
+
+class _TellingFuture:
+    """An Orbax write future that calls `tell(error)` when the write fails."""
+
+    def __init__(self, future, tell):
+        self._future, self._tell = future, tell
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self._future.result(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - told, then raised as it was
+            self._tell(e)
+            raise
+
+    def cancel(self) -> Any:
+        return self._future.cancel()
+
+
+def _in_chain(e: BaseException | None, kind: type) -> BaseException | None:
+    """The first exception of type `kind` among `e` and its causes."""
+    while e is not None and not isinstance(e, kind):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def _save_sharding(x: Any) -> NamedSharding | None:

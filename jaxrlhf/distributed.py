@@ -51,10 +51,8 @@ def initialize(dist: Any, platform: str) -> None:
         raise DistributedError(f"distributed.process_id={pid} must be below distributed.num_processes={count}")
     if address is not None:
         host, port = _host_port(address)
-        if pid not in (None, 0):
-            _wait_for_coordinator(address, host, port, pid, dist.initialization_timeout_s)
-        elif pid == 0:
-            _check_port_free(address, port)
+        if count is not None and pid is not None:
+            _check_launch(address, host, port, count, pid, dist.initialization_timeout_s)
     cpu = platform == "cpu" or (platform == "auto" and os.environ.get("JAX_PLATFORMS", "") == "cpu")
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", dist.cpu_collectives)
@@ -103,34 +101,95 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _check_port_free(address: str, port: int) -> None:
-    """Process 0 starts the coordinator on `port`: taken already, it is most often a second process 0 of
-    the same run (a repeated distributed.process_id), which JAX would report only after its timeout."""
+# Marks a start-up claim (and is never in an answer from another program on the port, or from JAX's
+# coordinator when it already runs).
+_HANDSHAKE = "jaxrlhf-start/1"
+
+
+def _check_launch(address: str, host: str, port: int, count: int, pid: int, timeout_s: float) -> None:
+    """Compare every process's distributed.process_id and num_processes before JAX joins them.
+
+    JAX reports a repeated id or a different count only by aborting after its initialization timeout (or
+    takes process 0's count without a word). So process 0 first listens on the coordinator's port itself:
+    every other process connects, says which id and count it was given, and process 0 answers all at once,
+    with the first mismatch in one line or with a go-ahead; then it frees the port for JAX's coordinator
+    (which the others retry until it is up)."""
+    if pid == 0:
+        _collect_claims(address, port, count, timeout_s)
+    else:
+        _send_claim(address, host, port, count, pid, timeout_s)
+
+
+def _collect_claims(address: str, port: int, count: int, timeout_s: float) -> None:
+    import json
     import socket
+    import time
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a previous run's TIME_WAIT is no owner
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            raise DistributedError(
-                f"distributed.coordinator_address={address}: process 0 cannot start the coordinator, port {port} "
-                f"is taken on this host ({e.strerror}): another process was given distributed.process_id=0 "
-                "(each process needs its own id), or another program uses the port (choose a free one)"
-            ) from None
+    dual = socket.has_dualstack_ipv6()  # as JAX's coordinator, which listens on [::]
+    try:
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                      dualstack_ipv6=dual)  # SO_REUSEADDR: a previous run's TIME_WAIT is no owner
+    except OSError as e:
+        raise DistributedError(
+            f"distributed.coordinator_address={address}: process 0 cannot start the coordinator, port {port} "
+            f"is taken on this host ({e.strerror}): another process was given distributed.process_id=0 "
+            "(each process needs its own id), or another program uses the port (choose a free one)"
+        ) from None
+    joined = {0: "this host"}  # process id -> the host that claimed it
+    conns, problem = [], None
+    deadline = time.monotonic() + timeout_s
+    with server:
+        server.settimeout(0.5)
+        while problem is None and len(joined) < count:
+            if time.monotonic() >= deadline:
+                missing = ", ".join(str(i) for i in range(count) if i not in joined)
+                problem = (f"process 0 waited distributed.initialization_timeout_s={timeout_s} for the run's "
+                           f"distributed.num_processes={count} processes; process(es) {missing} never joined: start "
+                           "them with the same distributed.coordinator_address, or give every process the count "
+                           "of processes you start")
+                break
+            try:
+                conn, peer = server.accept()
+            except TimeoutError:
+                continue
+            claim = _read_json(conn, timeout_s=10)
+            if not isinstance(claim, dict) or claim.get("handshake") != _HANDSHAKE:
+                conn.close()  # not one of ours (a port scanner, a health check): ignore it
+                continue
+            conns.append(conn)
+            peer_host = peer[0].removeprefix("::ffff:")  # an IPv4 client of the dual-stack socket
+            other, their_count = int(claim["process_id"]), int(claim["num_processes"])
+            if their_count != count:
+                problem = (f"distributed.num_processes differs between processes: process 0 was given {count}, "
+                           f"process {other} (on {peer_host}) {their_count}; give every process the same "
+                           "distributed.num_processes")
+            elif other in joined:
+                problem = (f"distributed.process_id={other} was given to two processes (on "
+                           f"{joined[other]} and {peer_host}); give each process its own id, 0 to {count - 1}")
+            joined.setdefault(other, peer_host)
+        verdict = (json.dumps({"error": problem} if problem else {"ok": True}) + "\n").encode()
+        for conn in conns:
+            with conn:
+                try:
+                    conn.sendall(verdict)
+                except OSError:
+                    pass  # that process is gone; the others still hear the verdict
+    if problem:
+        raise DistributedError(problem)
 
 
-def _wait_for_coordinator(address: str, host: str, port: int, pid: int, timeout_s: float) -> None:
-    """Process `pid` (not 0) waits until the coordinator's port accepts connections: an address no one
-    listens on is reported here, in one line, instead of by a C++ abort when JAX gives up."""
+def _send_claim(address: str, host: str, port: int, count: int, pid: int, timeout_s: float) -> None:
+    """Process `pid` (not 0) retries until process 0 listens (an address no one listens on is reported
+    here, in one line, instead of by a C++ abort when JAX gives up), then waits for its verdict."""
+    import json
     import socket
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)):
-                return
+            conn = socket.create_connection((host, port), timeout=min(5.0, timeout_s))
+            break
         except OSError as e:
             why = e.strerror or type(e).__name__
         if time.monotonic() >= deadline:
@@ -140,6 +199,35 @@ def _wait_for_coordinator(address: str, host: str, port: int, pid: int, timeout_
                 "address, and give a host:port every host can reach"
             )
         time.sleep(0.5)
+    with conn:
+        conn.sendall((json.dumps({"handshake": _HANDSHAKE, "process_id": pid, "num_processes": count})
+                      + "\n").encode())
+        verdict = _read_json(conn, timeout_s=timeout_s + 60)  # process 0 answers by its own deadline
+    if not isinstance(verdict, dict) or not ("ok" in verdict or "error" in verdict):
+        raise DistributedError(
+            f"distributed.coordinator_address={address}: process {pid} got no start-up answer from process 0: "
+            f"either the run there has all its processes already (was distributed.process_id={pid} given to two "
+            "processes?), or process 0 stopped (its output says why)"
+        )
+    if "error" in verdict:
+        raise DistributedError(str(verdict["error"]))
+
+
+def _read_json(conn, timeout_s: float):
+    """One JSON line from `conn` (None if the peer closed, timed out or sent something else)."""
+    import json
+
+    conn.settimeout(timeout_s)
+    data = b""
+    try:
+        while not data.endswith(b"\n") and len(data) < 4096:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return json.loads(data.decode())
+    except (OSError, ValueError):
+        return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -25,6 +25,11 @@ class RunError(ValueError):
     making progress."""
 
 
+class EveryProcess:
+    """Mixin of errors that every process of a run raises together, after agreeing on them: no process
+    fails alone, so none says that the others will stop on missed heartbeats."""
+
+
 class Interrupted(Exception):
     """SIGINT/SIGTERM stopped a run cleanly; the message says what was saved and how to resume."""
 
@@ -57,7 +62,10 @@ _OS_FIXES = {
 
 
 def _kind(e: BaseException) -> str:
-    return type(e).__name__.replace("Error", " error").lower()
+    """The error's kind in words, from the first of its classes named ...Error: a DiskFull (a
+    CheckpointError) reads "checkpoint error"."""
+    name = next((c.__name__ for c in type(e).__mro__ if c.__name__.endswith("Error")), type(e).__name__)
+    return name.replace("Error", " error").lower()
 
 
 def run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
@@ -101,7 +109,7 @@ def _run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str
         print(f"{prog}: {_kind(e)}: {e}", file=sys.stderr)
         if not debug:
             print(f"{prog}: (run with --debug for the traceback)", file=sys.stderr)
-        return _failed(EXIT_USER_ERROR)
+        return _failed(EXIT_USER_ERROR, alone=not isinstance(e, EveryProcess))
 
 
 def _multiprocess() -> bool:
@@ -111,10 +119,10 @@ def _multiprocess() -> bool:
     return joined_several_processes()
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int, alone: bool = True) -> None:
     import jax
 
-    if code != EXIT_INTERRUPTED:  # a signal stops every process together, after the agreed save: no failure
+    if alone and code != EXIT_INTERRUPTED:  # a signal stops every process together, after the agreed save
         print(f"process {jax.process_index()} failed and exits now (code {code}); the other processes stop "
               "within distributed.heartbeat_timeout_s, when the coordination service misses its heartbeats",
               file=sys.stderr, flush=True)
@@ -122,8 +130,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _failed(code: int) -> int:
+def _failed(code: int, alone: bool = True) -> int:
     """`code` for the caller to return; with several processes, exit at once instead (see run_cli)."""
     if _multiprocess():
-        _exit_now(code)
+        _exit_now(code, alone)
     return code

@@ -15,7 +15,11 @@ import time
 from typing import Iterator
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.errors import RunError
+from jaxrlhf.errors import EveryProcess, RunError
+
+
+class OutputDirBusy(RunError, EveryProcess):
+    """Another run holds the output folder; every process of this one is refused alike."""
 
 
 @contextlib.contextmanager
@@ -38,7 +42,7 @@ def output_dir_lock(out: str) -> Iterator[None]:
             handle.close()
             handle, busy = None, True
     if any_process(busy):
-        raise RunError(f"run.output_dir={out!r} is in use by another run that is still going (it holds "
+        raise OutputDirBusy(f"run.output_dir={out!r} is in use by another run that is still going (it holds "
                        f"{os.path.join(out, '.lock')}); nothing was changed. Wait for it to end, or choose "
                        "another run.output_dir")
     try:

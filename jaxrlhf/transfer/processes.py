@@ -8,12 +8,15 @@ no-op or the obvious answer.
 from __future__ import annotations
 
 import itertools
+import threading
 
 from jaxrlhf import jax_private
 
 BARRIER_TIMEOUT_S = 600  # a process that does not reach a barrier in this time is stuck or dead
 
 _barriers = itertools.count()
+_passes: dict[str, int] = {}  # barrier_unless_posted, any_process_at: how often this process reached each name
+_passes_lock = threading.Lock()
 
 
 class DistributedError(RuntimeError):
@@ -43,6 +46,75 @@ def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
         raise DistributedError(
             f"process {jax.process_index()} stopped waiting for another process at {name!r} "
             f"({_first_line(e)}); a process failed, was killed or is stuck: its output has the first error"
+        ) from None
+
+
+class Abandoned(DistributedError):
+    """Another process gave up on what this one waits for (`barrier_unless_posted`); the message is its reason."""
+
+
+def post(key: str, text: str) -> None:
+    """Publish `text` under `key` to every process of the run (no-op with one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        jax_private.coordination_client().key_value_set(f"jaxrlhf/{key}", text, allow_overwrite=True)
+
+
+def barrier_unless_posted(name: str, timeout_s: float, abandon_key: str) -> None:
+    """A barrier that another process can call off: waits until every process arrives at `name`, but
+    raises `Abandoned` (with the posted reason) as soon as any process `post`s `abandon_key`, as a
+    process whose checkpoint writes failed does: it never arrives, and the others would wait out the
+    whole timeout. Every process must reach the same `name` equally often (from any thread: passes of one
+    name are counted, not of all barriers as in `barrier`)."""
+    import time
+
+    import jax
+
+    with _passes_lock:
+        _passes[name] = n = _passes.get(name, 0) + 1
+    name = f"{name}/{n}"
+    client = jax_private.coordination_client()
+    client.key_value_set(f"jaxrlhf/arrived/{name}/{jax.process_index()}", "1")
+    deadline = time.monotonic() + timeout_s
+    for other in range(jax.process_count()):
+        while True:
+            try:
+                client.blocking_key_value_get(f"jaxrlhf/arrived/{name}/{other}", 200)
+                break
+            except Exception:  # noqa: BLE001 - not there yet (the client reports a timeout as a generic error)
+                pass
+            try:
+                reason = client.key_value_try_get(f"jaxrlhf/{abandon_key}")
+            except Exception:  # noqa: BLE001 - nothing posted
+                reason = None
+            if reason is not None:
+                raise Abandoned(reason)
+            if time.monotonic() >= deadline:
+                raise DistributedError(f"process {jax.process_index()} stopped waiting for process {other} at "
+                                       f"{name!r} after {timeout_s:.0f} s; it failed, was killed or is stuck")
+
+
+def any_process_at(name: str, flag: bool, timeout_s: float = BARRIER_TIMEOUT_S) -> bool:
+    """`any_process` through the coordination service instead of a device collective: safe from any
+    thread, and where a device collective could meet another that a process reached by another path
+    (after a failure). Every process must reach the same `name` equally often."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    with _passes_lock:
+        _passes[name] = n = _passes.get(name, 0) + 1
+    client = jax_private.coordination_client()
+    key = f"jaxrlhf/any/{name}/{n}"
+    client.key_value_set(f"{key}/{jax.process_index()}", "1" if flag else "0")
+    try:
+        return any(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)) == "1"
+                   for p in range(jax.process_count()))
+    except Exception as e:  # noqa: BLE001 - the client reports a missing process as a generic error
+        raise DistributedError(
+            f"process {jax.process_index()} stopped waiting for another process at {name!r} ({_first_line(e)}); "
+            "a process failed, was killed or is stuck: its output has the first error"
         ) from None
 
 

@@ -97,3 +97,49 @@ def test_a_second_process_0_is_one_line():
                                                                r"is taken .*another process was given "
                                                                r"distributed.process_id=0"):
             distributed.initialize(dist, "cpu")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_check(port: int, claims: list[tuple[int, int]], timeout_s: float = 30) -> list[str]:
+    """`distributed._check_launch` of processes given (process_id, num_processes), each in a thread;
+    what each one raised ("" for a go-ahead). Process 0 starts first, as it listens."""
+    import threading
+    import time
+
+    said = [""] * len(claims)
+
+    def one(i, pid, count):
+        try:
+            distributed._check_launch(f"127.0.0.1:{port}", "127.0.0.1", port, count, pid, timeout_s)
+        except distributed.DistributedError as e:
+            said[i] = str(e)
+
+    threads = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(claims)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=timeout_s + 70)
+    return said
+
+
+def test_launch_parameters_are_compared_before_jax_joins_the_processes():
+    """Process 0 collects every process's id and count on the coordinator's port: a repeated id or
+    different counts end every process at once with the same line (JAX would abort after its 300 s
+    initialization timeout); a process missing after distributed.initialization_timeout_s is named."""
+    assert _launch_check(free_port(), [(0, 2), (1, 2)]) == ["", ""]
+    dup = "distributed.process_id=1 was given to two processes (on 127.0.0.1 and 127.0.0.1); give each process " \
+          "its own id, 0 to 2"
+    assert _launch_check(free_port(), [(0, 3), (1, 3), (1, 3)]) == [dup] * 3
+    counts = "distributed.num_processes differs between processes: process 0 was given 3, process 1 (on " \
+             "127.0.0.1) 2; give every process the same distributed.num_processes"
+    assert _launch_check(free_port(), [(0, 3), (1, 2)]) == [counts] * 2
+    missing = _launch_check(free_port(), [(0, 3), (1, 3)], timeout_s=1)
+    assert missing[0] == missing[1] and "process(es) 2 never joined" in missing[0], missing

@@ -2,7 +2,9 @@
 a second run into the folder of a running one is refused; a signal to one process stops both after one
 agreed checkpoint, with exit code 130 and no failure reported; a newest checkpoint damaged for every
 process is moved aside once (by process 0) and both resume from the step before, continuing the run's
-metrics; a process given another process count is refused."""
+metrics; processes given different counts or a repeated id are refused in one line; a disk that fills
+for one process during a save stops both in one line, and damage only one process sees is agreed on.
+Each resume reproduces the interrupted run's metrics."""
 
 from __future__ import annotations
 
@@ -35,14 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(out, *overrides: str, counts=(2, 2)) -> list[subprocess.Popen]:
-    """The two processes of one run, with the environment variables launch_env.sh --local sets (`counts`:
-    the JAXRLHF_NUM_PROCESSES each is given)."""
+def _start(out, *overrides: str, claims=((0, 2), (1, 2))) -> list[subprocess.Popen]:
+    """The processes of one run, with the environment variables launch_env.sh --local sets (`claims`: the
+    JAXRLHF_PROCESS_ID and JAXRLHF_NUM_PROCESSES each is given)."""
     port = _free_port()
     procs = []
-    for pid in range(2):
+    for pid, count in claims:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
-                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(counts[pid]),
+                   JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(count),
                    JAXRLHF_PROCESS_ID=str(pid))
         env.pop("XLA_FLAGS", None)
         cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
@@ -51,6 +53,22 @@ def _start(out, *overrides: str, counts=(2, 2)) -> list[subprocess.Popen]:
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     return procs
+
+
+def _values(records: list[dict]) -> list[dict]:
+    """Metrics records without their timings (which differ between runs)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records]
+
+
+def _worker_launcher():
+    """test_multihost.py's launcher of worker.py (with --import-mode=importlib tests are loaded by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multihost_launcher",
+                                                  os.path.join(os.path.dirname(__file__), "test_multihost.py"))
+    mh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mh)
+    return mh
 
 
 def _finish(procs, timeout: float) -> list[tuple[int, str]]:
@@ -91,7 +109,8 @@ def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
     assert steps[-1] == reached and len(steps) >= 2
 
     # The newest checkpoint is damaged for both processes: process 0 moves it aside, once; both resume
-    # from the step before and the run goes on with the same metrics log.
+    # from the step before and train step `reached` again, with the metrics it had.
+    before = _values(read_metrics(str(log)))
     for dirpath, _, files in os.walk(out / "checkpoints" / str(reached) / "arrays" / "d"):
         for f in files:
             os.truncate(os.path.join(dirpath, f), 1)
@@ -101,33 +120,33 @@ def test_signal_to_one_process_then_damaged_newest_checkpoint(tmp_path):
     assert f"checkpoint step {reached}" in results[0][1] and f"using step {reached - 1}" in results[0][1]
     aside = [n for n in os.listdir(out / "checkpoints") if n.startswith(f"damaged-step-{reached}-")]
     assert len(aside) == 1, os.listdir(out / "checkpoints")
-    assert [r["step"] for r in read_metrics(str(log))] == list(range(1, reached + 2))
+    after = read_metrics(str(log))
+    assert [r["step"] for r in after] == list(range(1, reached + 2))
+    for got, want in zip(_values(after[:reached]), before, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
     shutil.rmtree(out)
 
 
-def test_a_process_given_another_num_processes_is_refused(tmp_path):
-    """Process 1 believes the run has 3 processes, process 0 started it with 2: JAX accepts that without a
-    word; process 1 says which key differs and exits, and process 0 stops on the missed heartbeats
-    (distributed.heartbeat_timeout_s=10 here)."""
+@pytest.mark.parametrize("claims, message", [
+    (((0, 3), (1, 2)), "distributed.num_processes differs between processes: process 0 was given 3, process 1"),
+    (((0, 3), (1, 3), (1, 3)), "distributed.process_id=1 was given to two processes"),
+], ids=["counts", "repeated-id"])
+def test_launch_parameters_that_differ_end_every_process_in_one_line(tmp_path, claims, message):
+    """Process 0 given a larger distributed.num_processes than process 1, and a repeated process id: every
+    process exits with code 2 and the same line naming the key, before JAX starts (JAX waited 300 s and
+    aborted)."""
     t0 = time.monotonic()
-    (code0, err0), (code1, err1) = _finish(_start(tmp_path / "run", "run.steps=1", counts=(2, 3)), 600)
-    assert code1 == 2 and "distributed.num_processes=3 on process 1, but process 0 started the run with 2" in err1
-    assert "Traceback" not in err1, err1
-    assert code0 != 0
-    assert time.monotonic() - t0 < 300  # not JAX's initialization timeout
+    for code, err in _finish(_start(tmp_path / "run", "run.steps=1", claims=claims), 300):
+        assert code == 2 and message in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 120
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
     """SIGTERM reaches process 1 while it saves step 1's checkpoint, after this step's stop was agreed: both
     processes train step 2, agree to stop, save it and exit 130 (a process acting on its own flag stopped
     alone, leaving the other in step 2's collectives)."""
-    import importlib.util
-
-    # the worker launcher of test_multihost.py (with --import-mode=importlib tests are loaded by path)
-    spec = importlib.util.spec_from_file_location("multihost_launcher",
-                                                  os.path.join(os.path.dirname(__file__), "test_multihost.py"))
-    mh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mh)
+    mh = _worker_launcher()
     out = tmp_path
     run = [*mh.BASE, "run.steps=6", "run.checkpoint_every=1", f"run.output_dir={out / 'run'}"]
     codes = mh.wait_all(mh.launch(out, {"run": run}, signal_in_save=1, heartbeat_s=10), out, 900)
@@ -136,3 +155,40 @@ def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
     assert "stopped by a signal to another process after step 2" in mh.log_of(out, 0)
     assert sorted(os.listdir(out / "run" / "checkpoints")) == ["1", "2"]
     assert [r["step"] for r in read_metrics(str(out / "run" / "metrics.jsonl"))] == [1, 2]
+
+
+def test_disk_full_on_one_process_then_damage_one_process_sees(tmp_path):
+    """Process 1's writes of step 3 fail for want of space (as TensorStore's do, in Orbax's save thread):
+    it tells process 0, which stops waiting for it, and both exit with the same line (code 2), step 3's
+    partial folder removed and steps 1-2 intact. Then step 2 is damaged in the shard files only process 1
+    reads: the resumed run agrees on step 1 (the newest every process can read), process 0 moves step 2
+    aside once, and steps 2-3 come out as the first run had them."""
+    mh = _worker_launcher()
+    run = [*mh.BASE, "run.steps=4", "run.checkpoint_every=1", "plan.strategy=colocated",
+           f"run.output_dir={tmp_path / 'run'}"]
+    checkpoints, log = tmp_path / "run" / "checkpoints", str(tmp_path / "run" / "metrics.jsonl")
+    for name in ("full", "resumed"):
+        (tmp_path / name).mkdir()
+    codes = mh.wait_all(mh.launch(tmp_path / "full", {"run": run}, disk_full=[1, 3], heartbeat_s=10), tmp_path, 900)
+    said = [mh.log_of(tmp_path / "full", i) for i in (0, 1)]
+    assert codes == [2, 2], said
+    for text in said:
+        assert (f"worker: checkpoint error: cannot save checkpoint step 3 in {checkpoints}: the disk is full (no space "
+                "left on device); the newest intact checkpoint is step 2. Free space") in text, text
+        assert "Traceback" not in text and "failed and exits" not in text, text
+    assert sorted(os.listdir(checkpoints)) == ["1", "2"]
+    first = _values(read_metrics(log))
+    assert [r["step"] for r in first] == [1, 2, 3]
+
+    for f in os.listdir(checkpoints / "2" / "arrays" / "ocdbt.process_1" / "d"):
+        os.truncate(checkpoints / "2" / "arrays" / "ocdbt.process_1" / "d" / f, 1)
+    codes = mh.wait_all(mh.launch(tmp_path / "resumed", {"run": [*run, "run.resume=true"]}, heartbeat_s=10),
+                        tmp_path, 900)
+    said = [mh.log_of(tmp_path / "resumed", i) for i in (0, 1)]
+    assert codes == [0, 0], said
+    assert "checkpoint step 2 in" in said[0] and "using step 1" in said[0], said[0]
+    assert len([n for n in os.listdir(checkpoints) if n.startswith("damaged-step-2-")]) == 1
+    after = read_metrics(log)
+    assert [r["step"] for r in after] == [1, 2, 3, 4]
+    for got, want in zip(_values(after[:3]), first, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)

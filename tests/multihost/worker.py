@@ -1,7 +1,8 @@
 """One process of the multi-process tests (started by test_multihost.py; not a test module).
 
 `python worker.py SPEC_JSON`: join the run described by the spec, then do its `runs` (train.run of
-each override list, timing it), its `realloc` check and its `fail` or `signal_in_save` behaviour, writing what it found
+each override list, timing it), its `realloc` check and its `fail`, `signal_in_save` or `disk_full` behaviour, writing
+what it found
 to `<out>/worker-<process>.json`.
 """
 
@@ -78,6 +79,8 @@ def main() -> int:
             train.plan_for = _fails
         if spec.get("signal_in_save") == pid:  # SIGTERM to this process only, while it saves a checkpoint
             _signal_during_first_save()
+        if spec.get("disk_full", [None])[0] == pid:  # this process's writes of one step fail for want of space
+            _disk_fills_at(spec["disk_full"][1])
         t0 = time.perf_counter()
         train.run(cfg)
         found["runs"][name] = {"seconds": time.perf_counter() - t0}
@@ -102,6 +105,29 @@ def _signal_during_first_save() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     CheckpointManager.save = save_then_signal
+
+
+def _disk_fills_at(step: int) -> None:
+    """This process's writes of checkpoint `step` (its `step`-th save) end as TensorStore's end on a full
+    disk: the write futures the array handler returns fail after writing part of the shards, in Orbax's
+    save thread, before the barrier where the other processes wait for this one."""
+    import orbax.checkpoint as ocp
+
+    async_save, saves = ocp.StandardCheckpointHandler.async_save, []
+
+    class Full:
+        def result(self, timeout=None):
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "actor/0": No space left on device [os_error_code=28]')
+
+        def cancel(self):
+            pass
+
+    async def save_then_fail(self, *args, **kwargs):
+        futures = await async_save(self, *args, **kwargs)
+        saves.append(True)
+        return [*(futures or []), Full()] if len(saves) == step else futures
+
+    ocp.StandardCheckpointHandler.async_save = save_then_fail
 
 
 def _fails(*args, **kwargs):
