@@ -91,7 +91,11 @@ class Timer:
         from jaxrlhf.models import axes as ax
 
         with ax.activation_sharding(self.resolver):
-            return nnx.merge(self.graphdef, p)(tok, pos, mask, cache)
+            model = nnx.merge(self.graphdef, p)
+            if cache is None:  # value and reward models take no cache argument
+                out = model(tok, pos, mask)
+                return out if isinstance(out, tuple) else (out, None)
+            return model(tok, pos, mask, cache)
 
     def time(self, phase: str, rows: int, length: int, free_slots: int = 0) -> float:
         """Seconds of `phase` at `rows` x `length` (decode: per token, with a cache of `length` slots;

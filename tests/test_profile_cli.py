@@ -43,3 +43,15 @@ def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     assert train.source == "measured"
     table = hw.measured.find(tables[0].model, "train", 8, str(plan.calls["actor.train"].layout))
     assert train.seconds == pytest.approx(table.seconds(32, 20))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["value", "reward"])
+def test_timer_times_models_without_a_cache_argument(head):
+    """A critic's or reward model's inference and train calls are timed too (their forward takes no KV
+    cache: the profiler once passed one and failed on every PPO config)."""
+    from jaxrlhf.models.config import preset
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    timer = prof.Timer(preset("tiny"), head, DeviceGroup("profile", 0, 2), Layout(data=2), repeats=1)
+    assert timer.time("inference", 2, 8) > 0 and timer.time("train", 2, 8) > 0
