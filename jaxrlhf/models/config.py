@@ -16,6 +16,17 @@ from jaxrlhf.registry import Registry
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
+# Models with at most this many layers run the scan over their stacked layers unrolled: the
+# compiled program holds one copy of the layer body per layer, reading each layer's weights with
+# a static slice. A rolled loop reads and writes the stacked weights, gradients and saved
+# activations through dynamic slices, which XLA:CPU also zero-fills first (measured on a
+# 23.6M-parameter, 8-layer model: forward 1.2x and forward + backward 1.1x faster unrolled, the
+# backward compiling in 10.7 instead of 6.8 CPU s). Deeper models keep the rolled loop so that
+# compile time does not grow with depth. Unrolled, XLA slices every layer's weights out of the
+# stack up front: a forward holds a second copy of the layer weights (the memory model counts it).
+UNROLL_MAX_LAYERS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent rope scaling (HF `rope_type: llama3`)."""
@@ -123,6 +134,11 @@ class ModelConfig:
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a sequence, the primary first; empty when the model has no EOS."""
         return () if self.eos_token_id is None else (self.eos_token_id, *self.extra_eos_token_ids)
+
+    @property
+    def unrolls_layers(self) -> bool:
+        """Whether the forward runs its layer loop unrolled (see `UNROLL_MAX_LAYERS`)."""
+        return self.num_layers <= UNROLL_MAX_LAYERS
 
     @property
     def dim_per_head(self) -> int:

@@ -11,7 +11,7 @@ stored with separate head axes ([embed, heads, head_dim]) so tensor
 parallelism can shard heads without reshapes.
 
 The decoder layers are one module whose parameters are stacked along a
-leading "layers" axis, run by `jax.lax.scan`: beyond `UNROLL_MAX_LAYERS` the
+leading "layers" axis, run by `jax.lax.scan`: beyond `config.UNROLL_MAX_LAYERS` the
 compiled program holds one layer body whatever the depth, so compile time does
 not grow with `num_layers`; shallower models unroll the scan (faster to run). Pipeline parallelism splits that axis into stages: under a
 placement with stage > 1 the layers run as a GPipe schedule (`pipeline.py`).
@@ -339,15 +339,6 @@ class DecoderLayer(nnx.Module):
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
-# Models with at most this many layers run the scan over their stacked layers unrolled: the
-# compiled program holds one copy of the layer body per layer, reading each layer's weights with
-# a static slice. A rolled loop reads and writes the stacked weights, gradients and saved
-# activations through dynamic slices, which XLA:CPU also zero-fills first (measured on a
-# 23.6M-parameter, 8-layer model: forward 1.2x and forward + backward 1.1x faster unrolled, the
-# backward compiling in 10.7 instead of 6.8 CPU s). Deeper models keep the rolled loop so that
-# compile time does not grow with depth.
-UNROLL_MAX_LAYERS = 8
-
 REMAT_POLICIES = ("none", "full", "dots")
 _CHECKPOINT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
@@ -455,8 +446,8 @@ class Transformer(nnx.Module):
 
             if remat:
                 step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
-            unroll = cfg.num_layers <= UNROLL_MAX_LAYERS  # see UNROLL_MAX_LAYERS
-            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)), unroll=unroll)
+            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)),
+                                      unroll=cfg.unrolls_layers)
         x = self.final_norm(x)
         if cache is not None:
             new_kv = dict(new_k=kv[2], new_v=kv[3]) if pages is not None else {}

@@ -135,7 +135,12 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         logit_tok *= m
     if call.kind == "inference":
         act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
-        return {"activations": act + hand_off, "fsdp_buffers": gathered + head_gathered}
+        out = {"activations": act + hand_off, "fsdp_buffers": gathered + head_gathered}
+        if cfg.unrolls_layers and layout.stage == 1:
+            # an unrolled layer loop slices every layer's weights out of the stack before the first
+            # layer runs (`models.config.UNROLL_MAX_LAYERS`): one more copy of this device's layer shards
+            out["layer_copies"] = layer_bytes * cfg.num_layers / (layout.fsdp * t)
+        return out
     layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
     # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
     # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlhf.models import transformer
+from jaxrlhf.models import config as model_config
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model, positions_from_mask, remat_policy
 
@@ -40,9 +40,9 @@ def test_unrolled_layer_loop_matches_the_rolled_one(monkeypatch):
     """The same loss and gradients whether the stacked layers run as a rolled or an unrolled loop (the
     tiny model's 3 layers unroll by default; a threshold of 0 keeps the loop rolled), and the unrolled
     program has no loop left."""
-    assert 3 <= transformer.UNROLL_MAX_LAYERS
+    assert 3 <= model_config.UNROLL_MAX_LAYERS
     unrolled_loss, unrolled_grads = _loss_and_grads("none")
-    monkeypatch.setattr(transformer, "UNROLL_MAX_LAYERS", 0)
+    monkeypatch.setattr(model_config, "UNROLL_MAX_LAYERS", 0)
     rolled_loss, rolled_grads = _loss_and_grads("none")
     np.testing.assert_allclose(unrolled_loss, rolled_loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(unrolled_grads), jax.tree.leaves(rolled_grads)):
@@ -56,7 +56,7 @@ def test_shallow_models_compile_without_a_layer_loop(monkeypatch):
     mask = jnp.ones((1, 4), bool)
     forward = lambda m: m(tokens, positions_from_mask(mask), mask)[0]  # noqa: E731
     assert "while" not in nnx.jit(forward).lower(model).as_text()
-    monkeypatch.setattr(transformer, "UNROLL_MAX_LAYERS", 2)
+    monkeypatch.setattr(model_config, "UNROLL_MAX_LAYERS", 2)
     assert "while" in nnx.jit(forward).lower(model).as_text()
 
 
