@@ -341,7 +341,8 @@ class CallCost:
     hbm_bytes: float
     collective_bytes: float
     parts: Mapping[str, float]  # seconds: compute / memory-bound phases, collectives, overhead
-    # "formula"; "measured": interpolated from the hardware profile's tables (`planner.measured`); "run": a
+    # "formula"; "measured": interpolated from the hardware profile's tables (`planner.measured`);
+    # "calibrated": the formulas scaled by how far they are off on the placements those tables cover; "run": a
     # training run's own time of this call here; "formula x run" / "measured x run": corrected by runs elsewhere
     source: str = "formula"
 
@@ -539,35 +540,78 @@ def profile_call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layo
 
 def measured_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
                   hw: HardwareProfile, formula: CallCost) -> CallCost | None:
-    """`call` timed from `hw.measured` (None when a phase it needs has no table): generate = prefill +
-    gen_len decode steps over a cache of prompt + response slots, inference = one forward, train = one
-    optimizer step per minibatch and epoch. The profiler times whole calls without micro-batches, so a
-    micro-batched call keeps the formulas. FLOP and byte counts stay the formulas' (they are counts)."""
-    if not hw.measured or wl.micro_batches(call) > 1:
+    """`call` from `hw.measured` (None when it holds nothing for it): timed on this placement
+    (`_table_parts`, source "measured"), else `formula` scaled by how far the formulas are off where
+    the profile timed the call (`_layout_calibration`, source "calibrated"). FLOP and byte counts stay
+    the formulas' (they are counts)."""
+    if not hw.measured:
         return None
+    parts = _table_parts(call, cfg, group.size, layout, wl, hw)
+    if parts is not None:
+        return CallCost(sum(parts.values()), formula.flops, formula.hbm_bytes, formula.collective_bytes, parts,
+                        source="measured")
+    factor = _layout_calibration(call, cfg, group, layout, wl, hw)
+    if factor is None:
+        return None
+    return dataclasses.replace(formula, seconds=formula.seconds * factor,
+                               parts={k: v * factor for k, v in formula.parts.items()}, source="calibrated")
+
+
+def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout, wl: Workload,
+                 hw: HardwareProfile) -> dict[str, float] | None:
+    """Seconds of `call` from the tables of exactly this placement (None when a phase it needs has
+    none): generate = prefill + gen_len decode steps over a cache of prompt + response slots,
+    inference = one forward, train = one optimizer step per minibatch and epoch; a micro-batched call
+    as `Table.split_seconds` prices it."""
     key = model_key(cfg, call.head)
-    rows = wl.call_seqs(call)
+    rows, micro = wl.call_seqs(call), wl.micro_batches(call)
 
     def table(phase: str):
-        return hw.measured.find(key, phase, group.size, str(layout))
+        return hw.measured.find(key, phase, devices, str(layout))
 
     if call.kind == "generate":
         pre, dec = table("prefill"), table("decode")
         if pre is None or dec is None:
             return None
-        parts = {"prefill": pre.seconds(rows, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
-    elif call.kind == "inference":
-        t = table("inference")
-        if t is None:
-            return None
-        parts = {"forward": t.seconds(rows, wl.seq_len)}
-    else:
-        t = table("train")
-        if t is None:
-            return None
-        parts = {"compute": wl.minibatches * wl.ppo_epochs * t.seconds(rows, wl.seq_len)}
-    return CallCost(sum(parts.values()), formula.flops, formula.hbm_bytes, formula.collective_bytes, parts,
-                    source="measured")
+        return {"prefill": pre.seconds(rows, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
+    t = table(call.kind)
+    if t is None:
+        return None
+    if call.kind == "inference":
+        return {"forward": t.split_seconds(rows, wl.seq_len, micro)}
+    return {"compute": wl.minibatches * wl.ppo_epochs * t.split_seconds(rows, wl.seq_len, micro)}
+
+
+def _layout_calibration(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+                        hw: HardwareProfile) -> float | None:
+    """How far the formulas are off for `call` (measured / formula seconds) where the profile timed it:
+    on the single-axis layouts (all of `group` on one axis) that `layout` combines, averaged in log space
+    with weights log(ways on that axis) (data 4 x tensor 2 on 8 devices takes 2/3 of data 8's error and
+    1/3 of tensor 8's); otherwise (another group size, a staged layout) the geometric mean over every
+    placement the profile timed the call on. None when it timed none."""
+    ways = {"data": layout.data, "fsdp": layout.fsdp, "tensor": layout.tensor}
+    weights = {axis: math.log(n) for axis, n in ways.items() if n > 1}
+    if layout.stage == 1 and len(weights) > 1:
+        errors = [_formula_error(call, cfg, group, Layout(**{axis: group.size}), wl, hw) for axis in weights]
+        if None not in errors:
+            return math.exp(sum(w * math.log(e) for w, e in zip(weights.values(), errors)) / sum(weights.values()))
+    key = model_key(cfg, call.head)
+    timed = {(t.devices, t.layout) for t in hw.measured.tables.values() if t.model == key}
+    errors = [_formula_error(call, cfg, DeviceGroup("timed", 0, n), Layout.parse(lay), wl, hw)
+              for n, lay in sorted(timed)]
+    errors = [e for e in errors if e is not None]
+    return math.exp(sum(math.log(e) for e in errors) / len(errors)) if errors else None
+
+
+def _formula_error(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+                   hw: HardwareProfile) -> float | None:
+    """Measured / formula seconds of `call` on a placement the profile's tables cover (else None)."""
+    parts = _table_parts(call, cfg, group.size, layout, wl, hw)
+    if parts is None:
+        return None
+    formula = CALL_COSTS[call.kind](_Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw), wl, call)
+    measured = sum(parts.values())
+    return measured / formula.seconds if formula.seconds > 0 and measured > 0 else None
 
 
 # ---- moving parameters -----------------------------------------------------------------------

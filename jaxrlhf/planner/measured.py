@@ -22,9 +22,14 @@ of shapes:
 Rows count sequences of the whole call (all devices together). Estimates are
 bilinear in rows and length over the measured grid, extended linearly past
 its edges (time grows linearly in rows, and close to linearly in length at
-these sizes), and never below zero. Entries are matched on the model's
-dimensions and dtype, the number of devices and the layout exactly; anything
-else is left to the formulas of `jaxrlhf.planner.cost`.
+these sizes), and never below zero; a call split into micro-batches pays the
+line's value at zero rows once and the rest per micro-batch (`Table.split_seconds`).
+Entries are matched on the model's dimensions and dtype, the number of devices
+and the layout exactly. Other placements of a timed model are priced by the
+formulas of `jaxrlhf.planner.cost` scaled by how far they are off where the
+tables reach (`cost.measured_cost`: for a layout mixing axes, data 4 x tensor 2,
+the single-axis layouts of the same devices; else every timed placement);
+models never timed, by the formulas alone.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 PHASES = ("prefill", "decode", "inference", "train")
+# What priced a call from the profile alone (`cost.profile_call_cost`): a table of this placement, the
+# formulas scaled by how far they are off on the placements the tables cover, or the formulas.
+PROFILE_SOURCES = ("measured", "calibrated", "formula")
 
 
 def model_key(cfg, head: str) -> str:
@@ -71,6 +79,14 @@ class Table:
             ys = [s for _, s in pts]
             at_length.append(_line(xs, ys, rows))
         return max(_line(lengths, at_length, length), 0.0)
+
+    def split_seconds(self, rows: float, length: float, parts: int) -> float:
+        """Seconds of one call that runs `rows` as `parts` micro-batches of rows / parts: what the line in
+        rows holds at zero rows (dispatch, the optimizer update) once, the rest once per micro-batch."""
+        if parts <= 1:
+            return self.seconds(rows, length)
+        fixed = self.seconds(0.0, length)
+        return fixed + parts * max(self.seconds(rows / parts, length) - fixed, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "phase": self.phase, "devices": self.devices, "layout": self.layout,
@@ -115,7 +131,7 @@ class Run:
     rows: int  # sequences the call feeds at once (`Workload.call_seqs`)
     length: int  # tokens per sequence
     micro: int  # micro-batches the run split the call into
-    source: str  # "measured" or "formula": what priced `estimate`
+    source: str  # "measured", "calibrated" or "formula": what priced `estimate` (`CallCost.source`)
     estimate: float
     seconds: float
 
@@ -135,8 +151,8 @@ class Run:
                       int(d["length"]), int(d["micro"]), str(d["source"]), float(d["estimate"]), float(d["seconds"]))
         except (TypeError, ValueError):
             raise ValueError(f"{where}: devices, rows, length, micro must be integers, estimate and seconds numbers") from None
-        if run.source not in ("measured", "formula") or not (run.estimate > 0 and run.seconds > 0):
-            raise ValueError(f"{where}: source must be 'measured' or 'formula', estimate and seconds > 0")
+        if run.source not in PROFILE_SOURCES or not (run.estimate > 0 and run.seconds > 0):
+            raise ValueError(f"{where}: source must be one of {PROFILE_SOURCES}, estimate and seconds > 0")
         return run
 
 

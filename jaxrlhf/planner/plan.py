@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import yaml
@@ -88,6 +89,14 @@ class Layout:
 
     def __str__(self) -> str:
         return f"d{self.data}f{self.fsdp}t{self.tensor}" + (f"p{self.stage}" if self.stage > 1 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """The layout `str(layout)` wrote ("d4f1t2", "d1f2t1p2")."""
+        m = re.fullmatch(r"d(\d+)f(\d+)t(\d+)(?:p(\d+))?", text)
+        if not m:
+            raise ValueError(f"layout {text!r} is not of the form d<data>f<fsdp>t<tensor>[p<stages>]")
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,13 +57,48 @@ def test_calls_covered_by_tables_are_measured_by_hand_the_rest_formula():
     assert (inf.source, inf.seconds) == ("measured", pytest.approx(line(16, 16)))
     train = call_cost(TRAIN, CFG, GROUP, LAY, WL, hw)  # 2 optimizer steps of an 8-row minibatch
     assert (train.source, train.seconds) == ("measured", pytest.approx(2 * line(8, 16)))
-    # another layout, a micro-batched call, a missing decode table, another model: formulas
-    assert call_cost(INF, CFG, GROUP, Layout(fsdp=4), WL, hw).source == "formula"
+    # 2 micro-batches of 4 rows per minibatch: the line's value at 0 rows (0.01 + 0) once, the rest twice
     micro = dataclasses.replace(WL, micro_batch=4)
-    assert call_cost(TRAIN, CFG, GROUP, LAY, micro, hw).source == "formula"
+    split = call_cost(TRAIN, CFG, GROUP, LAY, micro, hw)
+    assert (split.source, split.seconds) == ("measured", pytest.approx(2 * (0.01 + 2 * (line(4, 16) - 0.01))))
+    # another layout of a timed model: the formulas scaled by their error where timed (`calibrated`);
+    # a missing decode table, another model, no tables: formulas
+    assert call_cost(INF, CFG, GROUP, Layout(fsdp=4), WL, hw).source == "calibrated"
     assert call_cost(GEN, CFG, GROUP, LAY, WL, profile_with(table("prefill", GRID))).source == "formula"
     assert call_cost(INF, preset("small"), GROUP, LAY, WL, hw).source == "formula"
     assert call_cost(INF, CFG, GROUP, LAY, WL, get_profile("cpu")).source == "formula"
+
+
+def test_a_mixed_layout_scales_the_formula_by_the_single_axis_errors():
+    """data 2 x tensor 2 on 4 devices: the formula times the geometric mean of its error on data 4 and on
+    tensor 4 (equal weights: 2 ways each); other placements: the mean error over every timed placement."""
+    from jaxrlhf.planner.cost import profile_call_cost
+
+    formula = get_profile("cpu")
+    mixed, tensor = Layout(data=2, tensor=2), Layout(tensor=4)
+    at = {lay: profile_call_cost(INF, CFG, GROUP, lay, WL, formula).seconds for lay in (LAY, tensor, mixed)}
+    hw = profile_with(table("inference", [(16, 16, 3.0 * at[LAY])]),
+                      table("inference", [(16, 16, 12.0 * at[tensor])], layout=tensor))
+    cost = call_cost(INF, CFG, GROUP, mixed, WL, hw)
+    assert (cost.source, cost.seconds) == ("calibrated", pytest.approx(6.0 * at[mixed]))
+    assert sum(cost.parts.values()) == pytest.approx(cost.seconds)
+    # without the tensor table, the mixed layout takes the error of every placement timed (data 4 alone)
+    only_data = profile_with(table("inference", [(16, 16, 3.0 * at[LAY])]))
+    alone = call_cost(INF, CFG, GROUP, mixed, WL, only_data)
+    assert (alone.source, alone.seconds) == ("calibrated", pytest.approx(3.0 * at[mixed]))
+    # a group size the profile never timed: the same geometric mean over the timed placements
+    two = DeviceGroup("two", 0, 2)
+    small = call_cost(INF, CFG, two, Layout(tensor=2), WL, hw)
+    formula_two = profile_call_cost(INF, CFG, two, Layout(tensor=2), WL, formula).seconds
+    assert (small.source, small.seconds) == ("calibrated", pytest.approx(6.0 * formula_two))
+    assert call_cost(INF, CFG, GROUP, mixed, WL, formula).source == "formula"  # nothing timed
+
+
+def test_layout_strings_parse_back():
+    for lay in (Layout(), Layout(data=4, tensor=2), Layout(fsdp=2, stage=2)):
+        assert Layout.parse(str(lay)) == lay
+    with pytest.raises(ValueError, match="d<data>f<fsdp>t<tensor>"):
+        Layout.parse("4x2")
 
 
 def test_profile_file_round_trip_and_bad_entries(tmp_path):
