@@ -256,9 +256,13 @@ def generate_continuous(
         can_enter = jnp.any(st["row"] < 0) & jnp.any(st["status"] == 0)
         st = jax.lax.cond(can_enter, lambda st: shards(refill)(st, shard_ids, g_mask, g_logits, g_len, limits),
                           lambda st: st, st)
-        st = shards(allocate)(st)
+        # a page is granted (and the pool can run short) only when some row's next token starts a page,
+        # and a step needs compacting only when an idle slot sits before an active one: skip both else
+        starts = jnp.any((st["row"] >= 0) & ((st["i"] - 1) % ps == 0))
+        st = jax.lax.cond(starts, shards(allocate), lambda st: st, st)
         peak = jnp.maximum(peak, resp_pages * ways - st["free"].sum())
-        st = shards(compact)(st)
+        active = st["row"] >= 0
+        st = jax.lax.cond(jnp.any(~active[:, :-1] & active[:, 1:]), shards(compact), lambda st: st, st)
         busy = (st["row"] >= 0).sum(axis=1).max()
         branch = (jnp.asarray(widths) >= busy).sum() - 1
         new, st["valid"], token, logp = jax.lax.switch(branch, branches, pool, st)

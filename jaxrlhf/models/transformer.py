@@ -293,9 +293,10 @@ def _read_pages(
     x = pool[layer].at[shard, pages].get(mode="clip")  # [shards, rows, table, kv_heads, page, head_dim]
     kvh, page, hd = pool.shape[3], pool.shape[4], pool.shape[5]
     x = jnp.moveaxis(x, 3, 2).reshape(shards * per_shard, kvh, width * page, hd)[:, :, :columns]
-    col = jnp.arange(columns)[None, None, :, None]
-    for j in range(new.shape[1]):
-        x = jnp.where(col == jnp.reshape(offset, (-1, 1, 1, 1)) + j, new[:, j][:, :, None, :], x)
+    rows = jnp.arange(x.shape[0])
+    start = jnp.broadcast_to(jnp.reshape(offset, (-1,)), rows.shape)
+    for j in range(new.shape[1]):  # a scatter of the new columns, not a select over every column
+        x = x.at[rows, :, start + j, :].set(new[:, j].astype(x.dtype), mode="drop")
     return x
 
 
