@@ -587,8 +587,9 @@ def _layout_calibration(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, la
     """How far the formulas are off for `call` (measured / formula seconds) where the profile timed it:
     on the single-axis layouts (all of `group` on one axis) that `layout` combines, averaged in log space
     with weights log(ways on that axis) (data 4 x tensor 2 on 8 devices takes 2/3 of data 8's error and
-    1/3 of tensor 8's); otherwise (another group size, a staged layout) the geometric mean over every
-    placement the profile timed the call on. None when it timed none."""
+    1/3 of tensor 8's); otherwise (another group size, a staged layout) the median over every placement
+    the profile timed the call on (one placement timed wrong does not move the others). None when it
+    timed none."""
     ways = {"data": layout.data, "fsdp": layout.fsdp, "tensor": layout.tensor}
     weights = {axis: math.log(n) for axis, n in ways.items() if n > 1}
     if layout.stage == 1 and len(weights) > 1:
@@ -600,7 +601,7 @@ def _layout_calibration(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, la
     errors = [_formula_error(call, cfg, DeviceGroup("timed", 0, n), Layout.parse(lay), wl, hw)
               for n, lay in sorted(timed)]
     errors = [e for e in errors if e is not None]
-    return math.exp(sum(math.log(e) for e in errors) / len(errors)) if errors else None
+    return float(np.median(errors)) if errors else None
 
 
 def _formula_error(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,

@@ -16,23 +16,39 @@ TINY_GRPO = [
 WRONG_DEVICES, WRONG_LAYOUT = 8, "d4f1t2"  # where the wrong profile says generation is nearly free
 
 
+HONEST_DATA_GROUPS = (8, 4, 2)  # data-parallel placements where the wrong profile tells the truth
+
+
 def wrong_profile(overrides: list[str], hardware: str = "cpu"):
     """`hardware`'s profile with prefill and decode tables claiming the config's generation takes 1 us
     on all 8 devices (data 4 x tensor 2), some 10^4 times less than any run measures there: a search
-    on it puts generation there, and the first re-plan moves it away."""
+    on it puts generation there, and the first re-plan moves it away. Its tables on data-parallel
+    groups of `HONEST_DATA_GROUPS` devices hold `hardware`'s own estimates, so the one wrong placement
+    does not shift the placements the profile did not time (the planner scales those by the median
+    error of the timed ones, `planner.cost.measured_cost`)."""
     from jaxrlhf import config as cfglib
     from jaxrlhf import planning
     from jaxrlhf.algorithms import declare
+    from jaxrlhf.planner.cost import profile_call_cost
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.measured import Measured, Table, model_key
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
 
     cfg = cfglib.load_config(None, overrides)
-    graph = declare(cfg).graph()
+    algorithm = declare(cfg)
+    graph, wl = algorithm.graph(), algorithm.workload()
     actor = planning.role_configs(cfg, graph.roles)["actor"]
-    key = model_key(actor, graph["actor.generate"].head)
+    gen = graph["actor.generate"]
+    key = model_key(actor, gen.head)
+    truth = get_profile(hardware)
     points = tuple((float(r), float(n), 1e-6) for r in (16, 32) for n in (16, 20))
     tables = [Table(key, phase, WRONG_DEVICES, WRONG_LAYOUT, points) for phase in ("prefill", "decode")]
-    return dataclasses.replace(get_profile(hardware), name="wrong", measured=Measured(tables))
+    rows = float(wl.call_seqs(gen))
+    for n in HONEST_DATA_GROUPS:  # the whole call as decode steps: the tables then price it as `truth` does
+        seconds = profile_call_cost(gen, actor, DeviceGroup("g", 0, n), Layout(data=n), wl, truth).seconds
+        tables += [Table(key, "prefill", n, str(Layout(data=n)), ((rows, float(wl.prompt_len), 0.0),)),
+                   Table(key, "decode", n, str(Layout(data=n)), ((rows, float(wl.seq_len), seconds / wl.gen_len),))]
+    return dataclasses.replace(truth, name="wrong", measured=Measured(tables))
 
 
 def write_wrong_profile(overrides: list[str], path: str, hardware: str = "cpu") -> str:
