@@ -533,9 +533,14 @@ def profile_call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layo
                       hw: HardwareProfile) -> CallCost:
     """`call_cost` from the profile alone (its tables, else the formulas), no run's times: what a
     run's time of the call is compared with (`Run.estimate`)."""
-    ctx = _Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw)
-    formula = CALL_COSTS[call.kind](ctx, wl, call)
+    formula = formula_cost(call, cfg, group, layout, wl, hw)
     return measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
+
+
+def formula_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
+                 hw: HardwareProfile) -> CallCost:
+    """`call` priced by the formulas alone (`CALL_COSTS`), whatever the profile measured."""
+    return CALL_COSTS[call.kind](_Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw), wl, call)
 
 
 def measured_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
@@ -610,7 +615,7 @@ def _formula_error(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout:
     parts = _table_parts(call, cfg, group.size, layout, wl, hw)
     if parts is None:
         return None
-    formula = CALL_COSTS[call.kind](_Ctx(cfg, call.head, layout, Geometry.of(group, layout, hw), hw), wl, call)
+    formula = formula_cost(call, cfg, group, layout, wl, hw)
     measured = sum(parts.values())
     return measured / formula.seconds if formula.seconds > 0 and measured > 0 else None
 
