@@ -216,5 +216,6 @@ def test_a_failed_or_killed_process_stops_the_other(tmp_path):
     assert "injected failure" in log_of(tmp_path / "raises", 1)
     code = raising[0].wait(timeout=120)
     assert code != 0 and time.monotonic() - t_raise < 60
-    for out in ("raises", "killed"):  # JAX's message, or ours when a barrier notices first
-        assert any(m in log_of(tmp_path / out, 0) for m in ("another task died", "another process")), out
+    for out in ("raises", "killed"):  # JAX's message, or ours when a barrier or a host read notices first
+        log = log_of(tmp_path / out, 0)
+        assert any(m in log for m in ("another task died", "failed, was killed or is stuck")), (out, log[-2000:])
