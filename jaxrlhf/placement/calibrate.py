@@ -30,15 +30,53 @@ def _host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, repeats: int = 5,
-              name: str | None = None) -> HardwareProfile:
+def dispatch_latency(device, repeats: int) -> float:
+    """Seconds from dispatching a tiny compiled program to having its result: the host round trip that
+    a collective's synchronisation costs."""
+    import jax
+    import jax.numpy as jnp
+
+    tiny = jax.device_put(jnp.ones((8,), jnp.float32), device)
+    add = jax.jit(lambda x: x + 1)
+    return best_time(lambda: add(tiny).block_until_ready(), repeats)
+
+
+def kernel_latency(device, repeats: int, short: int = 16, long: int = 144) -> float:
+    """Seconds per kernel inside one compiled program: the difference between chains of `long` and
+    `short` dependent tiny matmuls, per link. A model's per-layer ops cost this, not a host round trip
+    (on an H200 a tiny program's round trip took 52 us, a kernel in a decode step about 4 us)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(jnp.full((8, 8), 0.1, jnp.float32), device)
+
+    def chain(links: int):
+        def run(v):
+            for _ in range(links):
+                v = jnp.tanh(v @ v)  # each link waits for the last: nothing to fuse or overlap
+            return v
+        fn = jax.jit(run)
+        return best_time(lambda: fn(x).block_until_ready(), repeats)
+
+    return max((chain(long) - chain(short)) / (long - short), 1e-7)
+
+
+# Sizes large enough that launch latency is noise: a GPU runs a 1024^3 matmul or a 64 MB copy in
+# microseconds, well short of its peak rates.
+CALIBRATION_SIZES = {"cpu": (1024, 64)}  # platform -> (matmul size, copy MB); others: ACCELERATOR_SIZES
+ACCELERATOR_SIZES = (8192, 1024)
+
+
+def calibrate(base: str = "cpu", *, matmul_size: int | None = None, copy_mb: int | None = None,
+              repeats: int = 5, name: str | None = None) -> HardwareProfile:
     """Measure the local JAX devices and return `base` with measured numbers.
 
     Measures: matmul FLOP/s on one device and on all local devices at once
     (the latter bounds `host_flops` when devices share cores), copy bytes/s
     (read + write) likewise, a device-to-device transfer, an all-reduce over
     all local devices (reported as ring bus bandwidth), host -> device bytes/s
-    and the dispatch latency of a tiny kernel. Efficiencies are set to 1
+    the host round trip of a tiny program (`collective_latency`) and the cost of one kernel inside a
+    compiled program (`kernel_latency`). Efficiencies are set to 1
     because the numbers are what kernels actually reach.
     """
     import jax
@@ -49,15 +87,19 @@ def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, 
     base_profile = get_profile(base)
     devices = jax.local_devices()
     n = len(devices)
+    default_matmul, default_copy = CALIBRATION_SIZES.get(devices[0].platform, ACCELERATOR_SIZES)
+    matmul_size = matmul_size or default_matmul
+    copy_mb = copy_mb or default_copy
     dtype = "float32"
 
     # Matmul: one device, then one per device concurrently (sharded over a 1-D mesh).
-    a = jax.device_put(jnp.ones((matmul_size, matmul_size), dtype), devices[0])
+    # Random operands: on constant data some chips multiply faster than they will on weights.
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (matmul_size, matmul_size), dtype), devices[0])
     mm = jax.jit(lambda x: x @ x)
     t1 = best_time(lambda: mm(a).block_until_ready(), repeats)
     flops_one = 2 * matmul_size**3 / t1
     mesh = Mesh(np.array(devices), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    stacked = jax.device_put(jnp.ones((n, matmul_size, matmul_size), dtype), NamedSharding(mesh, P("d")))
+    stacked = jax.device_put(jnp.broadcast_to(a, (n, matmul_size, matmul_size)), NamedSharding(mesh, P("d")))
     bmm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x))
     tn = best_time(lambda: bmm(stacked).block_until_ready(), repeats)
     flops_all = n * 2 * matmul_size**3 / tn
@@ -90,13 +132,12 @@ def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, 
     host = np.ones((elems,), np.float32)
     h2d = elems * 4 / best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
 
-    tiny = jax.device_put(jnp.ones((8,), dtype), devices[0])
-    add = jax.jit(lambda x: x + 1)
-    latency = best_time(lambda: add(tiny).block_until_ready(), max(repeats, 20))
+    latency = dispatch_latency(devices[0], max(repeats, 20))
+    per_kernel = kernel_latency(devices[0], max(repeats, 20))
 
     # Other dtypes: measured where cheap (bfloat16), else scaled from the base profile's ratios.
     flops = {k: flops_one * v / base_profile.flops["float32"] for k, v in base_profile.flops.items()}
-    b = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.bfloat16), devices[0])
+    b = a.astype(jnp.bfloat16)
     flops["bfloat16"] = 2 * matmul_size**3 / best_time(lambda: mm(b).block_until_ready(), repeats)
     return dataclasses.replace(
         base_profile,
@@ -112,7 +153,7 @@ def calibrate(base: str = "cpu", *, matmul_size: int = 1024, copy_mb: int = 64, 
         memory_efficiency=1.0,
         link_efficiency=1.0,
         collective_latency=latency,
-        kernel_latency=latency,
+        kernel_latency=per_kernel,
         host_flops=flops_all if base_profile.host_flops is not None else None,
         host_memory_bandwidth=bw_all if base_profile.host_memory_bandwidth is not None else None,
         notes=f"calibrated on {n} local {devices[0].platform} devices ({time.strftime('%Y-%m-%d')})",
