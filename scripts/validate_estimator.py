@@ -1,8 +1,9 @@
 """Run model calls for real on the local devices and compare with the cost model.
 
 For several placements (group size x layout) of a LLaMA-style model it times
-generate (prefill + a jitted decode step per token), inference (one forward)
-and train (gradient + AdamW per minibatch), estimates the same calls with a
+generate (a prefill, then decode steps in one on-device loop, as the engines run
+them; the profiler's `Timer`), inference (one forward) and train (gradient +
+AdamW per minibatch), estimates the same calls with a
 hardware profile calibrated on this machine, and prints estimated / measured
 per call. The placements are a tensor-parallel sweep (tensor 1 / 2 / 4 / 8 on
 as many devices, where the devices and heads allow) and data / FSDP / mixed
@@ -65,8 +66,6 @@ def main() -> None:
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    import time
-
     from jaxrlhf.planner.cost import Workload, call_cost, kv_bytes_per_token, param_bytes
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.placement.calibrate import best_time, calibrate
@@ -76,7 +75,8 @@ def main() -> None:
     from jaxrlhf.planner.plan import DeviceGroup, Layout
     from jaxrlhf.models import axes as ax
     from jaxrlhf.models.config import preset
-    from jaxrlhf.models.transformer import KVCache, build_model
+    from jaxrlhf.models.transformer import build_model
+    from jaxrlhf.profile import Timer
 
     if args.profile and os.path.exists(args.profile):
         hw = get_profile(args.profile)
@@ -84,7 +84,8 @@ def main() -> None:
         hw = calibrate("cpu" if jax.devices()[0].platform == "cpu" else "h100")
         if args.profile:
             hw.save(args.profile)
-    print(f"profile: {hw.name}: {hw.flops['float32'] / 1e9:.1f} GFLOP/s per device, host cap "
+    print(f"profile: {hw.name}: {hw.flops['float32'] / 1e9:.1f} GFLOP/s per device "
+          f"({hw.flops[args.dtype] / 1e9:.1f} in {args.dtype}), host cap "
           f"{(hw.host_flops or 0) / 1e9:.1f}, mem {hw.hbm_bandwidth / 1e9:.1f} GB/s, "
           f"latency {hw.kernel_latency * 1e6:.0f} us")
 
@@ -116,15 +117,19 @@ def main() -> None:
         """One row: the cost model's estimate of the call next to its measured time (printed)."""
         cost = call_cost(CallSpec(f"actor.{kind}", "actor", kind), cfg, group, layout, call_wl, hw)
         est = cost.seconds
+        # Model FLOP utilisation: the call's FLOPs (the cost model's count: 6 N tokens plus attention
+        # for training) over the measured time, against the matmul rate measured on these devices.
+        peak = min(hw.flops[args.dtype] * size, hw.host_flops or float("inf"))  # simulated devices share cores
+        mfu = cost.flops / measured / peak
         row = {"call": kind, "devices": size, "layout": str(layout), "stage": layout.stage,
                "micro_batch": call_wl.micro_batch, "measured_s": measured, "estimated_s": est,
-               "ratio": est / measured}
-        extra = ""
+               "ratio": est / measured, "flops": cost.flops, "mfu": mfu}
+        extra = f"  MFU {mfu:5.1%}"
         if decode is not None:
             est_decode = cost.parts["decode"] / call_wl.gen_len
             row.update(decode_s_per_token=decode, decode_est_s_per_token=est_decode,
                        decode_roofline_s_per_token=roofline)
-            extra = f"  decode/token {decode * 1e3:6.2f} ms (est {est_decode * 1e3:6.2f}, roofline {roofline * 1e3:6.2f})"
+            extra += f"  decode/token {decode * 1e3:6.2f} ms (est {est_decode * 1e3:6.2f}, roofline {roofline * 1e3:6.2f})"
         print(f"{kind:10s} {size:2d} dev {str(layout):11s} measured {measured * 1e3:8.1f} ms  "
               f"estimated {est * 1e3:8.1f} ms  ratio {est / measured:5.2f}{extra}", flush=True)
         return row
@@ -175,33 +180,15 @@ def main() -> None:
                 rows.append(compare(kind, measured, size, group, layout, call_wl))
             continue
 
-        # generate: prefill, then one jitted decode step per new token
-        ptok, ppos, pmask = data(wl.batch_size, wl.prompt_len)
-        dtok, dpos, dmask = data(wl.batch_size, 1)
-        prefill = jax.jit(lambda p, t, q, m, c: fwd(p, t, q, m, c))
-        decode = jax.jit(lambda p, t, q, m, c: fwd(p, t, q, m, c), donate_argnums=4)
-
-        def generate():
-            cache = KVCache.init(cfg, wl.batch_size, wl.seq_len)
-            logits, cache = prefill(params, ptok, ppos, pmask, cache)
-            for _ in range(wl.gen_len):
-                logits, cache = decode(params, dtok, dpos, dmask, cache)
-            logits.block_until_ready()
-
-        t_gen = best_time(generate, args.repeats)
-
-        def decode_only():
-            cache = KVCache.init(cfg, wl.batch_size, wl.seq_len)
-            logits, cache = prefill(params, ptok, ppos, pmask, cache)
-            logits.block_until_ready()
-            t0 = time.perf_counter()
-            for _ in range(wl.gen_len):
-                logits, cache = decode(params, dtok, dpos, dmask, cache)
-            logits.block_until_ready()
-            return time.perf_counter() - t0
+        # generate as the engines run it (timed by the profiler's Timer, one source of truth): a prefill
+        # into a cache with room for the response, then decode steps in one on-device loop
+        timer = Timer(cfg, "lm", group, layout, args.repeats)
+        t_prefill = timer.time("prefill", wl.batch_size, wl.prompt_len, free_slots=wl.gen_len)
+        decode = timer.time("decode", wl.batch_size, wl.seq_len)
+        t_gen = t_prefill + wl.gen_len * decode
+        del timer
 
         # decode per token vs the HBM roofline of one decode step
-        decode = min(decode_only() for _ in range(args.repeats)) / wl.gen_len
         seqs = wl.batch_size / (layout.data * layout.fsdp)
         kv = seqs * (wl.prompt_len + wl.gen_len / 2) * kv_bytes_per_token(cfg) / min(layout.tensor, cfg.num_kv_heads)
         roof = (param_bytes(cfg, "lm") / (layout.tensor * layout.fsdp) + kv) / hw.memory_bandwidth(size)

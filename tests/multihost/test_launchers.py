@@ -1,7 +1,9 @@
-"""The launchers in scripts/: valid bash, clean under shellcheck, and `--dry-run` prints the exact commands."""
+"""The shell scripts in scripts/: valid bash, clean under shellcheck; the launchers' `--dry-run` prints the
+exact commands."""
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -9,7 +11,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = ["launch_env.sh", "launch_slurm.sh", "launch_tpu_pod.sh", "launch_lib.sh"]
+SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "scripts", "*.sh")))
 
 
 def dry_run(script: str, *args: str) -> list[str]:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The measurements only a GPU can give, in one short run (a lent GPU machine is held by the minute):
+#   1. a GPU profile for the planner (python -m jaxrlhf.profile), kept in profiles/;
+#   2. static vs continuous engine on long-tailed response lengths (bench_generate.py --workload rl);
+#   3. per-call estimates vs measured times and train MFU (scripts/validate_estimator.py, 1 device);
+#   4. decode tokens/s against the HBM roofline (scripts/bench_generate.py --workload decode);
+#   rl and decode run at 100M parameters and again at 1.2B (-1b).
+#
+#   OUT=results/gpu bash scripts/gpu_checks.sh             # on the GPU host, from the repository root
+#   SMOKE=1 OUT=/tmp/gpu-smoke bash scripts/gpu_checks.sh  # the same commands at toy sizes on CPU
+#   STEPS='estimator decode' OUT=... bash scripts/gpu_checks.sh  # only these steps
+#
+# Each step has its own time limit and writes its JSON/YAML under $OUT (the output also goes to
+# $OUT/log.txt), so a step that fails or runs out of time costs only itself; the most wanted run first.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder for results}
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+
+if [[ -n "${SMOKE:-}" ]]; then  # toy sizes: checks the commands, not the hardware
+  export JAX_PLATFORMS=cpu
+  GEN=(--preset tiny --batches "1,4" --new-tokens 8 --prompt-len 8)
+  RL=(--preset tiny --groups 2 --group-size 4 --prompt-len 16 --new-tokens 32 --median-len 8)
+  EST=(--hidden 64 --layers 2 --heads 4 --vocab 384 --batch 8 --prompt-len 16 --gen-len 4)
+  PROF=(run.platform=cpu run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8 data.batch_size=4)
+  BIG=(--preset small)
+  T=5  # CPU is slower: more time per step
+else
+  export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  GEN=(--preset llama-100m --batches "1,16,64" --new-tokens 128 --prompt-len 128)
+  RL=(--preset llama-100m --groups 8 --group-size 8 --prompt-len 256 --new-tokens 512 --median-len 64)
+  EST=(--hidden 2048 --layers 8 --heads 16 --vocab 32000 --batch 32 --prompt-len 512 --gen-len 64)
+  PROF=(run.platform=gpu run.devices=null plan.hardware=h200 model.actor.preset=llama3.2-1b data.max_prompt_len=128
+        generation.max_new_tokens=256 data.batch_size=16)
+  BIG=(--preset llama3.2-1b)  # a size where weights, not launches, bound a decode step
+  T=1
+fi
+"$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+
+STEPS=${STEPS:-profile rl rl-1b estimator decode decode-1b}  # a subset reruns only those
+step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output to the screen and $OUT/log.txt
+  local name=$1 limit=$2; shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | grep -v "donated buffers\|warnings.warn\|buffer-donation" | tee -a "$OUT/log.txt"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+
+step profile $((200 * T)) "$PY" -m jaxrlhf.profile --config configs/quickstart-grpo.yaml --repeats 3 \
+  --sizes 1 --out "$OUT/profile.yaml" "${PROF[@]}"
+step rl $((120 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
+  "${RL[@]}" --out "$OUT/rl.json"
+step rl-1b $((120 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
+  "${RL[@]}" "${BIG[@]}" --out "$OUT/rl-1b.json"
+step estimator $((110 * T)) "$PY" scripts/validate_estimator.py --devices 1 --dtype bfloat16 --repeats 3 \
+  "${EST[@]}" --profile "$OUT/estimator-hardware.yaml" --json "$OUT/estimator.json"
+step decode $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
+  --repeats 3 "${GEN[@]}" --out "$OUT/decode.json"
+step decode-1b $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
+  --repeats 3 "${GEN[@]}" "${BIG[@]}" --out "$OUT/decode-1b.json"
