@@ -55,3 +55,24 @@ def test_timer_times_models_without_a_cache_argument(head):
 
     timer = prof.Timer(preset("tiny"), head, DeviceGroup("profile", 0, 2), Layout(data=2), repeats=1)
     assert timer.time("inference", 2, 8) > 0 and timer.time("train", 2, 8) > 0
+
+
+GPU_PROFILE = "profiles/h200-llama3.2-1b-grpo.yaml"
+GPU_WORKLOAD = ["run.platform=gpu", "run.devices=null", "model.actor.preset=llama3.2-1b", "data.max_prompt_len=128",
+                "generation.max_new_tokens=256", "data.batch_size=16"]
+
+
+def test_the_stored_gpu_profile_prices_the_workload_it_measured():
+    """The H200 profile kept in the repository still loads, and plan choice for the GRPO workload it
+    was recorded on prices every call from its tables (the file format and the table lookup agree)."""
+    hw = HardwareProfile.load(GPU_PROFILE)
+    assert {t.phase for t in hw.measured.tables.values()} == {"prefill", "decode", "inference", "train"}
+    cfg = cfglib.load_config("configs/quickstart-grpo.yaml", [*GPU_WORKLOAD, f"plan.profile={GPU_PROFILE}"])
+    algorithm = build_algorithm(cfg)
+    models = planning.role_configs(cfg, list(algorithm.roles()))
+    plan = planning.plan_for(cfg, algorithm, models, 1, platform="gpu")
+    est = estimate_plan(plan, algorithm.graph(), models, algorithm.workload(), planning.hardware_profile(cfg))
+    assert {c.source for c in est.calls.values()} == {"measured"}, {k: c.source for k, c in est.calls.items()}
+    # train: 2 minibatches x 2 epochs of the 64-row x 384-token point the profile timed
+    (table,) = [t for t in hw.measured.tables.values() if t.phase == "train"]
+    assert est.calls["actor.train"].seconds == pytest.approx(4 * table.seconds(64, 384), rel=0.05)
