@@ -3,9 +3,10 @@
     python scripts/bench_grpo_tunix.py [--config configs/quickstart-grpo.yaml] [--devices 1,8]
         [--steps 5] [--warmup 2] [--tunix-python PATH] [--skip-tunix] [--out results.json]
         [--workdir DIR] [key=value ...]
-    python scripts/bench_grpo_tunix.py --engines static,continuous [--devices 1] [key=value ...]
+    python scripts/bench_grpo_tunix.py --engines static,continuous [--devices 1] [--rounds 2] [key=value ...]
 
-`--engines`: jaxrlhf only, once per generation engine (`generation.engine`), same workload and seed;
+`--engines`: jaxrlhf only, once per generation engine (`generation.engine`) and round (`--rounds`, the
+engines' order alternating: A B, B A, ...), same workload and seed;
 prints step time, the `actor.generate` call's time and generated tokens per engine and the speedup of
 each over the first (table, then one JSON line; `--out` writes all per-step results).
 
@@ -293,21 +294,30 @@ def _run_worker(kind: str, python: str, spec: dict, workdir: Path) -> dict:
 
 
 def compare_engines(engines: list[str], spec: dict, devices: list[int], workdir: Path, out: str | None,
-                    own_workdir: bool) -> int:
-    """jaxrlhf's GRPO once per generation engine (`--engines`): step time, generate-call time, tokens."""
+                    own_workdir: bool, rounds: int = 1) -> int:
+    """jaxrlhf's GRPO once per generation engine and round (`--engines`, `--rounds`): step time,
+    generate-call time, tokens. Rounds alternate the engines' order (A B, B A, ...) so that a machine
+    slowing down or speeding up over the runs hits every engine alike; each row is the median over
+    all of an engine's measured steps."""
     results: dict = {"workload": {k: v for k, v in spec.items() if k not in ("prompts", "workdir", "model_dir")},
-                     "host": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "rows": [], "runs": {}}
+                     "host": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "rows": [], "runs": {},
+                     "rounds": rounds}
     for n in devices:
+        steps: dict[str, list[dict]] = {engine: [] for engine in engines}
+        for round_ in range(rounds):
+            for engine in engines if round_ % 2 == 0 else engines[::-1]:
+                print(f"jaxrlhf, generation.engine={engine}, on {n} device(s), round {round_ + 1} ...", flush=True)
+                tag = f"{engine}_{n}dev" + (f"_round{round_ + 1}" if rounds > 1 else "")
+                r = _run_worker("jaxrlhf", sys.executable, dict(spec, devices=n, overrides=spec["overrides"] + [
+                    f"generation.engine={engine}"], workdir=str(workdir / tag)), workdir)
+                results["runs"][tag] = r
+                if "summary" not in r:
+                    return finish(results, out, workdir if own_workdir else None) or 1
+                steps[engine] += [s for s in r["steps"] if s["step"] > spec["warmup"]]
         for engine in engines:
-            print(f"jaxrlhf, generation.engine={engine}, on {n} device(s) ...", flush=True)
-            tag = f"{engine}_{n}dev"
-            r = _run_worker("jaxrlhf", sys.executable, dict(spec, devices=n, overrides=spec["overrides"] + [
-                f"generation.engine={engine}"], workdir=str(workdir / tag)), workdir)
-            results["runs"][tag] = r
-            if "summary" not in r:
-                return finish(results, out, workdir if own_workdir else None) or 1
-            measured = [s for s in r["steps"] if s["step"] > spec["warmup"]]
-            row = {"devices": n, "engine": engine, **{k: r["summary"][k] for k in (
+            measured = steps[engine]
+            summary = summarize(measured, spec["warmup"])
+            row = {"devices": n, "engine": engine, "steps": len(measured), **{k: summary[k] for k in (
                 "step_s", "generated_tokens_per_step", "tokens_per_s", "eos_frac")},
                 "generate_s": _median([s["actor.generate"] for s in measured if "actor.generate" in s])}
             base = next((b for b in results["rows"] if b["devices"] == n), row)
@@ -321,7 +331,8 @@ def compare_engines(engines: list[str], spec: dict, devices: list[int], workdir:
         print(f"{row['devices']:>7} {row['engine']:>10} | {row['step_s']:>7.3f} {row['generate_s']:>10.3f} "
               f"{row['generated_tokens_per_step']:>8.0f} {row['tokens_per_s']:>7.0f} | {row['step_speedup']:>6.2f} "
               f"{row['generate_speedup']:>10.2f}")
-    print(f"\nmedians of {spec['steps']} steps after {spec['warmup']}; x: speedup over {engines[0]} (time ratio). "
+    print(f"\nmedians of {spec['steps']} steps after {spec['warmup']} x {rounds} round(s), engines' order alternating; "
+          f"x: speedup over {engines[0]} (time ratio). "
           f"Load average {results['host']['loadavg_start'][0]:.2f} at the start, "
           f"{results['host']['loadavg_end'][0]:.2f} at the end, on {os.cpu_count()} CPUs")
     print(json.dumps(results["rows"]))
@@ -339,6 +350,8 @@ def main() -> int:
     ap.add_argument("--skip-tunix", action="store_true")
     ap.add_argument("--engines", default=None,
                     help="compare jaxrlhf's generation engines instead (e.g. static,continuous); no tunix")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--engines: runs per engine, the engines' order alternating each round (default 1)")
     ap.add_argument("--out", default=None, help="write the rows and all per-step results as JSON here")
     ap.add_argument("--workdir", default=None, help="run outputs and logs (default: a temp dir, removed afterwards)")
     ap.add_argument("--tunix-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -363,6 +376,8 @@ def main() -> int:
     engines = [e.strip() for e in (args.engines or "").split(",") if e.strip()]
     if args.engines is not None and len(engines) < 2:
         ap.error(f"--engines={args.engines!r}: name two or more generation engines, e.g. static,continuous")
+    if args.rounds < 1:
+        ap.error(f"--rounds={args.rounds}: run each engine at least once (1 or more)")
     args.skip_tunix = args.skip_tunix or bool(engines)
     overrides = WORKLOAD + ["sft.steps=0"] + list(args.overrides)
     cfg = _cfg(args.config, overrides, [])
@@ -423,7 +438,7 @@ def main() -> int:
           f"{B} prompts x G={G}, prompt {width}, up to {gen.max_new_tokens} new tokens, one update per batch; "
           f"{args.warmup} warm-up + {args.steps} measured steps; devices {devices}", flush=True)
     if engines:
-        return compare_engines(engines, spec, devices, workdir, args.out, own_workdir)
+        return compare_engines(engines, spec, devices, workdir, args.out, own_workdir, args.rounds)
     if run_tunix:
         from jaxrlhf.models.hf_io import save_hf_checkpoint
         from jaxrlhf.models.transformer import build_model
