@@ -81,13 +81,14 @@ def main() -> None:
     if args.profile and os.path.exists(args.profile):
         hw = get_profile(args.profile)
     else:
-        hw = calibrate("cpu" if jax.devices()[0].platform == "cpu" else "h100")
+        kind = jax.devices()[0].device_kind
+        hw = calibrate("cpu" if jax.devices()[0].platform == "cpu" else "h200" if "H200" in kind else "h100")
         if args.profile:
             hw.save(args.profile)
     print(f"profile: {hw.name}: {hw.flops['float32'] / 1e9:.1f} GFLOP/s per device "
           f"({hw.flops[args.dtype] / 1e9:.1f} in {args.dtype}), host cap "
           f"{(hw.host_flops or 0) / 1e9:.1f}, mem {hw.hbm_bandwidth / 1e9:.1f} GB/s, "
-          f"latency {hw.kernel_latency * 1e6:.0f} us")
+          f"kernel latency {hw.kernel_latency * 1e6:.1f} us")
 
     cfg = preset("small", hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4 // 8 * 8,
                  vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.heads,
