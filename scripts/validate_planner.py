@@ -170,14 +170,15 @@ def predict(cfg, models, plan, hw):
     return placed, estimate_plan(placed, algorithm.graph(), models, algorithm.workload(), hw)
 
 
-def one_step(plan, graph, est) -> float:
+def one_step(plan, graph, est, hw) -> float:
     """The simulated makespan of a single step alone: what a step costs when nothing of the next step
     overlaps it. The steady state lets a step's calls overlap the next step's where the graph allows;
     the gap between the two says how much of a prediction rests on that overlap."""
     from jaxrlhf.planner.simulator import build_ops, schedule
 
     call_s = {n: c.seconds + est.reloads.get(n, 0.0) for n, c in est.calls.items()}
-    return schedule(build_ops(graph, plan, call_s, est.moves, 1), plan.num_devices).makespan
+    shared = hw.devices_per_host if hw.shares_cores else None
+    return schedule(build_ops(graph, plan, call_s, est.moves, 1), plan.num_devices, shared).makespan
 
 
 def measure(cfg, out_dir: Path, warmup: int) -> dict:
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
         got = measure(run_cfg, out_dir, args.warmup)
         row = {"name": c.name, "overrides": list(c.overrides), "plan": placed.to_dict(),
                "predicted_s": est.step_s, "measured_s": got["step_s"], "ratio": est.step_s / got["step_s"],
-               "predicted_one_step_s": one_step(est.plan, algorithm.graph(), est),
+               "predicted_one_step_s": one_step(est.plan, algorithm.graph(), est, hw),
                "predicted_calls_s": {k: v.seconds for k, v in est.calls.items()},
                "predicted_sources": {k: v.source for k, v in est.calls.items()},
                "predicted_moves_s": {k: v for k, v in est.moves.items() if v},

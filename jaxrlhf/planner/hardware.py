@@ -55,6 +55,12 @@ class HardwareProfile:
     # call times measured on this hardware (`jaxrlhf.profile`); the cost model prefers them to its formulas
     measured: Measured | None = dataclasses.field(default=None, compare=False, repr=False)
 
+    @property
+    def shares_cores(self) -> bool:
+        """Whether the devices of a host share its cores (simulated CPU devices): then calls on disjoint
+        groups of one host take turns on the same cores instead of running side by side."""
+        return self.host_flops is not None
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
             raise KeyError(f"hardware {self.name!r} has no FLOP/s for dtype {dtype!r}; known: {sorted(self.flops)}")

@@ -7,8 +7,9 @@ train call of a role with persistent copies (likewise on both groups). An
 operation waits for its dependencies in the same step and for its role's
 train call of the previous step (a call on a shadow copy waits for the sync
 instead, one step further back when the plan is off-policy). Operations that
-share a device run one after another; disjoint ones overlap. A greedy list
-scheduler always starts the ready operation that can start earliest. The
+share a device run one after another; disjoint ones overlap, unless their
+devices share a host's cores (simulated CPU devices). A greedy list scheduler
+always starts the ready operation that can start earliest. The
 schedule is made longer until its step-to-step gaps repeat (or stop moving),
 and the step time is their mean over the repeating period (`steady_state`).
 
@@ -93,8 +94,21 @@ class Timeline:
         return float(sum(tail) / len(tail))
 
 
-def schedule(ops: list[Op], num_devices: int) -> Timeline:
-    """List-schedule `ops`: each op starts when its deps are done and all its devices are free."""
+def whole_hosts(ranges: tuple[tuple[int, int], ...], host_size: int) -> tuple[tuple[int, int], ...]:
+    """`ranges` widened to the whole hosts they touch."""
+    return tuple(dict.fromkeys((a // host_size * host_size, -(-b // host_size) * host_size) for a, b in ranges))
+
+
+def schedule(ops: list[Op], num_devices: int, shared_host: int | None = None) -> Timeline:
+    """List-schedule `ops`: each op starts when its deps are done and all its devices are free.
+
+    `shared_host`: the devices per host when a host's devices share its cores (simulated CPU
+    devices). Each op then holds every device of the hosts it touches: two calls on disjoint groups
+    of one host would share the same cores, so running them at once finishes no sooner than one
+    after the other (measured on 2 cores: a plan pricing its actor and critic side by side at 3.7 s
+    per step ran 7.4 s, the sum of its calls)."""
+    if shared_host:
+        ops = [dataclasses.replace(o, ranges=whole_hosts(o.ranges, shared_host)) for o in ops]
     by_name = {o.name: o for o in ops}
     for o in ops:
         for d in o.deps:
@@ -334,14 +348,15 @@ SETTLED = 1e-3  # relative change of the estimate between n and 2n steps that co
 
 
 def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float], move_s: Mapping[str, float],
-                 steps: int = MIN_STEPS) -> Timeline:
+                 steps: int = MIN_STEPS, shared_host: int | None = None) -> Timeline:
     """A schedule long enough to show the steady state: from `steps` steps, doubled until the step gaps
     repeat (`Timeline.period`) or the estimate moves by less than SETTLED (or MAX_STEPS). The first
     steps are faster than the rest (nothing waits yet for a previous step's train call), so a short
-    schedule's mean gap is too small: 4 x 70B on 128 GPUs read 8.2 s after 3 steps, 9.0 s settled."""
+    schedule's mean gap is too small: 4 x 70B on 128 GPUs read 8.2 s after 3 steps, 9.0 s settled.
+    `shared_host` as in `schedule`."""
     n, before = max(steps, 2), None
     while True:
-        tl = schedule(build_ops(graph, plan, call_s, move_s, n), plan.num_devices)
+        tl = schedule(build_ops(graph, plan, call_s, move_s, n), plan.num_devices, shared_host)
         if tl.period() is not None or n >= MAX_STEPS:
             return tl
         if before is not None and abs(tl.step_s - before) <= SETTLED * before:
@@ -366,5 +381,5 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
-    timeline = steady_state(graph, plan, call_s, moves, steps)
+    timeline = steady_state(graph, plan, call_s, moves, steps, hw.devices_per_host if hw.shares_cores else None)
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)

@@ -57,16 +57,33 @@ def test_calls_covered_by_tables_are_measured_by_hand_the_rest_formula():
     assert (inf.source, inf.seconds) == ("measured", pytest.approx(line(16, 16)))
     train = call_cost(TRAIN, CFG, GROUP, LAY, WL, hw)  # 2 optimizer steps of an 8-row minibatch
     assert (train.source, train.seconds) == ("measured", pytest.approx(2 * line(8, 16)))
-    # 2 micro-batches of 4 rows per minibatch: the line's value at 0 rows (0.01 + 0) once, the rest twice
+    # 2 micro-batches of 4 rows per minibatch: each a pass of 4 rows, all of it
     micro = dataclasses.replace(WL, micro_batch=4)
     split = call_cost(TRAIN, CFG, GROUP, LAY, micro, hw)
-    assert (split.source, split.seconds) == ("measured", pytest.approx(2 * (0.01 + 2 * (line(4, 16) - 0.01))))
+    assert (split.source, split.seconds) == ("measured", pytest.approx(2 * 2 * line(4, 16)))
     # another layout of a timed model: the formulas scaled by their error where timed (`calibrated`);
     # a missing decode table, another model, no tables: formulas
     assert call_cost(INF, CFG, GROUP, Layout(fsdp=4), WL, hw).source == "calibrated"
     assert call_cost(GEN, CFG, GROUP, LAY, WL, profile_with(table("prefill", GRID))).source == "formula"
     assert call_cost(INF, preset("small"), GROUP, LAY, WL, hw).source == "formula"
     assert call_cost(INF, CFG, GROUP, LAY, WL, get_profile("cpu")).source == "formula"
+
+
+def test_a_pipelined_layout_is_priced_from_one_stages_tables():
+    """2 stages x data 2 on 4 devices, 4 micro-batches: M + S - 1 = 5 iterations, each a pass of one
+    micro-batch (rows / 4) through half the layers on a stage's placement (data 2 on 2 devices), the two
+    stages side by side, or one after the other where a host's devices share its cores."""
+    staged = Layout(data=2, stage=2)
+    stage_table = table("inference", GRID, layout=Layout(data=2), devices=2)
+    micro = dataclasses.replace(WL, micro_batch=4)  # 16 rows in 4 micro-batches
+    shared = profile_with(stage_table)
+    assert shared.shares_cores
+    cost = call_cost(INF, CFG, GROUP, staged, micro, shared)
+    assert (cost.source, cost.seconds) == ("measured", pytest.approx(5 * line(4, 16)))
+    own_cores = dataclasses.replace(shared, host_flops=None)
+    assert call_cost(INF, CFG, GROUP, staged, micro, own_cores).seconds == pytest.approx(5 * line(4, 16) / 2)
+    # no table of the stage's placement: the formulas, scaled
+    assert call_cost(INF, CFG, GROUP, staged, micro, profile_with(table("inference", GRID))).source == "calibrated"
 
 
 def test_a_mixed_layout_scales_the_formula_by_the_single_axis_errors():

@@ -39,6 +39,15 @@ def test_disjoint_groups_overlap():
     assert tl.makespan == pytest.approx(4 + max(1, 2) + 3)
 
 
+def test_groups_sharing_a_hosts_cores_take_turns():
+    """Simulated CPU devices: the reward and critic calls on disjoint halves of one host run one after
+    the other (the cores are the same); with hosts of 2 devices they are on two hosts and overlap."""
+    p = plan({"actor.generate": "all", "reward.inference": "lo", "critic.inference": "hi", "actor.train": "all"})
+    ops = build_ops(G, p, T, {}, 1)
+    assert schedule(ops, 4, shared_host=4).makespan == pytest.approx(4 + 1 + 2 + 3)
+    assert schedule(ops, 4, shared_host=2).makespan == pytest.approx(4 + 2 + 3)
+
+
 def test_next_step_waits_for_the_roles_previous_train_call():
     # reward and critic live on "hi"; actor entirely on "lo". The critic call of step 1 need not
     # wait for anything but its deps, yet actor.generate@1 must wait for actor.train@0.
