@@ -88,7 +88,7 @@ def main() -> None:
     print(f"profile: {hw.name}: {hw.flops['float32'] / 1e9:.1f} GFLOP/s per device "
           f"({hw.flops[args.dtype] / 1e9:.1f} in {args.dtype}), host cap "
           f"{(hw.host_flops or 0) / 1e9:.1f}, mem {hw.hbm_bandwidth / 1e9:.1f} GB/s, "
-          f"kernel latency {hw.kernel_latency * 1e6:.1f} us")
+          f"kernel latency {hw.kernel_latency * 1e6:.1f} us, collective latency {hw.collective_latency * 1e6:.1f} us")
 
     cfg = preset("small", hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4 // 8 * 8,
                  vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.heads,

@@ -61,6 +61,31 @@ def kernel_latency(device, repeats: int, short: int = 16, long: int = 144) -> fl
     return max((chain(long) - chain(short)) / (long - short), 1e-7)
 
 
+def collective_chain_latency(devices, repeats: int, short: int = 16, long: int = 144) -> float:
+    """Seconds per collective inside one compiled program over `devices`: the difference between chains of
+    `long` and `short` dependent all-reduces of a tiny array, per link. Simulated CPU devices meet at each
+    collective on shared cores: 8 of them on 2 cores took ~110-150 us per all-reduce or all-gather (4: ~50,
+    2: ~18), where a tiny program's host round trip took 9 us. FSDP runs ~20 per layer and step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((n * 8,), jnp.float32), NamedSharding(mesh, P("d")))
+
+    def chain(links: int):
+        def run(v):
+            for _ in range(links):
+                v = jax.lax.psum(v, "d") * (1.0 / n) + 1.0  # each link waits for the last
+            return v
+        fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        return best_time(lambda: fn(x).block_until_ready(), repeats)
+
+    return max((chain(long) - chain(short)) / (long - short), 1e-7)
+
+
 # Sizes large enough that launch latency is noise: a GPU runs a 1024^3 matmul or a 64 MB copy in
 # microseconds, well short of its peak rates.
 CALIBRATION_SIZES = {"cpu": (1024, 64)}  # platform -> (matmul size, copy MB); others: ACCELERATOR_SIZES
@@ -75,8 +100,9 @@ def calibrate(base: str = "cpu", *, matmul_size: int | None = None, copy_mb: int
     (the latter bounds `host_flops` when devices share cores), copy bytes/s
     (read + write) likewise, a device-to-device transfer, an all-reduce over
     all local devices (reported as ring bus bandwidth), host -> device bytes/s
-    the host round trip of a tiny program (`collective_latency`) and the cost of one kernel inside a
-    compiled program (`kernel_latency`). Efficiencies are set to 1
+    the cost of one all-reduce inside a compiled program over all local devices (`collective_latency`;
+    with one device, a tiny program's host round trip) and of one kernel inside a program
+    (`kernel_latency`). Efficiencies are set to 1
     because the numbers are what kernels actually reach.
     """
     import jax
@@ -132,7 +158,9 @@ def calibrate(base: str = "cpu", *, matmul_size: int | None = None, copy_mb: int
     host = np.ones((elems,), np.float32)
     h2d = elems * 4 / best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
 
-    latency = dispatch_latency(devices[0], max(repeats, 20))
+    # a collective's fixed cost: inside a program, where the formulas charge it (one device: none to meet)
+    latency = (collective_chain_latency(devices, max(repeats, 20)) if n > 1
+               else dispatch_latency(devices[0], max(repeats, 20)))
     per_kernel = kernel_latency(devices[0], max(repeats, 20))
 
     # Other dtypes: measured where cheap (bfloat16), else scaled from the base profile's ratios.

@@ -59,6 +59,7 @@ def test_calibration_measures_local_devices(devices, tmp_path):
     assert p.devices_per_host == len(devices)
     assert p.flops["float32"] > 1e6 and p.hbm_bandwidth > 1e6 and p.intra_host_bandwidth > 1e5
     assert p.host_flops is not None and p.matmul_efficiency == 1.0
+    assert 0 < p.collective_latency < 1 and 0 < p.kernel_latency < 1
     path = str(tmp_path / "cpu.yaml")
     p.save(path)
     assert get_profile(path) == p
