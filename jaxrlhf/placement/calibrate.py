@@ -41,31 +41,41 @@ def dispatch_latency(device, repeats: int) -> float:
     return best_time(lambda: add(tiny).block_until_ready(), repeats)
 
 
-def kernel_latency(device, repeats: int, short: int = 16, long: int = 144) -> float:
-    """Seconds per kernel inside one compiled program: the difference between chains of `long` and
-    `short` dependent tiny matmuls, per link. A model's per-layer ops cost this, not a host round trip
-    (on an H200 a tiny program's round trip took 52 us, one kernel inside a program 1.1 us)."""
+def per_link_seconds(link: Callable[[Any], Any], x: Any, repeats: int, short: int = 16, long: int = 144,
+                     wrap: Callable[[Callable], Callable] = lambda f: f) -> float:
+    """Seconds per `link` inside one compiled program: the difference between chains of `long` and
+    `short` dependent links (each waits for the last: nothing to fuse or overlap), per link, so that
+    neither dispatch nor the host round trip counts. `wrap` turns a chain into the program (a
+    `shard_map`, say) before it is compiled."""
     import jax
-    import jax.numpy as jnp
 
-    x = jax.device_put(jnp.full((8, 8), 0.1, jnp.float32), device)
-
-    def chain(links: int):
+    def chain(links: int) -> float:
         def run(v):
             for _ in range(links):
-                v = jnp.tanh(v @ v)  # each link waits for the last: nothing to fuse or overlap
+                v = link(v)
             return v
-        fn = jax.jit(run)
+        fn = jax.jit(wrap(run))
         return best_time(lambda: fn(x).block_until_ready(), repeats)
 
     return max((chain(long) - chain(short)) / (long - short), 1e-7)
 
 
-def collective_chain_latency(devices, repeats: int, short: int = 16, long: int = 144) -> float:
-    """Seconds per collective inside one compiled program over `devices`: the difference between chains of
-    `long` and `short` dependent all-reduces of a tiny array, per link. Simulated CPU devices meet at each
-    collective on shared cores: 8 of them on 2 cores took ~110-150 us per all-reduce or all-gather (4: ~50,
-    2: ~18), where a tiny program's host round trip took 9 us. FSDP runs ~20 per layer and step."""
+def kernel_latency(device, repeats: int) -> float:
+    """Seconds per kernel inside one compiled program (a chain of tiny matmuls). A model's per-layer ops
+    cost this, not a host round trip (on an H200 a tiny program's round trip took 52 us, one kernel
+    inside a program 1.1 us)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(jnp.full((8, 8), 0.1, jnp.float32), device)
+    return per_link_seconds(lambda v: jnp.tanh(v @ v), x, repeats)
+
+
+def collective_latency(devices, repeats: int) -> float:
+    """Seconds per collective inside one compiled program over `devices` (a chain of all-reduces of a
+    tiny array). Simulated CPU devices meet at each collective on shared cores: 8 of them on 2 cores
+    took ~110-150 us per all-reduce or all-gather (4: ~50, 2: ~18), where a tiny program's host round
+    trip took 9 us. FSDP runs ~20 collectives per layer and step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -74,16 +84,8 @@ def collective_chain_latency(devices, repeats: int, short: int = 16, long: int =
     n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
     x = jax.device_put(jnp.ones((n * 8,), jnp.float32), NamedSharding(mesh, P("d")))
-
-    def chain(links: int):
-        def run(v):
-            for _ in range(links):
-                v = jax.lax.psum(v, "d") * (1.0 / n) + 1.0  # each link waits for the last
-            return v
-        fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        return best_time(lambda: fn(x).block_until_ready(), repeats)
-
-    return max((chain(long) - chain(short)) / (long - short), 1e-7)
+    return per_link_seconds(lambda v: jax.lax.psum(v, "d") * (1.0 / n) + 1.0, x, repeats,
+                            wrap=lambda run: jax.shard_map(run, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
 
 # Sizes large enough that launch latency is noise: a GPU runs a 1024^3 matmul or a 64 MB copy in
@@ -159,7 +161,7 @@ def calibrate(base: str = "cpu", *, matmul_size: int | None = None, copy_mb: int
     h2d = elems * 4 / best_time(lambda: jax.device_put(host, devices[0]).block_until_ready(), repeats)
 
     # a collective's fixed cost: inside a program, where the formulas charge it (one device: none to meet)
-    latency = (collective_chain_latency(devices, max(repeats, 20)) if n > 1
+    latency = (collective_latency(devices, max(repeats, 20)) if n > 1
                else dispatch_latency(devices[0], max(repeats, 20)))
     per_kernel = kernel_latency(devices[0], max(repeats, 20))
 
