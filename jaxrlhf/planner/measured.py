@@ -22,8 +22,9 @@ of shapes:
 Rows count sequences of the whole call (all devices together). Estimates are
 bilinear in rows and length over the measured grid, extended linearly past
 its edges (time grows linearly in rows, and close to linearly in length at
-these sizes), and never below zero; a call split into micro-batches pays the
-line's value at zero rows once and the rest per micro-batch (`Table.split_seconds`).
+these sizes), and never below zero; a call split into micro-batches pays a
+whole pass per micro-batch (`Table.split_seconds`), and a pipelined layout is
+priced from the tables of one stage's placement (`cost._table_parts`).
 Entries are matched on the model's dimensions and dtype, the number of devices
 and the layout exactly. Other placements of a timed model are priced by the
 formulas of `jaxrlhf.planner.cost` scaled by how far they are off where the
