@@ -3,22 +3,22 @@
     python -m jaxrlhf.profile --config FILE --out profile.yaml [--repeats 2] [--sizes 4,8] [key=value ...]
 
 For every model the algorithm's graph uses (a role's dimensions and head; the
-reference and the actor share one when their shapes match) and every phase
-its calls need - generation as a prefill plus per-token decode steps,
-inference, training per optimizer step - it times the phase on a small grid:
-placements of all devices and of half of them in each single-axis layout
-that fits (data, FSDP, the largest tensor size that divides the model), at
-half and full rows of the config's batch and half and full lengths (prompt
-for prefill, cache slots for decode, prompt + response otherwise). Each point is the best of `--repeats` runs after one
-warm-up (compilation); a prefill writes into a cache with room for the
-config's response, as generation does, and decode steps run in one on-device
-loop over layers split out of the stack once, as the engines run them (timed
-one jitted call per token instead, a data-parallel decode on 8 simulated CPU
-devices measured 2.6x the time per token the engine took in a run). The hardware numbers come from
-`jaxrlhf.placement.calibrate` on the same devices; parameter moves between
-the placements (`jaxrlhf.transfer.realloc.reallocate`) and batch moves
-(`jax.device_put` of a token batch from one group to another) are recorded
-beside them as `moves`.
+reference and the actor share one when their shapes match) and every phase its
+calls need - generation as a prefill plus per-token decode steps, inference,
+training per optimizer step - it times the phase on a small grid: placements
+of all devices and of half of them in each single-axis layout that fits (data,
+FSDP, the largest tensor size that divides the model), at half and full rows
+of the config's batch and half and full lengths (prompt for prefill, cache
+slots for decode, prompt + response otherwise). Each point is the best of
+`--repeats` runs after one warm-up (compilation); a prefill writes into a
+cache with room for the config's response, as generation does, and decode
+steps run in one on-device loop over layers split out of the stack once, as
+the engines run them (timed one jitted call per token instead, a data-parallel
+decode on 8 simulated CPU devices measured 2.6x the time per token the engine
+took in a run). The hardware numbers come from `jaxrlhf.placement.calibrate`
+on the same devices; parameter moves between the placements
+(`jaxrlhf.transfer.realloc.reallocate`) and batch moves (`jax.device_put` of a
+token batch from one group to another) are recorded beside them as `moves`.
 
 The file is a hardware profile with a `measured` section (`jaxrlhf.planner.measured`),
 YAML, read back with the project's safe loader; set
@@ -52,9 +52,8 @@ def grid_layouts(call, cfg, size: int, wl, max_tensor: int) -> list:
     from jaxrlhf.planner.search import valid_layouts
 
     ok = [lay for lay in valid_layouts(call, cfg, size, wl, max_tensor) if lay.stage == 1]
-    fsdp = Layout(fsdp=size)
     if call.kind == "generate" and size > 1 and not cfg.hidden_size % size and not wl.call_batch(call.kind) % size:
-        ok.append(fsdp)
+        ok.append(Layout(fsdp=size))
     pure = [lay for lay in ok if sum(v > 1 for v in (lay.data, lay.fsdp, lay.tensor)) <= 1]
     tensor = max((lay for lay in pure if lay.tensor > 1), key=lambda lay: lay.tensor, default=None)
     return [lay for lay in pure if lay.tensor == 1] + ([tensor] if tensor else [])
