@@ -19,6 +19,17 @@ def test_profile_never_replaces_a_file_and_bad_sizes_are_one_line(tmp_path, caps
     assert "--sizes" in capsys.readouterr().err
 
 
+def test_the_grid_times_generation_under_fsdp_too():
+    """The interleaved preset generates at its role's FSDP home, so the profile times that layout beside
+    data parallelism (the search itself never generates under FSDP)."""
+    cfg = cfglib.load_config("configs/quickstart.yaml")
+    algorithm = build_algorithm(cfg)
+    graph, wl = algorithm.graph(), algorithm.workload()
+    actor = planning.role_configs(cfg, list(graph.roles))["actor"]
+    layouts = {str(lay) for lay in prof.grid_layouts(graph["actor.generate"], actor, 4, wl, max_tensor=4)}
+    assert {"d4f1t1", "d1f4t1"} <= layouts
+
+
 @pytest.mark.slow
 def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     """SFT's one call (actor.train) on all 8 devices in every single-axis layout, 2 rows x 2 lengths:

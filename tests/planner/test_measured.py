@@ -70,9 +70,10 @@ def test_calls_covered_by_tables_are_measured_by_hand_the_rest_formula():
 
 
 def test_a_pipelined_layout_is_priced_from_one_stages_tables():
-    """2 stages x data 2 on 4 devices, 4 micro-batches: M + S - 1 = 5 iterations, each a pass of one
-    micro-batch (rows / 4) through half the layers on a stage's placement (data 2 on 2 devices), the two
-    stages side by side, or one after the other where a host's devices share its cores."""
+    """2 stages x data 2 on 4 devices, 4 micro-batches: M + S - 1 = 5 iterations; in each, both stages
+    run their half of the layers on one micro-batch (rows / 4) on a stage's placement (data 2 on 2
+    devices). One after the other (a host's devices share its cores) that is a whole pass per iteration;
+    side by side, half of one."""
     staged = Layout(data=2, stage=2)
     stage_table = table("inference", GRID, layout=Layout(data=2), devices=2)
     micro = dataclasses.replace(WL, micro_batch=4)  # 16 rows in 4 micro-batches
