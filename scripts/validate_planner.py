@@ -177,8 +177,7 @@ def one_step(plan, graph, est, hw) -> float:
     from jaxrlhf.planner.simulator import build_ops, schedule
 
     call_s = {n: c.seconds + est.reloads.get(n, 0.0) for n, c in est.calls.items()}
-    shared = hw.devices_per_host if hw.shares_cores else None
-    return schedule(build_ops(graph, plan, call_s, est.moves, 1), plan.num_devices, shared).makespan
+    return schedule(build_ops(graph, plan, call_s, est.moves, 1), plan.num_devices, hw.shared_host).makespan
 
 
 def measure(cfg, out_dir: Path, warmup: int) -> dict:

@@ -31,8 +31,8 @@ def _host_memory_bytes() -> float:
 
 
 def dispatch_latency(device, repeats: int) -> float:
-    """Seconds from dispatching a tiny compiled program to having its result: the host round trip that
-    a collective's synchronisation costs."""
+    """Seconds from dispatching a tiny compiled program to having its result: the host round trip (with
+    one device, what `calibrate` records as the collective latency: there is nothing to meet)."""
     import jax
     import jax.numpy as jnp
 

@@ -61,6 +61,11 @@ class HardwareProfile:
         groups of one host take turns on the same cores instead of running side by side."""
         return self.host_flops is not None
 
+    @property
+    def shared_host(self) -> int | None:
+        """Devices per host when they share its cores (what `simulator.schedule` takes), else None."""
+        return self.devices_per_host if self.shares_cores else None
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
             raise KeyError(f"hardware {self.name!r} has no FLOP/s for dtype {dtype!r}; known: {sorted(self.flops)}")

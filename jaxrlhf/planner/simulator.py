@@ -381,5 +381,5 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
-    timeline = steady_state(graph, plan, call_s, moves, steps, hw.devices_per_host if hw.shares_cores else None)
+    timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host)
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)
