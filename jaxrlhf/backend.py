@@ -24,6 +24,7 @@ def setup_devices(run: cfglib.RunConfig, dist: cfglib.DistributedConfig | None =
         jax.config.update("jax_platforms", "cpu")
         if run.devices:
             jax.config.update("jax_num_cpu_devices", run.devices)
+            _note_oversubscription(run.devices)
     elif run.platform in ("gpu", "tpu"):
         jax.config.update("jax_platforms", "cuda" if run.platform == "gpu" else "tpu")
     enable_compile_cache(run.compile_cache)
@@ -37,6 +38,25 @@ def setup_devices(run: cfglib.RunConfig, dist: cfglib.DistributedConfig | None =
                 f"run.platform={run.platform}, but JAX has no {run.platform.upper()} backend here "
                 f"({_first_line(e)}); set run.platform=cpu (or auto), or install jax with {run.platform} support"
             ) from None
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, so a container's or `taskset`'s limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _note_oversubscription(devices: int) -> None:
+    """Say when simulated devices outnumber the cores: XLA's CPU client then runs one compute thread per
+    device on too few cores, and every step slows (docs/profiling.md, "Simulated CPU devices")."""
+    cores = available_cores()
+    if devices > cores:
+        print(f"note: run.devices={devices} simulates {devices} CPU devices on {cores} cores; XLA then runs "
+              f"{devices} compute threads on {cores} cores and every step takes longer (the quickstart on 8 "
+              f"devices and 2 cores: 2.4-2.7x its time on 2 devices); run.devices={cores} avoids it "
+              "(docs/profiling.md, 'Simulated CPU devices')", flush=True)
 
 
 def _first_line(e: BaseException) -> str:

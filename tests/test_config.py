@@ -86,10 +86,26 @@ def test_parse_cli():
 
 def test_quickstart_loads():
     config = load_config(REPO / "configs" / "quickstart.yaml")
-    assert config.run.platform == "cpu" and config.run.devices == 8
+    assert config.run.platform == "cpu" and config.run.devices == 2
     assert config.model.actor.preset in ("tiny", "small")
     assert config.model.tokenizer == "byte"
     assert config.data.source == "arithmetic"
+
+
+@pytest.mark.parametrize("devices, cores, noted", [(8, 2, True), (2, 2, False), (2, 16, False)])
+def test_more_simulated_devices_than_cores_is_noted(devices, cores, noted, monkeypatch, capsys):
+    """XLA's CPU client runs one compute thread per simulated device; on fewer cores every step slows,
+    so the run says so and names the device count that avoids it."""
+    from jaxrlhf import backend
+
+    monkeypatch.setattr(backend, "available_cores", lambda: cores)
+    backend._note_oversubscription(devices)
+    out = capsys.readouterr().out
+    if noted:
+        assert f"run.devices={devices} simulates {devices} CPU devices on {cores} cores" in out
+        assert f"run.devices={cores} avoids it" in out
+    else:
+        assert out == ""
 
 
 def test_key_list_is_dotted_leaves():

@@ -176,7 +176,7 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
         ("algorithm.kl_cof=0.1", "unknown config key 'algorithm.kl_cof'; did you mean 'algorithm.kl_coef'?"),
         ("run.steps=ten", "config key 'run.steps' expects int"),
         ("plan.strategy=collocated", "plan.strategy"),
-        ("data.batch_size=6", "plan error: colocated: no layout of 8 devices fits role 'actor'"),
+        ("run.devices=3", "plan error: colocated: no layout of 3 devices fits role 'actor'"),
     ],
 )
 def test_cli_errors_are_specific(override, message, tmp_path):
@@ -199,7 +199,7 @@ def test_print_config_round_trips(capsys):
 
 def test_quickstart_config_plans_abstractly():
     cfg = cfglib.load_config(QUICKSTART)
-    assert cfg.run.devices == 8 and cfg.run.platform == "cpu"
+    assert cfg.run.devices == 2 and cfg.run.platform == "cpu"
     json.dumps(cfglib.to_dict(cfg))
 
 
