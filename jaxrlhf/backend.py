@@ -53,10 +53,9 @@ def _note_oversubscription(devices: int) -> None:
     device on too few cores, and every step slows (docs/profiling.md, "Simulated CPU devices")."""
     cores = available_cores()
     if devices > cores:
-        print(f"note: run.devices={devices} simulates {devices} CPU devices on {cores} cores; XLA then runs "
-              f"{devices} compute threads on {cores} cores and every step takes longer (the quickstart on 8 "
-              f"devices and 2 cores: 2.4-2.7x its time on 2 devices); run.devices={cores} avoids it "
-              "(docs/profiling.md, 'Simulated CPU devices')", flush=True)
+        print(f"note: run.devices={devices} simulates {devices} CPU devices on {cores} cores: XLA runs a compute "
+              f"thread per device, so every step takes longer (the quickstart, 8 devices on 2 cores: 2.4-2.7x); "
+              f"run.devices={cores} avoids it (docs/profiling.md, 'Simulated CPU devices')", flush=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -35,7 +35,8 @@ def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     """SFT's one call (actor.train) on all 8 devices in every single-axis layout, 2 rows x 2 lengths:
     the tables load back, and the plan `train` would run prices its train call from them."""
     out = str(tmp_path / "sft.yaml")
-    assert prof.main(["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "run.devices=8"]) == 0
+    argv = ["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "run.devices=8"]
+    assert prof.main(argv) == 0
     hw = HardwareProfile.load(out)
     tables = list(hw.measured.tables.values())
     assert {t.phase for t in tables} == {"train"} and {t.devices for t in tables} == {8}
