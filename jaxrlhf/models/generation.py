@@ -194,7 +194,7 @@ def _decode(
         token, valid, done, outs = emit(i, logits[:, 0], done, outs)
         return i + 1, cache, token, valid, done, position + 1, outs
 
-    carry = (jnp.int32(1), cache, token, valid, done, position, outs)
+    carry = (jnp.int32(1), cache.per_layer(), token, valid, done, position, outs)
     *_, done, _, (out_tokens, out_logp, out_valid) = jax.lax.while_loop(cond, body, carry)
     if max_lengths is not None:  # a row cut by its length limit did not end with EOS
         last = jnp.take_along_axis(out_tokens, jnp.maximum(out_valid.sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0]
