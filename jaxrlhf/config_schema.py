@@ -403,6 +403,9 @@ class GenerationConfig:
     # continuous engine's KV page pool: response pages of 16 tokens (all batch shards together); null = every
     # slot can hold max_new_tokens (never preempts). Smaller trades memory for recomputing preempted rows
     kv_pages: Int | None = _field(None, check=positive)
+    # cut the rollout batch after generation to its longest response, rounded up to max_new_tokens / 2^k
+    # (k < 4, multiples of 8): the train and inference calls skip the padding past it (docs/generation.md)
+    trim_responses: Bool = True
 
 
 @_no_extra_keys

@@ -14,6 +14,7 @@ from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
+from jaxrlhf.models.lengths import response_widths
 
 SEQUENCE = ("tokens", "mask", "positions")
 RESPONSE = ("response_tokens", "response_mask")
@@ -55,6 +56,19 @@ class RolloutAlgorithm(Algorithm):
         """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
         ds = getattr(self.cfg.algorithm, "dynamic_sampling", None)  # only grouped algorithms have the key
         return self.default_dynamic_sampling if ds is None else ds
+
+    @property
+    def trims(self) -> bool:
+        """Cut the rollout batch to its longest response after generation (`generation.trim_responses`;
+        nothing to cut when `max_new_tokens` allows one width only)."""
+        gen = self.cfg.generation
+        return bool(gen.trim_responses) and len(response_widths(gen.max_new_tokens)) > 1
+
+    @property
+    def generated_prefix(self) -> str:
+        """Prefix of the generate call's outputs: `pool_` (dynamic sampling selects from them), `full_`
+        (`trim_responses` cuts them), or none (they are the batch)."""
+        return "pool_" if self.dynamic_sampling else "full_" if self.trims else ""
 
     @property
     def pool_factor(self) -> int:
@@ -129,7 +143,7 @@ class RolloutAlgorithm(Algorithm):
         pool = "pool_" if self.dynamic_sampling else ""
         calls: list[CallSpec] = [
             CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
-                     outputs=tuple(pool + v for v in GENERATED), seqs_per_row=self.pool_factor),
+                     outputs=tuple(self.generated_prefix + v for v in GENERATED), seqs_per_row=self.pool_factor),
         ]
         prefixes = (pool,)
         if self.greedy_baseline:
@@ -144,10 +158,13 @@ class RolloutAlgorithm(Algorithm):
             ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
             host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
             train_in += ["rule_scores"] if pool else outs
+        full = "full_" if self.trims else ""
         if pool:  # dynamic sampling: the pool's informative groups become the step's batch
             host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
                                                    "pool_rule_components"),
-                                 (*GENERATED, "rule_scores", "rule_components", "sampling_stats")))
+                                 (*(full + v for v in GENERATED), "rule_scores", "rule_components", "sampling_stats")))
+        if full:  # the batch cut to its longest response: every later call skips the padding past it
+            host.insert(0, HostStep("trim_responses", tuple(full + v for v in GENERATED), GENERATED))
         if self.cfg.rewards.model:
             outs = tuple(f"{p}model_scores" for p in prefixes)
             calls.append(CallSpec("reward.inference", "reward", "inference", "reward",

@@ -9,6 +9,8 @@ JAX; `RolloutRuntime` here is their runtime half. The step graph (bracketed part
     actor.generate           prompts -> tokens, mask, positions, response_tokens, response_mask,
                              behaviour_logp, ended_with_eos
     [actor.generate_greedy]  the same prompts decoded greedily -> greedy_* (ReMax's baseline)
+    [trim_responses]         host: the batch cut to its longest response (`generation.trim_responses`;
+                             the generate call's outputs are then named full_*)
     [score_rules]            host: decoded responses + reference answers -> rule_scores[, greedy_rule_scores]
     [reward.inference]       reward-model scores -> model_scores[, greedy_model_scores]
     [ref.inference]          reference log-probs of the response -> ref_logp
@@ -45,11 +47,13 @@ from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
+from jaxrlhf.algorithms.rl import GENERATED, SEQUENCE
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
+from jaxrlhf.models.lengths import response_width
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 
@@ -351,6 +355,27 @@ def repeat_rows(batch: Any, g: int) -> Any:
     )
 
 
+def trim_responses(batch: dict[str, Any], max_new_tokens: int) -> dict[str, np.ndarray]:
+    """The rollout batch (`GENERATED` values, on host) cut to its longest response, rounded up to one of
+    `lengths.response_widths`: the columns past it are padding in every row (response mask False), so the
+    train and inference calls would compute them only to mask them out. The math is unchanged: attention
+    is causal, and every loss, advantage and KL is masked by `response_mask` (length normalisations use
+    `max_new_tokens`, not the width)."""
+    response_mask = np.asarray(batch["response_mask"])
+    n = response_mask.shape[1]
+    prompt = np.asarray(batch["tokens"]).shape[1] - n
+    width = response_width(int(response_mask.sum(axis=1).max(initial=0)), max_new_tokens)
+    out = {}
+    for name, x in batch.items():
+        x = np.asarray(x)
+        if name in SEQUENCE:
+            x = x[:, :prompt + width]
+        elif x.ndim == 2:
+            x = x[:, :width]
+        out[name] = x
+    return out
+
+
 def select_groups(
     pool: dict[str, Any], scores: np.ndarray, group_size: int, groups: int
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -414,7 +439,7 @@ class RolloutRuntime:
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
                                 tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
-            "actor.generate": functools.partial(gen, "pool_" if self.dynamic_sampling else ""),
+            "actor.generate": functools.partial(gen, self.generated_prefix),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
         if self.greedy_baseline:
@@ -464,9 +489,16 @@ class RolloutRuntime:
                 values = {k.removeprefix("pool_"): v for k, v in generated.items()}
                 values.update(rule_scores=pool_rule_scores, rule_components=pool_rule_components)
                 out, stats = select_groups(values, scores, self.group_size, groups)
+                full = "full_" if self.trims else ""
+                out = {(full + k if k in GENERATED else k): v for k, v in out.items()}
                 return {**out, "sampling_stats": {k: np.float32(v) for k, v in stats.items()}}
 
             steps["select_groups"] = select
+        if self.trims:
+            def trim(**full):
+                return trim_responses({k.removeprefix("full_"): v for k, v in full.items()}, self.cfg.generation.max_new_tokens)
+
+            steps["trim_responses"] = trim
         alg = self.cfg.algorithm
         if self.uses_ref:
             def kl_control(kl_coef, actor_stats):

@@ -18,3 +18,19 @@ def bucket_length(length: int, minimum: int = 16, *, multiple: int | None = None
         while out < size:
             out *= 2
     return min(out, cap) if cap is not None else out
+
+
+TRIM_WIDTHS = 4  # response widths a trimmed rollout batch may take: max_new_tokens, 1/2, 1/4 and 1/8 of it
+
+
+def response_widths(max_new_tokens: int) -> tuple[int, ...]:
+    """The widths (response columns) a rollout batch may be cut to after generation, narrowest first:
+    `max_new_tokens` / 2^k for k < `TRIM_WIDTHS`, rounded up to a multiple of 8 (at most
+    `max_new_tokens`). Few widths: each is one compiled program per train or inference call."""
+    n = int(max_new_tokens)
+    return tuple(sorted({min(n, -(-max(-(-n // 2**k), 1) // 8) * 8) for k in range(TRIM_WIDTHS)}))
+
+
+def response_width(longest: int, max_new_tokens: int) -> int:
+    """The narrowest of `response_widths` that holds a batch whose longest response has `longest` tokens."""
+    return next(w for w in response_widths(max_new_tokens) if w >= min(int(longest), int(max_new_tokens)))

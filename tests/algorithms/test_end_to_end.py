@@ -41,6 +41,10 @@ CASES = {
              RL_KEYS + ("dynamic_sampling/kept_groups", "dynamic_sampling/informative_groups")),
     "gspo": (["algorithm.name=gspo", "algorithm.group_size=4", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"],
              "interleaved", RL_KEYS + ("kl/loss",)),
+    # generation.trim_responses on (12 new tokens: widths 8 and 12): the generate call's outputs go
+    # through the host step that cuts them, then to the other calls' layouts
+    "ppo_trimmed": (["algorithm.name=ppo", "algorithm.minibatches=2", "generation.max_new_tokens=12"],
+                    "reallocated", RL_KEYS),
     "rloo": (["algorithm.name=rloo", "algorithm.group_size=2", "algorithm.minibatches=2"], "reallocated", RL_KEYS),
     "reinforce_pp": (["algorithm.name=reinforce_pp", "algorithm.minibatches=2"], "interleaved", RL_KEYS),
     "remax": (["algorithm.name=remax", "algorithm.minibatches=2"], "disaggregated",
