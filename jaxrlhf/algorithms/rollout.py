@@ -496,7 +496,8 @@ class RolloutRuntime:
             steps["select_groups"] = select
         if self.trims:
             def trim(**full):
-                return trim_responses({k.removeprefix("full_"): v for k, v in full.items()}, self.cfg.generation.max_new_tokens)
+                batch = {k.removeprefix("full_"): v for k, v in full.items()}
+                return trim_responses(batch, self.cfg.generation.max_new_tokens)
 
             steps["trim_responses"] = trim
         alg = self.cfg.algorithm

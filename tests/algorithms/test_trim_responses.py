@@ -136,12 +136,14 @@ def test_graph_routes_later_calls_through_the_cut():
     order = [n.name for n in graph.order()]
     assert order.index("trim_responses") < min(order.index(c) for c in ("critic.inference", "actor.train"))
     # one width only (max_new_tokens <= 8), or switched off: nothing to cut, no host step
-    for overrides in (("generation.max_new_tokens=8",), ("generation.max_new_tokens=16", "generation.trim_responses=false")):
+    for overrides in (("generation.max_new_tokens=8",),
+                      ("generation.max_new_tokens=16", "generation.trim_responses=false")):
         graph = _graph("algorithm.name=ppo", *overrides)
         assert "trim_responses" not in [h.name for h in graph.host_steps]
         assert graph["actor.generate"].outputs == GENERATED
     # DAPO: the generate call fills the pool, the selected groups are cut
     dapo = _graph("algorithm.name=dapo", "algorithm.group_size=2", "generation.max_new_tokens=16")
     assert dapo["actor.generate"].outputs[0] == "pool_tokens"
-    assert [h.name for h in dapo.order() if not hasattr(h, "role")][:3] == ["score_rules", "select_groups", "trim_responses"]
+    host_order = [h.name for h in dapo.order() if not hasattr(h, "role")]
+    assert host_order[:3] == ["score_rules", "select_groups", "trim_responses"]
     assert dapo.node("select_groups").outputs[:len(GENERATED)] == tuple("full_" + v for v in GENERATED)
