@@ -65,10 +65,15 @@ class RolloutAlgorithm(Algorithm):
         return bool(gen.trim_responses) and len(response_widths(gen.max_new_tokens)) > 1
 
     @property
+    def uncut_prefix(self) -> str:
+        """Prefix of the rollout batch before `trim_responses` cuts it (`full_`), or none without the cut."""
+        return "full_" if self.trims else ""
+
+    @property
     def generated_prefix(self) -> str:
         """Prefix of the generate call's outputs: `pool_` (dynamic sampling selects from them), `full_`
         (`trim_responses` cuts them), or none (they are the batch)."""
-        return "pool_" if self.dynamic_sampling else "full_" if self.trims else ""
+        return "pool_" if self.dynamic_sampling else self.uncut_prefix
 
     @property
     def pool_factor(self) -> int:
@@ -158,7 +163,7 @@ class RolloutAlgorithm(Algorithm):
             ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
             host.append(HostStep("score_rules", ins, outs + tuple(f"{p}rule_components" for p in prefixes)))
             train_in += ["rule_scores"] if pool else outs
-        full = "full_" if self.trims else ""
+        full = self.uncut_prefix
         if pool:  # dynamic sampling: the pool's informative groups become the step's batch
             host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
                                                    "pool_rule_components"),

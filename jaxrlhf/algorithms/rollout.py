@@ -489,14 +489,13 @@ class RolloutRuntime:
                 values = {k.removeprefix("pool_"): v for k, v in generated.items()}
                 values.update(rule_scores=pool_rule_scores, rule_components=pool_rule_components)
                 out, stats = select_groups(values, scores, self.group_size, groups)
-                full = "full_" if self.trims else ""
-                out = {(full + k if k in GENERATED else k): v for k, v in out.items()}
+                out = {(self.uncut_prefix + k if k in GENERATED else k): v for k, v in out.items()}
                 return {**out, "sampling_stats": {k: np.float32(v) for k, v in stats.items()}}
 
             steps["select_groups"] = select
         if self.trims:
             def trim(**full):
-                batch = {k.removeprefix("full_"): v for k, v in full.items()}
+                batch = {k.removeprefix(self.uncut_prefix): v for k, v in full.items()}
                 return trim_responses(batch, self.cfg.generation.max_new_tokens)
 
             steps["trim_responses"] = trim

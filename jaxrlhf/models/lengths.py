@@ -28,7 +28,7 @@ def response_widths(max_new_tokens: int) -> tuple[int, ...]:
     `max_new_tokens` / 2^k for k < `TRIM_WIDTHS`, rounded up to a multiple of 8 (at most
     `max_new_tokens`). Few widths: each is one compiled program per train or inference call."""
     n = int(max_new_tokens)
-    return tuple(sorted({min(n, -(-max(-(-n // 2**k), 1) // 8) * 8) for k in range(TRIM_WIDTHS)}))
+    return tuple(sorted({bucket_length(-(-n // 2**k), 1, multiple=8, cap=n) for k in range(TRIM_WIDTHS)}))
 
 
 def response_width(longest: int, max_new_tokens: int) -> int:
