@@ -84,6 +84,7 @@ class Timer:
         self.batch_sharding = NamedSharding(mesh, batch_spec(2, mesh))
         self.opt = optax.adamw(1e-4)
         self.opt_state = self.opt.init(self.params)
+        self.platform = mesh.devices.flat[0].platform
 
     def _inputs(self, rows: int, length: int):
         import jax
@@ -132,10 +133,14 @@ class Timer:
 
         from jaxrlhf.models.transformer import KVCache
         from jaxrlhf.placement.calibrate import best_time
+        from jaxrlhf.placement.calls import compile_lowered, compiler_options
+
+        def compiled(fn, kind, *args):  # compiled as the runtime compiles a call of this kind
+            return compile_lowered(jax.jit(fn).lower(*args), compiler_options(kind, self.platform))
 
         if phase == "inference":
-            f = jax.jit(lambda p, *x: self._forward(p, *x)[0])
             args = self._inputs(rows, length)
+            f = compiled(lambda p, *x: self._forward(p, *x)[0], "inference", self.params, *args)
             return best_time(lambda: f(self.params, *args).block_until_ready(), self.repeats)
         if phase == "train":
             def step(p, s, tok, pos, mask):
@@ -143,8 +148,8 @@ class Timer:
                 u, s = self.opt.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
-            f = jax.jit(step)
             args = self._inputs(rows, length)
+            f = compiled(step, "train", self.params, self.opt_state, *args)
             return best_time(lambda: jax.block_until_ready(f(self.params, self.opt_state, *args)), self.repeats)
         prefill = jax.jit(lambda p, t, q, m, c: self._forward(p, t, q, m, c))
         if phase == "prefill":

@@ -75,8 +75,42 @@ class Placed:
         return self.mesh.shape[STAGE_AXIS]
 
 
+# XLA compile options per (platform, call kind) for a process with one device. On XLA:CPU (jaxlib
+# 0.10) a YNNPACK dot fusion runs each matmul on one thread, so when one program at a time runs on the
+# process's cores, a training or scoring forward, whose matmuls are large, keeps one of two cores busy
+# most of the time; without YNNPACK fusions XLA's own dots use every core (small preset, 128 rows x 48
+# tokens: forward 0.55 -> 0.40 s, forward + backward 1.64 -> 1.55 s; GRPO's step on 1 device 3.0 ->
+# 2.7 s). A decode step's matmuls are small and run faster through YNNPACK (GRPO's generate call 0.75 s
+# with it, 0.83 s without). With several devices the process already runs one program per device at
+# once, and Eigen's dots then compete for the same cores (23.6M PPO on 2 devices: FSDP 13.5 -> 14.2 s,
+# the planner's actor / critic split 11.2 -> 12.6 s), so those keep the defaults.
+COMPILER_OPTIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("cpu", "train"): {"xla_cpu_experimental_ynn_fusion_type": ""},
+    ("cpu", "inference"): {"xla_cpu_experimental_ynn_fusion_type": ""},
+}
+
+
+def compiler_options(kind: str | None, platform: str) -> dict[str, Any]:
+    """Compile options of a call of `kind` on `platform` in this process (`COMPILER_OPTIONS`)."""
+    if jax.local_device_count(platform) != 1:
+        return {}
+    return COMPILER_OPTIONS.get((platform, kind), {})
+
+
+def compile_lowered(lowered: jax.stages.Lowered, options: dict[str, Any]) -> jax.stages.Compiled:
+    """Compile with `options`, or without them where this jaxlib does not know one (they only tune speed)."""
+    if options:
+        try:
+            return lowered.compile(compiler_options=options)
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+    return lowered.compile()
+
+
 class PlacedFunction:
-    """`fn` jitted for one placement, compiled once per argument signature."""
+    """`fn` jitted for one placement, compiled once per argument signature; `kind` (the call's: train,
+    inference, generate) picks the compile options of a process with one device (`COMPILER_OPTIONS`)."""
 
     def __init__(
         self,
@@ -85,9 +119,11 @@ class PlacedFunction:
         in_shardings: Any,
         out_shardings: Any,
         donate_argnums: Sequence[int] = (),
+        kind: str | None = None,
     ):
         self.placed = placed
         self.fn = fn
+        self.compiler_options = compiler_options(kind, placed.mesh.devices.flat[0].platform)
 
         # A function object of its own: jax.jit shares traces between jit objects of the same Python
         # function, and a trace made under another placement's activation rules (or pipeline stages)
@@ -117,7 +153,7 @@ class PlacedFunction:
         with self._lock:
             if key not in self._compiled:
                 with ax.activation_sharding(self.placed.resolver()), pipeline.staged(self.placed.stages, STAGE_AXIS):
-                    self._compiled[key] = self._jitted.lower(*args).compile()
+                    self._compiled[key] = compile_lowered(self._jitted.lower(*args), self.compiler_options)
             return self._compiled[key]
 
     @property
@@ -165,13 +201,14 @@ class CallCache:
         in_shardings: Any,
         out_shardings: Any,
         donate_argnums: Sequence[int] = (),
+        kind: str | None = None,
     ) -> PlacedFunction:
         """`fn` bound to `call`'s placement; the same (call, placement, fn) returns the cached one,
-        whose shardings were fixed when it was first made."""
+        whose shardings and compile options were fixed when it was first made."""
         placed = self.placed(call)
         key = (call, placed.placement, fn)
         if key not in self._functions:
-            self._functions[key] = PlacedFunction(placed, fn, in_shardings, out_shardings, donate_argnums)
+            self._functions[key] = PlacedFunction(placed, fn, in_shardings, out_shardings, donate_argnums, kind)
         return self._functions[key]
 
     @property

@@ -280,9 +280,10 @@ class Executor:
 
         Train calls donate parameters and optimizer state: the update is written into their buffers,
         so one copy of each exists during a step (what the planner's memory model assumes)."""
-        donate = (0, 1) if self.graph[call].kind == "train" else ()
+        kind = self.graph[call].kind
+        donate = (0, 1) if kind == "train" else ()
         return self.cache.function(call, self.functions[call], in_shardings=None, out_shardings=None,
-                                   donate_argnums=donate)
+                                   donate_argnums=donate, kind=kind)
 
     def _state_placed(self, name: str) -> Placed:
         """Where carried value `name` lives: replicated where the first call that reads it runs."""

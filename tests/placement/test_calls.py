@@ -113,3 +113,32 @@ def test_compiled_once_per_shape_bucket_and_dispatched_without_host_sync():
     fa(jax.device_put(jnp.ones((8, 32)), a.batch_sharding(2)))  # another shape: a second compile
     assert fa.num_compiled == 2 and cache.num_compiled == 3
     assert set(ya.sharding.device_set).isdisjoint(yc.sharding.device_set)
+
+
+def test_compile_options_by_kind_and_device_count(monkeypatch):
+    """One device per process: train and inference calls compile without YNNPACK's one-thread dot
+    fusions, generate calls keep them; with several devices every call keeps XLA's defaults."""
+    from jaxrlhf.placement import calls
+
+    ynn_off = {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert jax.local_device_count("cpu") == 8
+    assert all(calls.compiler_options(k, "cpu") == {} for k in ("train", "inference", "generate"))
+    monkeypatch.setattr(calls.jax, "local_device_count", lambda platform=None: 1)
+    assert calls.compiler_options("train", "cpu") == ynn_off
+    assert calls.compiler_options("inference", "cpu") == ynn_off
+    assert calls.compiler_options("generate", "cpu") == {}
+    assert calls.compiler_options("train", "gpu") == {}
+
+
+def test_compile_lowered_applies_options_and_skips_unknown_ones():
+    from jaxrlhf.placement.calls import compile_lowered
+
+    x = jnp.ones((64, 64))
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a)).lower(x)
+    default = compile_lowered(lowered, {})
+    off = compile_lowered(lowered, {"xla_cpu_experimental_ynn_fusion_type": ""})
+    if "ynn" in default.as_text():  # a jaxlib with YNNPACK fusions: the option reached XLA
+        assert "ynn" not in off.as_text()
+    unknown = compile_lowered(lowered, {"xla_cpu_no_such_option_here": True})  # an older or newer jaxlib
+    np.testing.assert_allclose(unknown(x), default(x))
+    np.testing.assert_allclose(off(x), default(x), rtol=1e-6)
