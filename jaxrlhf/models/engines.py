@@ -1,8 +1,8 @@
 """Generation engines by name (`generation.engine`): one signature, so a placed generate call and the
 planner pick the same one from the config.
 
-- "static": `generation.generate_tokens`: the whole batch prefilled and decoded together until its
-  longest row ends; cache batch x (prompt + max_new_tokens).
+- "static": `generation.generate_tokens`: each distinct prompt prefilled once, the whole batch decoded
+  together until its longest row ends; cache batch x (prompt + max_new_tokens).
 - "continuous": `continuous.generate_continuous`: each distinct prompt prefilled once, a pool of `slots`
   rows that finished rows leave and waiting rows enter, a paged cache of prompt pages + `kv_pages`
   response pages, steps as narrow as the rows still running.
@@ -24,11 +24,11 @@ GENERATION_ENGINES: Registry[Callable[..., GenerationOutput]] = Registry("genera
 
 
 @GENERATION_ENGINES.register("static")
-def static_engine(*args: Any, group_size: int = 1, slots: int | None = None, kv_pages: int | None = None,
+def static_engine(*args: Any, slots: int | None = None, kv_pages: int | None = None,
                   **kwargs: Any) -> GenerationOutput:
-    """`generate_tokens` with the shared signature: `group_size`, `slots` and `kv_pages` do not apply to a
-    static batch (every row is prefilled and decoded over a dense cache)."""
-    del group_size, slots, kv_pages
+    """`generate_tokens` with the shared signature: `slots` and `kv_pages` do not apply to a static batch
+    (every row is decoded over a dense cache; a group's prompt is prefilled once)."""
+    del slots, kv_pages
     return generate_tokens(*args, **kwargs)
 
 

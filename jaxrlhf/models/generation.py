@@ -35,7 +35,9 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jaxrlhf.models import axes as ax
 from jaxrlhf.models.lengths import bucket_length
+from jaxrlhf.models.slots import shard_group
 from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
 from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
@@ -224,20 +226,34 @@ def generate_tokens(
     pad_id: int,
     min_bucket: int = 16,
     max_lengths: Int[Array, "batch"] | None = None,
+    group_size: int = 1,
 ) -> GenerationOutput:
     """Prefill and decode as one pure function: the form a placed call compiles (one program
     per placement and prompt bucket). Prompts may be padded on either side (see `Generator`).
 
     eos_id: one id or all the ids that end a row; max_lengths (optional): a row's own cap on its
-    response length (a benchmark forces long-tailed lengths with it). Raises `GenerationError` at trace time when
-    the prompt width plus `max_new_tokens` exceeds the model's `max_position_embeddings`.
+    response length (a benchmark forces long-tailed lengths with it); group_size: rows g*G .. g*G + G-1
+    hold the same prompt (G samples of it), which is prefilled once and its cache copied to the group.
+    Raises `GenerationError` at trace time when the prompt width plus `max_new_tokens` exceeds the
+    model's `max_position_embeddings`.
     """
     config = nnx.merge(graphdef, state).config
+    rows = prompt_tokens.shape[0]
     check_max_positions(config.max_position_embeddings, prompt_tokens.shape[1], max_new_tokens)
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"a batch of {rows} rows is not made of groups of group_size={group_size} rows")
     bucket = bucket_length(prompt_tokens.shape[1], min_bucket)
+    ways = ax.batch_ways()
+    g = shard_group(rows, group_size, ways) if rows % ways == 0 else 1  # never straddling two batch shards
+    if g > 1:
+        picked = jnp.arange(rows // g) * g
+        prompt_tokens, prompt_mask = jnp.asarray(prompt_tokens)[picked], jnp.asarray(prompt_mask)[picked]
     tokens, mask, last_logits, cache = _prefill(
         graphdef, state, prompt_tokens, prompt_mask, bucket=bucket, max_new_tokens=max_new_tokens, pad_id=pad_id
     )
+    if g > 1:
+        tokens, mask, last_logits = (jnp.repeat(x, g, axis=0) for x in (tokens, mask, last_logits))
+        cache = cache.repeat_rows(g)
     return _decode(
         graphdef, state, tokens, mask, last_logits, cache, rng,
         max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id,

@@ -76,6 +76,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.valid.shape[1]
 
+    def repeat_rows(self, n: int) -> "KVCache":
+        """Each row's cache `n` times over, copies adjacent (a prompt prefilled once for its n samples)."""
+        if isinstance(self.k, tuple):
+            raise ValueError("repeat_rows takes a stacked cache (before per_layer)")
+        return self.replace(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1),
+                            valid=jnp.repeat(self.valid, n, axis=0),
+                            index=self.index if jnp.ndim(self.index) == 0 else jnp.repeat(self.index, n))
+
     def per_layer(self) -> "KVCache":
         """The same cache with one array per layer, for a decode loop: a layer then reads its keys and
         values in place, where a stacked cache copies the layer's slice out at every token (XLA:CPU does;

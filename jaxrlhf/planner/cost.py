@@ -103,7 +103,7 @@ class Workload:
     adam_master_fp32: Any = True
     search_micro: bool = False
     gen_engine: str = "static"  # generation.engine
-    gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): the continuous engine prefills one
+    gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): either engine prefills one
     gen_slots: int | None = None  # generation.slots; None = the whole batch
     gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
     # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
@@ -174,25 +174,31 @@ class Workload:
 
     def generate_shape(self, call: CallSpec, batch_ways: int) -> tuple[float, float, int]:
         """Per device: (prompts prefilled, rows each decode step runs, decode steps) of a generate call as
-        its engine runs it when every response is `gen_len` long (the planner's worst case): static
-        prefills every row and decodes all of them for gen_len steps; continuous prefills each group's
-        prompt once per shard (`models.slots.shard_group`) and runs its slot pool (`models.slots.pool_size`)
-        ceil(rows / pool) rounds of gen_len at full width (a pool that preempts is not modelled)."""
+        its engine runs it when every response is `gen_len` long (the planner's worst case): both engines
+        prefill each group's prompt once per shard (`models.slots.shard_group`); static decodes all rows for
+        gen_len steps, continuous runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of
+        gen_len at full width (a pool that preempts is not modelled)."""
         rows = self.call_seqs(call)
-        if self.gen_engine == "static" or rows % batch_ways:
+        if rows % batch_ways:
             return rows / batch_ways, rows / batch_ways, self.gen_len
-        pool = pool_size(rows, self.gen_slots, batch_ways)
         prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
+        if self.gen_engine == "static":
+            return prompts, rows / batch_ways, self.gen_len
+        pool = pool_size(rows, self.gen_slots, batch_ways)
         return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
 
     def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
-        static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies);
+        static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies), plus
+        the prefill's cache of one row per group it is copied from;
         continuous: the page pool (prefix pages + response pages, `models.slots.kv_columns`), carried in
         and out, plus the prefill's dense prefix the pool is built from."""
         rows = self.call_seqs(call)
-        if self.gen_engine == "static" or rows % batch_ways:
+        if rows % batch_ways:
             return 2 * rows / batch_ways * self.seq_len
+        if self.gen_engine == "static":
+            prompts = self.generate_shape(call, batch_ways)[0]
+            return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
         prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
                                   self.gen_pages, batch_ways)
         return 2 * pool + prefix
@@ -591,7 +597,9 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
         pre, dec = table("prefill"), table("decode")
         if pre is None or dec is None:
             return None
-        return {"prefill": pre.seconds(rows, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
+        ways = layout.data * layout.fsdp
+        prompts = wl.generate_shape(call, ways)[0] * ways  # each group's prompt prefilled once
+        return {"prefill": pre.seconds(prompts, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
     t = table(call.kind)
     if t is None:
         return None

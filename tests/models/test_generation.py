@@ -108,6 +108,26 @@ def test_logprobs_equal_training_forward_recomputation(model, sampling):
     np.testing.assert_allclose(recomputed, lp, atol=1e-5, rtol=0)
 
 
+def test_group_prompt_is_prefilled_once_with_the_same_results(model):
+    """group_size=G prefills each group's prompt once and copies its cache to the G rows: the same
+    sampled tokens and log-probs as prefilling every row, and groups that do not tile the batch are an error."""
+    graphdef, state = nnx.split(model)
+    tokens, mask = gen.pad_prompts([p for p in PROMPTS[:2] for _ in range(4)], 0)  # 2 prompts x G = 4
+    sampling = SamplingParams(temperature=1.0)
+
+    def run(group_size):
+        return jax.jit(lambda s: gen.generate_tokens(
+            graphdef, s, tokens, mask, jax.random.key(5), max_new_tokens=8, sampling=sampling, eos_id=NO_EOS,
+            pad_id=0, group_size=group_size))(state)
+
+    once, every = run(4), run(1)
+    np.testing.assert_array_equal(once.tokens, every.tokens)
+    np.testing.assert_allclose(once.logprobs, every.logprobs, atol=1e-6, rtol=0)
+    assert not np.array_equal(np.asarray(once.response_tokens[0]), np.asarray(once.response_tokens[1]))  # G samples
+    with pytest.raises(ValueError, match="not made of groups of group_size=3"):
+        run(3)
+
+
 def test_sampling_uses_the_rng(model):
     a = gen.generate(model, PROMPTS, 10, SETTINGS[1], rng=1, eos_id=NO_EOS)
     b = gen.generate(model, PROMPTS, 10, SETTINGS[1], rng=1, eos_id=NO_EOS)

@@ -103,22 +103,25 @@ def test_analytic_flops_match_xla_cost_analysis():
     assert analytic == pytest.approx(xla, rel=0.05)
 
 
-def test_continuous_generation_prefills_each_group_once_and_decodes_a_slot_pool():
-    """GRPO G=8: the continuous engine prefills batch/8 prompts (per batch shard); its slots (default the
-    batch, or 16) run ceil(batch / slots) rounds of gen_len steps when every response is max length; the
-    KV memory is the page pool as the engine allocates it (hand count)."""
+def test_generation_prefills_each_group_once_and_continuous_decodes_a_slot_pool():
+    """GRPO G=8: both engines prefill batch/8 prompts (per batch shard); the continuous engine's slots
+    (default the batch, or 16) run ceil(batch / slots) rounds of gen_len steps when every response is max
+    length; the KV memory is what each engine allocates (hand count)."""
     from jaxrlhf.planner.memory import working_set
 
     static = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4, gen_group=8)
     cont = Workload(batch_size=64, prompt_len=128, gen_len=128, minibatches=4, gen_group=8, gen_engine="continuous")
-    assert static.generate_shape(GEN, 2) == (32, 32, 128)
+    assert static.generate_shape(GEN, 2) == (4, 32, 128)
     assert cont.generate_shape(GEN, 2) == (4, 32, 128)
     assert dataclasses.replace(cont, gen_slots=16).generate_shape(GEN, 2) == (4, 8, 4 * 128)
     assert cont.generate_shape(GEN, 16)[0] == 1  # 4 rows per shard: half a group, prefilled once per shard
-    s, c = cost(GEN, 1, Layout(), wl=static), cost(GEN, 1, Layout(), wl=cont)
-    assert c.parts["prefill"] < s.parts["prefill"] / 4  # 8x fewer prompt tokens (fixed costs aside)
+    ungrouped = dataclasses.replace(static, gen_group=1)
+    s, u = cost(GEN, 1, Layout(), wl=static), cost(GEN, 1, Layout(), wl=ungrouped)
+    assert s.parts["prefill"] < u.parts["prefill"] / 4  # 8x fewer prompt tokens (fixed costs aside)
     per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.dim_per_head * DTYPE_BYTES[CFG.dtype]
-    assert working_set(GEN, CFG, Layout(), static)["kv_cache"] == 2 * 64 * 256 * per_token
+    # 64 rows x 256 columns carried in and out of the decode loop, plus the 8 prefilled rows they copy
+    assert working_set(GEN, CFG, Layout(), static)["kv_cache"] == (2 * 64 + 8) * 256 * per_token
+    assert working_set(GEN, CFG, Layout(), ungrouped)["kv_cache"] == 2 * 64 * 256 * per_token
     # prefix: 8 prompts x 128; pool: those 8 x 8 prompt pages of 16 + 64 slots x 8 response pages of 16
     # (default) or 100 pages; carried in and out of the loop, plus the prefill's prefix
     prefix, pool = 8 * 128, 8 * 128 + 64 * 8 * 16
