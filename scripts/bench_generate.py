@@ -14,9 +14,10 @@ RL workload: `--groups` random prompts of `--prompt-len` tokens, each repeated `
 `--median-len`, log-space std `--sigma`, clipped to [1, --new-tokens], fixed seed) through the engines'
 per-row `max_lengths`, which ends a row exactly as an EOS at that length would. Both engines decode
 greedily; the run checks they return the same tokens. Reported per engine: generated tokens/s and the
-time to the last row (one call returns every row), the prefill time (static: every row; continuous: each
-distinct prompt once, the prefill its call runs), and the KV-cache bytes it allocates (`peak_kv_bytes`;
-continuous: the page pool plus the prefill's prefix it is built from), and for the continuous engine
+time to the last row (one call returns every row), the prefill time (both engines prefill each distinct
+prompt once: static into a cache with room for the response, continuous into its prefix pages), and the
+KV-cache bytes it allocates (`peak_kv_bytes`; static: the batch's cache plus the one row per group it is
+copied from; continuous: the page pool plus the prefill's prefix it is built from), and for the continuous engine
 the pool (`kv_pool_bytes`, `--kv-pages` response pages, default `--slots` x 2 x the median length) and
 the most of it in use at once (`kv_used_peak_bytes`: prompt pages + the most response pages in use).
 The JSON holds `tokens_per_s_ratio` and `prefill_ratio` (continuous over static, and static time over
@@ -145,11 +146,10 @@ def bench_rl(graphdef, state, config: ModelConfig, args: argparse.Namespace) -> 
         return jax.block_until_ready(gen.prefill_fn(graphdef, state, tokens, m, bucket=bucket,
                                                     max_new_tokens=new_tokens, pad_id=0))
 
-    def static():
-        p_tokens, p_mask, logits, cache = prefill(prompts, mask, n)
-        return jax.block_until_ready(gen.decode_fn(graphdef, state, p_tokens, p_mask, logits, cache, key,
-                                                   max_new_tokens=n, sampling=GREEDY, eos_ids=(), pad_id=0,
-                                                   max_lengths=limits))
+    def static():  # the engine as a rollout runs it
+        return jax.block_until_ready(_static_fn(graphdef, state, prompts, mask, key, max_new_tokens=n,
+                                                sampling=GREEDY, eos_id=(), pad_id=0, max_lengths=limits,
+                                                group_size=g))
 
     rows = prompts.shape[0]
     pages = args.kv_pages or pool_size(rows, args.slots) * -(-2 * int(args.median_len) // page_size(bucket))
@@ -164,7 +164,7 @@ def bench_rl(graphdef, state, config: ModelConfig, args: argparse.Namespace) -> 
     same = float(np.mean(np.asarray(old.response_tokens) == np.asarray(new.response_tokens)))
     generated = int(lengths.sum())
     t_old, t_new = _best(static, args.repeats), _best(continuous, args.repeats)
-    p_old = _best(lambda: prefill(prompts, mask, n), args.repeats)
+    p_old = _best(lambda: prefill(prompts[::g], mask[::g], n), args.repeats)
     p_new = _best(lambda: prefill(prompts[::g], mask[::g], 0), args.repeats)
     kv = {e: kv_cache_bytes(config, rows, bucket, n, engine=e, group_size=g, slots=args.slots, kv_pages=pages)
           for e in ("static", "continuous")}
@@ -188,7 +188,7 @@ def bench_rl(graphdef, state, config: ModelConfig, args: argparse.Namespace) -> 
 
 
 _static_fn = jax.jit(gen.generate_tokens, static_argnums=0,
-                     static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id", "min_bucket"))
+                     static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id", "min_bucket", "group_size"))
 
 
 def bench_grpo(graphdef, state, config: ModelConfig, args: argparse.Namespace) -> dict:
@@ -202,7 +202,7 @@ def bench_grpo(graphdef, state, config: ModelConfig, args: argparse.Namespace) -
     sampling, key, eos = SamplingParams(temperature=1.0), jax.random.key(0), config.eos_token_ids
     calls = {
         "static": lambda: _static_fn(graphdef, state, prompts, mask, key, max_new_tokens=n, sampling=sampling,
-                                     eos_id=eos, pad_id=0),
+                                     eos_id=eos, pad_id=0, group_size=g),
         "continuous": lambda: continuous_fn(graphdef, state, prompts, mask, key, max_new_tokens=n,
                                             sampling=sampling, eos_id=eos, pad_id=0, group_size=g,
                                             slots=args.slots, kv_pages=args.kv_pages),
@@ -215,7 +215,8 @@ def bench_grpo(graphdef, state, config: ModelConfig, args: argparse.Namespace) -
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t0)
     prefill = {
-        "static": lambda: gen.prefill_fn(graphdef, state, prompts, mask, bucket=bucket, max_new_tokens=n, pad_id=0),
+        "static": lambda: gen.prefill_fn(graphdef, state, prompts[::g], mask[::g], bucket=bucket, max_new_tokens=n,
+                                         pad_id=0),
         "continuous": lambda: gen.prefill_fn(graphdef, state, prompts[::g], mask[::g], bucket=bucket,
                                              max_new_tokens=0, pad_id=0),
     }

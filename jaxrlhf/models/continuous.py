@@ -60,10 +60,13 @@ def kv_cache_bytes(
     group_size: int = 1, slots: int | None = None, kv_pages: int | None = None, batch_ways: int = 1,
 ) -> int:
     """Peak bytes of keys/values each engine allocates for one generate call (what `peak_kv_bytes`
-    reports): static = rows x (P + N) columns; continuous = the page pool (prefix pages + `kv_pages`
-    response pages) plus the prefill's dense prefix it is built from (`slots.kv_columns`)."""
+    reports): static = rows x (P + N) columns plus the prefill's one row per group they are copied from;
+    continuous = the page pool (prefix pages + `kv_pages` response pages) plus the prefill's dense prefix
+    it is built from (`slots.kv_columns`)."""
     if engine == "static":
-        return rows * (prompt_bucket + max_new_tokens) * kv_column_bytes(config)
+        g = sz.shard_group(rows, group_size, batch_ways)
+        prefilled = rows // g if g > 1 else 0
+        return (rows + prefilled) * (prompt_bucket + max_new_tokens) * kv_column_bytes(config)
     prefix, pool = sz.kv_columns(prompt_bucket, max_new_tokens, rows, group_size, slots, kv_pages, batch_ways)
     return batch_ways * (prefix + pool) * kv_column_bytes(config)
 

@@ -155,9 +155,11 @@ def test_pool_size_and_cache_bytes():
     cfg = preset("tiny")
     per_column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * np.dtype(cfg.dtype).itemsize
     assert kv_column_bytes(cfg) == per_column
-    # hand count: static 64 rows x (256 + 512); continuous: the prefill's 8 prompts x 256, and the pool
-    # of those 8 x 16 prompt pages + 64 slots x 32 response pages (default) or 512 pages, of 16 tokens
+    # hand count: static 64 rows x (256 + 512), plus the 8 prompts' rows they are copied from when G = 8;
+    # continuous: the prefill's 8 prompts x 256, and the pool of those 8 x 16 prompt pages + 64 slots x 32
+    # response pages (default) or 512 pages, of 16 tokens
     assert kv_cache_bytes(cfg, 64, 256, 512, engine="static") == 64 * 768 * per_column
+    assert kv_cache_bytes(cfg, 64, 256, 512, engine="static", group_size=8) == (64 + 8) * 768 * per_column
     assert kv_cache_bytes(cfg, 64, 256, 512, engine="continuous", group_size=8) == (
         8 * 256 + 8 * 256 + 64 * 32 * 16) * per_column
     assert kv_cache_bytes(cfg, 64, 256, 512, engine="continuous", group_size=8, kv_pages=512, batch_ways=4) == (
