@@ -87,10 +87,12 @@ def test_rl_workload_reports_the_pool_and_the_pages_in_use(tmp_path):
     assert res["same_tokens"] == 1.0 and res["tokens_per_s_ratio"] > 0 and res["prefill_ratio"] > 0
     cont = res["continuous"]
     # the seed's lengths are 9, 7, 15 and 9 tokens: each row stores at most 14 tokens, one page of 16, and
-    # all four decode at once (4 slots); hand count in cache columns: static 4 rows x (16 + 40); continuous
-    # pool 2 prompts x 16 + 6 pages x 16, in use 2 x 16 + 4 x 16, plus the prefill's 2 x 16
+    # all four decode at once (4 slots); hand count in cache columns: static 4 rows x (16 + 40) plus the
+    # 2 prefilled rows they are copied from; continuous pool 2 prompts x 16 + 6 pages x 16, in use
+    # 2 x 16 + 4 x 16, plus the prefill's 2 x 16
     assert cont["kv_pages"] == 6 and cont["kv_pages_used_peak"] == 4
-    column = res["static"]["peak_kv_bytes"] // (4 * 56)
+    column = res["static"]["peak_kv_bytes"] // ((4 + 2) * 56)
+    assert res["static"]["peak_kv_bytes"] == (4 + 2) * 56 * column
     assert (cont["kv_pool_bytes"], cont["kv_used_peak_bytes"], cont["peak_kv_bytes"]) == (
         128 * column, 96 * column, 160 * column)
 
