@@ -110,8 +110,7 @@ def generate_continuous(
     rows, width = prompt_tokens.shape
     n = max_new_tokens
     check_max_positions(cfg.max_position_embeddings, width, n)
-    if group_size < 1 or rows % group_size:
-        raise ValueError(f"a batch of {rows} rows is not made of groups of group_size={group_size} rows")
+    sz.check_groups(rows, group_size)
     bucket = bucket_length(width, min_bucket)
     ways = ax.batch_ways()
     g = sz.shard_group(rows, group_size, ways)  # rows sharing a prompt inside a shard

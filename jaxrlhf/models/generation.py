@@ -37,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models.lengths import bucket_length
-from jaxrlhf.models.slots import shard_group
+from jaxrlhf.models.slots import check_groups, shard_group
 from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
 from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
@@ -240,8 +240,7 @@ def generate_tokens(
     config = nnx.merge(graphdef, state).config
     rows = prompt_tokens.shape[0]
     check_max_positions(config.max_position_embeddings, prompt_tokens.shape[1], max_new_tokens)
-    if group_size < 1 or rows % group_size:
-        raise ValueError(f"a batch of {rows} rows is not made of groups of group_size={group_size} rows")
+    check_groups(rows, group_size)
     bucket = bucket_length(prompt_tokens.shape[1], min_bucket)
     ways = ax.batch_ways()
     g = shard_group(rows, group_size, ways) if rows % ways == 0 else 1  # never straddling two batch shards

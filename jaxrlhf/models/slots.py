@@ -41,6 +41,12 @@ def pages_per_row(prompt_bucket: int, max_new_tokens: int) -> tuple[int, int]:
     return prompt_bucket // ps, -(-max_new_tokens // ps)
 
 
+def check_groups(rows: int, group_size: int) -> None:
+    """A batch handed to a generation engine is made of whole groups of `group_size` adjacent rows."""
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"a batch of {rows} rows is not made of groups of group_size={group_size} rows")
+
+
 def shard_group(rows: int, group_size: int, batch_ways: int = 1) -> int:
     """Adjacent rows that share one prefilled prompt inside a shard: G, or the largest divisor of G
     that tiles a shard's rows (a group never straddles two shards)."""
