@@ -194,9 +194,11 @@ def minibatch_updates(
         if early_stop:
             stopped = stopped | stop
         empty = weight <= 0
-        params, opt_state, finite = guarded_update(optimizer, grads, opt_state, params, loss, ~stopped & ~empty)
+        params, opt_state, finite, grad_norm = guarded_update(
+            optimizer, grads, opt_state, params, loss, ~stopped & ~empty
+        )
         stats = dict(stats)
-        stats["grad_norm"] = optax.global_norm(grads)
+        stats["grad_norm"] = grad_norm
         stats["skipped_nonfinite"] = (~finite).astype(jnp.float32)
         stats["skipped_ratio"] = stopped.astype(jnp.float32)
         stats["skipped_empty"] = empty.astype(jnp.float32)
