@@ -106,7 +106,7 @@ def guarded_update(
     than computing an update and selecting the old trees: on CPU those extra passes over the
     parameters and both Adam moments doubled the cost of an update.
     """
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def apply(state: tuple[Any, Any]) -> tuple[Any, Any]:

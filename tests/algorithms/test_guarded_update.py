@@ -30,7 +30,7 @@ def test_a_finite_update_is_optax_update_and_reports_the_global_norm():
     new_params, new_state, finite, norm = jax.jit(guarded_update, static_argnums=0)(
         opt, grads, state, params, jnp.float32(0.5))
     updates, want_state = opt.update(grads, state, params)
-    np.testing.assert_allclose(norm, optax.global_norm(grads), rtol=1e-6)
+    np.testing.assert_allclose(norm, optax.tree.norm(grads), rtol=1e-6)
     assert bool(finite)
     for got, want in zip(jax.tree_util.tree_leaves((new_params, new_state)),
                          jax.tree_util.tree_leaves((optax.apply_updates(params, updates), want_state))):
