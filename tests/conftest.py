@@ -1,6 +1,9 @@
-"""Test harness: 8 simulated CPU devices, set before any JAX backend starts."""
+"""Test harness: 8 simulated CPU devices, set before any JAX backend starts, and one persistent
+compilation cache for the whole test run."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -10,6 +13,24 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
 
 import pytest  # noqa: E402
+
+from jaxrlhf.testing.compile_cache import ENV as _CACHE_ENV  # noqa: E402
+
+# Tests compile the same tiny programs again and again (every run of a config, every resume, every
+# xdist worker): one cache folder per test run, shared through the environment by the xdist workers
+# and by the subprocesses tests start (jaxrlhf.testing.compile_cache.override), and removed at the
+# end by the process that made it. Never the user's ~/.cache.
+_made_cache = _CACHE_ENV not in os.environ
+if _made_cache:
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxrlhf-test-xla-")
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _made_cache:
+        shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

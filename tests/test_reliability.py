@@ -17,6 +17,7 @@ from jaxrlhf import config as cfglib
 from jaxrlhf import planning, run_dir, train
 from jaxrlhf.errors import RunError
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = [
@@ -315,7 +316,7 @@ def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path)
 def test_sigint_saves_the_step_reached_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE, "run.devices=8",
-           f"run.output_dir={out}", "run.checkpoint_every=0"]
+           f"run.output_dir={out}", "run.checkpoint_every=0", compile_cache.override()]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*cmd, "run.steps=200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -367,7 +368,8 @@ def test_train_cli_platform_and_output_folder_mistakes_are_one_line(tmp_path):
     file.write_text("x")
     for extra, message in ([f"run.output_dir={file}"], "is a file, not a folder"), (
             ["run.platform=tpu", "run.devices=null", f"run.output_dir={tmp_path / 'o'}"], "no TPU backend"):
-        proc = subprocess.run([sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *extra],
+        proc = subprocess.run([sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml",
+                               compile_cache.override(), *extra],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

@@ -16,6 +16,7 @@ import pytest
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -124,7 +125,7 @@ def _train_cmd(out: str, steps: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
         f"run.steps={steps}", f"run.output_dir={out}", "run.checkpoint_every=1", "run.devices=8",
-        *extra,
+        compile_cache.override(), *extra,
     ]
 
 
@@ -183,7 +184,7 @@ def test_cli_errors_are_specific(override, message, tmp_path):
     root = ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
-         f"run.output_dir={tmp_path}", override],
+         f"run.output_dir={tmp_path}", compile_cache.override(), override],
         cwd=root, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stderr

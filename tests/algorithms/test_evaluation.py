@@ -16,6 +16,7 @@ from jaxrlhf import config as cfglib
 from jaxrlhf import train
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,7 +58,7 @@ def test_eval_cli_reports_pass_at_k_on_the_held_out_split(sft_checkpoint, tmp_pa
     result = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "jaxrlhf.eval", "--config", "configs/quickstart-grpo.yaml", "--checkpoint",
            sft_checkpoint, "--output", str(result), "eval.samples=8", "eval.pass_k=[1,4,8]", "eval.max_prompts=64",
-           "generation.temperature=1.0"]
+           "generation.temperature=1.0", compile_cache.override()]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
