@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from jaxrlhf.testing import compile_cache
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -43,7 +45,7 @@ def test_validate_planner_quick_runs_plans_and_reports_their_ranking(tmp_path):
     and pick_vs_best against the rows' measured times."""
     out = tmp_path / "v.json"
     _load("validate_planner").main(["--quick", "--search-budget", "5", "--workdir", str(tmp_path / "w"),
-                                    "--out", str(out)])
+                                    "--out", str(out), compile_cache.override()])
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert len(rows) >= 2 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)

@@ -8,6 +8,7 @@ from jaxrlhf import profile as prof
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.simulator import estimate_plan
+from jaxrlhf.testing import compile_cache
 
 
 def test_profile_never_replaces_a_file_and_bad_sizes_are_one_line(tmp_path, capsys):
@@ -35,7 +36,8 @@ def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     """SFT's one call (actor.train) on all 8 devices in every single-axis layout, 2 rows x 2 lengths:
     the tables load back, and the plan `train` would run prices its train call from them."""
     out = str(tmp_path / "sft.yaml")
-    argv = ["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "run.devices=8"]
+    argv = ["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "run.devices=8",
+            compile_cache.override()]
     assert prof.main(argv) == 0
     hw = HardwareProfile.load(out)
     tables = list(hw.measured.tables.values())
