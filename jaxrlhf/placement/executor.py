@@ -335,11 +335,12 @@ class Executor:
         return new
 
     # ---------------------------------------------------------------- running nodes
-    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Dispatch one model call on its placement; train calls update the role in place."""
+    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any], *, placed: bool = False) -> dict[str, Any]:
+        """Dispatch one model call on its placement; train calls update the role in place. `placed`: the
+        inputs are already on the call's placement (`place_inputs`)."""
         role = self.roles[spec.role]
         params, _ = self.params_for(spec.role, spec.name)
-        args = self.place_inputs(inputs, spec.name)
+        args = dict(inputs) if placed else self.place_inputs(inputs, spec.name)
         fn = self.function(spec.name)
         devices = frozenset(d.id for d in self.placed(spec.name).mesh.devices.flat)
         self._serialise(devices)
@@ -383,12 +384,20 @@ class Executor:
             batch = calls or ready[:1]
             if not batch:
                 raise RuntimeError(f"cannot run {[n.name for n in pending]}: inputs never become available")
+            inputs_of = {
+                node.name: {v: (self.state[v] if v in self.graph.state else values[v]) for v in node.inputs}
+                for node in batch
+            }
+            # Every ready call's inputs move before any of them is dispatched: on CPU a move waits for the
+            # work on its source devices, so moving the second call's inputs after dispatching the first
+            # would wait for the first call to finish and run calls on disjoint groups one after another.
+            if calls:
+                inputs_of = {node.name: self.place_inputs(inputs_of[node.name], node.name) for node in calls}
             for node in batch:
-                inputs = {v: (self.state[v] if v in self.graph.state else values[v]) for v in node.inputs}
                 if isinstance(node, CallSpec):
-                    out = self.run_call(node, inputs)
+                    out = self.run_call(node, inputs_of[node.name], placed=True)
                 else:
-                    out = self.run_host(node, inputs)
+                    out = self.run_host(node, inputs_of[node.name])
                 for k, v in out.items():
                     values[f"next:{k}" if k in self.graph.state else k] = v
                 done |= set(out)

@@ -67,3 +67,49 @@ def test_executor_step_explains_its_time(devices):
     assert sum(t.split.values()) == pytest.approx(t.seconds)
     assert set(t.calls) == {"ref.inference", "actor.train"}
     assert all(c["run"] > 0 for c in t.calls.values())
+
+
+
+@pytest.mark.slow
+def test_calls_ready_together_move_their_inputs_before_either_runs(devices, monkeypatch):
+    """Calls on disjoint groups that become ready together run side by side: every one of them has its
+    inputs in place before the first is dispatched. (On CPU a move waits for the work on its source
+    devices, so a move dispatched after the first call would wait for that call to finish.)"""
+    import jax
+    from flax import nnx
+
+    from jaxrlhf.graph import CallGraph, CallSpec
+    from jaxrlhf.models.config import preset
+    from jaxrlhf.models.transformer import build_model
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.placement.executor import Executor, Role
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+    from tests.placement.test_donation_offload import FEED, _functions
+
+    graph = CallGraph(
+        tuple(CallSpec(f"{r}.inference", r, "inference", inputs=("tokens",), outputs=(f"{r}_mean",))
+              for r in ("actor", "ref")),
+        feed=("tokens",),
+    )
+    plan = ExecutionPlan("test", 8, {"a": DeviceGroup("a", 0, 4), "b": DeviceGroup("b", 4, 4)},
+                         {"actor.inference": Placement("a", Layout(fsdp=4)),
+                          "ref.inference": Placement("b", Layout(fsdp=4))})
+    cache = CallCache(plan)
+    graphdef, state = nnx.split(build_model(preset("tiny"), seed=0))
+    roles = {r: Role(r, graphdef, jax.device_put(state, cache.placed(f"{r}.inference").param_shardings(state)))
+             for r in ("actor", "ref")}
+    infer = _functions(graphdef)["ref.inference"]
+    functions = {f"{r}.inference": (lambda r: lambda p, x: {f"{r}_mean": infer(p, x)["ref_mean"]})(r)
+                 for r in ("actor", "ref")}
+    executor = Executor(plan, graph, roles, cache=cache, functions=functions)
+    executor.step(FEED)  # compile
+    events = []
+    place_inputs, run_call = executor.place_inputs, executor.run_call
+    monkeypatch.setattr(executor, "place_inputs", lambda inputs, call: events.append(("place", call))
+                        or place_inputs(inputs, call))
+    monkeypatch.setattr(executor, "run_call", lambda spec, inputs, **kw: events.append(("run", spec.name))
+                        or run_call(spec, inputs, **kw))
+    result = executor.step(FEED, read=("actor_mean", "ref_mean"))
+    assert events == [("place", "actor.inference"), ("place", "ref.inference"),
+                      ("run", "actor.inference"), ("run", "ref.inference")]
+    np.testing.assert_allclose(result.values["actor_mean"], result.values["ref_mean"], rtol=1e-6)
