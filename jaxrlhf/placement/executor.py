@@ -335,12 +335,11 @@ class Executor:
         return new
 
     # ---------------------------------------------------------------- running nodes
-    def run_call(self, spec: CallSpec, inputs: Mapping[str, Any], *, placed: bool = False) -> dict[str, Any]:
-        """Dispatch one model call on its placement; train calls update the role in place. `placed`: the
-        inputs are already on the call's placement (`place_inputs`)."""
+    def run_call(self, spec: CallSpec, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Dispatch one model call on its placement, its inputs `args` already there (`place_inputs`);
+        train calls update the role in place."""
         role = self.roles[spec.role]
         params, _ = self.params_for(spec.role, spec.name)
-        args = dict(inputs) if placed else self.place_inputs(inputs, spec.name)
         fn = self.function(spec.name)
         devices = frozenset(d.id for d in self.placed(spec.name).mesh.devices.flat)
         self._serialise(devices)
@@ -395,7 +394,7 @@ class Executor:
                 inputs_of = {node.name: self.place_inputs(inputs_of[node.name], node.name) for node in calls}
             for node in batch:
                 if isinstance(node, CallSpec):
-                    out = self.run_call(node, inputs_of[node.name], placed=True)
+                    out = self.run_call(node, inputs_of[node.name])
                 else:
                     out = self.run_host(node, inputs_of[node.name])
                 for k, v in out.items():

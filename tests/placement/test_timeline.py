@@ -107,8 +107,8 @@ def test_calls_ready_together_move_their_inputs_before_either_runs(devices, monk
     place_inputs, run_call = executor.place_inputs, executor.run_call
     monkeypatch.setattr(executor, "place_inputs", lambda inputs, call: events.append(("place", call))
                         or place_inputs(inputs, call))
-    monkeypatch.setattr(executor, "run_call", lambda spec, inputs, **kw: events.append(("run", spec.name))
-                        or run_call(spec, inputs, **kw))
+    monkeypatch.setattr(executor, "run_call", lambda spec, args: events.append(("run", spec.name))
+                        or run_call(spec, args))
     result = executor.step(FEED, read=("actor_mean", "ref_mean"))
     assert events == [("place", "actor.inference"), ("place", "ref.inference"),
                       ("run", "actor.inference"), ("run", "ref.inference")]
