@@ -13,8 +13,9 @@ nothing of RL.
 Order within a step: every model call whose inputs are ready is dispatched
 (asynchronously, so calls on disjoint device groups run at the same time;
 all of their inputs are moved first) before any ready host step runs,
-because host steps may wait for device results. A step has two phases: *collect* (every node that does not depend
-on a train call) and *train* (the train calls and what reads their outputs).
+because host steps may wait for device results. A step has two phases:
+*collect* (every node that does not depend on a train call) and *train* (the
+train calls and what reads their outputs).
 With a one-step off-policy plan the collect phase of step i+1 is dispatched
 right after the train calls of step i, before the shadow copies are synced,
 so the next rollout is generated on the previous weights while training runs.
