@@ -46,7 +46,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.layout import AxisRules
     from jaxrlhf.roles import build_roles, export_role
     from jaxrlhf.stages import Replanner, open_checked_data, run_steps, warm_up_actor
-    from jaxrlhf.transfer.processes import any_process, barrier, is_main
+    from jaxrlhf.planner.plan import ExecutionPlan
+    from jaxrlhf.transfer.processes import any_process, barrier, is_main, main_text
 
     algorithm = build_algorithm(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -64,8 +65,17 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     # tensor parallelism (`HardwareProfile.max_tensor`).
     hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
     host_size = devices_per_host() if hosts_matter else None
-    plan = plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
-                    platform=jax.devices()[0].platform)
+
+    def choose_plan():
+        return plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
+                        platform=jax.devices()[0].platform)
+
+    if cfg.plan.strategy == "auto":
+        # process 0 searches and every process runs its pick: a search cut short by its time budget on
+        # one host and not another would give the processes different programs
+        plan = ExecutionPlan.from_yaml(main_text("plan", lambda: choose_plan().to_yaml()), where="process 0's plan")
+    else:
+        plan = choose_plan()
     print(plan.table(), flush=True)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import Callable
 
 from jaxrlhf import jax_private
 
@@ -152,6 +153,32 @@ def agreed_steps(steps: list[int]) -> list[int]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIMEOUT_S) -> str:
+    """`make()` run on process 0 only, its text given to every process (through the coordination
+    service): for a choice each process could make alike but need not, such as a plan search that a
+    time budget may cut short on one host and not another. Every process must call it with the same
+    `name` the same number of times."""
+    import jax
+
+    if jax.process_count() == 1:
+        return make()
+    with _passes_lock:
+        _passes[f"main_text/{name}"] = n = _passes.get(f"main_text/{name}", 0) + 1
+    client = jax_private.coordination_client()
+    key = f"jaxrlhf/main_text/{name}/{n}"
+    if is_main():
+        text = make()
+        client.key_value_set(key, text)
+        return text
+    try:
+        return client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - the client reports a missing process as a generic error
+        raise DistributedError(
+            f"process {jax.process_index()} stopped waiting for process 0's {name!r} ({_first_line(e)}); "
+            "process 0 failed, was killed or is stuck: its output has the first error"
+        ) from None
 
 
 def main_values(values: list[float]) -> list[float]:

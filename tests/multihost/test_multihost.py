@@ -153,6 +153,16 @@ def test_two_processes_replan_alike(session):
     assert lines[0] and lines[0][0].startswith("step 2: re-plan:") and lines[0] == lines[1]
 
 
+def test_process_zero_searches_the_first_plan_and_every_process_runs_it(session):
+    """With `plan.strategy=auto` only process 0 searches (a time budget could cut one host's search
+    short and not another's); the others print the plan it sent. The only auto case is re-planned."""
+    logs = [log_of(session["out"], pid) for pid in (0, 1)]
+    assert [log.count("plan.strategy=auto: searched") for log in logs] == [1, 0]
+    tables = [[line for line in log.splitlines() if line.startswith(("actor.generate ", "ref.inference "))]
+              for log in logs]
+    assert tables[0] and tables[0] == tables[1]
+
+
 def test_only_process_zero_writes_metrics(session):
     for case in CASES:  # one record per step, not one per process
         assert [r["step"] for r in session["records"][case]] == [1, 2, 3]
