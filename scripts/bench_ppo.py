@@ -1,7 +1,7 @@
 """PPO throughput of jaxrlhf (per placement strategy) vs TRL's PPO trainer on PyTorch CPU, same run.
 
     python scripts/bench_ppo.py [--config configs/quickstart.yaml] [--steps 10] [--warmup 2]
-        [--strategies colocated,interleaved,disaggregated,reallocated] [--skip-trl]
+        [--strategies auto,colocated,interleaved,disaggregated,reallocated] [--skip-trl]
         [--trl-threads 1,<cores>] [--out results.json] [key=value ...]
 
 The workload comes from the config (default: the quickstart), so the benchmark
@@ -16,7 +16,9 @@ jaxrlhf: for each strategy, `jaxrlhf.train.run` with `sft.steps=0` for
 `warmup + steps` PPO steps on the config's simulated CPU devices; the first
 `warmup` steps (compilation) are dropped and the per-step
 `time/step_s`, `throughput/tokens_per_s` and `time/<call>_s` from
-`metrics.jsonl` are summarised by their median.
+`metrics.jsonl` are summarised by their median. The config's own
+`plan.strategy` (the quickstart's: `auto`, the planner's pick) is the default
+plan: the table marks it and the JSON names it (`default_strategy`).
 
 TRL: `trl.experimental.ppo.PPOTrainer` (trl==1.9.2, the last release with PPO)
 in a subprocess on PyTorch CPU, float32, no gradient checkpointing, with a
@@ -70,7 +72,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STRATEGIES = ("colocated", "interleaved", "disaggregated", "reallocated")
+STRATEGIES = ("auto", "colocated", "interleaved", "disaggregated", "reallocated")
 TRL_VERSION = "1.9.2"
 TRL_MISSING = (
     "TRL is not installed (it is a benchmark-only dependency, not a jaxrlhf one).\n"
@@ -458,8 +460,8 @@ def main() -> int:
     if any(t < 0 for t in trl_threads):
         ap.error(f"--trl-threads={args.trl_threads!r}: thread counts must be >= 0 (0 = torch's default)")
     for s in strategies:
-        if s not in STRATEGIES + ("auto",):
-            ap.error(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)} (or auto)")
+        if s not in STRATEGIES:
+            ap.error(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     trl_problem = None if args.skip_trl else _trl_status()
     if trl_problem:
@@ -499,7 +501,8 @@ def main() -> int:
     }
     host = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__, "loadavg_start": os.getloadavg()}
-    results: dict = {"workload": workload, "host": host, "jaxrlhf": {}, "trl": None}
+    results: dict = {"workload": workload, "host": host, "default_strategy": cfg.plan.strategy, "jaxrlhf": {},
+                     "trl": None}
     print(f"workload: {mc.num_params() / 1e6:.2f}M-param actor ({workload['model']['preset'] or 'checkpoint'}), "
           f"batch {workload['batch_size']}, {alg.minibatches} minibatches x {alg.epochs} epochs, prompt "
           f"{data.max_prompt_len} (jaxrlhf pads to {jax_width}), response {gen.max_new_tokens}, "
@@ -600,7 +603,7 @@ def main() -> int:
     ratios = {}
     for s, r in results["jaxrlhf"].items():
         if "summary" in r:
-            ratios[s] = line(f"jaxrlhf {s}", r["summary"])
+            ratios[s] = line(f"jaxrlhf {s}" + (" (default)" if s == cfg.plan.strategy else ""), r["summary"])
             r["x_trl_best"] = ratios[s]
         else:
             print(f"{'jaxrlhf ' + s:<24} failed: {r['error'][:45]}")
