@@ -28,6 +28,10 @@ Both sides get the same:
   `algorithm.minibatches=1`, `epochs=1`; tunix `num_iterations=1`,
   `mini_batch_size` = the whole batch), same learning rate, clip epsilon and
   gradient clipping; rewards: jaxrlhf's rule rewards on the decoded text;
+  with `algorithm.micro_batch_size=R` (rows, a multiple of G) both sides
+  accumulate gradients and compute reference log-probs over R rows at a time
+  (tunix `train_micro_batch_size` = `compute_logps_micro_batch_size` = R / G
+  prompts) and generate the whole batch at once;
 - devices: each side in its own process with N simulated CPU devices (jaxrlhf
   `run.devices=N` with the config's plan; tunix one ("fsdp", "tp") = (N, 1)
   mesh for actor, reference and rollout, its colocated setup).
@@ -146,9 +150,12 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
         optax.clip_by_global_norm(opt["max_grad_norm"]) if opt["max_grad_norm"] else optax.identity(),
         optax.adamw(opt["lr"], b1=opt["b1"], b2=opt["b2"], eps=opt["eps"], weight_decay=opt["weight_decay"]),
     )
+    micro = spec["micro_batch_prompts"] or B  # jaxrlhf's algorithm.micro_batch_size, in prompts
     training = rl.RLTrainingConfig(
         actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=n_steps,
-        mini_batch_size=B, train_micro_batch_size=B,  # one update on the whole batch of B prompts x G samples
+        mini_batch_size=B,  # one update on the whole batch of B prompts x G samples
+        # gradient accumulation and reference log-probs in micro-batches as jaxrlhf's, generation whole
+        train_micro_batch_size=micro, compute_logps_micro_batch_size=micro, rollout_micro_batch_size=B,
     )
     rollout = base_rollout.RolloutConfig(
         max_tokens_to_generate=max_new, max_prompt_length=spec["prompt_width"], temperature=spec["temperature"],
@@ -394,6 +401,9 @@ def main() -> int:
         (alg.minibatches != 1 or alg.epochs != 1,
          f"algorithm.minibatches={alg.minibatches}, epochs={alg.epochs}: tunix's num_iterations=1 with one "
          "mini-batch is one update per batch; keep minibatches=1 and epochs=1"),
+        (alg.micro_batch_size is not None and alg.micro_batch_size % alg.group_size != 0,
+         f"algorithm.micro_batch_size={alg.micro_batch_size}: tunix micro-batches whole prompts; use a multiple "
+         f"of group_size={alg.group_size}"),
         (cfg.model.tokenizer != "byte", f"model.tokenizer={cfg.model.tokenizer!r}: the benchmark runs the byte "
          "tokenizer on both sides; set model.tokenizer=byte"),
         (mc.architecture != "llama" or mc.attention_bias or mc.sliding_window or mc.rope_scaling,
@@ -436,6 +446,7 @@ def main() -> int:
         "optimizer": {k: getattr(cfg.optimizer.actor, k) for k in ("lr", "b1", "b2", "eps", "weight_decay",
                                                                    "max_grad_norm")},
         "rules": [(r.name, r.weight, dict(r.args)) for r in cfg.rewards.rules],
+        "micro_batch_prompts": alg.micro_batch_size // G if alg.micro_batch_size else None,
     }
     print(f"workload: {mc.num_params() / 1e6:.2f}M-param Llama (hidden {mc.hidden_size}, {mc.num_layers} layers, "
           f"{mc.num_heads} heads / {mc.num_kv_heads} KV, ffn {mc.intermediate_size}, vocab {mc.vocab_size}), "
