@@ -27,7 +27,10 @@ class RunError(ValueError):
 
 class EveryProcess:
     """Mixin of errors that every process of a run raises together, after agreeing on them: no process
-    fails alone, so none says that the others will stop on missed heartbeats."""
+    fails alone, so none says that the others will stop on missed heartbeats. (A module below this one
+    marks its error class with `every_process = True` instead.)"""
+
+    every_process = True
 
 
 class Interrupted(Exception):
@@ -109,7 +112,7 @@ def _run_cli(prog: str, body: Callable[[Sequence[str]], int], argv: Sequence[str
         print(f"{prog}: {_kind(e)}: {e}", file=sys.stderr)
         if not debug:
             print(f"{prog}: (run with --debug for the traceback)", file=sys.stderr)
-        return _failed(EXIT_USER_ERROR, alone=not isinstance(e, EveryProcess))
+        return _failed(EXIT_USER_ERROR, alone=not getattr(e, "every_process", False))
 
 
 def _multiprocess() -> bool:

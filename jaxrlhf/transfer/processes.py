@@ -155,6 +155,9 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
+_FAILED = "jaxrlhf: process 0 failed: "  # what `main_text` sends when process 0's `make` raised
+
+
 def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIMEOUT_S) -> str:
     """`make()` run on process 0 only, its text given to every process (through the coordination
     service): for a choice each process could make alike but need not, such as a plan search that a
@@ -169,16 +172,41 @@ def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIM
     client = jax_private.coordination_client()
     key = f"jaxrlhf/main_text/{name}/{n}"
     if is_main():
-        text = make()
+        try:
+            text = make()
+        except Exception as e:  # the others stop too, with its reason, instead of waiting for a text
+            client.key_value_set(key, _FAILED + _first_line(e))
+            _together(client, f"{key}/failed")
+            raise
         client.key_value_set(key, text)
         return text
     try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
+        text = client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - the client reports a missing process as a generic error
         raise DistributedError(
             f"process {jax.process_index()} stopped waiting for process 0's {name!r} ({_first_line(e)}); "
             "process 0 failed, was killed or is stuck: its output has the first error"
         ) from None
+    if text.startswith(_FAILED):
+        _together(client, f"{key}/failed")
+        raise MainFailed(f"process 0 could not make the run's {name}: {text[len(_FAILED):]}")
+    return text
+
+
+class MainFailed(DistributedError):
+    """Process 0 could not make what `main_text` shares; every process stops with its reason (together,
+    as `errors.EveryProcess`)."""
+
+    every_process = True
+
+
+def _together(client, barrier_id: str, timeout_s: float = 60) -> None:
+    """Meet the other processes before all exit on an error they agreed on: a process that exits first
+    ends the coordination service (process 0's) while the others still use it, and JAX aborts them."""
+    try:
+        client.wait_at_barrier(barrier_id, int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 - a process that never comes is stopped by the heartbeats instead
+        pass
 
 
 def main_values(values: list[float]) -> list[float]:

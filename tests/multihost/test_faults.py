@@ -142,6 +142,18 @@ def test_launch_parameters_that_differ_end_every_process_in_one_line(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_a_plan_process_zero_cannot_make_ends_every_process_in_one_line(tmp_path):
+    """With plan.strategy=auto only process 0 searches (`transfer.processes.main_text`); when it refuses
+    the config (an unknown plan.hardware), the other process stops at once with its reason instead of
+    waiting for a plan."""
+    t0 = time.monotonic()
+    ends = _finish(_start(tmp_path / "run", "run.steps=1", "plan.strategy=auto", "plan.hardware=h101"), 300)
+    for code, err in ends:
+        assert code == 2 and "unknown hardware 'h101'" in err and "Traceback" not in err, err
+    assert "process 0 could not make the run's plan: plan.hardware='h101'" in ends[1][1]
+    assert time.monotonic() - t0 < 120
+
+
 def test_a_signal_during_a_save_stops_every_process_at_the_same_step(tmp_path):
     """SIGTERM reaches process 1 while it saves step 1's checkpoint, after this step's stop was agreed: both
     processes train step 2, agree to stop, save it and exit 130 (a process acting on its own flag stopped
