@@ -172,19 +172,20 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, message",
     [
-        ("algorithm.kl_cof=0.1", "unknown config key 'algorithm.kl_cof'; did you mean 'algorithm.kl_coef'?"),
-        ("run.steps=ten", "config key 'run.steps' expects int"),
-        ("plan.strategy=collocated", "plan.strategy"),
-        ("run.devices=3", "plan error: colocated: no layout of 3 devices fits role 'actor'"),
+        (["algorithm.kl_cof=0.1"], "unknown config key 'algorithm.kl_cof'; did you mean 'algorithm.kl_coef'?"),
+        (["run.steps=ten"], "config key 'run.steps' expects int"),
+        (["plan.strategy=collocated"], "plan.strategy"),
+        # the quickstart's planner (auto) finds a plan on 3 devices; the colocated preset has none
+        (["plan.strategy=colocated", "run.devices=3"], "plan error: colocated: no layout of 3 devices fits role 'actor'"),
     ],
 )
-def test_cli_errors_are_specific(override, message, tmp_path):
+def test_cli_errors_are_specific(overrides, message, tmp_path):
     root = ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
-         f"run.output_dir={tmp_path}", compile_cache.override(), override],
+         f"run.output_dir={tmp_path}", compile_cache.override(), *overrides],
         cwd=root, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
