@@ -16,7 +16,7 @@ from jaxrlhf import jax_private
 BARRIER_TIMEOUT_S = 600  # a process that does not reach a barrier in this time is stuck or dead
 
 _barriers = itertools.count()
-_passes: dict[str, int] = {}  # barrier_unless_posted, any_process_at: how often this process reached each name
+_passes: dict[str, int] = {}  # how often this process reached each named agreement (`_next_pass`)
 _passes_lock = threading.Lock()
 
 
@@ -30,6 +30,14 @@ def is_main() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def _next_pass(name: str) -> int:
+    """How often this process has now reached the agreement `name` (from any thread): every process
+    counts alike, so the count names the same meeting on each."""
+    with _passes_lock:
+        _passes[name] = n = _passes.get(name, 0) + 1
+    return n
 
 
 def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
@@ -72,9 +80,7 @@ def barrier_unless_posted(name: str, timeout_s: float, abandon_key: str) -> None
 
     import jax
 
-    with _passes_lock:
-        _passes[name] = n = _passes.get(name, 0) + 1
-    name = f"{name}/{n}"
+    name = f"{name}/{_next_pass(name)}"
     client = jax_private.coordination_client()
     client.key_value_set(f"jaxrlhf/arrived/{name}/{jax.process_index()}", "1")
     deadline = time.monotonic() + timeout_s
@@ -104,10 +110,8 @@ def any_process_at(name: str, flag: bool, timeout_s: float = BARRIER_TIMEOUT_S) 
 
     if jax.process_count() == 1:
         return flag
-    with _passes_lock:
-        _passes[name] = n = _passes.get(name, 0) + 1
     client = jax_private.coordination_client()
-    key = f"jaxrlhf/any/{name}/{n}"
+    key = f"jaxrlhf/any/{name}/{_next_pass(name)}"
     client.key_value_set(f"{key}/{jax.process_index()}", "1" if flag else "0")
     try:
         return any(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)) == "1"
@@ -167,10 +171,8 @@ def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIM
 
     if jax.process_count() == 1:
         return make()
-    with _passes_lock:
-        _passes[f"main_text/{name}"] = n = _passes.get(f"main_text/{name}", 0) + 1
     client = jax_private.coordination_client()
-    key = f"jaxrlhf/main_text/{name}/{n}"
+    key = f"jaxrlhf/main_text/{name}/{_next_pass(f'main_text/{name}')}"
     if is_main():
         try:
             text = make()
