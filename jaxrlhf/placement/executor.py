@@ -185,11 +185,12 @@ class Executor:
         """
         sources = device_ids(tree)
         self._serialise(sources | device_ids(shardings))
+        dispatched = time.perf_counter()
         moved, stats = (reallocate if copy else move_where_needed)(tree, shardings, block=False)
         if stats.leaves:
             what = "params" if params else "batch"
             self._ops.append(self.timeline.device("move", call, moved, sources | device_ids(moved), what=what,
-                                                  nbytes=stats.bytes))
+                                                  nbytes=stats.bytes, dispatched=dispatched))
             if params:
                 self.moves.realloc_bytes += stats.bytes
             else:
@@ -244,9 +245,10 @@ class Executor:
                 return base, False
             return self.move(base, placed.param_shardings(base), call=call, copy=True), True
         if is_offloaded(role.params):  # host -> device for this call only; the host copy stays
+            dispatched = time.perf_counter()
             home = reload(role.params, free_source=False)
             self._ops.append(self.timeline.device("move", call, home, device_ids(home), what="reload",
-                                                  nbytes=tree_bytes(home)))
+                                                  nbytes=tree_bytes(home), dispatched=dispatched))
             if placed.placement == self.home_placed(role_name).placement:
                 return home, True
             return self.move(home, placed.param_shardings(role.params), call=call), True
@@ -344,14 +346,17 @@ class Executor:
         fn = self.function(spec.name)
         devices = frozenset(d.id for d in self.placed(spec.name).mesh.devices.flat)
         self._serialise(devices)
+        call_args = (params, role.opt_state, args) if spec.kind == "train" else (params, args)
         with jax.profiler.TraceAnnotation(spec.name):
-            if spec.kind == "train":
-                role.params, role.opt_state, out = fn(params, role.opt_state, args)
-                done = (role.params, out)
-            else:
-                out = fn(params, args)
-                done = out
-        self._ops.append(self.timeline.device("compute", spec.name, done, devices))
+            program = fn.compiled(*call_args)  # compiled on first use: compiling is not the call's time
+            dispatched = time.perf_counter()
+            result = program(*call_args)
+        if spec.kind == "train":
+            role.params, role.opt_state, out = result
+            done = (role.params, out)
+        else:
+            out = done = result
+        self._ops.append(self.timeline.device("compute", spec.name, done, devices, dispatched=dispatched))
         return self._checked(spec, out)
 
     def run_host(self, step: HostStep, inputs: Mapping[str, Any]) -> dict[str, Any]:

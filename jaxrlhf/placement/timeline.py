@@ -2,8 +2,12 @@
 
 Device work is dispatched asynchronously, so time measured around a dispatch
 says nothing. Every device operation (a model call, a move of parameters or
-of a call's inputs) is recorded instead when it is dispatched, with the
-devices it runs on, and a waiter thread records when its outputs are ready.
+of a call's inputs) is recorded instead from the moment it is dispatched (for
+a call: its program launched, after any compiling), with the devices it runs
+on, and a waiter thread records when its outputs are ready. A launch that
+returns only when the program is done counts as the operation's run: XLA:GPU
+drives a while loop (a decode loop, a train call's minibatch loop) from the
+host, so on a GPU such a call's launch takes as long as the call.
 A device runs its work in dispatch order, so an operation starts once it is
 dispatched and every earlier operation on any of its devices is done:
 
@@ -89,8 +93,11 @@ class Timeline:
         self._history: list[Op] = []  # the latest finished device work, for the starts of what follows
 
     def device(self, category: str, name: str, outputs: Any, devices: frozenset[int], *, what: str = "",
-               nbytes: int = 0) -> Op:
-        op = Op(category, name, devices, time.perf_counter(), what=what, nbytes=nbytes)
+               nbytes: int = 0, dispatched: float | None = None) -> Op:
+        """Record work dispatched at `dispatched` (a `time.perf_counter()` taken before the launch; now
+        when not given) whose results are `outputs`."""
+        op = Op(category, name, devices, time.perf_counter() if dispatched is None else dispatched,
+                what=what, nbytes=nbytes)
 
         def wait():
             jax.block_until_ready(outputs)

@@ -70,6 +70,38 @@ def test_executor_step_explains_its_time(devices):
 
 
 @pytest.mark.slow
+def test_a_launch_that_runs_the_program_counts_as_the_call(devices, monkeypatch):
+    """XLA:GPU drives a while loop from the host, so there a call's launch returns only when its program
+    is done: that time is the call's run (it was counted as 'other', the call as 0 s, on an H200)."""
+    import time
+
+    import jax
+
+    from jaxrlhf.placement.calls import PlacedFunction
+    from tests.placement.test_donation_offload import FEED, _executor
+
+    executor = _executor()
+    executor.step(FEED, read=("loss",))  # the first step compiles
+    compiled = PlacedFunction.compiled
+
+    def launch_runs_it(self, *args):
+        program = compiled(self, *args)
+
+        def run(*a):
+            out = jax.block_until_ready(program(*a))
+            time.sleep(0.3)  # the rest of a program run from the host
+            return out
+
+        return run
+
+    monkeypatch.setattr(PlacedFunction, "compiled", launch_runs_it)
+    t = executor.step(FEED, read=("loss",)).times
+    assert set(t.calls) == {"ref.inference", "actor.train"}
+    assert all(c["run"] >= 0.3 for c in t.calls.values())
+    assert t.split["compute"] >= 0.6 and t.split["other"] < 0.3
+
+
+@pytest.mark.slow
 def test_calls_ready_together_move_their_inputs_before_either_runs(devices, monkeypatch):
     """Calls on disjoint groups that become ready together run side by side: every one of them has its
     inputs in place before the first is dispatched. (On CPU a move waits for the work on its source
