@@ -4,7 +4,9 @@
 #   2. static vs continuous engine on long-tailed response lengths (bench_generate.py --workload rl);
 #   3. per-call estimates vs measured times and train MFU (scripts/validate_estimator.py, 1 device);
 #   4. decode tokens/s against the HBM roofline (scripts/bench_generate.py --workload decode);
-#   rl and decode run at 100M parameters and again at 1.2B (-1b).
+#   5. where a whole PPO and GRPO step goes (python -m jaxrlhf.train with a profiled last step, then
+#      scripts/step_breakdown.py and scripts/trace_summary.py; the trace comes back as NAME-trace.json.gz);
+#   rl and decode run at 100M parameters and again at 1.2B (-1b); ppo-1b and grpo-1b at 1.2B.
 #
 #   OUT=results/gpu bash scripts/gpu_checks.sh             # on the GPU host, from the repository root
 #   SMOKE=1 OUT=/tmp/gpu-smoke bash scripts/gpu_checks.sh  # the same commands at toy sizes on CPU
@@ -25,6 +27,7 @@ if [[ -n "${SMOKE:-}" ]]; then  # toy sizes: checks the commands, not the hardwa
   EST=(--hidden 64 --layers 2 --heads 4 --vocab 384 --batch 8 --prompt-len 16 --gen-len 4)
   PROF=(run.platform=cpu run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8 data.batch_size=4)
   BIG=(--preset small)
+  RUN=(run.platform=cpu run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8)
   T=5  # CPU is slower: more time per step
 else
   export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -35,11 +38,12 @@ else
   PROF=(run.platform=gpu run.devices=null plan.hardware=h200 model.actor.preset=llama3.2-1b data.max_prompt_len=128
         generation.max_new_tokens=256 data.batch_size=16)
   BIG=(--preset llama3.2-1b)  # a size where weights, not launches, bound a decode step
+  RUN=(run.platform=gpu run.devices=null model.actor.preset=llama3.2-1b generation.max_new_tokens=256)
   T=1
 fi
 "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
-STEPS=${STEPS:-profile rl rl-1b estimator decode decode-1b}  # a subset reruns only those
+STEPS=${STEPS:-profile rl rl-1b estimator decode decode-1b ppo-1b grpo-1b}  # a subset reruns only those
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output to the screen and $OUT/log.txt
   local name=$1 limit=$2; shift 2
   [[ " $STEPS " == *" $name "* ]] || return 0
@@ -57,7 +61,24 @@ step rl-1b $((120 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bf
   "${RL[@]}" "${BIG[@]}" --out "$OUT/rl-1b.json"
 step estimator $((110 * T)) "$PY" scripts/validate_estimator.py --devices 1 --dtype bfloat16 --repeats 3 \
   "${EST[@]}" --profile "$OUT/estimator-hardware.yaml" --json "$OUT/estimator.json"
+rl_step() {  # rl_step NAME CONFIG OVERRIDES...: 7 training steps, the last one profiled; its breakdown
+  local name=$1 config=$2 dir=${RUNS:-/tmp/gpu-checks}/$1; shift 2
+  "$PY" -m jaxrlhf.train --config "$config" "${RUN[@]}" "$@" sft.steps=0 run.steps=7 "run.profile_steps=[7]" \
+    run.checkpoint_every=0 run.export_hf=false run.tensorboard=false run.overwrite=true "run.output_dir=$dir" || return
+  head -n 6 "$dir/metrics.jsonl" >"$dir/unprofiled.jsonl"  # steps 1-6: the profiler's own cost left out
+  "$PY" scripts/step_breakdown.py "$dir/unprofiled.jsonl" --skip 2 --out "$OUT/$name-breakdown.json"
+  "$PY" scripts/trace_summary.py "$dir/profile/step_7" --top 30 --out "$OUT/$name-ops.json"
+  find "$dir/profile/step_7" -name perfetto_trace.json.gz -exec cp {} "$OUT/$name-trace.json.gz" \;
+}
+export -f rl_step
+export PY OUT
+export RUN_ARGS="${RUN[*]}"
+
 step decode $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
   --repeats 3 "${GEN[@]}" --out "$OUT/decode.json"
 step decode-1b $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
   --repeats 3 "${GEN[@]}" "${BIG[@]}" --out "$OUT/decode-1b.json"
+step ppo-1b $((200 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ ppo-1b configs/quickstart.yaml \
+  plan.strategy=colocated data.batch_size=64
+step grpo-1b $((170 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ grpo-1b configs/quickstart-grpo.yaml \
+  data.batch_size=16

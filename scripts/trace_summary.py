@@ -4,7 +4,8 @@
 
 Reads the Perfetto trace that `run.profile_steps` writes (`perfetto_trace.json.gz`) and sums the
 duration of every XLA op executed on the device threads, grouped by op name without its numeric
-suffix (`ynn_fusion.27` -> `ynn_fusion`). Runtime wrappers (thunk executors, thread-pool waits, loop
+suffix (`ynn_fusion.27` -> `ynn_fusion`, `loop_add_fusion_3` -> `loop_add_fusion`). Device threads
+are XLA:CPU's compute threads, or on a GPU the kernel streams of its `/device:GPU:N` process. Runtime wrappers (thunk executors, thread-pool waits, loop
 bodies) are left out so that the ops add up once. On XLA:CPU, `ynn_fusion`/`dot` are matmuls (with
 fused elementwise work), `all-reduce`/`all-gather`/`Rendezvous`/`Wait: ...` are collectives between
 simulated devices and the time their threads wait for each other, `dynamic-slice`/`dynamic-update-slice`
@@ -26,6 +27,7 @@ import sys
 
 WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "while")
 DEVICE_THREADS = ("tf_XLA",)  # XLA's device and intra-op threads (python threads hold host work)
+GPU_STREAMS = "Stream"  # a GPU's kernels, one thread per CUDA stream, in the `/device:GPU:N` process
 
 
 def find_trace(folder: str) -> str:
@@ -39,16 +41,17 @@ def op_times(trace_path: str) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds and counts per op kind on the device threads."""
     with gzip.open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {(e["pid"], e.get("tid") if e.get("name") == "thread_name" else None): e["args"]["name"]
+             for e in events if e.get("ph") == "M" and e.get("name") in ("thread_name", "process_name")}
+    device = {key for key, name in names.items() if key[1] is not None and (
+        name.startswith(DEVICE_THREADS)
+        or (names.get((key[0], None), "").startswith("/device:") and name.startswith(GPU_STREAMS)))}
     seconds: dict[str, float] = collections.Counter()
     counts: dict[str, int] = collections.Counter()
     for e in events:
-        if e.get("ph") != "X" or not threads.get((e["pid"], e["tid"]), "").startswith(DEVICE_THREADS):
+        if e.get("ph") != "X" or (e["pid"], e["tid"]) not in device or e["name"].startswith(WRAPPERS):
             continue
-        if e["name"].startswith(WRAPPERS):
-            continue
-        kind = re.sub(r"\.\d+$", "", e["name"])
+        kind = re.sub(r"[._]\d+$", "", e["name"])
         seconds[kind] += e["dur"] / 1e6
         counts[kind] += 1
     return dict(seconds), dict(counts)
