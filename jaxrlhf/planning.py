@@ -18,8 +18,13 @@ from typing import Any, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
 
-# The platform JAX runs on -> the planner's hardware profile for it.
+# The platform JAX runs on -> the planner's hardware profile for it, where the chip is not one of
+# CHIP_HARDWARE's.
 PLATFORM_HARDWARE = {"cpu": "cpu", "gpu": "h100", "cuda": "h100", "tpu": "tpu-v5e"}
+# A chip by the name JAX gives it (`Device.device_kind`: "NVIDIA H200", "TPU v5 lite") -> its profile;
+# the first entry whose text the name contains wins.
+CHIP_HARDWARE = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"), ("TPU v4", "tpu-v4"),
+                 ("TPU v5 lite", "tpu-v5e"), ("TPU v5e", "tpu-v5e"), ("TPU v5", "tpu-v5p"))
 # Hardware when neither plan.hardware nor a platform says (the `plan` CLI plans clusters it does not run on).
 DEFAULT_HARDWARE = "h100"
 DEFAULT_DEVICES = 8  # devices when neither the config nor the caller says
@@ -59,26 +64,50 @@ def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
     return out
 
 
-def hardware_name(cfg: cfglib.Config, platform: str | None = None) -> str:
-    """`plan.hardware`, else the profile of `run.platform` (or of `platform`, the one JAX runs on
-    when run.platform=auto), else DEFAULT_HARDWARE."""
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """The chip a run's JAX runs on, as plan choice needs it: its platform ("cpu", "gpu", "tpu"), the
+    name JAX gives it, and the bytes its allocator may hand out (None where JAX does not say)."""
+
+    platform: str
+    kind: str = ""
+    memory: int | None = None
+
+    @classmethod
+    def of(cls, device) -> "Chip":
+        """The chip of a JAX device (the first of the run's: they are alike)."""
+        stats = device.memory_stats() or {}  # None on XLA:CPU
+        return cls(device.platform, device.device_kind, stats.get("bytes_limit"))
+
+
+def hardware_name(cfg: cfglib.Config, chip: Chip | None = None) -> str:
+    """`plan.hardware`, else the profile of the chip the run is on (`CHIP_HARDWARE`), else of
+    `run.platform` (or of the chip's platform when run.platform=auto), else DEFAULT_HARDWARE."""
     if cfg.plan.hardware:
         return cfg.plan.hardware
-    named = cfg.run.platform if cfg.run.platform != "auto" else platform
+    named = cfg.run.platform if cfg.run.platform != "auto" else chip and chip.platform
+    if chip and chip.platform == named:
+        for text, profile in CHIP_HARDWARE:
+            if text in chip.kind:
+                return profile
     return PLATFORM_HARDWARE.get(named or "", DEFAULT_HARDWARE)
 
 
-def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None, platform: str | None = None):
+def hardware_profile(cfg: cfglib.Config, devices_per_host: int | None = None, chip: Chip | None = None):
     """The planner's profile of the machine: the measured `plan.profile` when set (its call tables
-    then price the calls they cover), else `hardware_name`; with `devices_per_host` when given."""
+    then price the calls they cover), else `hardware_name`; with `devices_per_host` when given. On a
+    chip whose allocator states its memory, that is the memory the plan may fill (on a GPU, JAX
+    preallocates a fraction of the card: `XLA_PYTHON_CLIENT_MEM_FRACTION`)."""
     from jaxrlhf.planner.hardware import get_profile
 
-    name = os.path.expanduser(cfg.plan.profile) if cfg.plan.profile else hardware_name(cfg, platform)
+    name = os.path.expanduser(cfg.plan.profile) if cfg.plan.profile else hardware_name(cfg, chip)
     try:
         hw = get_profile(name)
     except (KeyError, OSError, ValueError) as e:
         key = "plan.profile" if cfg.plan.profile else "plan.hardware"
         raise cfglib.ConfigError(f"{key}={name!r}: {e.args[0] if e.args else e}") from None
+    if chip and chip.memory and chip.platform != "cpu":
+        hw = dataclasses.replace(hw, hbm_capacity=float(chip.memory))
     return dataclasses.replace(hw, devices_per_host=devices_per_host) if devices_per_host else hw
 
 
@@ -94,7 +123,7 @@ def machine(cfg: cfglib.Config) -> tuple[int, int | None]:
 
 
 def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], num_devices: int,
-             devices_per_host: int | None = None, platform: str | None = None):
+             devices_per_host: int | None = None, chip: Chip | None = None):
     """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
 
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
@@ -105,7 +134,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     graph = algorithm.graph()
     models = {r: model_configs[r] for r in graph.roles}
     batch = algorithm.batch_rows
-    hw = hardware_profile(cfg, devices_per_host, platform)
+    hw = hardware_profile(cfg, devices_per_host, chip)
     if cfg.plan.file:
         plan = ExecutionPlan.load(cfg.plan.file)
     elif cfg.plan.strategy == "auto":

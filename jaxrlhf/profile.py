@@ -224,8 +224,8 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     graph = algorithm.graph()
     wl = algorithm.workload()
     models = planning.role_configs(cfg, list(graph.roles))
-    platform = jax.devices()[0].platform
-    hw = calibrate(planning.hardware_name(cfg, platform))
+    chip = planning.Chip.of(jax.devices()[0])
+    hw = calibrate(planning.hardware_name(cfg, chip))
     n = jax.device_count()
     max_tensor = hw.max_tensor
     sizes = sorted(set(sizes)) if sizes else halves(n)
@@ -260,7 +260,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
                 moved.setdefault(key, (cfg_m, call.head, wl.batch_size, wl.seq_len))
     moves = measure_moves(moved, placements, repeats) if len(placements) > 1 else []
     measured = Measured((Table(k[0], k[1], k[2], k[3], tuple(p)) for k, p in tables.items()), moves)
-    notes = (f"{hw.notes}; calls measured by python -m jaxrlhf.profile on {n} {platform} devices "
+    notes = (f"{hw.notes}; calls measured by python -m jaxrlhf.profile on {n} {chip.platform} devices "
              f"({time.strftime('%Y-%m-%d')})")
     return dataclasses.replace(hw, name=f"{hw.name}-profiled", measured=measured, notes=notes)
 

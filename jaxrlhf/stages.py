@@ -71,14 +71,14 @@ class Replanner:
     """
 
     def __init__(self, cfg: cfglib.Config, algorithm, models: Mapping[str, Any], plan, num_devices: int,
-                 devices_per_host: int | None, platform: str | None, make_cache: Callable[[Any], Any],
+                 devices_per_host: int | None, chip, make_cache: Callable[[Any], Any],
                  write: bool):
         from jaxrlhf import planning
 
         self.cfg, self.algorithm, self.plan = cfg, algorithm, plan
         self.models = {r: models[r] for r in algorithm.graph().roles}
         self.num_devices, self.devices_per_host = num_devices, devices_per_host
-        self.hw = planning.hardware_profile(cfg, devices_per_host, platform)
+        self.hw = planning.hardware_profile(cfg, devices_per_host, chip)
         self.make_cache = make_cache
         self.folder = os.path.join(cfg.run.output_dir, "replan") if write else None
         self.calls = [c.name for c in algorithm.graph().calls]

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from jaxrlhf import config as cfglib
 from jaxrlhf.backend import setup_devices
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
-from jaxrlhf.planning import plan_for, role_configs
+from jaxrlhf.planning import Chip, plan_for, role_configs
 from jaxrlhf.run_dir import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
 
 
@@ -65,10 +65,10 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     # tensor parallelism (`HardwareProfile.max_tensor`).
     hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
     host_size = devices_per_host() if hosts_matter else None
+    chip = Chip.of(jax.devices()[0])  # its profile and memory, where JAX names the chip (an H200: 141 GB)
 
     def choose_plan():
-        return plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size,
-                        platform=jax.devices()[0].platform)
+        return plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size, chip=chip)
 
     if cfg.plan.strategy == "auto":
         # process 0 searches and every process runs its pick: a search cut short by its time budget on
@@ -134,8 +134,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
     replanner = None
     if cfg.plan.replan_every:
-        replanner = Replanner(cfg, algorithm, model_configs, plan, jax.device_count(), host_size,
-                              jax.devices()[0].platform, write=is_main(),
+        replanner = Replanner(cfg, algorithm, model_configs, plan, jax.device_count(), host_size, chip,
+                              write=is_main(),
                               make_cache=lambda p: CallCache(p, devices=cache.devices, rules=cache.rules))
 
     steps = cfg.run.steps

@@ -166,7 +166,7 @@ def predict(cfg, models, plan, hw):
 
     algorithm = build_algorithm(cfg)
     with contextlib.redirect_stdout(sys.stderr):
-        placed = planning.plan_for(cfg, algorithm, models, plan.num_devices, platform="cpu")
+        placed = planning.plan_for(cfg, algorithm, models, plan.num_devices, chip=planning.Chip("cpu"))
     return placed, estimate_plan(placed, algorithm.graph(), models, algorithm.workload(), hw)
 
 

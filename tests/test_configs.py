@@ -58,3 +58,24 @@ def test_realistic_config_plans_without_weights(name):
     report = plan_memory(plan, graph, models, algorithm.workload(), get_profile(cfg.plan.hardware))
     assert report.feasible, report.reason
     assert report.peak.max() <= report.capacity
+
+
+def test_a_run_plans_for_the_chip_it_is_on():
+    """`train` hands plan choice the chip JAX runs on: its profile by name, and the memory its allocator
+    may hand out (an H200 run planned as an H100 assumed 80 GB and offloaded the reference needlessly)."""
+    gpu = cfglib.load_config(None, ["run.platform=gpu"])
+    h200 = planning.Chip("gpu", "NVIDIA H200", memory=127 * 2**30)
+    assert planning.hardware_name(gpu) == "h100"  # no chip known: the platform's profile
+    assert planning.hardware_name(gpu, h200) == "h200"
+    assert planning.hardware_name(gpu, planning.Chip("gpu", "NVIDIA A100-SXM4-80GB")) == "a100-80g"
+    assert planning.hardware_name(gpu, planning.Chip("gpu", "NVIDIA GeForce RTX 4090")) == "h100"
+    hw = planning.hardware_profile(gpu, chip=h200)
+    assert hw.name == "h200" and hw.hbm_capacity == 127 * 2**30
+    named = cfglib.load_config(None, ["run.platform=gpu", "plan.hardware=a100-80g"])
+    assert planning.hardware_name(named, h200) == "a100-80g"  # plan.hardware wins; the memory is the chip's
+    assert planning.hardware_profile(named, chip=h200).hbm_capacity == 127 * 2**30
+    tpu = cfglib.load_config(None, ["run.platform=tpu"])
+    assert [planning.hardware_name(tpu, planning.Chip("tpu", k)) for k in ("TPU v4", "TPU v5 lite", "TPU v5p")] \
+        == ["tpu-v4", "tpu-v5e", "tpu-v5p"]
+    cpu = cfglib.load_config(None, ["run.platform=cpu"])
+    assert planning.hardware_profile(cpu, chip=planning.Chip("cpu", "cpu")) == get_profile("cpu")

@@ -51,7 +51,7 @@ def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     cfg = cfglib.load_config("configs/sft.yaml", [f"plan.profile={out}"])
     algorithm = build_algorithm(cfg)
     models = planning.role_configs(cfg, list(algorithm.roles()))
-    plan = planning.plan_for(cfg, algorithm, models, 8, platform="cpu")
+    plan = planning.plan_for(cfg, algorithm, models, 8, chip=planning.Chip("cpu"))
     est = estimate_plan(plan, algorithm.graph(), models, algorithm.workload(), planning.hardware_profile(cfg))
     train = est.calls["actor.train"]
     assert train.source == "measured"
@@ -84,7 +84,7 @@ def test_the_stored_gpu_profile_prices_the_workload_it_measured():
     cfg = cfglib.load_config("configs/quickstart-grpo.yaml", [*GPU_WORKLOAD, f"plan.profile={GPU_PROFILE}"])
     algorithm = build_algorithm(cfg)
     models = planning.role_configs(cfg, list(algorithm.roles()))
-    plan = planning.plan_for(cfg, algorithm, models, 1, platform="gpu")
+    plan = planning.plan_for(cfg, algorithm, models, 1, chip=planning.Chip("gpu"))
     est = estimate_plan(plan, algorithm.graph(), models, algorithm.workload(), planning.hardware_profile(cfg))
     assert {c.source for c in est.calls.values()} == {"measured"}, {k: c.source for k, c in est.calls.items()}
     # train: 2 minibatches x 2 epochs of the 64-row x 384-token point the profile timed
