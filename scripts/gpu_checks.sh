@@ -5,7 +5,8 @@
 #   3. per-call estimates vs measured times and train MFU (scripts/validate_estimator.py, 1 device);
 #   4. decode tokens/s against the HBM roofline (scripts/bench_generate.py --workload decode);
 #   5. where a whole PPO and GRPO step goes (python -m jaxrlhf.train with a profiled last step, then
-#      scripts/step_breakdown.py and scripts/trace_summary.py; the trace comes back as NAME-trace.json.gz);
+#      scripts/step_breakdown.py, each call's MFU against the estimator step's measured matmul rate, and
+#      scripts/trace_summary.py; the trace comes back as NAME-trace.json.gz);
 #   rl and decode run at 100M parameters and again at 1.2B (-1b); ppo-1b and grpo-1b at 1.2B.
 #
 #   OUT=results/gpu bash scripts/gpu_checks.sh             # on the GPU host, from the repository root
@@ -66,7 +67,10 @@ rl_step() {  # rl_step NAME CONFIG OVERRIDES...: 7 training steps, the last one 
   "$PY" -m jaxrlhf.train --config "$config" "${RUN[@]}" "$@" sft.steps=0 run.steps=7 "run.profile_steps=[7]" \
     run.checkpoint_every=0 run.export_hf=false run.tensorboard=false run.overwrite=true "run.output_dir=$dir" || return
   head -n 6 "$dir/metrics.jsonl" >"$dir/unprofiled.jsonl"  # steps 1-6: the profiler's own cost left out
-  "$PY" scripts/step_breakdown.py "$dir/unprofiled.jsonl" --skip 2 --out "$OUT/$name-breakdown.json"
+  local profile=()  # MFU against the matmul rate the estimator step measured, when it ran first
+  [[ -f "$OUT/estimator-hardware.yaml" ]] && profile=(--profile "$OUT/estimator-hardware.yaml")
+  "$PY" scripts/step_breakdown.py "$dir/unprofiled.jsonl" --skip 2 --out "$OUT/$name-breakdown.json" \
+    --config "$config" --set "${RUN[@]}" "$@" sft.steps=0 "${profile[@]}"
   "$PY" scripts/trace_summary.py "$dir/profile/step_7" --top 30 --out "$OUT/$name-ops.json"
   find "$dir/profile/step_7" -name perfetto_trace.json.gz -exec cp {} "$OUT/$name-trace.json.gz" \;
 }
@@ -78,7 +82,9 @@ step decode $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtyp
   --repeats 3 "${GEN[@]}" --out "$OUT/decode.json"
 step decode-1b $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
   --repeats 3 "${GEN[@]}" "${BIG[@]}" --out "$OUT/decode-1b.json"
+# shellcheck disable=SC2016  # the inner bash expands them
 step ppo-1b $((200 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ ppo-1b configs/quickstart.yaml \
   plan.strategy=colocated data.batch_size=64
+# shellcheck disable=SC2016
 step grpo-1b $((170 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ grpo-1b configs/quickstart-grpo.yaml \
   data.batch_size=16

@@ -1,12 +1,19 @@
 """Where a run's steps went: the step breakdown of `metrics.jsonl` as a table plus JSON.
 
     python scripts/step_breakdown.py runs/quickstart/metrics.jsonl [--skip 1] [--out breakdown.json]
+        [--config FILE [--profile NAME_OR_FILE] [--devices N] [--set key=value ...]]
 
 Reads the timing metrics every step writes (`jaxrlhf.placement.timeline`): the step split into
 compute, move, host and other (they add up to the step), and per call its run time (device busy
 with it), wait (dispatched but queued behind its inputs or other work on its devices) and the time
 its inputs and parameters took to move there. Means over the steps after `--skip` (default 1: the
 first step compiles), so that the parts still add up to the step.
+
+With `--config` (the run's config and `--set` overrides), each call's run time is also set against its
+math: the planner's FLOPs and HBM bytes per device for that call (`jaxrlhf.planner.cost`, under the plan
+the config picks on `--devices` devices) over the profile's matmul rate and memory bandwidth (`--profile`,
+e.g. one `jaxrlhf.placement.calibrate` measured): `mfu` is the fraction of the FLOP bound a call reaches,
+`hbm` the fraction of the bandwidth bound (the one that bounds a decode loop).
 """
 
 from __future__ import annotations
@@ -38,15 +45,45 @@ def breakdown(records: list[dict]) -> dict:
     }
 
 
+def call_bounds(config: str, overrides: list[str], devices: int | None, profile: str | None) -> dict:
+    """Per call: FLOPs and HBM bytes per device by the planner's cost model, and the profile's rates."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import planning
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.simulator import estimate_plan
+
+    cfg = cfglib.load_config(config, overrides)
+    algorithm = build_algorithm(cfg)
+    graph = algorithm.graph()
+    models = planning.role_configs(cfg, list(graph.roles))
+    plan = planning.plan_for(cfg, algorithm, models, devices or cfg.run.devices or 1)
+    hw = get_profile(profile or planning.hardware_name(cfg))
+    est = estimate_plan(plan, graph, models, algorithm.workload(), hw)
+    return {call: {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "flop_rate": hw.matmul_flops(models[graph[call].role].dtype),
+                   "hbm_rate": hw.memory_bandwidth()} for call, c in est.calls.items()}
+
+
+def add_bounds(b: dict, bounds: dict) -> None:
+    """Each call's `mfu` and `hbm`: its FLOPs and bytes over its run time, against the profile's rates."""
+    for call, t in b["calls"].items():
+        if call in bounds and t["run_s"] > 0:
+            x = bounds[call]
+            t.update(flops=x["flops"], hbm_bytes=x["hbm_bytes"], mfu=x["flops"] / t["run_s"] / x["flop_rate"],
+                     hbm=x["hbm_bytes"] / t["run_s"] / x["hbm_rate"])
+
+
 def table(b: dict) -> str:
     step = b["step_s"] or float("nan")
     lines = [f"step {b['step_s']:.3f} s (mean of {b['steps']} steps)", ""]
     lines.append(f"{'part':<10}{'seconds':>10}{'share':>8}")
     for c, s in b["split"].items():
         lines.append(f"{c:<10}{s:>10.3f}{100 * s / step:>7.1f}%")
-    lines += ["", f"{'call':<22}{'run s':>9}{'wait s':>9}{'move s':>9}"]
+    bounds = any("mfu" in t for t in b["calls"].values())
+    lines += ["", f"{'call':<22}{'run s':>9}{'wait s':>9}{'move s':>9}" + (f"{'GFLOP':>11}{'MFU':>7}{'HBM':>7}" if bounds else "")]
     for c, t in b["calls"].items():
-        lines.append(f"{c:<22}{t['run_s']:>9.3f}{t['wait_s']:>9.3f}{t['move_s']:>9.3f}")
+        lines.append(f"{c:<22}{t['run_s']:>9.3f}{t['wait_s']:>9.3f}{t['move_s']:>9.3f}" + (
+            f"{t['flops'] / 1e9:>11.1f}{100 * t['mfu']:>6.1f}%{100 * t['hbm']:>6.1f}%" if "mfu" in t else ""))
     lines += ["", "moves (may overlap compute): " + ", ".join(f"{k} {v:.3f} s" for k, v in b["moves"].items())]
     return "\n".join(lines)
 
@@ -56,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("metrics", help="a run's metrics.jsonl")
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (compilation)")
     p.add_argument("--out", help="write the breakdown as JSON here")
+    p.add_argument("--config", help="the run's config: set each call against its FLOP and bandwidth bounds")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the run's config overrides")
+    p.add_argument("--devices", type=int, help="the run's devices (default: run.devices, else 1)")
+    p.add_argument("--profile", help="hardware profile name or file (default: the config's)")
     args = p.parse_args(argv)
     try:
         with open(args.metrics) as f:
@@ -63,11 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"step_breakdown: cannot read {args.metrics}: {e.strerror}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        print(f"step_breakdown: {args.metrics} is not a metrics.jsonl (one JSON record per line): {e}", file=sys.stderr)
+        return 2
     records = [r for r in records if "time/step_s" in r][args.skip:]
     if not records:
         print(f"step_breakdown: {args.metrics} has no timed steps after the first {args.skip}", file=sys.stderr)
         return 2
     b = breakdown(records)
+    if args.config:
+        try:  # a config or profile the planner refuses: ConfigError / PlanError are ValueErrors
+            add_bounds(b, call_bounds(args.config, args.set, args.devices, args.profile))
+        except (KeyError, OSError, ValueError) as e:
+            print(f"step_breakdown: {e}", file=sys.stderr)
+            return 2
     print(table(b))
     print(json.dumps(b))
     if args.out:

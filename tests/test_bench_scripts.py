@@ -105,3 +105,31 @@ def test_bench_replan_never_replaces_a_results_file(tmp_path, capsys):
     assert _load("bench_replan").main(["--out", str(out)]) == 2
     assert "exists" in capsys.readouterr().err
     assert out.read_text() == "{}"
+
+
+def test_step_breakdown_sets_each_call_against_its_flops(tmp_path, capsys):
+    """Means over the steps after --skip; with --config each call gets the planner's FLOPs and bytes and
+    its MFU = FLOPs / run time / the profile's matmul rate (a hand-made two-call step here)."""
+    from jaxrlhf.planner.hardware import get_profile
+
+    breakdown = _load("step_breakdown")
+    step = {"time/step_s": 1.0, "time/step/compute_s": 0.75, "time/step/move_s": 0.0, "time/step/host_s": 0.0,
+            "time/step/other_s": 0.25, "time/actor.generate_s": 0.25, "time/actor.generate/wait_s": 0.0,
+            "time/actor.generate/move_s": 0.0, "time/actor.train_s": 0.5, "time/actor.train/wait_s": 0.0,
+            "time/actor.train/move_s": 0.0}
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(dict(step, step=i)) for i in (1, 2, 3)) + "\n")
+    out = tmp_path / "b.json"
+    args = [str(metrics), "--skip", "1", "--out", str(out), "--config", str(REPO / "configs" / "quickstart-grpo.yaml"),
+            "--devices", "1", "--profile", "cpu"]
+    assert breakdown.main(args) == 0
+    b = json.loads(out.read_text())
+    assert b["steps"] == 2 and sum(b["split"].values()) == pytest.approx(b["step_s"]) == 1.0
+    train = b["calls"]["actor.train"]
+    rate = get_profile("cpu").matmul_flops("float32")
+    assert train["flops"] > 0 and train["mfu"] == pytest.approx(train["flops"] / 0.5 / rate)
+    assert "ref.inference" not in b["calls"]  # only the calls the metrics time
+    assert "MFU" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert breakdown.main([str(tmp_path / "bad.jsonl")]) == 2
+    assert "is not a metrics.jsonl" in capsys.readouterr().err
