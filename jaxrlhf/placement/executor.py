@@ -347,11 +347,8 @@ class Executor:
         call_args = (params, role.opt_state, args) if spec.kind == "train" else (params, args)
         with jax.profiler.TraceAnnotation(spec.name):
             program = fn.compiled(*call_args)  # compiled on first use: compiling is not the call's time
-            launch = time.perf_counter()
+            dispatched = time.perf_counter()  # XLA:GPU's launch runs the program's while loops (timeline.py)
             result = program(*call_args)
-        # XLA:GPU drives a while loop from the host, so a launch can return with its program done: then
-        # the launch was the call's run (else it is dispatch overhead, and the call runs from here on)
-        dispatched = launch if jax.tree_util.tree_leaves(result)[-1].is_ready() else time.perf_counter()
         if spec.kind == "train":
             role.params, role.opt_state, out = result
             done = (role.params, out)

@@ -4,9 +4,10 @@ Device work is dispatched asynchronously, so time measured around a dispatch
 says nothing. Every device operation (a model call, a move of parameters or
 of a call's inputs) is recorded instead when it is dispatched, with the
 devices it runs on, and a waiter thread records when its outputs are ready.
-A call whose launch returns with its program done is recorded from the launch
-instead: XLA:GPU drives a while loop (a decode loop, a train call's minibatch
-loop) from the host, so on a GPU such a call's launch takes as long as the call.
+A model call is recorded from its launch (after any compiling), its dispatch
+included: XLA:GPU drives a while loop (a decode loop, a train call's layer and
+minibatch loops) from the host, so there a launch returns only when most of
+the call has run, and time taken after it would leave the call at ~0 s.
 A device runs its work in dispatch order, so an operation starts once it is
 dispatched and every earlier operation on any of its devices is done:
 
