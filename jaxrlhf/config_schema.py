@@ -142,7 +142,7 @@ class PlanConfig:
     strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl", "auto"] = "colocated"
     file: str | None = None  # a plan YAML; overrides strategy
     offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
-    hardware: str | None = None  # planner hardware profile; null = detect from the platform
+    hardware: str | None = None  # planner hardware profile; null = the chip JAX runs on (NVIDIA H200 -> h200), else the platform's
     # a profile measured on this hardware (`python -m jaxrlhf.profile`): its numbers and call tables replace plan.hardware's
     profile: str | None = None
     axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
