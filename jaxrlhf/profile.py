@@ -224,7 +224,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     graph = algorithm.graph()
     wl = algorithm.workload()
     models = planning.role_configs(cfg, list(graph.roles))
-    chip = planning.Chip.of(jax.devices()[0])
+    chip = planning.Chip.of(jax.local_devices()[0])
     hw = calibrate(planning.hardware_name(cfg, chip))
     n = jax.device_count()
     max_tensor = hw.max_tensor

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from jaxrlhf import config as cfglib
+from jaxrlhf.planning import Chip
 
 WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
@@ -71,7 +72,7 @@ class Replanner:
     """
 
     def __init__(self, cfg: cfglib.Config, algorithm, models: Mapping[str, Any], plan, num_devices: int,
-                 devices_per_host: int | None, chip, make_cache: Callable[[Any], Any],
+                 devices_per_host: int | None, chip: Chip | None, make_cache: Callable[[Any], Any],
                  write: bool):
         from jaxrlhf import planning
 
