@@ -72,6 +72,7 @@ rl_step() {  # rl_step NAME CONFIG OVERRIDES...: 7 training steps, the last one 
   "$PY" scripts/step_breakdown.py "$dir/unprofiled.jsonl" --skip 2 --out "$OUT/$name-breakdown.json" \
     --config "$config" --set "${RUN[@]}" "$@" sft.steps=0 "${profile[@]}"
   "$PY" scripts/trace_summary.py "$dir/profile/step_7" --top 30 --out "$OUT/$name-ops.json"
+  "$PY" scripts/trace_summary.py "$dir/profile/step_7" --top 30 --call actor.train --out "$OUT/$name-train-ops.json"
   find "$dir/profile/step_7" -name perfetto_trace.json.gz -exec cp {} "$OUT/$name-trace.json.gz" \;
 }
 export -f rl_step

@@ -133,3 +133,36 @@ def test_step_breakdown_sets_each_call_against_its_flops(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert breakdown.main([str(tmp_path / "bad.jsonl")]) == 2
     assert "is not a metrics.jsonl" in capsys.readouterr().err
+
+
+def test_trace_summary_sums_device_ops_per_kind_and_per_call(tmp_path, capsys):
+    """A hand-made trace: a GPU's kernel stream and XLA:CPU's device thread both count, the python
+    thread does not; `--call` keeps the ops that start between that call's launch and the next launch."""
+    import gzip
+
+    summary = _load("trace_summary")
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "python3"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 2, "args": {"name": "tf_XLAEigen/3"}},
+    ]
+    span = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = meta + [
+        span(2, 1, "actor.generate", 0, 10), span(2, 1, "actor.train", 100, 10),  # launches (python thread)
+        span(1, 7, "loop_add_fusion_3", 5, 20e3), span(1, 7, "gemm_fusion_dot.12", 30, 40e3),  # generate's
+        span(1, 7, "gemm_fusion_dot_7", 120, 60e3), span(2, 2, "dot.4", 130, 30e3),  # train's, GPU and CPU
+        span(2, 2, "ThunkExecutor::Execute", 130, 90e3),  # a runtime wrapper: not an op
+    ]
+    folder = tmp_path / "step_1"
+    folder.mkdir()
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    seconds, counts = summary.op_times(summary.find_trace(str(folder)))
+    assert seconds == pytest.approx({"loop_add_fusion": 0.02, "gemm_fusion_dot": 0.1, "dot": 0.03})
+    assert counts == {"loop_add_fusion": 1, "gemm_fusion_dot": 2, "dot": 1}
+    seconds, _ = summary.op_times(summary.find_trace(str(folder)), "actor.train")
+    assert seconds == pytest.approx({"gemm_fusion_dot": 0.06, "dot": 0.03})
+    assert summary.main([str(folder), "--call", "critic.train"]) == 2
+    assert "no launch of 'critic.train'" in capsys.readouterr().err
