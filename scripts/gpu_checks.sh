@@ -13,6 +13,9 @@
 #   SMOKE=1 OUT=/tmp/gpu-smoke bash scripts/gpu_checks.sh  # the same commands at toy sizes on CPU
 #   STEPS='estimator decode' OUT=... bash scripts/gpu_checks.sh  # only these steps
 #
+# It needs jaxrlhf's dependencies importable with the GPU's jax (`pip install -e .` on a machine with
+# a package index; an offline image with jax, flax, optax and orbax may still lack tensorflow-datasets,
+# array_record, pydantic, tensorboardX and importlib_resources: install their wheels first).
 # Each step has its own time limit and writes its JSON/YAML under $OUT (the output also goes to
 # $OUT/log.txt), so a step that fails or runs out of time costs only itself; the most wanted run first.
 set -uo pipefail
