@@ -6,10 +6,10 @@ Reads the Perfetto trace that `run.profile_steps` writes (`perfetto_trace.json.g
 duration of every XLA op executed on the device threads, grouped by op name without its numeric
 suffix (`ynn_fusion.27` -> `ynn_fusion`, `loop_add_fusion_3` -> `loop_add_fusion`). Device threads
 are XLA:CPU's compute threads, or on a GPU the kernel streams of its `/device:GPU:N` process. Runtime
-wrappers (thunk executors, thread-pool waits, loop bodies) are left out so that the ops add up once. On XLA:CPU, `ynn_fusion`/`dot` are matmuls (with
-fused elementwise work), `all-reduce`/`all-gather`/`Rendezvous`/`Wait: ...` are collectives between
-simulated devices and the time their threads wait for each other, `dynamic-slice`/`dynamic-update-slice`
-fusions are the scanned decoder layers reading and writing their stacked weights and residuals, and
+wrappers (thunk executors, thread-pool waits, loop bodies) are left out so that the ops add up once.
+On XLA:CPU, `ynn_fusion`/`dot` are matmuls (with fused elementwise work), `all-reduce`/`all-gather`/
+`Rendezvous`/`Wait: ...` are collectives between simulated devices and the time their threads wait for
+each other, `dynamic-slice`/`dynamic-update-slice` fusions are the scanned decoder layers reading and writing their stacked weights and residuals, and
 `copy`/`transpose` fusions are layout changes. Durations are wall time on each thread: on a loaded
 machine they include time the thread was descheduled, so compare shares, not seconds.
 
