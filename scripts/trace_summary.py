@@ -10,8 +10,9 @@ wrappers (thunk executors, thread-pool waits, loop bodies) are left out so that 
 On XLA:CPU, `ynn_fusion`/`dot` are matmuls (with fused elementwise work), `all-reduce`/`all-gather`/
 `Rendezvous`/`Wait: ...` are collectives between simulated devices and the time their threads wait for
 each other, `dynamic-slice`/`dynamic-update-slice` fusions are the scanned decoder layers reading and
-writing their stacked weights and residuals, and `copy`/`transpose` fusions are layout changes. Durations are wall time on each thread: on a loaded
-machine they include time the thread was descheduled, so compare shares, not seconds.
+writing their stacked weights and residuals, and `copy`/`transpose` fusions are layout changes.
+Durations are wall time on each thread: on a loaded machine they include time the thread was
+descheduled, so compare shares, not seconds.
 
 `--call NAME` keeps the ops of one model call: those that start between the call's launch (the
 executor's `NAME` trace annotation) and the next call's launch. Exact where calls run one after the
