@@ -60,8 +60,8 @@ def call_bounds(config: str, overrides: list[str], devices: int | None, profile:
     plan = planning.plan_for(cfg, algorithm, models, devices or cfg.run.devices or 1)
     hw = get_profile(profile or planning.hardware_name(cfg))
     est = estimate_plan(plan, graph, models, algorithm.workload(), hw)
-    return {call: {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "flop_rate": hw.matmul_flops(models[graph[call].role].dtype),
-                   "hbm_rate": hw.memory_bandwidth()} for call, c in est.calls.items()}
+    return {call: {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "hbm_rate": hw.memory_bandwidth(),
+                   "flop_rate": hw.matmul_flops(models[graph[call].role].dtype)} for call, c in est.calls.items()}
 
 
 def add_bounds(b: dict, bounds: dict) -> None:
@@ -80,7 +80,8 @@ def table(b: dict) -> str:
     for c, s in b["split"].items():
         lines.append(f"{c:<10}{s:>10.3f}{100 * s / step:>7.1f}%")
     bounds = any("mfu" in t for t in b["calls"].values())
-    lines += ["", f"{'call':<22}{'run s':>9}{'wait s':>9}{'move s':>9}" + (f"{'GFLOP':>11}{'MFU':>7}{'HBM':>7}" if bounds else "")]
+    lines += ["", f"{'call':<22}{'run s':>9}{'wait s':>9}{'move s':>9}"
+              + (f"{'GFLOP':>11}{'MFU':>7}{'HBM':>7}" if bounds else "")]
     for c, t in b["calls"].items():
         lines.append(f"{c:<22}{t['run_s']:>9.3f}{t['wait_s']:>9.3f}{t['move_s']:>9.3f}" + (
             f"{t['flops'] / 1e9:>11.1f}{100 * t['mfu']:>6.1f}%{100 * t['hbm']:>6.1f}%" if "mfu" in t else ""))
