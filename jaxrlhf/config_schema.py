@@ -279,6 +279,8 @@ class RoleModelConfig:
     param_dtype: Dtype | None = None  # stored parameter dtype; null = the model's own
     # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
     remat: Literal["none", "full", "dots"] = "none"
+    # run the layer loop unrolled (faster, compiles longer) or as a loop; null = unrolled up to 8 layers (CPU), 16 (GPU)
+    unroll_layers: Bool | None = None
     lora: LoraSection | None = None  # train LoRA adapters only (docs/lora.md); not inherited through init_from
 
     @property

@@ -58,7 +58,7 @@ def evaluate(cfg: cfglib.Config, checkpoint: str) -> dict[str, float]:
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     # Only the generate call runs: the actor alone, on every device.
     graph = CallGraph((algorithm.graph()["actor.generate"],), feed=("prompt_tokens", "prompt_mask", "rng_generate"))
-    models = role_configs(cfg, ["actor"])
+    models = role_configs(cfg, ["actor"], jax.default_backend())
     plan = build_plan("colocated", jax.device_count(), models, graph, batch_size=algorithm.batch_rows)
     cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
     builder = RoleBuilder(cfg, {"actor": RoleSpec("lm", False, "evaluated")}, models, cache, plan)

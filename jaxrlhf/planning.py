@@ -31,8 +31,9 @@ DEFAULT_DEVICES = 8  # devices when neither the config nor the caller says
 SEARCH_TIME_BUDGET_S = 60.0  # the planner search's wall-clock cap for plan.strategy=auto
 
 
-def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
-    """ModelConfig of every role (and of the roles they initialise from); no weights touched."""
+def role_configs(cfg: cfglib.Config, roles: Sequence[str], platform: str | None = None):
+    """ModelConfig of every role (and of the roles they initialise from); no weights touched. The layer
+    loop (`ModelConfig.unroll_layers`) is decided for `platform`, else for `run.platform`."""
     from jaxrlhf.models.config import LoraConfig, preset
 
     out = {}
@@ -58,10 +59,13 @@ def role_configs(cfg: cfglib.Config, roles: Sequence[str]):
                 changes["dtype"] = rc.dtype
             if rc.param_dtype:
                 changes["param_dtype"] = rc.param_dtype
+            if rc.unroll_layers is not None:
+                changes["unroll_layers"] = rc.unroll_layers
             if rc.lora or base.lora:  # a role's adapters are its own: a reference copied from a LoRA actor has none
                 changes["lora"] = LoraConfig(**dataclasses.asdict(rc.lora)) if rc.lora else None
             out[link] = base = base.replace(**changes) if changes else base
-    return out
+    platform = platform or (cfg.run.platform if cfg.run.platform != "auto" else None)
+    return {role: mc.on_platform(platform) for role, mc in out.items()} if platform else out
 
 
 @dataclasses.dataclass(frozen=True)

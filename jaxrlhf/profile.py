@@ -223,8 +223,8 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     algorithm = build_algorithm(cfg)
     graph = algorithm.graph()
     wl = algorithm.workload()
-    models = planning.role_configs(cfg, list(graph.roles))
     chip = planning.Chip.of(jax.local_devices()[0])
+    models = planning.role_configs(cfg, list(graph.roles), chip.platform)
     hw = calibrate(planning.hardware_name(cfg, chip))
     n = jax.device_count()
     max_tensor = hw.max_tensor

@@ -53,7 +53,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data = open_checked_data(cfg, algorithm, tokenizer)
     specs = algorithm.roles()
-    model_configs = role_configs(cfg, list(specs))
+    chip = Chip.of(jax.local_devices()[0])  # its profile and memory, where JAX names the chip (an H200: 141 GB)
+    model_configs = role_configs(cfg, list(specs), chip.platform)
     for role, mc in model_configs.items():
         if mc.vocab_size < tokenizer.vocab_size:
             raise cfglib.ConfigError(
@@ -65,7 +66,6 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     # tensor parallelism (`HardwareProfile.max_tensor`).
     hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
     host_size = devices_per_host() if hosts_matter else None
-    chip = Chip.of(jax.local_devices()[0])  # its profile and memory, where JAX names the chip (an H200: 141 GB)
 
     def choose_plan():
         return plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size, chip=chip)

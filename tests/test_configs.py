@@ -79,3 +79,25 @@ def test_a_run_plans_for_the_chip_it_is_on():
         == ["tpu-v4", "tpu-v5e", "tpu-v5p"]
     cpu = cfglib.load_config(None, ["run.platform=cpu"])
     assert planning.hardware_profile(cpu, chip=planning.Chip("cpu", "cpu")) == get_profile("cpu")
+
+
+def test_a_runs_layer_loop_is_decided_for_its_platform_and_the_plan_prices_it():
+    """The llama3.2-1b preset's 16 layers run unrolled on a GPU and rolled on a CPU (`UNROLL_MAX_LAYERS`);
+    `model.actor.unroll_layers` decides for the actor and the roles initialised from it, and the memory
+    model reads the same decision (an unrolled forward's second copy of the layer weights)."""
+    from jaxrlhf.algorithms import declare
+    from jaxrlhf.planner.memory import working_set
+    from jaxrlhf.planner.plan import Layout
+
+    sets = ["algorithm.name=ppo", "model.actor.preset=llama3.2-1b"]
+    gpu = planning.role_configs(cfglib.load_config(None, sets), ["actor", "critic", "ref"], "gpu")
+    assert all(mc.unrolls_layers for mc in gpu.values())
+    cpu = planning.role_configs(cfglib.load_config(None, [*sets, "run.platform=cpu"]), ["actor"])
+    assert not cpu["actor"].unrolls_layers
+    rolled = planning.role_configs(cfglib.load_config(None, [*sets, "model.actor.unroll_layers=false"]),
+                                   ["actor", "critic", "ref"], "gpu")
+    assert not any(mc.unrolls_layers for mc in rolled.values())
+    algorithm = declare(cfglib.load_config(None, sets))
+    call, wl = algorithm.graph()["ref.inference"], algorithm.workload()
+    assert "layer_copies" in working_set(call, gpu["ref"], Layout(), wl)
+    assert "layer_copies" not in working_set(call, rolled["ref"], Layout(), wl)
