@@ -102,6 +102,8 @@ class RunFiles:
     tensorboard: str | None  # None: run.tensorboard=false
     checkpoints: str
     exports: dict[str, str]  # role -> its HF checkpoint folder (empty: run.export_hf=false)
+    plan: str = ""  # the plan the run started with (re-plans: replan/plan_step<N>.yaml)
+    hardware: str = ""  # the hardware profile plan choice priced it with
 
     @classmethod
     def of(cls, run_cfg: cfglib.RunConfig, export_roles: tuple[str, ...]) -> "RunFiles":
@@ -109,7 +111,8 @@ class RunFiles:
         return cls(out, os.path.join(out, "metrics.jsonl"),
                    os.path.join(out, "tensorboard") if run_cfg.tensorboard else None,
                    os.path.join(out, "checkpoints"),
-                   {role: os.path.join(out, f"{role}_hf") for role in export_roles} if run_cfg.export_hf else {})
+                   {role: os.path.join(out, f"{role}_hf") for role in export_roles} if run_cfg.export_hf else {},
+                   os.path.join(out, "plan.yaml"), os.path.join(out, "hardware.yaml"))
 
     def summary(self, run_cfg: cfglib.RunConfig, last_checkpoint: int | None = None, finished: bool = False) -> str:
         """What goes where, with how often; at the end (`finished`) only what was written."""
@@ -120,6 +123,9 @@ class RunFiles:
                  f"  metrics:     {self.metrics} ({often}, run.log_every={every}; the console shows the same steps)"]
         if self.tensorboard:
             lines.append(f"  tensorboard: {self.tensorboard} (tensorboard --logdir {self.tensorboard})")
+        if self.plan:
+            lines.append(f"  plan:        {self.plan} (the placement it starts with; plan.file=... runs it again), "
+                         f"priced with {self.hardware}")
         if finished:
             lines.append(f"  checkpoints: {self.checkpoints} (latest: step {last_checkpoint})" if last_checkpoint
                          else f"  checkpoints: none written ({self.checkpoints})")

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from jaxrlhf import config as cfglib
 from jaxrlhf.backend import setup_devices
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
-from jaxrlhf.planning import Chip, plan_for, role_configs
+from jaxrlhf.planning import Chip, hardware_profile, plan_for, role_configs
 from jaxrlhf.run_dir import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
 
 
@@ -84,6 +84,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     files = RunFiles.of(cfg.run, algorithm.export_roles())
     if is_main():
         print(files.summary(cfg.run), flush=True)
+        plan.save(files.plan)  # what ran, for scripts/step_breakdown.py and for plan.file
+        hardware_profile(cfg, host_size, chip).save(files.hardware)
     ckpt = CheckpointManager(files.checkpoints, max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
     if cfg.run.resume and resume_step is None and is_main():

@@ -11,15 +11,18 @@ first step compiles), so that the parts still add up to the step.
 
 With `--config` (the run's config and `--set` overrides), each call's run time is also set against its
 math: the planner's FLOPs and HBM bytes per device for that call (`jaxrlhf.planner.cost`, under the plan
-the config picks on `--devices` devices) over the profile's matmul rate and memory bandwidth (`--profile`,
-e.g. one `jaxrlhf.placement.calibrate` measured): `mfu` is the fraction of the FLOP bound a call reaches,
-`hbm` the fraction of the bandwidth bound (the one that bounds a decode loop).
+the run wrote beside its metrics, `plan.yaml`, else the plan the config picks on `--devices` devices)
+over the matmul rate and memory bandwidth of `--profile` (e.g. one `jaxrlhf.placement.calibrate`
+measured), else of the profile the run planned with (`hardware.yaml` beside the metrics), else of the
+config's: `mfu` is the fraction of the FLOP bound a call reaches, `hbm` the fraction of the bandwidth
+bound (the one that bounds a decode loop).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 SPLIT = ("compute", "move", "host", "other")
@@ -45,19 +48,27 @@ def breakdown(records: list[dict]) -> dict:
     }
 
 
-def call_bounds(config: str, overrides: list[str], devices: int | None, profile: str | None) -> dict:
+def call_bounds(config: str, overrides: list[str], devices: int | None, profile: str | None,
+                run_folder: str | None = None) -> dict:
     """Per call: FLOPs and HBM bytes per device by the planner's cost model, and the profile's rates."""
     from jaxrlhf import config as cfglib
     from jaxrlhf import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import ExecutionPlan
     from jaxrlhf.planner.simulator import estimate_plan
 
     cfg = cfglib.load_config(config, overrides)
     algorithm = build_algorithm(cfg)
     graph = algorithm.graph()
     models = planning.role_configs(cfg, list(graph.roles))
-    plan = planning.plan_for(cfg, algorithm, models, devices or cfg.run.devices or 1)
+    ran = {name: os.path.join(run_folder or "", name) for name in ("plan.yaml", "hardware.yaml")}
+    if run_folder and os.path.exists(ran["plan.yaml"]):  # the plan the run ran, whatever this machine is
+        plan = ExecutionPlan.load(ran["plan.yaml"])
+    else:
+        plan = planning.plan_for(cfg, algorithm, models, devices or cfg.run.devices or 1)
+    if not profile and run_folder and os.path.exists(ran["hardware.yaml"]):
+        profile = ran["hardware.yaml"]
     hw = get_profile(profile or planning.hardware_name(cfg))
     est = estimate_plan(plan, graph, models, algorithm.workload(), hw)
     return {call: {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "hbm_rate": hw.memory_bandwidth(),
@@ -115,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     b = breakdown(records)
     if args.config:
         try:  # a config or profile the planner refuses: ConfigError / PlanError are ValueErrors
-            add_bounds(b, call_bounds(args.config, args.set, args.devices, args.profile))
+            add_bounds(b, call_bounds(args.config, args.set, args.devices, args.profile,
+                                      os.path.dirname(os.path.abspath(args.metrics))))
         except (KeyError, OSError, ValueError) as e:
             print(f"step_breakdown: {e}", file=sys.stderr)
             return 2

@@ -130,6 +130,25 @@ def test_step_breakdown_sets_each_call_against_its_flops(tmp_path, capsys):
     assert train["flops"] > 0 and train["mfu"] == pytest.approx(train["flops"] / 0.5 / rate)
     assert "ref.inference" not in b["calls"]  # only the calls the metrics time
     assert "MFU" in capsys.readouterr().out
+
+    # a run folder's plan.yaml and hardware.yaml (what `train` writes) are what the run ran: no re-planning
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import planning
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner.presets import build_plan
+
+    config = args[args.index("--config") + 1]
+    cfg = cfglib.load_config(config, [])
+    algorithm = build_algorithm(cfg)
+    models = planning.role_configs(cfg, algorithm.graph().roles)
+    build_plan("colocated", 2, models, algorithm.graph(), batch_size=algorithm.batch_rows).save(
+        str(tmp_path / "plan.yaml"))
+    get_profile("h200").save(str(tmp_path / "hardware.yaml"))
+    assert breakdown.main([str(metrics), "--out", str(out), "--config", config]) == 0
+    ran = json.loads(out.read_text())["calls"]["actor.train"]
+    assert ran["flops"] == pytest.approx(train["flops"] / 2, rel=0.05)  # the batch split over 2 devices
+    assert ran["mfu"] == pytest.approx(ran["flops"] / 0.5 / get_profile("h200").matmul_flops("float32"))
+    capsys.readouterr()
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert breakdown.main([str(tmp_path / "bad.jsonl")]) == 2
     assert "is not a metrics.jsonl" in capsys.readouterr().err

@@ -16,6 +16,8 @@ def test_the_start_names_every_file_and_how_often():
         "  metrics:     runs/x/metrics.jsonl (every 10 steps and the last, run.log_every=10; the console shows the "
         "same steps)",
         "  tensorboard: runs/x/tensorboard (tensorboard --logdir runs/x/tensorboard)",
+        "  plan:        runs/x/plan.yaml (the placement it starts with; plan.file=... runs it again), priced with "
+        "runs/x/hardware.yaml",
         "  checkpoints: runs/x/checkpoints (every 50 steps and the last, the newest 3 kept)",
         "  actor model: runs/x/actor_hf (HF checkpoint, written at the end)",
         "  critic model: runs/x/critic_hf (HF checkpoint, written at the end)",
@@ -29,6 +31,8 @@ def test_the_end_names_what_was_written():
     assert files.summary(run, last_checkpoint=7, finished=True).splitlines() == [
         "run folder: runs/x",
         "  metrics:     runs/x/metrics.jsonl (every step, run.log_every=1; the console shows the same steps)",
+        "  plan:        runs/x/plan.yaml (the placement it starts with; plan.file=... runs it again), priced with "
+        "runs/x/hardware.yaml",
         "  checkpoints: runs/x/checkpoints (latest: step 7)",
     ]
     assert "checkpoints: at the last step" not in files.summary(run)

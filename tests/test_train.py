@@ -218,6 +218,12 @@ def test_plan_cli_output_trains(tmp_path):
     records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2")
     assert [r["step"] for r in records] == [1, 2]
     assert all(np.isfinite(r["loss/policy"]) for r in records)
+    # the run folder keeps the plan it ran and the profile it was priced with (scripts/step_breakdown.py)
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import ExecutionPlan
+
+    assert ExecutionPlan.load(str(tmp_path / "run" / "plan.yaml")) == ExecutionPlan.load(str(out / "plan.yaml"))
+    assert get_profile(str(tmp_path / "run" / "hardware.yaml")).name == "cpu"
 
 
 @pytest.mark.slow
