@@ -100,6 +100,7 @@ class RunConfig:
     overwrite: Bool = False  # start afresh in an output_dir that holds another run (its files are removed)
     checkpoint_every: Int = _field(50, check=non_negative)  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: Int = _field(3, check=positive)  # newest checkpoints kept; older ones are deleted
+    save_checkpoints: Bool = True  # false: write none (benchmarks, smoke tests); such a run cannot be resumed
     log_every: Int = _field(1, check=positive)  # steps between metric records (metrics.jsonl, TensorBoard)
     eval_every: Int = _field(0, check=non_negative)  # steps between evaluations on data.eval_split; 0 = none
     # steps whose JAX profiler trace is written to <output_dir>/profile (TensorBoard, Perfetto); see docs/profiling.md

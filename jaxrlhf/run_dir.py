@@ -129,6 +129,8 @@ class RunFiles:
         if finished:
             lines.append(f"  checkpoints: {self.checkpoints} (latest: step {last_checkpoint})" if last_checkpoint
                          else f"  checkpoints: none written ({self.checkpoints})")
+        elif not run_cfg.save_checkpoints:
+            lines.append("  checkpoints: none (run.save_checkpoints=false)")
         else:
             lines.append(f"  checkpoints: {self.checkpoints} ({saves}, the newest {run_cfg.keep_checkpoints} kept)")
         for role, folder in self.exports.items():

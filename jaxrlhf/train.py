@@ -174,13 +174,15 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
             # others waiting in that step's collectives).
             stopping = any_process(bool(stop.requested))
             why = stop.requested or "a signal to another process"
-            if (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stopping:
+            due = (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0) or step == steps or stopping
+            if due and cfg.run.save_checkpoints:
                 save(step, data_state)
                 saved_step = step
             if stopping and step < steps:
                 raise Interrupted(
                     f"stopped by {why} after step {step}; checkpoint saved in {ckpt.directory}. "
-                    f"Resume with the same command and run.resume=true"
+                    f"Resume with the same command and run.resume=true" if cfg.run.save_checkpoints else
+                    f"stopped by {why} after step {step}; no checkpoint written (run.save_checkpoints=false)"
                 )
     finally:
         stop.uninstall()

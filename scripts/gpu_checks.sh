@@ -68,7 +68,7 @@ step estimator $((110 * T)) "$PY" scripts/validate_estimator.py --devices 1 --dt
 rl_step() {  # rl_step NAME CONFIG OVERRIDES...: 7 training steps, the last one profiled; its breakdown
   local name=$1 config=$2 dir=${RUNS:-/tmp/gpu-checks}/$1; shift 2
   "$PY" -m jaxrlhf.train --config "$config" "${RUN[@]}" "$@" sft.steps=0 run.steps=7 "run.profile_steps=[7]" \
-    run.checkpoint_every=0 run.export_hf=false run.tensorboard=false run.overwrite=true "run.output_dir=$dir" || return
+    run.save_checkpoints=false run.export_hf=false run.tensorboard=false run.overwrite=true "run.output_dir=$dir" || return
   head -n 6 "$dir/metrics.jsonl" >"$dir/unprofiled.jsonl"  # steps 1-6: the profiler's own cost left out
   local profile=()  # MFU against the matmul rate the estimator step measured, when it ran first
   [[ -f "$OUT/estimator-hardware.yaml" ]] && profile=(--profile "$OUT/estimator-hardware.yaml")

@@ -37,3 +37,8 @@ def test_the_end_names_what_was_written():
     ]
     assert "checkpoints: at the last step" not in files.summary(run)
     assert "(at the last step, the newest 3 kept)" in files.summary(run)
+
+
+def test_a_run_that_saves_no_checkpoint_says_so():
+    run = _run("run.save_checkpoints=false")
+    assert "  checkpoints: none (run.save_checkpoints=false)" in RunFiles.of(run, ()).summary(run).splitlines()

@@ -215,7 +215,7 @@ def test_plan_cli_output_trains(tmp_path):
         "--config", QUICKSTART, "--model-preset", "tiny", "--hardware", "cpu", "--devices", "8", "--batch", "8", "--out", str(out),
         "--iterations", "300", "--time-budget", "20",
     ]) == 0
-    records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2")
+    records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2", "run.save_checkpoints=false")
     assert [r["step"] for r in records] == [1, 2]
     assert all(np.isfinite(r["loss/policy"]) for r in records)
     # the run folder keeps the plan it ran and the profile it was priced with (scripts/step_breakdown.py)
@@ -224,6 +224,7 @@ def test_plan_cli_output_trains(tmp_path):
 
     assert ExecutionPlan.load(str(tmp_path / "run" / "plan.yaml")) == ExecutionPlan.load(str(out / "plan.yaml"))
     assert get_profile(str(tmp_path / "run" / "hardware.yaml")).name == "cpu"
+    assert not os.listdir(tmp_path / "run" / "checkpoints")  # run.save_checkpoints=false: not even the last step
 
 
 @pytest.mark.slow
