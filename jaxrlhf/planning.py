@@ -149,7 +149,8 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         plan = result.best.plan
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
-                          devices_per_host=devices_per_host, offpolicy=cfg.plan.offpolicy)
+                          minibatch_size=algorithm.workload().minibatch_size, devices_per_host=devices_per_host,
+                          offpolicy=cfg.plan.offpolicy)
     check = dict(devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
     try:  # before the memory model reads its groups
         validate_plan(plan, graph, models, **check)

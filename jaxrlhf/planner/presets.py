@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 Builder = Callable[..., ExecutionPlan]
 STRATEGIES: Registry[Builder] = Registry("strategy", PlanError)
-# fn(num_devices, models, graph, *, batch_size, devices_per_host, workload, hardware[, offpolicy]);
+# fn(num_devices, models, graph, *, batch_size, minibatch_size, devices_per_host, workload, hardware[, offpolicy]);
 # workload and hardware may be None (then a preset that sizes itself by memory assumes it fits).
 register_strategy = STRATEGIES.register
 
@@ -46,6 +46,7 @@ def build_plan(
     graph: CallGraph,
     *,
     batch_size: int | None = None,
+    minibatch_size: int | None = None,
     devices_per_host: int | None = None,
     offpolicy: bool = False,
     workload: "Workload | None" = None,
@@ -53,7 +54,9 @@ def build_plan(
 ) -> ExecutionPlan:
     """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply.
 
-    `workload` and `hardware` let presets that size themselves by memory (heuristic) check it."""
+    `minibatch_size`: the rows one update of a train call feeds (default: the batch); a trained role's
+    layout splits them evenly, as the search's layouts do (`Workload.call_batch`). `workload` and
+    `hardware` let presets that size themselves by memory (heuristic) check it."""
     builder = STRATEGIES.get(strategy)
     if num_devices < 1:
         raise PlanError(f"{strategy}: num_devices={num_devices}; need at least one device")
@@ -66,7 +69,10 @@ def build_plan(
         raise PlanError(
             f"{strategy}: offpolicy=true needs a shadow actor on its own devices; use strategy 'disaggregated'"
         )
-    kwargs = dict(batch_size=batch_size, devices_per_host=devices_per_host, workload=workload, hardware=hardware)
+    if minibatch_size is None and workload is not None:
+        minibatch_size = workload.minibatch_size
+    kwargs = dict(batch_size=batch_size, minibatch_size=minibatch_size, devices_per_host=devices_per_host,
+                  workload=workload, hardware=hardware)
     if strategy == "disaggregated":
         kwargs["offpolicy"] = offpolicy
     plan = builder(num_devices, models, graph, **kwargs)
@@ -104,6 +110,14 @@ def sharded_layout(cfg: ModelConfig, n: int, batch_size: int | None) -> Layout |
 
 def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, dph: int | None) -> Layout | None:
     return generation_layout(cfg, n, batch_size, dph) if kind == "generate" else sharded_layout(cfg, n, batch_size)
+
+
+def role_rows(graph: CallGraph, role: str, batch_size: int | None, minibatch_size: int | None) -> int | None:
+    """Rows a role's one layout must split evenly: a trained role's train call feeds one minibatch at a
+    time (4 rows on an 8-way FSDP layout leave half the devices computing padding and make XLA move
+    shards between devices at every reshape), every other call the batch."""
+    trained = minibatch_size is not None and graph.train_call(role) is not None
+    return minibatch_size if trained else batch_size
 
 
 def _require(layout: Layout | None, strategy: str, what: str, cfg: ModelConfig, n: int, batch_size: int | None) -> Layout:
@@ -153,14 +167,15 @@ def _trainers(graph: CallGraph) -> list[str]:
 
 # ---- presets ----------------------------------------------------------------------------
 @register_strategy("colocated")
-def colocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def colocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
     """Every call on all devices, one FSDP layout per role, as DeepSpeed-Chat's hybrid engine runs
     it: generation gathers the weights once into a tensor-parallel layout (a reallocation before
     the call, dropped after) instead of gathering them for every generated token."""
     group = DeviceGroup("all", 0, n)
     layouts = {
-        r: _require(sharded_layout(models[r], n, batch_size), "colocated", f"role {r!r}", models[r], n, batch_size)
+        r: _require(sharded_layout(models[r], n, rows), "colocated", f"role {r!r}", models[r], n, rows)
         for r in graph.roles
+        for rows in [role_rows(graph, r, batch_size, minibatch_size)]
     }
     calls = {}
     for c in graph.calls:
@@ -174,7 +189,7 @@ def colocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_) 
 
 
 @register_strategy("interleaved")
-def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
     """Trained models on exclusive groups (their train calls run concurrently); frozen
     models share the first trainer's group, apart from the other trainer, so inference
     calls overlap too. With one trainer, the frozen models get the second group."""
@@ -190,17 +205,18 @@ def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None, **_
         for r in trainers[2:]:
             side[r] = 1
     calls_of = {i: [c.name for c in graph.calls if side[c.role] == i] for i in (0, 1)}
+    rows = {r: role_rows(graph, r, batch_size, minibatch_size) for r in graph.roles}
     l0, l1 = _load(graph, models, calls_of[0]), _load(graph, models, calls_of[1])
 
     def fits(a: int, b: int) -> bool:
-        return all(sharded_layout(models[r], a if side[r] == 0 else b, batch_size) for r in graph.roles)
+        return all(sharded_layout(models[r], a if side[r] == 0 else b, rows[r]) for r in graph.roles)
 
     s = _two_way_split("interleaved", n, devices_per_host, l0 / (l0 + l1), fits)
     names = (first, second_roles[0] if len(trainers) > 1 else "frozen")
     groups = {names[0]: DeviceGroup(names[0], 0, s), names[1]: DeviceGroup(names[1], s, n - s)}
     sizes = (s, n - s)
     calls = {
-        c.name: Placement(names[side[c.role]], sharded_layout(models[c.role], sizes[side[c.role]], batch_size))
+        c.name: Placement(names[side[c.role]], sharded_layout(models[c.role], sizes[side[c.role]], rows[c.role]))
         for c in graph.calls
     }
     return ExecutionPlan(
@@ -210,7 +226,8 @@ def interleaved(n, models, graph, *, batch_size=None, devices_per_host=None, **_
 
 
 @register_strategy("disaggregated")
-def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, offpolicy=False, **_) -> ExecutionPlan:
+def disaggregated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, offpolicy=False,
+                  **_) -> ExecutionPlan:
     """Generation on its own group with a shadow copy of the generating model in a
     tensor-parallel layout (refreshed after each train call); everything else on the rest."""
     gens = [c for c in graph.calls if c.kind == "generate"]
@@ -222,10 +239,11 @@ def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, o
         raise PlanError("disaggregated: the graph has only generate calls; use colocated")
     lg = _load(graph, models, [c.name for c in gens])
     lr = _load(graph, models, rest)
+    rows = {r: role_rows(graph, r, batch_size, minibatch_size) for r in graph.roles}
 
     def fits(a: int, b: int) -> bool:
         return all(generation_layout(models[c.role], a, batch_size, devices_per_host) for c in gens) and all(
-            sharded_layout(models[r], b, batch_size) for r in graph.roles
+            sharded_layout(models[r], b, rows[r]) for r in graph.roles
         )
 
     s = _two_way_split("disaggregated", n, devices_per_host, lg / (lg + lr), fits)
@@ -235,7 +253,7 @@ def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, o
         if c.kind == "generate":
             calls[c.name] = Placement("gen", generation_layout(models[c.role], s, batch_size, devices_per_host))
         else:
-            calls[c.name] = Placement("train", sharded_layout(models[c.role], n - s, batch_size))
+            calls[c.name] = Placement("train", sharded_layout(models[c.role], n - s, rows[c.role]))
     shadows = tuple(r for r in graph.roles if r in gen_roles and graph.train_call(r) is not None)
     return ExecutionPlan(
         "disaggregated", n, groups, calls, shadow_roles=shadows, offpolicy=offpolicy,
@@ -244,7 +262,7 @@ def disaggregated(n, models, graph, *, batch_size=None, devices_per_host=None, o
 
 
 @register_strategy("reallocated")
-def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def reallocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
     """Each call its own layout (ReaLHF): generation tensor-parallel and train calls FSDP,
     both on all devices (parameters resharded before generation, copy dropped after);
     frozen models' inference calls on two disjoint halves so they run concurrently."""
@@ -265,10 +283,9 @@ def reallocated(n, models, graph, *, batch_size=None, devices_per_host=None, **_
     for c in graph.calls:
         where = halves.get(c.name, "all")
         size = groups[where].size
-        layout = _layout_for(c.kind, models[c.role], size, batch_size, devices_per_host)
-        calls[c.name] = Placement(
-            where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, batch_size)
-        )
+        rows = minibatch_size if c.kind == "train" and minibatch_size is not None else batch_size
+        layout = _layout_for(c.kind, models[c.role], size, rows, devices_per_host)
+        calls[c.name] = Placement(where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, rows))
     return ExecutionPlan("reallocated", n, groups, calls, notes="per-call layouts; parameters resharded between calls")
 
 
