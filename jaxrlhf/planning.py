@@ -158,7 +158,27 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
     plan = with_offload(cfg, algorithm, plan, models, hw)
     validate_plan(plan, graph, models, **check)
+    for warning in uneven_minibatches(plan, graph, algorithm.workload()):
+        print(f"warning: {warning}", flush=True)
     return plan
+
+
+def uneven_minibatches(plan, graph, workload) -> list[str]:
+    """Train calls whose layout splits one minibatch (the rows an update feeds) unevenly: it runs, but
+    devices compute padding and XLA moves shards between devices (a plan file may ask for it; the
+    presets and the search never do)."""
+    from jaxrlhf.planner.plan import layout_misfit
+
+    out = []
+    for call in graph.calls:
+        if call.kind != "train":
+            continue
+        layout = plan.calls[call.name].layout
+        reason = layout_misfit(layout, batch_size=workload.minibatch_size)
+        if reason:
+            out.append(f"{call.name}: its minibatches of {workload.minibatch_size} rows split unevenly, so devices "
+                       f"compute padding: {reason}")
+    return out
 
 
 def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw):

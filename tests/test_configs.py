@@ -81,6 +81,27 @@ def test_a_run_plans_for_the_chip_it_is_on():
     assert planning.hardware_profile(cpu, chip=planning.Chip("cpu", "cpu")) == get_profile("cpu")
 
 
+def test_a_plan_file_that_splits_minibatches_unevenly_is_warned_about(tmp_path, capsys):
+    """Batch 8 in 2 minibatches on 8 devices: a plan file's 8-way FSDP train call gets 4 rows an update.
+    It runs (XLA pads), but slowly, so the plan is taken with a warning naming the call and the fix;
+    the colocated preset splits the minibatch 4 ways and draws none."""
+    from jaxrlhf.planner.plan import Layout
+    from jaxrlhf.planner.presets import build_plan
+
+    sets = ["model.actor.preset=tiny", "data.batch_size=8", "algorithm.minibatches=2", "run.devices=8"]
+    cfg = cfglib.load_config(None, sets)
+    algorithm = build_algorithm(cfg)
+    graph, models = algorithm.graph(), planning.role_configs(cfg, algorithm.graph().roles)
+    plan = build_plan("colocated", 8, models, graph, batch_size=8)  # sized by the batch alone: 8-way
+    assert plan.calls["actor.train"].layout == Layout(fsdp=8)
+    plan.save(str(tmp_path / "plan.yaml"))
+    planning.plan_for(cfglib.load_config(None, [*sets, f"plan.file={tmp_path / 'plan.yaml'}"]), algorithm, models, 8)
+    out = capsys.readouterr().out
+    assert "warning: actor.train: its minibatches of 4 rows split unevenly" in out and "data*fsdp = 8" in out
+    planning.plan_for(cfglib.load_config(None, [*sets, "plan.strategy=colocated"]), algorithm, models, 8)
+    assert "split unevenly" not in capsys.readouterr().out
+
+
 def test_a_runs_layer_loop_is_decided_for_its_platform_and_the_plan_prices_it():
     """The llama3.2-1b preset's 16 layers run unrolled on a GPU and rolled on a CPU (`UNROLL_MAX_LAYERS`);
     `model.actor.unroll_layers` decides for the actor and the roles initialised from it, and the memory
