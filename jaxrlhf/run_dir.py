@@ -124,8 +124,8 @@ class RunFiles:
         if self.tensorboard:
             lines.append(f"  tensorboard: {self.tensorboard} (tensorboard --logdir {self.tensorboard})")
         if self.plan:
-            lines.append(f"  plan:        {self.plan} (the placement it starts with; plan.file=... runs it again), "
-                         f"priced with {self.hardware}")
+            lines.append(f"  plan:        {self.plan} (the placement it {'started' if finished else 'starts'} with; "
+                         f"plan.file=... runs it again), priced with {self.hardware}")
         if finished:
             lines.append(f"  checkpoints: {self.checkpoints} (latest: step {last_checkpoint})" if last_checkpoint
                          else f"  checkpoints: none written ({self.checkpoints})")

@@ -31,7 +31,7 @@ def test_the_end_names_what_was_written():
     assert files.summary(run, last_checkpoint=7, finished=True).splitlines() == [
         "run folder: runs/x",
         "  metrics:     runs/x/metrics.jsonl (every step, run.log_every=1; the console shows the same steps)",
-        "  plan:        runs/x/plan.yaml (the placement it starts with; plan.file=... runs it again), priced with "
+        "  plan:        runs/x/plan.yaml (the placement it started with; plan.file=... runs it again), priced with "
         "runs/x/hardware.yaml",
         "  checkpoints: runs/x/checkpoints (latest: step 7)",
     ]
