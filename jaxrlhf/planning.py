@@ -137,7 +137,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
 
     graph = algorithm.graph()
     models = {r: model_configs[r] for r in graph.roles}
-    batch = algorithm.batch_rows
+    batch, workload = algorithm.batch_rows, algorithm.workload()
     hw = hardware_profile(cfg, devices_per_host, chip)
     if cfg.plan.file:
         plan = ExecutionPlan.load(cfg.plan.file)
@@ -149,7 +149,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         plan = result.best.plan
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
-                          minibatch_size=algorithm.workload().minibatch_size, devices_per_host=devices_per_host,
+                          minibatch_size=workload.minibatch_size, devices_per_host=devices_per_host,
                           offpolicy=cfg.plan.offpolicy)
     check = dict(devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
     try:  # before the memory model reads its groups
@@ -158,7 +158,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
     plan = with_offload(cfg, algorithm, plan, models, hw)
     validate_plan(plan, graph, models, **check)
-    for warning in uneven_minibatches(plan, graph, algorithm.workload()):
+    for warning in uneven_minibatches(plan, graph, workload):
         print(f"warning: {warning}", flush=True)
     return plan
 

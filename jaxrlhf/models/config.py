@@ -145,7 +145,7 @@ class ModelConfig:
     @property
     def unrolls_layers(self) -> bool:
         """Whether the forward runs its layer loop unrolled: `unroll_layers`, else by depth for a CPU."""
-        return self.unroll_layers if self.unroll_layers is not None else self.num_layers <= UNROLL_MAX_LAYERS["cpu"]
+        return self.on_platform("cpu").unroll_layers
 
     def on_platform(self, platform: str) -> ModelConfig:
         """This config with the layer loop decided for `platform` ("cpu", "gpu", "tpu") where

@@ -112,12 +112,16 @@ def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, dph
     return generation_layout(cfg, n, batch_size, dph) if kind == "generate" else sharded_layout(cfg, n, batch_size)
 
 
+def call_rows(kind: str, batch_size: int | None, minibatch_size: int | None) -> int | None:
+    """Rows a call of `kind` feeds at once, which its layout must split evenly: a train call one minibatch
+    (4 rows on an 8-way FSDP layout leave half the devices computing padding and make XLA move shards
+    between devices at every reshape), every other call the batch (`Workload.call_batch`)."""
+    return minibatch_size if kind == "train" and minibatch_size is not None else batch_size
+
+
 def role_rows(graph: CallGraph, role: str, batch_size: int | None, minibatch_size: int | None) -> int | None:
-    """Rows a role's one layout must split evenly: a trained role's train call feeds one minibatch at a
-    time (4 rows on an 8-way FSDP layout leave half the devices computing padding and make XLA move
-    shards between devices at every reshape), every other call the batch."""
-    trained = minibatch_size is not None and graph.train_call(role) is not None
-    return minibatch_size if trained else batch_size
+    """Rows a role's one layout (shared by all its calls) must split evenly: a trained role's minibatch."""
+    return call_rows("train" if graph.train_call(role) is not None else "inference", batch_size, minibatch_size)
 
 
 def _require(layout: Layout | None, strategy: str, what: str, cfg: ModelConfig, n: int, batch_size: int | None) -> Layout:
@@ -283,7 +287,7 @@ def reallocated(n, models, graph, *, batch_size=None, minibatch_size=None, devic
     for c in graph.calls:
         where = halves.get(c.name, "all")
         size = groups[where].size
-        rows = minibatch_size if c.kind == "train" and minibatch_size is not None else batch_size
+        rows = call_rows(c.kind, batch_size, minibatch_size)
         layout = _layout_for(c.kind, models[c.role], size, rows, devices_per_host)
         calls[c.name] = Placement(where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, rows))
     return ExecutionPlan("reallocated", n, groups, calls, notes="per-call layouts; parameters resharded between calls")
