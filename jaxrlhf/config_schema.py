@@ -409,6 +409,10 @@ class GenerationConfig:
     # cut the rollout batch after generation to its longest response, rounded up to max_new_tokens / 2^k
     # (k < 4, multiples of 8): the train and inference calls skip the padding past it (docs/generation.md)
     trim_responses: Bool = True
+    # sample every response to max_new_tokens, past any EOS token (the rollout only; evaluation still
+    # stops at EOS): identical work every step, for benchmarks against peers run the same way (TRL's
+    # stop_token=None, vLLM's ignore_eos). Needs rewards.eos_only=false: no response ends with EOS
+    ignore_eos: Bool = False
 
 
 @_no_extra_keys

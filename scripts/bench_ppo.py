@@ -27,7 +27,9 @@ architecture and size (written by `jaxrlhf.models.hf_io.save_hf_checkpoint`
 from the config's actor; value model = `AutoModelForSequenceClassification`,
 num_labels=1). Batch: `per_device_train_batch_size = data.batch_size`,
 `num_mini_batches = algorithm.minibatches`, `num_ppo_epochs = algorithm.epochs`,
-`response_length = generation.max_new_tokens`, stop at EOS, prompts left-padded
+`response_length = generation.max_new_tokens`, stop at EOS (with
+`generation.ignore_eos=true`: `stop_token=None` and no EOS in the policy's
+generation config, so both sides sample every response to the cap), prompts left-padded
 to `data.max_prompt_len` (the same prompts jaxrlhf draws, tokenized by
 jaxrlhf's tokenizer; a `PreTrainedTokenizerFast` with the same vocabulary
 supplies pad/eos ids). Rewards: with rule rewards only (the quickstart), a
@@ -48,7 +50,12 @@ with 2 threads is ~1.5x faster than with 1). The table shows every TRL row;
 
 Tokens per step (both systems): prompt tokens that are not padding plus
 generated response tokens up to and including EOS (jaxrlhf's own
-`throughput/tokens_per_s` definition: the sum of the sequence mask).
+`throughput/tokens_per_s` definition: the sum of the sequence mask); every
+sampled token under `generation.ignore_eos=true`. EOS ends a sampled response
+at random, so without it the two sides generate different numbers of tokens
+for the same padded work (a random model's response lengths vary by ~10 %
+between runs); `generation.ignore_eos=true rewards.eos_only=false` makes the
+work and the token count identical.
 tokens/s = tokens of the step / wall time of the step; the table shows the
 median over measured steps and the ratio of medians vs TRL.
 """
@@ -205,7 +212,7 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
         total_episodes=B * n_steps,
         local_rollout_forward_batch_size=B,  # one generate call per step, as jaxrlhf
         response_length=spec["max_new_tokens"],
-        stop_token="eos",
+        stop_token=None if spec["ignore_eos"] else "eos",  # None: TRL sets no EOS to stop at
         temperature=spec["temperature"],
         learning_rate=spec["lr"],
         kl_coef=alg["kl_coef"],
@@ -247,9 +254,13 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
         dt = time.perf_counter() - t0
         prompt_tokens = int(kw["attention_mask"].sum())
         resp = out.sequences[:, kw["input_ids"].shape[1]:]
+        if spec["ignore_eos"]:
+            assert resp.shape[1] == spec["max_new_tokens"], ("generation stopped early", resp.shape)
         is_eos = resp == eos
         has_eos = is_eos.any(dim=1)
         first = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
+        if spec["ignore_eos"]:
+            first = torch.full_like(first, resp.shape[1])
         gen_stats.append({"generate_s": dt, "prompt_tokens": prompt_tokens, "response_tokens": int(first.sum()),
                           "eos_frac": float(has_eos.float().mean())})
         return out
@@ -325,6 +336,7 @@ def _trl_classes():
             self.tokenizer = load_tokenizer(spec["tokenizer"])
             self.by_ids = by_ids
             self.width, self.pad, self.eos = spec["prompt_width"], spec["pad_id"], spec["eos_id"]
+            self.ignore_eos = spec["ignore_eos"]
             self.score = torch.nn.Identity()
             self.backbone = self.forward
 
@@ -335,8 +347,9 @@ def _trl_classes():
                 p = tuple(int(t) for t in row[: self.width] if t != self.pad)
                 r = self.by_ids.get(p, {"prompt": self.tokenizer.decode(p), "answer": None})
                 resp = [int(t) for t in row[self.width:]]
-                done = self.eos in resp
-                resp = resp[: resp.index(self.eos)] if done else [t for t in resp if t != self.pad]
+                done = self.eos in resp and not self.ignore_eos
+                # past EOS (ignore_eos) the text is every sampled token but EOS, as jaxrlhf decodes it
+                resp = resp[: resp.index(self.eos)] if done else [t for t in resp if t not in (self.pad, self.eos)]
                 prompts.append(r["prompt"])
                 answers.append(r["answer"])
                 texts.append(self.tokenizer.decode(resp))
@@ -497,7 +510,9 @@ def main() -> int:
         "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
         "reward": "model" if cfg.rewards.model else "rules: " + ",".join(r.name for r in cfg.rewards.rules),
         "devices": jax.device_count(), "warmup_steps": args.warmup, "measured_steps": args.steps,
-        "tokens": "non-pad prompt tokens + response tokens up to and including EOS, per PPO step",
+        "ignore_eos": gen.ignore_eos,
+        "tokens": ("non-pad prompt tokens + " + ("every sampled response token (ignore_eos)" if gen.ignore_eos
+                   else "response tokens up to and including EOS") + ", per PPO step"),
     }
     host = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__, "loadavg_start": os.getloadavg()}
@@ -525,7 +540,7 @@ def main() -> int:
             "pad_id": mc.pad_token_id if mc.pad_token_id is not None else 0, "eos_id": mc.eos_token_id,
             "prompt_width": data.max_prompt_len, "prompts": rows, "batch_size": workload["batch_size"],
             "warmup": args.warmup, "steps": args.steps, "max_new_tokens": gen.max_new_tokens,
-            "temperature": gen.temperature, "lr": cfg.optimizer.actor.lr,
+            "temperature": gen.temperature, "lr": cfg.optimizer.actor.lr, "ignore_eos": gen.ignore_eos,
             "algorithm": {"minibatches": alg.minibatches, "epochs": alg.epochs, "kl_coef": alg.kl_coef,
                           # null in the config = the algorithm's own default (its declaration's)
                           "kl_estimator": alg.kl_estimator or declared.default_kl_estimator,

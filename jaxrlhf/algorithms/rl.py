@@ -60,9 +60,9 @@ class RolloutAlgorithm(Algorithm):
     @property
     def trims(self) -> bool:
         """Cut the rollout batch to its longest response after generation (`generation.trim_responses`;
-        nothing to cut when `max_new_tokens` allows one width only)."""
+        nothing to cut when `max_new_tokens` allows one width only or every response runs to it)."""
         gen = self.cfg.generation
-        return bool(gen.trim_responses) and len(response_widths(gen.max_new_tokens)) > 1
+        return bool(gen.trim_responses) and not gen.ignore_eos and len(response_widths(gen.max_new_tokens)) > 1
 
     @property
     def uncut_prefix(self) -> str:
@@ -140,6 +140,10 @@ class RolloutAlgorithm(Algorithm):
             raise AlgorithmConfigError(
                 f"algorithm.overlong_buffer={alg.overlong_buffer} exceeds generation.max_new_tokens="
                 f"{cfg.generation.max_new_tokens}: the penalty ramps over the last tokens of the response")
+        if cfg.generation.ignore_eos and cfg.rewards.eos_only:
+            raise AlgorithmConfigError(
+                "generation.ignore_eos=true runs every response past EOS, so rewards.eos_only=true would score "
+                "none of them: set rewards.eos_only=false (or generation.ignore_eos=false)")
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")

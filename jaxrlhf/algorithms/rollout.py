@@ -90,6 +90,7 @@ class RLSettings:
     eos_only: bool = True
     overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last N tokens; 0 = off
     overlong_penalty: float = 1.0
+    ignore_eos: bool = False  # generation.ignore_eos: responses run to max_new_tokens past any EOS
     engine: str = "static"  # generation.engine (models/engines.py)
     slots: int | None = None  # generation.slots (continuous engine)
     kv_pages: int | None = None  # generation.kv_pages (continuous engine)
@@ -428,7 +429,7 @@ class RolloutRuntime:
             normalize_values=getattr(alg, "normalize_values", False), entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
-            engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
+            ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -436,7 +437,8 @@ class RolloutRuntime:
         s = self.settings()
         m = self.models
         tok = self.tokenizer
-        gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, tok.eos_ids,
+        eos_ids = () if s.ignore_eos else tok.eos_ids
+        gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, eos_ids,
                                 tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
             "actor.generate": functools.partial(gen, self.generated_prefix),
@@ -444,7 +446,7 @@ class RolloutRuntime:
         }
         if self.greedy_baseline:
             greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
-                                       s.max_new_tokens, tok.eos_ids, tok.pad_id,
+                                       s.max_new_tokens, eos_ids, tok.pad_id,
                                        (s.engine, self.group_size, s.slots, s.kv_pages))
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if "ref" in m:

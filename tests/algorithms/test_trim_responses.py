@@ -137,7 +137,8 @@ def test_graph_routes_later_calls_through_the_cut():
     assert order.index("trim_responses") < min(order.index(c) for c in ("critic.inference", "actor.train"))
     # one width only (max_new_tokens <= 8), or switched off: nothing to cut, no host step
     for overrides in (("generation.max_new_tokens=8",),
-                      ("generation.max_new_tokens=16", "generation.trim_responses=false")):
+                      ("generation.max_new_tokens=16", "generation.trim_responses=false"),
+                      ("generation.max_new_tokens=16", "generation.ignore_eos=true", "rewards.eos_only=false")):
         graph = _graph("algorithm.name=ppo", *overrides)
         assert "trim_responses" not in [h.name for h in graph.host_steps]
         assert graph["actor.generate"].outputs == GENERATED
