@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=1, help="leading steps to leave out (compilation)")
     p.add_argument("--out", help="write the breakdown as JSON here")
     p.add_argument("--config", help="the run's config: set each call against its FLOP and bandwidth bounds")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the run's config overrides")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="the run's config overrides (one --set with several, or several --set)")
     p.add_argument("--devices", type=int, help="the run's devices (default: run.devices, else 1)")
     p.add_argument("--profile", help="hardware profile name or file (default: the config's)")
     args = p.parse_args(argv)

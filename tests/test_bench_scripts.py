@@ -130,6 +130,13 @@ def test_step_breakdown_sets_each_call_against_its_flops(tmp_path, capsys):
     assert train["flops"] > 0 and train["mfu"] == pytest.approx(train["flops"] / 0.5 / rate)
     assert "ref.inference" not in b["calls"]  # only the calls the metrics time
     assert "MFU" in capsys.readouterr().out
+    # every override applies, given after one --set or each after its own (argparse's default keeps the last)
+    for sets in (["--set", "data.batch_size=32", "algorithm.group_size=16"],  # 16 x 8 rows -> 32 x 16
+                 ["--set", "data.batch_size=32", "--set", "algorithm.group_size=16"]):
+        assert breakdown.main(args + sets) == 0
+        bigger = json.loads(out.read_text())["calls"]["actor.train"]["flops"]
+        assert bigger == pytest.approx(4 * train["flops"], rel=0.05), sets
+    capsys.readouterr()
 
     # a run folder's plan.yaml and hardware.yaml (what `train` writes) are what the run ran: no re-planning
     from jaxrlhf import config as cfglib
