@@ -650,6 +650,12 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             f"{', '.join('distributed.' + k for k in given)} set, but run.distributed=false: each process would "
             "train alone, into the same run.output_dir. Add run.distributed=true (or drop the distributed.* keys)"
         )
+    if run.distributed and config.distributed.cpu_collectives == "mpi" and (run.devices or 1) > 1:
+        raise ConfigError(
+            f"distributed.cpu_collectives=mpi with run.devices={run.devices}: XLA:CPU's MPI collectives take one "
+            "device per process (several fail at the first collective); set run.devices=1 and start one process "
+            "per device, or keep distributed.cpu_collectives=gloo (docs/multihost.md)"
+        )
     if run.devices is not None and run.platform in ("gpu", "tpu"):
         raise ConfigError(f"run.devices simulates CPU devices; it cannot be used with run.platform={run.platform}")
     if plan.file is not None and not pathlib.Path(plan.file).expanduser().is_file():

@@ -82,6 +82,16 @@ def test_distributed_keys_without_run_distributed_are_refused():
     assert _dist(*keys).num_processes == 2
 
 
+def test_mpi_collectives_with_several_devices_per_process_are_refused():
+    """XLA:CPU's MPI collectives create communicators from the MPI thread only ("Multiple threads/devices
+    per process are not yet supported"): refused at load time, not at the first collective."""
+    with pytest.raises(cfglib.ConfigError, match=r"distributed.cpu_collectives=mpi with run.devices=4: .* "
+                                                 r"set run.devices=1"):
+        cfglib.load_config(None, ["run.distributed=true", "distributed.cpu_collectives=mpi", "run.devices=4"])
+    ok = cfglib.load_config(None, ["run.distributed=true", "distributed.cpu_collectives=mpi", "run.devices=1"])
+    assert ok.distributed.cpu_collectives == "mpi"
+
+
 def test_a_second_process_0_is_one_line():
     """Two processes given distributed.process_id=0 on one host: the second finds the coordinator's port
     taken (here by a socket that stands for the first) and says so, instead of JAX's abort after 300 s."""
