@@ -254,13 +254,14 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
         dt = time.perf_counter() - t0
         prompt_tokens = int(kw["attention_mask"].sum())
         resp = out.sequences[:, kw["input_ids"].shape[1]:]
-        if spec["ignore_eos"]:
-            assert resp.shape[1] == spec["max_new_tokens"], ("generation stopped early", resp.shape)
         is_eos = resp == eos
         has_eos = is_eos.any(dim=1)
-        first = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
-        if spec["ignore_eos"]:
-            first = torch.full_like(first, resp.shape[1])
+        if spec["ignore_eos"]:  # every row sampled to the cap, EOS or not
+            assert resp.shape[1] == spec["max_new_tokens"], ("generation stopped early", resp.shape)
+            first = torch.full_like(has_eos, resp.shape[1], dtype=torch.long)
+        else:  # up to and including the first EOS
+            first = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1,
+                                torch.full_like(has_eos, resp.shape[1], dtype=torch.long))
         gen_stats.append({"generate_s": dt, "prompt_tokens": prompt_tokens, "response_tokens": int(first.sum()),
                           "eos_frac": float(has_eos.float().mean())})
         return out
