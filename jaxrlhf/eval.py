@@ -46,8 +46,8 @@ def evaluate(cfg: cfglib.Config, checkpoint: str) -> dict[str, float]:
     from jaxrlhf.placement.executor import Executor, Role
     from jaxrlhf.placement.layout import AxisRules
     from jaxrlhf.planner.presets import build_plan
-    from jaxrlhf.planning import role_configs
-    from jaxrlhf.roles import RoleBuilder
+    from jaxrlhf.run.planning import role_configs
+    from jaxrlhf.run.roles import RoleBuilder
 
     actor = dataclasses.replace(cfg.model.actor, path=checkpoint_dir(checkpoint), preset=None, init_from=None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, actor=actor))
@@ -85,7 +85,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, cfglib.Config]:
 
 
 def _main(argv: Sequence[str]) -> int:
-    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.run.backend import setup_devices
 
     args, cfg = _parse(argv)
     if args.output and os.path.exists(args.output):

@@ -7,7 +7,7 @@
 The config is resolved exactly as `python -m jaxrlhf.train` resolves it (the
 same file, defaults and `key=value` overrides; `--model-preset` is applied
 before the config is validated), and the plan is chosen by the same code
-(`jaxrlhf.planning`) with the same defaults, as if `plan.strategy=auto`: the
+(`jaxrlhf.run.planning`) with the same defaults, as if `plan.strategy=auto`: the
 planner plans the graph of the algorithm it names (`algorithm.name`: PPO,
 GRPO, DPO, ... each has its own calls) with the workload that algorithm reads
 from the config, on every process's devices (`run.devices` per process times
@@ -29,7 +29,7 @@ import sys
 from typing import Any, Sequence
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning
+from jaxrlhf.run import planning
 from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.hardware import GB
 from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult

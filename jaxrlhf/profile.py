@@ -214,7 +214,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     groups of `sizes` devices (default: half and all of them)."""
     import jax
 
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.placement.calibrate import calibrate
     from jaxrlhf.planner.measured import Measured, Table, model_key

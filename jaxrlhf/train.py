@@ -1,12 +1,12 @@
 """`python -m jaxrlhf.train --config FILE [key=value ...]`: the main job, for every algorithm and stage.
 
 The CLI and the run loop only. A run resolves its config, sets up the JAX
-backend (`jaxrlhf.backend`), asks the algorithm (`algorithm.name`) for its
-roles and step graph, picks the execution plan (`jaxrlhf.planning`, shared
-with `python -m jaxrlhf.plan`), claims its output folder (`jaxrlhf.run_dir`),
+backend (`jaxrlhf.run.backend`), asks the algorithm (`algorithm.name`) for its
+roles and step graph, picks the execution plan (`jaxrlhf.run.planning`, shared
+with `python -m jaxrlhf.plan`), claims its output folder (`jaxrlhf.run.folder`),
 builds the models on their home placements, warming the actor up with the
-SFT stage first when `sft.steps > 0` (`jaxrlhf.roles`, `jaxrlhf.stages`),
-then runs the algorithm's steps (`jaxrlhf.stages.run_steps`) with metrics,
+SFT stage first when `sft.steps > 0` (`jaxrlhf.run.roles`, `jaxrlhf.run.stages`),
+then runs the algorithm's steps (`jaxrlhf.run.stages.run_steps`) with metrics,
 evaluation, checkpoints and signals, and exports the trained models as HF
 checkpoints. What a step computes is the algorithm's business; where each
 call runs is the plan's.
@@ -20,10 +20,10 @@ import sys
 from typing import Any, Iterator, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.backend import setup_devices
+from jaxrlhf.run.backend import setup_devices
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
-from jaxrlhf.planning import Chip, hardware_profile, plan_for, role_configs
-from jaxrlhf.run_dir import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
+from jaxrlhf.run.planning import Chip, hardware_profile, plan_for, role_configs
+from jaxrlhf.run.folder import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
 
 
 def run(cfg: cfglib.Config) -> dict[str, Any]:
@@ -44,8 +44,8 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     from jaxrlhf.placement.devices import devices_per_host
     from jaxrlhf.placement.executor import Executor
     from jaxrlhf.placement.layout import AxisRules
-    from jaxrlhf.roles import build_roles, export_role
-    from jaxrlhf.stages import Replanner, open_checked_data, run_steps, warm_up_actor
+    from jaxrlhf.run.roles import build_roles, export_role
+    from jaxrlhf.run.stages import Replanner, open_checked_data, run_steps, warm_up_actor
     from jaxrlhf.planner.plan import ExecutionPlan
     from jaxrlhf.transfer.processes import any_process, barrier, is_main, main_text
 

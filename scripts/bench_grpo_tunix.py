@@ -234,7 +234,7 @@ def jax_worker(spec_path: str, out_path: str) -> None:
 
     overrides = spec["overrides"] + [f"run.devices={spec['devices']}"]
     cfg = _cfg(spec["config"], overrides, [])
-    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.run.backend import setup_devices
 
     setup_devices(cfg.run)
     import jax
@@ -390,8 +390,8 @@ def main() -> int:
     args.skip_tunix = args.skip_tunix or bool(engines)
     overrides = WORKLOAD + ["sft.steps=0"] + list(args.overrides)
     cfg = _cfg(args.config, overrides, [])
-    from jaxrlhf.backend import setup_devices
-    from jaxrlhf.planning import role_configs
+    from jaxrlhf.run.backend import setup_devices
+    from jaxrlhf.run.planning import role_configs
 
     setup_devices(cfg.run)  # this process only draws prompts and writes the HF checkpoint
     mc = role_configs(cfg, ["actor"])["actor"]

@@ -484,8 +484,8 @@ def main() -> int:
 
     n_steps = args.warmup + args.steps
     cfg = _cfg(args.config, args.overrides, ["sft.steps=0"])
-    from jaxrlhf.backend import setup_devices
-    from jaxrlhf.planning import role_configs
+    from jaxrlhf.run.backend import setup_devices
+    from jaxrlhf.run.planning import role_configs
 
     setup_devices(cfg.run)
     import jax

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     at = switches[0]["step"]
     first_plan = os.path.join(work, "first_plan.yaml")
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import declare
 
     cfg = cfglib.load_config(None, [*base, "plan.strategy=auto", f"plan.profile={profile}"])

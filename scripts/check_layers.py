@@ -32,7 +32,7 @@ PACKAGE = "jaxrlhf"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("jaxrlhf.train", "jaxrlhf.plan", "jaxrlhf.eval", "jaxrlhf.generate", "jaxrlhf.profile",
                       "jaxrlhf.config_reference", "jaxrlhf")),
-    ("run assembly", ("jaxrlhf.planning", "jaxrlhf.roles", "jaxrlhf.stages", "jaxrlhf.backend", "jaxrlhf.run_dir",
+    ("run assembly", ("jaxrlhf.run", "jaxrlhf.run.*",
                       "jaxrlhf.checkpoint", "jaxrlhf.metrics", "jaxrlhf.errors", "jaxrlhf.distributed",
                       "jaxrlhf.testing", "jaxrlhf.testing.*")),
     ("config", ("jaxrlhf.config",)),

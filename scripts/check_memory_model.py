@@ -115,8 +115,8 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
     from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
-    from jaxrlhf.planning import role_configs
-    from jaxrlhf.roles import build_optimizer_for
+    from jaxrlhf.run.planning import role_configs
+    from jaxrlhf.run.roles import build_optimizer_for
 
     cfg = _config(model, args)
     algorithm = build_algorithm(cfg)

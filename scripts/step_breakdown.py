@@ -52,7 +52,7 @@ def call_bounds(config: str, overrides: list[str], devices: int | None, profile:
                 run_folder: str | None = None) -> dict:
     """Per call: FLOPs and HBM bytes per device by the planner's cost model, and the profile's rates."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.plan import ExecutionPlan

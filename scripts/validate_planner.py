@@ -101,7 +101,7 @@ PLANS = PRESETS + VARIANTS + ("planner-pick",)
 def candidates(cfg, algorithm, models, n: int, hw, names, search_budget: float) -> list[Candidate]:
     """The plans `names` (of PLANS): presets, colocated variants and the planner's pick, deduplicated
     and each checked by the runtime's own plan validation (those that cannot run are skipped, saying why)."""
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.planner.plan import Layout, PlanError, validate
     from jaxrlhf.planner.presets import build_plan
 
@@ -160,7 +160,7 @@ def candidates(cfg, algorithm, models, n: int, hw, names, search_budget: float) 
 def predict(cfg, models, plan, hw):
     """The simulator's estimate of `plan` under `cfg` (its micro-batching, offloaded roles): the plan
     as `train` would run it (`planning.plan_for`), then `estimate_plan`."""
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.simulator import estimate_plan
 
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     from jaxrlhf.placement.calibrate import calibrate
     from jaxrlhf.profile import profile as measured_profile
     from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.planning import role_configs
+    from jaxrlhf.run.planning import role_configs
 
     n = jax.device_count()
     if args.profile and Path(args.profile).exists():

@@ -96,7 +96,7 @@ def test_quickstart_loads():
 def test_more_simulated_devices_than_cores_is_noted(devices, cores, noted, monkeypatch, capsys):
     """XLA's CPU client runs one compute thread per simulated device; on fewer cores every step slows,
     so the run says so and names the device count that avoids it."""
-    from jaxrlhf import backend
+    from jaxrlhf.run import backend
 
     monkeypatch.setattr(backend, "available_cores", lambda: cores)
     backend._note_oversubscription(devices)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning
+from jaxrlhf.run import planning
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import plan_memory

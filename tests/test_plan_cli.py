@@ -101,7 +101,7 @@ def test_writes_into_a_folder_it_names_and_keeps_an_earlier_plan(tmp_path, capsy
 
 def test_devices_default_to_every_process(tmp_path):
     """A multi-process config plans all processes' devices, each process one host."""
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
 
     cfg = resolve_config(parse_args(["--model-preset", "tiny", "run.devices=4", "run.distributed=true",
                                      "distributed.num_processes=2"]))
@@ -124,9 +124,9 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
 
 @pytest.mark.slow
 def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
-    """Both tools take jaxrlhf.planning's path with its defaults (hardware, seed, off-policy, budget).
+    """Both tools take jaxrlhf.run.planning's path with its defaults (hardware, seed, off-policy, budget).
     Fewer search iterations for both, so a loaded machine never hits the time budget."""
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner import search as search_module
 

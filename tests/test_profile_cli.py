@@ -3,7 +3,7 @@
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning
+from jaxrlhf.run import planning
 from jaxrlhf import profile as prof
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import HardwareProfile

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning, run_dir, train
+from jaxrlhf import train
+from jaxrlhf.run import folder as run_dir, planning
 from jaxrlhf.errors import RunError
 from jaxrlhf.metrics import read_metrics
 from jaxrlhf.testing import compile_cache

@@ -1,12 +1,12 @@
 """Re-planning while a run goes: the run's own call times fed back into the cost model, and whether
 another plan is then worth switching to. No JAX here (the switch itself is the executor's,
-`jaxrlhf.placement.executor.Executor.moved_to`; the loop is `jaxrlhf.stages.Replanner`).
+`jaxrlhf.placement.executor.Executor.moved_to`; the loop is `jaxrlhf.run.stages.Replanner`).
 
 The runtime times every call of every step on its plan (`time/<call>_s`). Each timed call becomes
 a `measured.Run` in the hardware profile: it prices exactly that call on that placement from then
 on, and corrects the other placements of the call by how far the profile's estimate (its tables or
 its formulas) was off there. The search then runs again on the corrected profile, through the same
-path as at the start (`jaxrlhf.planning.search_plan`), and `decide` compares its best plan with the
+path as at the start (`jaxrlhf.run.planning.search_plan`), and `decide` compares its best plan with the
 running one, both estimated on the corrected profile.
 """
 

@@ -259,8 +259,8 @@ def grpo_step():
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor
     from jaxrlhf.placement.layout import AxisRules
-    from jaxrlhf.planning import plan_for, role_configs
-    from jaxrlhf.roles import build_roles
+    from jaxrlhf.run.planning import plan_for, role_configs
+    from jaxrlhf.run.roles import build_roles
 
     cfg = cfglib.load_config(None, [
         "model.actor.preset=tiny", "algorithm.name=grpo", "algorithm.group_size=2", "algorithm.minibatches=1",

@@ -58,7 +58,7 @@ def main() -> int:
     pid = spec["process_id"]
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
-    from jaxrlhf.backend import setup_devices
+    from jaxrlhf.run.backend import setup_devices
 
     dist = cfglib.DistributedConfig(
         coordinator_address=f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,

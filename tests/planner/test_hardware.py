@@ -83,7 +83,7 @@ def test_plans_on_a_tpu_slice_keep_tensor_parallelism_within_a_host():
     parallel; on 16 and on 32 chips of 4-chip hosts (v5e, v4) no call splits a layer over more than
     the 4 chips of a host, and generation still uses all 4."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import declare
     from jaxrlhf.planner.search import SearchSpace, search
 

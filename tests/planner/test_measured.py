@@ -139,7 +139,7 @@ def test_profile_file_round_trip_and_bad_entries(tmp_path):
 
 def test_plan_profile_feeds_plan_choice_and_bad_paths_say_which_key(tmp_path):
     from jaxrlhf import config as cfglib
-    from jaxrlhf import planning
+    from jaxrlhf.run import planning
 
     hw = profile_with(table("train", GRID))
     path = str(tmp_path / "measured.yaml")

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf import planning
+from jaxrlhf.run import planning
 from jaxrlhf.algorithms import declare
 from jaxrlhf.planner.cost import CostCache, call_cost, profile_call_cost
 from jaxrlhf.planner.hardware import HardwareProfile, get_profile

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.planning import Chip
+from jaxrlhf.run.planning import Chip
 
 WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
@@ -74,7 +74,7 @@ class Replanner:
     def __init__(self, cfg: cfglib.Config, algorithm, models: Mapping[str, Any], plan, num_devices: int,
                  devices_per_host: int | None, chip: Chip | None, make_cache: Callable[[Any], Any],
                  write: bool):
-        from jaxrlhf import planning
+        from jaxrlhf.run import planning
 
         self.cfg, self.algorithm, self.plan = cfg, algorithm, plan
         self.models = {r: models[r] for r in algorithm.graph().roles}
@@ -103,7 +103,7 @@ class Replanner:
 
     def check(self, step: int, metrics: dict[str, Any], executor):
         """Feed the medians of the samples into the profile, search again, switch if worth it."""
-        from jaxrlhf import planning
+        from jaxrlhf.run import planning
         from jaxrlhf.planner.replan import timed_runs, with_runs
         from jaxrlhf.transfer.processes import main_values
 
@@ -188,7 +188,7 @@ def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str
     from jaxrlhf.models import lora
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
-    from jaxrlhf.roles import init_opt_state
+    from jaxrlhf.run.roles import init_opt_state
 
     steps = cfg.sft.steps
     stage = build_algorithm(cfg, "sft", warmup=True)

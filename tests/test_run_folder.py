@@ -1,7 +1,7 @@
 """What a run says about its files: every path it writes, and how often, at the start and at the end."""
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run_dir import RunFiles
+from jaxrlhf.run.folder import RunFiles
 
 
 def _run(*overrides):
