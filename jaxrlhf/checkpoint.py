@@ -45,6 +45,7 @@ class CheckpointManager:
     def __init__(self, directory: str, max_to_keep: int | None = 3):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        _quiet_library_noise()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         arrays, meta = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
         self._abandon_key = ""  # where a process whose writes of the current save failed says so
@@ -203,6 +204,7 @@ class CheckpointManager:
         algorithm or other model shapes, that is the error."""
         from jaxrlhf.transfer.processes import agreed_steps, any_process, barrier, is_main
 
+        self.remove_leftovers()
         problems = []
         for step in reversed(agreed_steps(self.steps())):
             error: Exception | None = None
@@ -233,6 +235,28 @@ class CheckpointManager:
             f"no checkpoint in {self.directory} can be restored ({detail}); start afresh with run.resume=false "
             "and another run.output_dir (or run.overwrite=true)"
         )
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temporary folders (`N.orbax-checkpoint-tmp...`) of saves that never finished (a second
+        Ctrl-C, a kill during a save), one line each; returns their paths. Only for the run that owns the
+        folder (a resume): another run's save in progress looks the same. Process 0 removes (the folder is
+        shared), every process waits for it."""
+        import re
+        import shutil
+
+        from jaxrlhf.transfer.processes import barrier, is_main
+
+        removed = []
+        if is_main():
+            for name in sorted(os.listdir(self.directory)):
+                path = os.path.join(self.directory, name)
+                if re.fullmatch(r"\d+\.orbax-checkpoint-tmp.*", name) and os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+                    print(f"removed {path}: an unfinished checkpoint save left it behind (the run was stopped "
+                          "while saving); the finished steps are untouched", file=sys.stderr, flush=True)
+        barrier("checkpoint_leftovers_removed")
+        return removed
 
     def _set_aside(self, step: int) -> str:
         """Move a damaged step out of the way (the run will save that step again), keeping it."""
@@ -358,6 +382,68 @@ def _gather_back(restored: Any, target: Any) -> Any:
         for i, y in zip(todo, moved):
             leaves[i] = y
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+_library_noise_dropped = 0  # Orbax/TensorStore leftovers kept out of the console (`_quiet_library_noise`)
+
+
+def _quiet_library_noise() -> None:
+    """Keep the leftovers of a failed Orbax read or write out of the console, for the rest of the process.
+
+    When one read or write of a restore or save fails, Orbax stops waiting for the others and closes its
+    event loop: each read still pending is finalised later (at the next collection, or at exit) and its
+    `except BaseException` turns the GeneratorExit into "Encountered error while reading array index",
+    and each TensorStore write that completes afterwards calls into the closed loop ("Event loop is
+    closed"). Python prints every one as an unraisable exception: one traceback per array, after the
+    failure was already handled (a fallback to the previous step, a full disk's one line). Those are
+    dropped (counted in `_library_noise_dropped`); every other unraisable exception goes on to the hook
+    that was there. JAXRLHF_DEBUG=1 keeps them all."""
+    if os.environ.get("JAXRLHF_DEBUG", "") not in ("", "0") or getattr(sys.unraisablehook, "_jaxrlhf_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(u) -> None:
+        global _library_noise_dropped
+        if _library_noise(u.exc_value, u.object):
+            _library_noise_dropped += 1
+        else:
+            previous(u)
+
+    hook._jaxrlhf_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_AsyncioOrbaxNoise())
+
+
+def _library_noise(e: BaseException | None, obj: Any) -> bool:
+    """Whether an unraisable exception is a leftover of a failed Orbax read or write (`_quiet_library_noise`)."""
+    if isinstance(e, RuntimeError) and "Event loop is closed" in str(e):
+        return True
+    code = getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    return e is not None and _from_orbax(e.__traceback__)
+
+
+def _from_orbax(tb) -> bool:
+    """Whether a traceback passes through Orbax's code."""
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _AsyncioOrbaxNoise(logging.Filter):
+    """asyncio's reports of Orbax tasks left behind by a failed read or write ("Task exception was never
+    retrieved", "Task was destroyed but it is pending!"): the failure itself is reported once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        global _library_noise_dropped
+        exc = record.exc_info[1] if record.exc_info else None
+        if (exc is not None and _from_orbax(exc.__traceback__)) or f"{os.sep}orbax{os.sep}" in record.getMessage():
+            _library_noise_dropped += 1
+            return False
+        return True
 
 
 def _collect_quietly() -> None:

@@ -255,6 +255,110 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         sp.run(["umount", str(disk)], check=True)
 
 
+# Run in a process of their own: the library's leftovers are printed when they are collected, up to the
+# interpreter's exit, and pytest would turn them into warnings instead.
+PENDING_READS = """
+import asyncio, os, sys
+import jax.numpy as jnp
+from orbax.checkpoint._src.serialization import serialization
+from jaxrlhf.checkpoint import CheckpointManager
+
+def tree(v):
+    return {"actor": {"params": {f"w{i}": jnp.full((8, 4), v, jnp.float32) for i in range(8)}}}
+
+mngr = CheckpointManager(sys.argv[1])
+for step in (2, 4):
+    mngr.save(step, tree(step), {"step": step})
+read = serialization._read_shard
+
+async def read_shard(t, **kwargs):  # step 4: one shard is damaged, the others are still being read
+    spec = str(t.spec())
+    if f"{os.sep}4{os.sep}arrays" in spec:
+        if "actor.params.w0/" in spec:
+            raise ValueError("DATA_LOSS: Error reading shard: damaged")
+        await asyncio.sleep(0.5)
+    return await read(t, **kwargs)
+
+serialization._read_shard = read_shard
+step, _, _ = mngr.restore_latest(tree(0))
+mngr.close()
+print("restored step", step, file=sys.stderr)
+"""
+
+FULL_DISK = """
+import sys
+import jax, jax.numpy as jnp
+from jaxrlhf.checkpoint import CheckpointManager, DiskFull
+
+mngr = CheckpointManager(sys.argv[1])
+mngr.save(1, {"w": jnp.ones((1000,), jnp.float32)}, {"step": 1})
+try:
+    mngr.save(2, {f"w{i}": jax.random.normal(jax.random.key(i), (100_000,)) for i in range(20)}, {"step": 2})
+except DiskFull as e:
+    print(e, file=sys.stderr)
+mngr.close()
+"""
+
+
+def _stderr_of(script: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXRLHF_DEBUG", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_a_damaged_shard_read_among_others_prints_one_line_and_no_library_tracebacks(tmp_path):
+    """One shard of the newest step fails to read while the other reads of the step are still going (as
+    when only another process's files are damaged): the fallback says so in one line, and the reads
+    Orbax abandoned print no "Encountered error while reading array index" traceback each."""
+    err = _stderr_of(PENDING_READS, str(tmp_path / "ckpt"))
+    assert "checkpoint step 4 in" in err and "using step 2" in err and "restored step 2" in err, err
+    assert err.count("Traceback") == 0, err
+
+
+def test_a_full_disk_prints_one_line_and_no_library_tracebacks(tmp_path):
+    """A real full disk (a 2 MB tmpfs, where this test may mount one) under a save of many arrays: the one
+    line, and none of the tracebacks of TensorStore writes that end after Orbax closed its event loop."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        err = _stderr_of(FULL_DISK, str(disk / "ckpt"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert "the disk is full (no space left on device); the newest intact checkpoint is step 1" in err, err
+    assert err.count("Traceback") == 0, err
+
+
+def test_an_unfinished_saves_folder_is_removed_on_resume(tmp_path, capsys):
+    """A second Ctrl-C during a save exits at once and leaves Orbax's temporary folder of that step: the
+    resume removes it with one line naming it, and restores the newest finished step."""
+    import jax.numpy as jnp
+
+    from jaxrlhf.checkpoint import CheckpointManager
+
+    def tree(v):
+        return {"actor": {"params": {"w": jnp.full((4, 3), v, jnp.float32)}}}
+
+    folder = tmp_path / "ckpt"
+    mngr = CheckpointManager(str(folder))
+    for step in (1, 2):
+        mngr.save(step, tree(step), {"step": step})
+    mngr.close()
+    shutil.copytree(folder / "2", folder / "3.orbax-checkpoint-tmp")  # step 3's save, cut short
+    shutil.rmtree(folder / "3.orbax-checkpoint-tmp" / "meta")
+    mngr = CheckpointManager(str(folder))
+    step, _, meta = mngr.restore_latest(tree(0))
+    mngr.close()
+    assert step == 2 and meta["step"] == 2
+    assert sorted(os.listdir(folder)) == ["1", "2"]
+    err = capsys.readouterr().err
+    assert f"removed {folder / '3.orbax-checkpoint-tmp'}: an unfinished checkpoint save left it behind" in err, err
+
+
 @pytest.mark.slow
 def test_a_run_whose_disk_fills_during_a_save_stops_and_resumes(reference, tmp_path, monkeypatch):
     """The step-4 save fails as a full disk fails in Orbax (its writer raises with the OS's text, after
