@@ -621,14 +621,9 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             f"algorithm.name={alg.name} has none to warm up (set sft.steps=0)"
         )
 
+    _check_positions(config, algorithm)
     actor = _resolved_preset(config, "actor")
     if actor is not None:
-        total = data.max_prompt_len + gen.max_new_tokens
-        if total > actor.max_position_embeddings:
-            raise ConfigError(
-                f"data.max_prompt_len + generation.max_new_tokens = {total} exceeds the actor's "
-                f"max_position_embeddings {actor.max_position_embeddings}"
-            )
         if config.model.tokenizer == "byte" and actor.vocab_size < 259:
             raise ConfigError(f"model.tokenizer=byte needs vocab_size >= 259; the actor has {actor.vocab_size}")
 
@@ -684,6 +679,25 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
             close = difflib.get_close_matches(plan.hardware, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"plan.hardware {plan.hardware!r} is not a known hardware profile{hint}")
+
+
+def _check_positions(config: Config, algorithm: Any) -> None:
+    """The longest sequence must fit the models' positions: prompt plus response for an algorithm that
+    generates (the actor's), `data.max_seq_len` for one that never does (sft, rm, dpo: each of its models,
+    whose sequences the data stack cuts to that length)."""
+    data, gen = config.data, config.generation
+    if any(call.kind == "generate" for call in algorithm.graph().calls):
+        checks = [("actor", data.max_prompt_len + gen.max_new_tokens, "data.max_prompt_len + generation.max_new_tokens")]
+    else:
+        length = data.max_seq_len or data.max_prompt_len + gen.max_new_tokens
+        what = ("data.max_seq_len" if data.max_seq_len else
+                "data.max_seq_len (null: data.max_prompt_len + generation.max_new_tokens)")
+        checks = [(role, length, what) for role in algorithm.roles()]
+    for role, length, what in checks:
+        model = _resolved_preset(config, role)
+        if model is not None and length > model.max_position_embeddings:
+            raise ConfigError(f"{what} = {length} exceeds the {role}'s max_position_embeddings "
+                              f"{model.max_position_embeddings}")
 
 
 def _looks_like_missing_file(spec: str) -> bool:

@@ -213,6 +213,25 @@ def test_bad_value(overrides, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("algorithm", [["algorithm.name=sft"], ["algorithm.name=dpo"],
+                                       ["algorithm.name=rm", "model.reward.preset=tiny"]], ids=lambda a: a[0][15:])
+def test_stages_that_never_generate_check_max_seq_len_against_the_positions(algorithm):
+    """sft, rm and dpo cut their sequences to data.max_seq_len and generate nothing: prompt length plus
+    generation.max_new_tokens past the model's 512 positions is no reason to refuse them, a longer
+    data.max_seq_len is (and with it null, its default, prompt plus new tokens). RL keeps its check."""
+    base = [*algorithm, "sft.steps=0"]
+    load_config(None, [*base, "data.max_prompt_len=500", "generation.max_new_tokens=32", "data.max_seq_len=512"])
+    role = "reward" if "algorithm.name=rm" in algorithm else "actor"
+    with pytest.raises(ConfigError, match=f"data.max_seq_len = 513 exceeds the {role}'s max_position_embeddings 512"):
+        load_config(None, [*base, "data.max_seq_len=513"])
+    with pytest.raises(ConfigError, match=r"data.max_seq_len \(null: data.max_prompt_len \+ generation.max_new_tokens\) "
+                                          f"= 532 exceeds the {role}'s max_position_embeddings 512"):
+        load_config(None, [*base, "data.max_prompt_len=500", "generation.max_new_tokens=32"])
+    with pytest.raises(ConfigError, match=r"data.max_prompt_len \+ generation.max_new_tokens = 532 exceeds the actor's"):
+        load_config(None, ["algorithm.name=ppo", "data.max_prompt_len=500", "generation.max_new_tokens=32",
+                           "data.max_seq_len=512"])
+
+
 def test_registries_checked_when_given():
     config = load_config(None, ["plan.hardware=h10"])
     validate(config)  # without the planner's registry hardware names are not checked
