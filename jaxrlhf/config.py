@@ -414,11 +414,25 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
 def with_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
     """The defaults with `data` over them, as `from_dict` reads it, but not validated: for tools that
     look at a config before they finish it (`plan --model-preset` finds the roles with own weights).
-    The algorithm section's defaults are those of the algorithm `data` names."""
+    The algorithm section's defaults are those of the algorithm `data` names, as its class declares them
+    (a default that follows another key, such as `clip_eps_high: null` = clip_eps, follows `data`'s)."""
     defaults = to_dict(Config())
     name = _algorithm_name(data)
-    defaults["algorithm"] = {**to_dict(algorithm_config(name)()), "name": name or "ppo"}
+    defaults["algorithm"] = {**_declared_defaults(algorithm_config(name)), "name": name or "ppo"}
     return _merge(Config, defaults, data)
+
+
+def _declared_defaults(cls: type) -> dict[str, Any]:
+    """A section's field defaults as written in its class, before `__post_init__` resolves any."""
+    return {f.name: to_dict(f.default_factory() if f.default is dataclasses.MISSING else f.default)  # type: ignore[misc]
+            for f in dataclasses.fields(cls)}
+
+
+def _holds_default(section: Any, key: str) -> bool:
+    """Whether `section.key` is what its class fills in when the key is left out (resolved against the
+    section's other keys: an upper clip equal to the lower one holds the default `null`)."""
+    declared = _declared_defaults(type(section))[key]
+    return getattr(dataclasses.replace(section, **{key: declared}), key) == getattr(section, key)
 
 
 # Keys of which a user sets one: setting any of them drops the defaults of the others,
@@ -471,15 +485,14 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Iterable[str]
 
 
 def with_overrides(config: Config, overrides: Iterable[str]) -> Config:
-    """A new validated Config with `key=value` overrides applied to `config`. An override of
-    `algorithm.name` starts the algorithm section from the new algorithm's defaults, keeping the
-    keys whose values differ from the old algorithm's defaults."""
-    data = apply_overrides(to_dict(config), overrides)
-    name = data["algorithm"].get("name")
-    if name != config.algorithm.name:
-        old = to_dict(type(config.algorithm)())
-        data["algorithm"] = {k: v for k, v in data["algorithm"].items() if k == "name" or old.get(k) != v}
-    return from_dict(data)
+    """A new validated Config with `key=value` overrides applied to `config`. The algorithm keys that
+    hold their algorithm's defaults are filled in again after the overrides, so an override of
+    `algorithm.name` starts from the new algorithm's defaults (keeping the keys whose values differ
+    from the old one's), and a default that follows another key follows its override."""
+    data = to_dict(config)
+    data["algorithm"] = {k: v for k, v in data["algorithm"].items()
+                         if k == "name" or not _holds_default(config.algorithm, k)}
+    return from_dict(apply_overrides(data, overrides))
 
 
 def to_dict(config: Any) -> Any:

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from jaxrlhf.config import ALGORITHM_CONFIGS, AlgorithmConfig, Config, to_dict
-from jaxrlhf.config_schema import RolloutConfig
+from jaxrlhf.config import to_dict
+from jaxrlhf.config_schema import ALGORITHM_CONFIGS, AlgorithmConfig, Config, RolloutConfig
 
 HEADER = """# Config reference
 
@@ -29,7 +29,9 @@ by `python -m jaxrlhf.config_reference > docs/config_reference.md` (a test check
 A YAML file sets any subset of these keys and `key=value` arguments override it
 (`python -m jaxrlhf.train --config FILE [key=value ...]`); `--print-config` prints the result.
 An `algorithm` key that the algorithm `algorithm.name` picks does not read (the `read by` column)
-is an error that names the keys it does read.
+is an error that names the keys it does read; where the algorithms' defaults differ, the `default`
+column gives the most common one, then each other algorithm's own (`--print-config` shows the value
+a run uses).
 """
 
 
@@ -56,10 +58,11 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def meaning(cls: type, name: str) -> str:
-    """The comment of field `name` of section `cls` (looked up in the class that defines it)."""
+    """The comment of field `name` of section `cls` (looked up in the class that defines it, or the
+    class it overrides a default of)."""
     for klass in cls.__mro__:
-        if name in getattr(klass, "__annotations__", {}):
-            return _comments(klass).get(name, "")
+        if name in getattr(klass, "__annotations__", {}) and _comments(klass).get(name):
+            return _comments(klass)[name]
     return ""
 
 
@@ -110,9 +113,19 @@ def _algorithm_table() -> list[str]:
                 names = [n for n, c in ALGORITHM_CONFIGS.items() if f.name in c.__dataclass_fields__]
                 readers = ("all" if len(names) == len(ALGORITHM_CONFIGS) else
                            "every RL algorithm" if names == rl else ", ".join(names))
-                default = _default(getattr(klass(), f.name))
-                lines.append(f"| `algorithm.{f.name}` | `{_cell(default)}` | {readers} | {_cell(_meaning(klass, f.name))} |")
+                default = _per_algorithm({n: _default(getattr(ALGORITHM_CONFIGS[n](), f.name)) for n in names})
+                lines.append(f"| `algorithm.{f.name}` | {default} | {readers} | {_cell(_meaning(klass, f.name))} |")
     return lines
+
+
+def _per_algorithm(defaults: dict[str, str]) -> str:
+    """A key's default for the algorithms that read it: one value, or the most common one (the first
+    reader's on a tie) followed by each other value and its algorithms."""
+    by_value: dict[str, list[str]] = {}
+    for name, value in defaults.items():
+        by_value.setdefault(value, []).append(name)
+    (common, _), *others = sorted(by_value.items(), key=lambda item: -len(item[1]))
+    return "; ".join([f"`{_cell(common)}`", *(f"{', '.join(names)}: `{_cell(value)}`" for value, names in others)])
 
 
 def _meaning(cls: type, name: str) -> str:

@@ -169,27 +169,37 @@ class AlgorithmConfig:
     micro_batch_size: Int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
 
 
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(AlgorithmConfig):
     """What every RL algorithm reads: KL to the reference, the clipped policy update, sampling groups.
-    Defaults follow ReaLHF's PPO; null means "the algorithm's own default"."""
+    Defaults follow ReaLHF's PPO; an algorithm whose published defaults differ has its own class
+    below that sets them, so a loaded config holds the values a run uses."""
 
     kl_coef: Float = _field(0.1, check=non_negative)  # KL-to-reference coefficient; 0 (and no kl_target) = no reference model
     kl_target: Float | None = _field(None, check=positive)  # KL per sequence the adaptive coefficient aims at; null = fixed
     kl_horizon: Int = _field(10000, check=positive)  # adaptive controller horizon (samples)
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # KL estimator; null: k1 in the reward (ppo...), k3 in the loss (grpo)
-    clip_eps: Float | None = _field(None, check=positive)  # ratio clip 1 - eps; null = 0.2 (gspo 3e-4)
-    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (dapo 0.28, gspo 4e-4)
+    # KL estimator (ppo, rloo, reinforce_pp, remax put the KL in the token rewards; the grpo family adds it to the loss)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    clip_eps: Float = _field(0.2, check=positive)  # ratio clip 1 - eps
+    clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (symmetric)
     minibatches: Int = _field(4, check=positive)  # policy updates per epoch over the step's rollouts
     epochs: Int = _field(1, check=positive)  # passes over the step's rollouts
     ratio_early_stop: Float | None = _field(5.0, check=positive)  # stop a step's updates past this ratio; null = never
     group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo...: >= 2)
-    # token-mean, seq-mean-token-mean, seq-mean-token-sum-norm; null = the algorithm's own (see docs/algorithms.md)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    # how token losses become the loss: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (docs/algorithms.md)
+    loss_agg: LossAgg = "token-mean"
     entropy_coef: Float = _field(0.0, check=non_negative)  # entropy bonus in the policy loss
     overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
     overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
+
+    def __post_init__(self) -> None:
+        # a null upper clip is the lower one, resolved here: the config holds the value the loss uses
+        if self.clip_eps_high is None:
+            object.__setattr__(self, "clip_eps_high", self.clip_eps)
 
 
 @_no_extra_keys
@@ -199,7 +209,7 @@ class PPOConfig(RolloutConfig):
 
     gamma: Float = _field(1.0, check=closed_unit_interval)  # discount of later token rewards (in GAE)
     lam: Float = _field(1.0, check=closed_unit_interval)  # GAE lambda
-    whiten_advantages: Bool | None = None  # whiten over the global batch; null = on
+    whiten_advantages: Bool = True  # whiten the advantages over the global batch
     value_clip_eps: Float | None = _field(0.2, check=positive)  # value clip around the old values; null = unclipped value loss
     normalize_values: Bool = False  # the critic learns running-normalised returns
 
@@ -217,16 +227,47 @@ class DiscountedConfig(RolloutConfig):
 class GroupedConfig(RolloutConfig):
     """Algorithms that compare the group of samples of one prompt (rloo; grpo and its variants)."""
 
-    dynamic_sampling: Bool | None = None  # drop groups whose rewards are all equal; null = on for dapo only
+    dynamic_sampling: Bool = False  # drop groups whose rewards are all equal, train on a larger pool's informative ones
     dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
 
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(GroupedConfig):
-    """GRPO and its variants dr_grpo, dapo and gspo (which change only defaults)."""
+    """GRPO and its variants dr_grpo, dapo and gspo (which change only defaults: the classes below)."""
 
-    norm_adv_by_std: Bool | None = None  # divide by the group's std; null = true (dr_grpo false)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # in the loss
+    loss_agg: LossAgg = "seq-mean-token-mean"  # the paper's
+    norm_adv_by_std: Bool = True  # divide the advantages by the group's reward std
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DrGRPOConfig(GRPOConfig):
+    """Dr. GRPO (Liu et al. 2025): no std division, each sequence's token sum over max_new_tokens."""
+
+    loss_agg: LossAgg = "seq-mean-token-sum-norm"
+    norm_adv_by_std: Bool = False
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class DAPOConfig(GRPOConfig):
+    """DAPO (Yu et al. 2025): clip-higher, a token-level loss, dynamic sampling (overlong shaping:
+    `overlong_buffer`, off unless set, since its length is in tokens of max_new_tokens)."""
+
+    clip_eps_high: Float | None = _field(0.28, check=positive)  # clip-higher: [1 - 0.2, 1 + 0.28]
+    loss_agg: LossAgg = "token-mean"
+    dynamic_sampling: Bool = True
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class GSPOConfig(GRPOConfig):
+    """GSPO (Zheng et al. 2025): a per-sequence ratio, clipped to the paper's [1 - 3e-4, 1 + 4e-4]."""
+
+    clip_eps: Float = _field(3e-4, check=positive)
+    clip_eps_high: Float | None = _field(4e-4, check=positive)
 
 
 @_no_extra_keys
@@ -240,12 +281,12 @@ class DPOConfig(AlgorithmConfig):
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid = DPO, ipo = IPO
 
 
-# Which keys each algorithm reads: `algorithm.name` picks the class the section is validated against.
-# A new algorithm adds its name here (with the class of the keys it reads) and registers its
-# declaration in jaxrlhf.algorithms.
+# Which keys each algorithm reads, and their defaults: `algorithm.name` picks the class the section is
+# validated against and filled from. A new algorithm adds its name here (with the class of the keys it
+# reads, a subclass where its defaults differ) and registers its declaration in jaxrlhf.algorithms.
 ALGORITHM_CONFIGS: Registry[type[AlgorithmConfig]] = Registry("algorithm", entries={
     "ppo": PPOConfig,
-    "grpo": GRPOConfig, "dr_grpo": GRPOConfig, "dapo": GRPOConfig, "gspo": GRPOConfig,
+    "grpo": GRPOConfig, "dr_grpo": DrGRPOConfig, "dapo": DAPOConfig, "gspo": GSPOConfig,
     "rloo": GroupedConfig,
     "reinforce_pp": DiscountedConfig, "remax": DiscountedConfig,
     "sft": AlgorithmConfig, "rm": AlgorithmConfig,

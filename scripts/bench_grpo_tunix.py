@@ -76,8 +76,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ppo import _cfg, _median, byte_tokenizer_hf, finish, prompt_rows, run_jaxrlhf  # noqa: E402
 
-from jaxrlhf.algorithms import build_algorithm  # noqa: E402
-
 TUNIX_VERSION = "0.1.7"
 TUNIX_MISSING = (
     f"google-tunix is not importable with {{python}} (a benchmark-only dependency, not a jaxrlhf one).\n"
@@ -440,9 +438,8 @@ def main() -> int:
         "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
         "pad_id": mc.pad_token_id if mc.pad_token_id is not None else 0, "eos_id": mc.eos_token_id,
         "bos_id": mc.bos_token_id,
-        # the clip epsilon jaxrlhf's GRPO resolves (a null `algorithm.clip_eps` means its default, 0.2)
-        "algorithm": {"group_size": G, "kl_coef": alg.kl_coef,
-                      "clip_eps": build_algorithm(cfg).settings().clip_eps},
+        # the clip epsilon jaxrlhf's GRPO uses (the config holds GRPO's default, 0.2, unless set)
+        "algorithm": {"group_size": G, "kl_coef": alg.kl_coef, "clip_eps": alg.clip_eps},
         "optimizer": {k: getattr(cfg.optimizer.actor, k) for k in ("lr", "b1", "b2", "eps", "weight_decay",
                                                                    "max_grad_norm")},
         "rules": [(r.name, r.weight, dict(r.args)) for r in cfg.rewards.rules],

@@ -530,9 +530,6 @@ def main() -> int:
 
     # TRL first, in its own process (no JAX thread pools, its own torch threads).
     if not args.skip_trl and not trl_problem:
-        from jaxrlhf.algorithms import declare
-
-        declared = declare(cfg)
         model_dir = Path(cfg.model.actor.path) if cfg.model.actor.path else workdir / "hf_actor"
         if not cfg.model.actor.path:
             save_hf_checkpoint(build_model(mc, "lm", seed=cfg.run.seed), mc, model_dir)
@@ -543,9 +540,8 @@ def main() -> int:
             "warmup": args.warmup, "steps": args.steps, "max_new_tokens": gen.max_new_tokens,
             "temperature": gen.temperature, "lr": cfg.optimizer.actor.lr, "ignore_eos": gen.ignore_eos,
             "algorithm": {"minibatches": alg.minibatches, "epochs": alg.epochs, "kl_coef": alg.kl_coef,
-                          # null in the config = the algorithm's own default (its declaration's)
-                          "kl_estimator": alg.kl_estimator or declared.default_kl_estimator,
-                          "clip_eps": alg.clip_eps if alg.clip_eps is not None else declared.default_clip_eps,
+                          # the config holds the algorithm's own defaults (jaxrlhf.config_schema)
+                          "kl_estimator": alg.kl_estimator, "clip_eps": alg.clip_eps,
                           "value_clip_eps": alg.value_clip_eps, "gamma": alg.gamma, "lam": alg.lam},
             "reward_model": bool(cfg.rewards.model),
             "rules": [(r.name, r.weight, dict(r.args)) for r in cfg.rewards.rules],

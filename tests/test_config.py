@@ -379,6 +379,84 @@ def test_rl_sections_hold_what_their_estimator_takes():
             ADVANTAGE_ESTIMATORS.get(estimator).whitening == "optional"), name
 
 
+# The defaults of the keys that differ between algorithms: the published conventions (docs/algorithms.md).
+PUBLISHED_DEFAULTS = {
+    "ppo": {"kl_estimator": "k1", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "token-mean",
+            "whiten_advantages": True},
+    "grpo": {"kl_estimator": "k3", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "seq-mean-token-mean",
+             "norm_adv_by_std": True, "dynamic_sampling": False},
+    "dr_grpo": {"kl_estimator": "k3", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "seq-mean-token-sum-norm",
+                "norm_adv_by_std": False, "dynamic_sampling": False},
+    "dapo": {"kl_estimator": "k3", "clip_eps": 0.2, "clip_eps_high": 0.28, "loss_agg": "token-mean",
+             "norm_adv_by_std": True, "dynamic_sampling": True},
+    "gspo": {"kl_estimator": "k3", "clip_eps": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq-mean-token-mean",
+             "norm_adv_by_std": True, "dynamic_sampling": False},
+    "rloo": {"kl_estimator": "k1", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "token-mean",
+             "dynamic_sampling": False},
+    "reinforce_pp": {"kl_estimator": "k1", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "token-mean"},
+    "remax": {"kl_estimator": "k1", "clip_eps": 0.2, "clip_eps_high": 0.2, "loss_agg": "token-mean"},
+    "sft": {},
+    "rm": {},
+    "dpo": {"dpo_beta": 0.1, "dpo_label_smoothing": 0.0, "dpo_loss": "sigmoid"},
+}
+# what a null still means where it is a setting of its own (not a value for the algorithm to fill in)
+NULL_SETTINGS = {"micro_batch_size", "kl_target"}
+
+
+def _algorithm_config(name, *overrides):
+    extra = ["algorithm.group_size=2"] if "group_size" in ALGORITHM_CONFIGS[name].__dataclass_fields__ else []
+    extra += ["model.reward.init_from=actor"] if name == "rm" else []
+    return load_config(None, [f"algorithm.name={name}", *extra, *overrides])
+
+
+def test_print_config_shows_the_values_each_algorithm_runs_with(capsys):
+    """Every algorithm's section is filled from its own class: `--print-config` shows no null for the
+    algorithm to fill in later, the values are the published conventions, and the printout loads back."""
+    from jaxrlhf import train
+    from jaxrlhf.algorithms import ALGORITHMS
+
+    assert set(PUBLISHED_DEFAULTS) == set(ALGORITHMS)
+    for name in ALGORITHMS:
+        config = _algorithm_config(name)
+        printed = yaml.safe_load(format_config(config))
+        nulls = {key for key, value in printed["algorithm"].items() if value is None}
+        assert nulls <= NULL_SETTINGS, (name, nulls)
+        expected = PUBLISHED_DEFAULTS[name]
+        assert {key: printed["algorithm"][key] for key in expected} == expected, name
+        assert from_dict(printed) == config, name
+    assert train.main(["--print-config", "algorithm.name=dapo", "algorithm.group_size=2"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["algorithm"]
+    assert (printed["clip_eps"], printed["clip_eps_high"], printed["loss_agg"], printed["dynamic_sampling"]) == (
+        0.2, 0.28, "token-mean", True)
+    assert "null = the algorithm's own" not in (REPO / "docs" / "config_reference.md").read_text()
+
+
+def test_an_explicit_value_wins_over_the_algorithms_default(tmp_path):
+    dapo = _algorithm_config("dapo", "algorithm.clip_eps_high=0.3", "algorithm.dynamic_sampling=false",
+                             "algorithm.loss_agg=seq-mean-token-mean", "algorithm.kl_estimator=k1").algorithm
+    assert (dapo.clip_eps_high, dapo.dynamic_sampling, dapo.loss_agg, dapo.kl_estimator) == (
+        0.3, False, "seq-mean-token-mean", "k1")
+    assert _algorithm_config("dapo", "algorithm.clip_eps_high=0.28") == _algorithm_config("dapo")  # the default, written out
+    path = _write(tmp_path, "algorithm:\n  name: dr_grpo\n  group_size: 2\n  norm_adv_by_std: true\n")
+    dr = load_config(path).algorithm
+    assert (dr.norm_adv_by_std, dr.loss_agg) == (True, "seq-mean-token-sum-norm")
+    assert load_config(None, ["algorithm.whiten_advantages=false"]).algorithm.whiten_advantages is False
+    # the symmetric upper clip is the lower one, also an explicit null (dapo's own is 0.28)
+    assert _algorithm_config("ppo", "algorithm.clip_eps=0.1").algorithm.clip_eps_high == 0.1
+    assert _algorithm_config("gspo", "algorithm.clip_eps_high=null").algorithm.clip_eps_high == 3e-4
+    assert _algorithm_config("dapo", "algorithm.clip_eps_high=null").algorithm.clip_eps_high == 0.2
+    # a resolved config's overrides: a default follows the key it derives from, a set value stays
+    ppo = with_overrides(load_config(), ["algorithm.clip_eps=0.1"]).algorithm
+    assert (ppo.clip_eps, ppo.clip_eps_high) == (0.1, 0.1)
+    kept = with_overrides(load_config(None, ["algorithm.clip_eps_high=0.3"]), ["algorithm.clip_eps=0.1"]).algorithm
+    assert (kept.clip_eps, kept.clip_eps_high) == (0.1, 0.3)
+    switched = with_overrides(load_config(None, ["algorithm.group_size=2"]), ["algorithm.name=dapo"]).algorithm
+    assert switched == _algorithm_config("dapo").algorithm
+    # null is not a value of a key that has a default of its own
+    with pytest.raises(ConfigError, match=r"^config key 'algorithm.loss_agg' must be one of token-mean, "):
+        _algorithm_config("grpo", "algorithm.loss_agg=null")
+
+
 def test_the_checked_in_reference_is_current():
     """docs/config_reference.md is what the schema generates: every key, its default and its meaning."""
     from jaxrlhf.config_reference import reference

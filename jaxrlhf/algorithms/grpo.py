@@ -9,8 +9,10 @@ reference is a term of the loss (k3, `algorithm.kl_coef`; the paper uses
 Losses are averaged per sequence, then over sequences (the paper's
 seq-mean-token-mean) unless `algorithm.loss_agg` says otherwise.
 
-The variants are GRPO with other defaults; every default is a config key, so
-any mix can be written as `grpo` too (docs/algorithms.md lists them).
+The variants are GRPO with other defaults; every default is a config key whose
+value each variant's config class sets (jaxrlhf.config_schema: DrGRPOConfig,
+DAPOConfig, GSPOConfig), so any mix can be written as `grpo` too
+(docs/algorithms.md lists them).
 """
 
 from jaxrlhf.algorithms.base import AlgorithmConfigError, register_algorithm
@@ -23,8 +25,6 @@ class GRPO(RolloutAlgorithm):
     estimator = "grpo"
     loss = "grpo"
     kl_in_reward = False
-    default_kl_estimator = "k3"
-    default_loss_agg = "seq-mean-token-mean"
     grouped = True
 
 
@@ -38,8 +38,6 @@ class DrGRPO(GRPO):
     """
 
     name = "dr_grpo"
-    default_norm_adv_by_std = False
-    default_loss_agg = "seq-mean-token-sum-norm"
 
 
 @register_algorithm
@@ -54,9 +52,6 @@ class DAPO(GRPO):
     """
 
     name = "dapo"
-    default_loss_agg = "token-mean"
-    default_clip_eps_high = 0.28
-    default_dynamic_sampling = True
 
 
 @register_algorithm
@@ -66,13 +61,11 @@ class GSPO(GRPO):
 
     name = "gspo"
     loss = "gspo"
-    default_clip_eps = 3e-4
-    default_clip_eps_high = 4e-4
 
     def validate(self) -> None:
         super().validate()
         agg = self.cfg.algorithm.loss_agg
-        if agg not in (None, "seq-mean-token-mean"):
+        if agg != "seq-mean-token-mean":
             raise AlgorithmConfigError(
                 f"algorithm.loss_agg={agg} does not apply to algorithm.name=gspo: its ratio and clip are per "
-                "sequence, so it always averages per sequence; leave algorithm.loss_agg unset (null)")
+                "sequence, so it always averages per sequence; leave algorithm.loss_agg unset (seq-mean-token-mean)")

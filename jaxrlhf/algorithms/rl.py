@@ -29,14 +29,8 @@ class RolloutAlgorithm(Algorithm):
     estimator: ClassVar[str] = "gae"
     loss: ClassVar[str] = "ppo"
     kl_in_reward: ClassVar[bool] = True  # -coef * KL per token in the reward; else a KL term in the loss
-    default_kl_estimator: ClassVar[str] = "k1"
-    default_loss_agg: ClassVar[str] = "token-mean"
     greedy_baseline: ClassVar[bool] = False
     grouped: ClassVar[bool] = False  # needs several samples per prompt
-    default_clip_eps: ClassVar[float] = 0.2
-    default_clip_eps_high: ClassVar[float | None] = None  # None = clip_eps
-    default_norm_adv_by_std: ClassVar[bool] = True
-    default_dynamic_sampling: ClassVar[bool] = False
 
     @property
     def uses_critic(self) -> bool:
@@ -54,8 +48,7 @@ class RolloutAlgorithm(Algorithm):
     @property
     def dynamic_sampling(self) -> bool:
         """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
-        ds = getattr(self.cfg.algorithm, "dynamic_sampling", None)  # only grouped algorithms have the key
-        return self.default_dynamic_sampling if ds is None else ds
+        return getattr(self.cfg.algorithm, "dynamic_sampling", False)  # only grouped algorithms have the key
 
     @property
     def trims(self) -> bool:

@@ -407,26 +407,27 @@ def select_groups(
 # ---------------------------------------------------------------- the runtime of the family
 
 
+# RLSettings field -> the `algorithm` key of the sections that have it (PPO's GAE keys, the grpo family's std)
+_OWN_KEYS = {"gamma": "gamma", "lam": "lam", "norm_adv_by_std": "norm_adv_by_std", "whiten": "whiten_advantages",
+             "value_clip_eps": "value_clip_eps", "normalize_values": "normalize_values"}
+
+
 class RolloutRuntime:
     """The runtime half of every `jaxrlhf.algorithms.rl.RolloutAlgorithm`: `build_algorithm` joins it to
     the declaration (whose class attributes - estimator, loss, where the KL goes - it reads)."""
 
     def settings(self) -> RLSettings:
         alg, gen, rw = self.cfg.algorithm, self.cfg.generation, self.cfg.rewards
-        # keys only some algorithms have (jaxrlhf.config_schema); an absent key is one the estimator ignores
-        whiten, norm_by_std = getattr(alg, "whiten_advantages", None), getattr(alg, "norm_adv_by_std", None)
+        # the config holds every default (each algorithm's class in jaxrlhf.config_schema sets its own); a key
+        # only some algorithms' classes have is one the others' estimators and losses ignore: RLSettings' value
+        own = {setting: getattr(alg, key) for setting, key in _OWN_KEYS.items() if hasattr(alg, key)}
         return RLSettings(
-            estimator=self.estimator, loss=self.loss, group_size=alg.group_size, gamma=getattr(alg, "gamma", 1.0),
-            lam=getattr(alg, "lam", 1.0),
-            norm_adv_by_std=self.default_norm_adv_by_std if norm_by_std is None else norm_by_std,
-            whiten=True if whiten is None else whiten, clip_eps=alg.clip_eps or self.default_clip_eps,
-            clip_eps_high=alg.clip_eps_high or self.default_clip_eps_high,
-            value_clip_eps=getattr(alg, "value_clip_eps", None), kl_estimator=alg.kl_estimator or self.default_kl_estimator,
+            estimator=self.estimator, loss=self.loss, group_size=alg.group_size, **own,
+            clip_eps=alg.clip_eps, clip_eps_high=alg.clip_eps_high, kl_estimator=alg.kl_estimator,
             kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
-            loss_agg=alg.loss_agg or self.default_loss_agg, max_new_tokens=gen.max_new_tokens,
+            loss_agg=alg.loss_agg, max_new_tokens=gen.max_new_tokens,
             minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
-            ratio_early_stop=alg.ratio_early_stop,
-            normalize_values=getattr(alg, "normalize_values", False), entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
+            ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
             ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,

@@ -198,8 +198,31 @@ def test_variant_defaults_and_graph():
     gspo = _algorithm("quickstart-grpo", "algorithm.name=gspo").settings()
     assert (gspo.loss, gspo.clip_eps, gspo.clip_eps_high, gspo.loss_agg) == ("gspo", 3e-4, 4e-4, "seq-mean-token-mean")
     grpo = _algorithm("quickstart-grpo").settings()
-    assert (grpo.clip_eps, grpo.clip_eps_high, grpo.norm_adv_by_std) == (0.2, None, True)
+    assert (grpo.clip_eps, grpo.clip_eps_high, grpo.norm_adv_by_std) == (0.2, 0.2, True)
     assert "select_groups" not in [h.name for h in _algorithm("quickstart-grpo").graph().host_steps]
+
+
+def test_the_runtime_reads_its_settings_from_the_config():
+    """The config holds every algorithm's defaults (jaxrlhf.config_schema); the runtime keeps no copy
+    of them: its settings are the config's values, also where the user set one."""
+    from jaxrlhf.algorithms import ALGORITHMS
+    from jaxrlhf.algorithms.rl import RolloutAlgorithm
+
+    assert not [k for k in vars(RolloutAlgorithm) if k.startswith("default_")]
+    keys = {"kl_estimator": "kl_estimator", "clip_eps": "clip_eps", "clip_eps_high": "clip_eps_high",
+            "loss_agg": "loss_agg", "norm_adv_by_std": "norm_adv_by_std", "whiten": "whiten_advantages"}
+    for name, cls in ALGORITHMS.items():
+        if not issubclass(cls, RolloutAlgorithm):
+            continue
+        for extra in ([], ["algorithm.clip_eps=0.1", "algorithm.kl_estimator=k2", "algorithm.loss_agg=token-mean"]):
+            if name == "gspo" and extra:
+                extra = extra[:2]  # gspo always averages per sequence
+            alg = _algorithm("quickstart-grpo", f"algorithm.name={name}", *extra)
+            settings = alg.settings()
+            for setting, key in keys.items():
+                if hasattr(alg.cfg.algorithm, key):
+                    assert getattr(settings, setting) == getattr(alg.cfg.algorithm, key), (name, key, extra)
+        assert alg.settings().clip_eps == 0.1 and alg.settings().kl_estimator == "k2"
 
 
 def dapo_tokenizer():
