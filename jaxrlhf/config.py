@@ -6,7 +6,8 @@ validated against the dataclass schema in `jaxrlhf.config_schema`.
 
 pydantic checks the types (including `Literal` choices) and refuses unknown keys; this module
 turns its errors into one line per mistake naming the dotted key, then runs the per-key value
-rules (`_field(check=...)`) and `validate()`, the rules that span keys. The `algorithm` section is
+rules (`_field(check=...)`) and `validate()`: the rules that span keys (each section's `problems`,
+beside its keys in the schema), names looked up in registries, files named. The `algorithm` section is
 checked against the class of keys `algorithm.name` picks (`ALGORITHM_CONFIGS`), and `validate()`
 asks the algorithm's declaration (jaxrlhf.algorithms, no JAX) for its roles and rules, so loading
 a config never imports JAX. Every user mistake is a `ConfigError`, so the CLI prints it without a
@@ -582,8 +583,10 @@ def _resolved_preset(config: Config, role: str) -> Any | None:
 
 def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) -> None:
     """Rules that span keys. The algorithm's declaration (`algorithm.name`) says which roles it needs
-    and checks its own keys; the hardware registry is checked when passed (the planner's)."""
-    alg, data, gen = config.algorithm, config.data, config.generation
+    and checks its own keys; each section's `problems` (jaxrlhf.config_schema) checks its keys against
+    the others; then the names looked up in registries (presets, answer extractors; the hardware
+    registry when passed, the planner's) and the files named."""
+    data = config.data
 
     # the algorithm's declaration (jaxrlhf.algorithms imports no JAX): its roles and its own rules
     from jaxrlhf.algorithms import AlgorithmConfigError, declare
@@ -593,47 +596,14 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
         algorithm.validate()
     except AlgorithmConfigError as e:
         raise ConfigError(str(e)) from None
-    if data.prompt_format == "chat" and data.add_bos is not None:
-        raise ConfigError(
-            "data.add_bos does not apply with data.prompt_format=chat: the chat template writes the BOS "
-            "token itself (as transformers' apply_chat_template); leave data.add_bos unset (null)"
-        )
-    if data.prompt_format == "chat" and algorithm.data == "pairs":
-        raise ConfigError(
-            f"data.prompt_format=chat is for prompts and demonstrations; algorithm.name={alg.name} reads "
-            "preference pairs as text (render them with the template beforehand, or use prompt_format=raw)"
-        )
-    if data.prompt_key is None:
-        if algorithm.data != "pairs":
-            raise ConfigError(
-                f"data.prompt_key=null is for preference pairs whose texts hold the prompt (rm, dpo); "
-                f"algorithm.name={alg.name} reads its prompts from data.prompt_key: name that column"
-            )
-        if config.sft.steps:
-            raise ConfigError(
-                "data.prompt_key=null: the SFT warm-up (sft.steps > 0) reads prompts from data.prompt_key; "
-                "name the prompt column or set sft.steps=0"
-            )
-    micro = alg.micro_batch_size
-    if micro is not None:
-        sizes = {"a minibatch": algorithm.batch_rows // algorithm.minibatches, "a step's batch": algorithm.batch_rows}
-        if config.sft.steps:
-            sizes["a warm-up batch (sft.batch_size)"] = config.sft.batch_size
-        for what, rows in sizes.items():
-            if micro < rows and rows % micro:
-                raise ConfigError(
-                    f"algorithm.micro_batch_size={micro} must divide {what} ({rows} rows); "
-                    f"divisors: {[d for d in range(1, rows + 1) if rows % d == 0]}"
-                )
-    roles = algorithm.roles()
-    for role, spec in roles.items():
-        _check_role(config, role, spec.why)
-    if config.sft.steps and (alg.name == "sft" or not ("actor" in roles and roles["actor"].trained)):
-        raise ConfigError(
-            f"sft.steps={config.sft.steps} warms up a trained actor before another algorithm; "
-            f"algorithm.name={alg.name} has none to warm up (set sft.steps=0)"
-        )
+    for f in dataclasses.fields(config):  # each section's rules that span keys (beside its keys in the schema)
+        rules = getattr(getattr(config, f.name), "problems", None)
+        for problem in rules(config, algorithm) if rules else ():
+            raise ConfigError(problem)
 
+    # the rules that read a model preset (jaxrlhf.models, a layer above the schema)
+    for role, spec in algorithm.roles().items():
+        _check_role(config, role, spec.why)
     _check_positions(config, algorithm)
     actor = _resolved_preset(config, "actor")
     if actor is not None:
@@ -650,42 +620,12 @@ def validate(config: Config, *, hardware_profiles: Iterable[str] | None = None) 
         if spec is not None and _looks_like_missing_file(spec):
             raise ConfigError(f"{key}: file or folder not found: {spec}")
 
-    run, plan = config.run, config.plan
-    given = [k for k in ("coordinator_address", "num_processes", "process_id")
-             if getattr(config.distributed, k) is not None]
-    if given and not run.distributed:
-        raise ConfigError(
-            f"{', '.join('distributed.' + k for k in given)} set, but run.distributed=false: each process would "
-            "train alone, into the same run.output_dir. Add run.distributed=true (or drop the distributed.* keys)"
-        )
-    if run.distributed and config.distributed.cpu_collectives == "mpi" and (run.devices or 1) > 1:
-        raise ConfigError(
-            f"distributed.cpu_collectives=mpi with run.devices={run.devices}: XLA:CPU's MPI collectives take one "
-            "device per process (several fail at the first collective); set run.devices=1 and start one process "
-            "per device, or keep distributed.cpu_collectives=gloo (docs/multihost.md)"
-        )
-    if run.devices is not None and run.platform in ("gpu", "tpu"):
-        raise ConfigError(f"run.devices simulates CPU devices; it cannot be used with run.platform={run.platform}")
+    plan = config.plan
     if plan.file is not None and not pathlib.Path(plan.file).expanduser().is_file():
         raise ConfigError(f"plan.file: plan file not found: {plan.file}")
-    if plan.offpolicy and plan.file is None and plan.strategy not in ("disaggregated", "auto"):
-        raise ConfigError(
-            "plan.offpolicy=true overlaps generation with training, which needs separate generation devices: "
-            f"use plan.strategy=disaggregated (or auto), not {plan.strategy}"
-        )
-    if plan.replan_every and (plan.file is not None or plan.strategy != "auto"):
-        raise ConfigError(f"plan.replan_every={plan.replan_every} re-runs the planner's search, which only "
-                          f"plan.strategy=auto uses (and no plan.file); set plan.strategy=auto or plan.replan_every=0")
-    if plan.replan_every and plan.offpolicy:
-        raise ConfigError("plan.replan_every with plan.offpolicy=true is not supported: an off-policy plan always "
-                          "has the next rollout in flight, so there is no step boundary to switch plans at; "
-                          "set one of them off")
     if plan.profile is not None and not pathlib.Path(plan.profile).expanduser().is_file():
         raise ConfigError(f"plan.profile: profile file not found: {plan.profile}; write one with "
                           "python -m jaxrlhf.profile --config <this config> --out <file>")
-    if plan.profile is not None and plan.hardware is not None:
-        raise ConfigError("plan.profile and plan.hardware both name the hardware; keep one (the measured "
-                          "profile holds its hardware numbers)")
     if hardware_profiles is not None and plan.hardware is not None:
         known = list(hardware_profiles)
         if plan.hardware not in known:

@@ -1,20 +1,25 @@
 """The run configuration's schema: nested frozen dataclasses, one per YAML section.
 
 Field types drive validation (`jaxrlhf.config` hands them to pydantic), `_field(check=...)`
-attaches a per-key value rule, and the comment after a field (or the lines just above it) says
-what it means: `python -m jaxrlhf.config_reference` turns them into docs/config_reference.md, so
-every field needs one. The `algorithm` section has one class per set of keys an algorithm reads
-(`ALGORITHM_CONFIGS`). Loading, overrides and the rules that span keys live in `jaxrlhf.config`.
+attaches a per-key value rule, a section's `problems` method holds the rules between its keys and
+other keys (each broken one's message), and the comment after a field (or the lines just above it)
+says what it means: `python -m jaxrlhf.config_reference` turns them into docs/config_reference.md,
+so every field needs one. The `algorithm` section has one class per set of keys an algorithm reads
+and their defaults (`ALGORITHM_CONFIGS`). Loading, overrides and the checks that look names up in
+registries or files live in `jaxrlhf.config`; an algorithm's own rules in its declaration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Callable, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Literal, TypeVar
 
 import pydantic
 
 from jaxrlhf.registry import Registry
+
+if TYPE_CHECKING:
+    from jaxrlhf.algorithms.base import Algorithm
 
 # ---------------------------------------------------------------------------------------------
 # Scalar types: YAML values are taken as written, not converted ("10" is no int, 1 no bool).
@@ -50,6 +55,9 @@ def _no_extra_keys(cls: _Section) -> _Section:
 # Per-key value checks (attached to fields as metadata)
 
 Check = Callable[[Any], str | None]  # returns a complaint ("must be > 0") or None
+
+# A section's rules that span keys are its method `problems(config, algorithm)`: it yields the message
+# of each broken one (`algorithm` is the declaration `algorithm.name` picks); jaxrlhf.config raises the first.
 
 
 def positive(value: Any) -> str | None:
@@ -112,6 +120,10 @@ class RunConfig:
     tensorboard: Bool = True  # also write metrics as TensorBoard events to <output_dir>/tensorboard
     export_hf: Bool = True  # write the final actor as an HF checkpoint
 
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        if self.devices is not None and self.platform in ("gpu", "tpu"):
+            yield f"run.devices simulates CPU devices; it cannot be used with run.platform={self.platform}"
+
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +144,21 @@ class DistributedConfig:
     transfer_port_base: Int = _field(47700, check=positive)
     initialization_timeout_s: Int = _field(300, check=positive)  # how long to wait for every process to join
     heartbeat_timeout_s: Int = _field(100, check=positive)  # a process silent this long counts as dead
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        run = config.run
+        given = [k for k in ("coordinator_address", "num_processes", "process_id") if getattr(self, k) is not None]
+        if given and not run.distributed:
+            yield (
+                f"{', '.join('distributed.' + k for k in given)} set, but run.distributed=false: each process would "
+                "train alone, into the same run.output_dir. Add run.distributed=true (or drop the distributed.* keys)"
+            )
+        if run.distributed and self.cpu_collectives == "mpi" and (run.devices or 1) > 1:
+            yield (
+                f"distributed.cpu_collectives=mpi with run.devices={run.devices}: XLA:CPU's MPI collectives take one "
+                "device per process (several fail at the first collective); set run.devices=1 and start one process "
+                "per device, or keep distributed.cpu_collectives=gloo (docs/multihost.md)"
+            )
 
 
 @_no_extra_keys
@@ -154,6 +181,23 @@ class PlanConfig:
     replan_every: Int = _field(0, check=non_negative)
     replan_threshold: Float = _field(0.1, check=non_negative)  # predicted gain a switch needs (0.1 = 10 %)
 
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        if self.offpolicy and self.file is None and self.strategy not in ("disaggregated", "auto"):
+            yield (
+                "plan.offpolicy=true overlaps generation with training, which needs separate generation devices: "
+                f"use plan.strategy=disaggregated (or auto), not {self.strategy}"
+            )
+        if self.replan_every and (self.file is not None or self.strategy != "auto"):
+            yield (f"plan.replan_every={self.replan_every} re-runs the planner's search, which only "
+                   f"plan.strategy=auto uses (and no plan.file); set plan.strategy=auto or plan.replan_every=0")
+        if self.replan_every and self.offpolicy:
+            yield ("plan.replan_every with plan.offpolicy=true is not supported: an off-policy plan always "
+                   "has the next rollout in flight, so there is no step boundary to switch plans at; "
+                   "set one of them off")
+        if self.profile is not None and self.hardware is not None:
+            yield ("plan.profile and plan.hardware both name the hardware; keep one (the measured "
+                   "profile holds its hardware numbers)")
+
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +211,19 @@ class AlgorithmConfig:
     # ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax (RL); sft, rm, dpo (stages)
     name: str = _field("ppo", check=not_empty)
     micro_batch_size: Int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        micro = self.micro_batch_size
+        if micro is not None:
+            sizes = {"a minibatch": algorithm.batch_rows // algorithm.minibatches, "a step's batch": algorithm.batch_rows}
+            if config.sft.steps:
+                sizes["a warm-up batch (sft.batch_size)"] = config.sft.batch_size
+            for what, rows in sizes.items():
+                if micro < rows and rows % micro:
+                    yield (
+                        f"algorithm.micro_batch_size={micro} must divide {what} ({rows} rows); "
+                        f"divisors: {[d for d in range(1, rows + 1) if rows % d == 0]}"
+                    )
 
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -413,6 +470,30 @@ class DataConfig:
     max_seq_len: Int | None = _field(None, check=positive)  # sequence length cap of sft/rm/dpo; null = max_prompt_len + max_new_tokens
     packing: Bool = False  # sft: several demonstrations per row
 
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        name = config.algorithm.name
+        if self.prompt_format == "chat" and self.add_bos is not None:
+            yield (
+                "data.add_bos does not apply with data.prompt_format=chat: the chat template writes the BOS "
+                "token itself (as transformers' apply_chat_template); leave data.add_bos unset (null)"
+            )
+        if self.prompt_format == "chat" and algorithm.data == "pairs":
+            yield (
+                f"data.prompt_format=chat is for prompts and demonstrations; algorithm.name={name} reads "
+                "preference pairs as text (render them with the template beforehand, or use prompt_format=raw)"
+            )
+        if self.prompt_key is None:
+            if algorithm.data != "pairs":
+                yield (
+                    f"data.prompt_key=null is for preference pairs whose texts hold the prompt (rm, dpo); "
+                    f"algorithm.name={name} reads its prompts from data.prompt_key: name that column"
+                )
+            if config.sft.steps:
+                yield (
+                    "data.prompt_key=null: the SFT warm-up (sft.steps > 0) reads prompts from data.prompt_key; "
+                    "name the prompt column or set sft.steps=0"
+                )
+
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +508,14 @@ class SFTConfig:
     batch_size: Int = _field(32, check=positive)  # demonstrations per warm-up step
     lr: Float = _field(1e-3, check=positive)  # warm-up learning rate (constant after 10 warm-up updates)
     packing: Bool = False  # several demonstrations per row
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        roles, name = algorithm.roles(), config.algorithm.name
+        if self.steps and (name == "sft" or not ("actor" in roles and roles["actor"].trained)):
+            yield (
+                f"sft.steps={self.steps} warms up a trained actor before another algorithm; "
+                f"algorithm.name={name} has none to warm up (set sft.steps=0)"
+            )
 
 
 @_no_extra_keys
