@@ -26,7 +26,7 @@ from jaxrlhf.graph import CallGraph
 from jaxrlhf.registry import Registry
 
 if TYPE_CHECKING:
-    from jaxrlhf.config import Config
+    from jaxrlhf.config_schema import Config
     from jaxrlhf.models.tokenizer import Tokenizer
     from jaxrlhf.placement.executor import Executor, Role, StepResult
     from jaxrlhf.planner.cost import Workload

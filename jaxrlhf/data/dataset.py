@@ -36,7 +36,7 @@ from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.tokenizer import Tokenizer, TokenizerError, prompt_prefix
 
 if TYPE_CHECKING:
-    from jaxrlhf.config import Config
+    from jaxrlhf.config_schema import Config
 
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
