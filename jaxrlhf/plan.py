@@ -15,8 +15,8 @@ from the config, on every process's devices (`run.devices` per process times
 each call's time and per-device memory, and every strategy preset's step
 estimate next to the searched one; writes `plan.yaml` (usable as `plan.file=`
 in training) and `timeline.png` (calls per device group over two steps) into
-a folder it names and prints (`--out` to choose it; an earlier plan there is
-kept unless `--overwrite`). Only model dimensions are read, so a 70B plan for
+a folder it names after the question and prints (`--out` to choose it; an
+earlier plan there is kept unless `--overwrite`). Only model dimensions are read, so a 70B plan for
 128 GPUs is searched on a laptop.
 """
 
@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="seconds the search may take at most (the same cap `train` uses)")
     p.add_argument("--seed", type=int, help="search seed (run.seed, as in training)")
     p.add_argument("--out", help="folder for plan.yaml and timeline.png (default: plans/<algorithm>-<model>-"
-                                 "<devices>x<hardware>)")
+                                 "<devices>x<hardware>-<hash of the rest of the question>)")
     p.add_argument("--overwrite", action="store_true", help="replace plan.yaml and timeline.png already in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. algorithm.group_size=8")
@@ -99,21 +99,53 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
 
 
 def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> str:
-    """Where the plan files go: `--out`, else a folder named after the config. An earlier plan there
-    is kept (a ConfigError, nothing written) unless `--overwrite`."""
+    """Where the plan files go: `--out`, else a folder named after the question: algorithm, model, devices
+    and hardware to read, and a hash of everything else the plan depends on (`question_hash`), so another
+    workload gets another folder and the same question the same one. An earlier plan there is kept (a
+    ConfigError, nothing written) unless `--overwrite`."""
     if args.out:
         out = args.out
     else:
         actor = cfg.model.actor
         model = args.model_preset or actor.preset or os.path.basename(os.path.normpath(actor.path or "model"))
-        out = os.path.join("plans", f"{cfg.algorithm.name}-{model}-{devices}x{os.path.basename(hardware)}")
+        out = os.path.join("plans", f"{cfg.algorithm.name}-{model}-{devices}x{os.path.basename(hardware)}-"
+                                    f"{question_hash(args, cfg, devices, hardware)}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise cfglib.ConfigError(f"--out {out!r} is a file, not a folder; choose another --out")
     earlier = [f for f in PLAN_FILES if os.path.exists(os.path.join(out, f))]
     if earlier and not args.overwrite:
+        if not args.out:
+            raise cfglib.ConfigError(f"{out} already holds {', '.join(earlier)} from an earlier plan of this same "
+                                     "question (config, devices, hardware and search settings); nothing was "
+                                     "changed. Read them there, or search again and replace them with --overwrite")
         raise cfglib.ConfigError(f"{out} already holds {', '.join(earlier)} from an earlier plan; nothing was "
                                  "changed. Choose another --out, or replace them with --overwrite")
     return out
+
+
+# Keys of the run section that say where a run writes and what it logs: no plan depends on them.
+_UNPLANNED_RUN_KEYS = ("output_dir", "steps", "resume", "overwrite", "checkpoint_every", "keep_checkpoints",
+                       "save_checkpoints", "log_every", "eval_every", "profile_steps", "compile_cache",
+                       "tensorboard", "wandb", "export_hf")
+
+
+def question_hash(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> str:
+    """8 hex digits that name what a plan answers: the resolved config (less the run keys no plan reads),
+    the devices, the hardware and the search settings, with the contents of the hardware and profile
+    files named. The same on every machine and Python process (a SHA-256 of sorted JSON)."""
+    import hashlib
+
+    config = cfglib.to_dict(cfg)
+    config["run"] = {k: v for k, v in config["run"].items() if k not in _UNPLANNED_RUN_KEYS}
+    files = {}
+    for path in (cfg.plan.hardware, cfg.plan.profile, hardware):
+        if path and os.path.isfile(os.path.expanduser(path)):
+            with open(os.path.expanduser(path), "rb") as f:
+                files[path] = hashlib.sha256(f.read()).hexdigest()
+    question = {"config": config, "devices": devices, "hardware": hardware, "files": files,
+                "inter_node_gbps": args.inter_node_gbps, "iterations": args.iterations,
+                "time_budget": args.time_budget}
+    return hashlib.sha256(json.dumps(question, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -230,22 +262,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    from jaxrlhf.algorithms import declare
+    import dataclasses
+
+    from jaxrlhf.run.assembly import Machine, setup
 
     try:
         cfg = resolve_config(args)
-        algorithm = declare(cfg)  # its roles, graph and workload: the planner needs no runtime
-        graph = algorithm.graph()
-        devices, per_host = planning.machine(cfg)
-        if args.devices:
-            devices = args.devices
-        hw = planning.hardware_profile(cfg, per_host)
+        # the algorithm's roles, graph and workload, declared: the planner needs no runtime and no JAX
+        run_setup = setup(cfg, machine=Machine.described(cfg, args.devices), runtime=False)
         if args.inter_node_gbps is not None:
-            hw = hw.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
+            hw = run_setup.hardware.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
+            run_setup = dataclasses.replace(run_setup, hardware=hw)
+        devices, hw, graph = run_setup.machine.devices, run_setup.hardware, run_setup.graph
         out = out_folder(args, cfg, devices, hw.name)
-        models = planning.role_configs(cfg, graph.roles)
-        res = planning.search_plan(cfg, algorithm, {r: models[r] for r in graph.roles}, devices, hw,
-                                   time_budget_s=args.time_budget, iterations=args.iterations)
+        res = run_setup.search(time_budget_s=args.time_budget, iterations=args.iterations)
     except ValueError as e:  # ConfigError and PlanError are ValueErrors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 
@@ -90,13 +91,51 @@ def test_writes_into_a_folder_it_names_and_keeps_an_earlier_plan(tmp_path, capsy
     argv = ["--model-preset", "tiny", "--hardware", "cpu", "--batch", "16", "--iterations", "100", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)["out"]
-    assert out == os.path.join("plans", "ppo-tiny-8xcpu") and os.path.exists(os.path.join(out, "plan.yaml"))
+    assert re.fullmatch(os.path.join("plans", "ppo-tiny-8xcpu-[0-9a-f]{8}"), out)
+    assert os.path.exists(os.path.join(out, "plan.yaml"))
     assert not os.path.exists("plan.yaml")  # never into the current folder
     before = os.path.getmtime(os.path.join(out, "plan.yaml"))
     assert main(argv) == 2
     assert "already holds plan.yaml" in capsys.readouterr().err
     assert os.path.getmtime(os.path.join(out, "plan.yaml")) == before
     assert main([*argv, "--overwrite"]) == 0
+    assert main([*argv, "--gen-len", "64"]) == 0  # another workload: another folder, no --overwrite needed
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] != out
+
+
+def test_the_default_folder_is_named_after_the_whole_question(tmp_path, monkeypatch):
+    """Another workload of the same model on the same devices (--gen-len 896 after 256) gets a folder of
+    its own, so a read-only question needs no --overwrite; the same question finds the same folder, in
+    any process, and its earlier plan there is kept."""
+    import subprocess
+    import sys
+
+    from jaxrlhf.plan import out_folder
+
+    monkeypatch.chdir(tmp_path)
+
+    def folder(*argv: str) -> str:
+        args = parse_args(["--model-preset", "llama2-7b", *argv])
+        return out_folder(args, resolve_config(args), 8, "h100")
+
+    first = folder("--gen-len", "256")
+    assert re.fullmatch(os.path.join("plans", "dpo-llama2-7b-8xh100-[0-9a-f]{8}"), folder("--algorithm", "dpo"))
+    assert folder("--gen-len", "256", "run.steps=7", "run.output_dir=elsewhere") == first  # nothing a plan reads
+    assert folder("--gen-len", "256", "--iterations", "50") != first
+    os.makedirs(first)  # the plan of --gen-len 256
+    for name in ("plan.yaml", "timeline.png"):
+        open(os.path.join(first, name), "w").close()
+    other = folder("--gen-len", "896")
+    assert other != first and other.startswith(os.path.join("plans", "ppo-llama2-7b-8xh100-"))
+    with pytest.raises(cfglib.ConfigError, match="already holds plan.yaml, timeline.png from an earlier plan of this "
+                                                 "same question"):
+        folder("--gen-len", "256")
+    code = ("from jaxrlhf.plan import out_folder, parse_args, resolve_config; "
+            "a = parse_args(['--model-preset', 'llama2-7b', '--gen-len', '896']); "
+            "print(out_folder(a, resolve_config(a), 8, 'h100'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert proc.stdout.strip() == other, proc.stderr
 
 
 def test_devices_default_to_every_process(tmp_path):
