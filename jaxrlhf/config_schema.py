@@ -98,6 +98,18 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
+class WandbSection:
+    """Weights & Biases logging of the run's metrics and resolved config (pip install 'jaxrlhf[wandb]')."""
+
+    project: str | None = None  # the W&B project; null = $WANDB_PROJECT, else jaxrlhf
+    name: str | None = None  # the W&B run's display name; null = the output folder's name
+    # online: stream to the W&B server; offline: files only (upload later with `wandb sync`); disabled: nothing;
+    # null = $WANDB_MODE, else online
+    mode: Literal["online", "offline", "disabled"] | None = None
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where outputs go, how long to run and on which devices."""
 
@@ -118,6 +130,10 @@ class RunConfig:
     distributed: Bool = False  # several processes form one run (jax.distributed); see the distributed section
     compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
     tensorboard: Bool = True  # also write metrics as TensorBoard events to <output_dir>/tensorboard
+    # also log metrics and the resolved config to Weights & Biases (pip install 'jaxrlhf[wandb]'; main process only; a
+    # resumed run continues its W&B run): {project, name, mode: online, offline or disabled}; a null project is
+    # $WANDB_PROJECT else jaxrlhf, a null name the output folder's, a null mode $WANDB_MODE else online; null = off
+    wandb: WandbSection | None = None
     export_hf: Bool = True  # write the final actor as an HF checkpoint
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:

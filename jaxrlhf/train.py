@@ -28,7 +28,10 @@ from jaxrlhf.run.folder import RunFiles, output_dir_lock, prepare_output_dir, se
 
 def run(cfg: cfglib.Config) -> dict[str, Any]:
     """Train according to `cfg`; returns the last step's metrics. One run at a time per output folder."""
+    from jaxrlhf.metrics import require_wandb
+
     cfglib.validate(cfg)
+    require_wandb(cfg.run.wandb)  # the optional package, before the run spends any time
     with output_dir_lock(cfg.run.output_dir):
         return _train(cfg)
 
@@ -142,7 +145,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
     steps = cfg.run.steps
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard,
-                           enabled=is_main())
+                           enabled=is_main(), wandb=cfg.run.wandb, config=cfglib.to_dict(cfg))
     metrics: dict[str, Any] = {}
     stop = StopRequest()
     saved_step, dead = start, {}

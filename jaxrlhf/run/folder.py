@@ -77,7 +77,10 @@ def prepare_output_dir(run_cfg: cfglib.RunConfig, write: bool = True) -> None:
         )
     if not write:
         return
-    for name in found + [n for n in os.listdir(out) if n.endswith(("_hf", "_lora")) or n == "profile"]:
+    from jaxrlhf.metrics import WANDB_ID_FILE
+
+    others = [n for n in os.listdir(out) if n.endswith(("_hf", "_lora")) or n in ("profile", "wandb", WANDB_ID_FILE)]
+    for name in found + others:
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     print(f"run.overwrite=true: removed the previous run's {', '.join(found)} from {out}", flush=True)
@@ -123,6 +126,13 @@ class RunFiles:
                  f"  metrics:     {self.metrics} ({often}, run.log_every={every}; the console shows the same steps)"]
         if self.tensorboard:
             lines.append(f"  tensorboard: {self.tensorboard} (tensorboard --logdir {self.tensorboard})")
+        if run_cfg.wandb is not None:
+            from jaxrlhf.metrics import WandbSettings
+
+            wb = WandbSettings.of(run_cfg.wandb, self.folder)
+            if wb.mode != "disabled":
+                lines.append(f"  wandb:       project {wb.project}, run {wb.name}, {wb.mode} "
+                             f"(W&B files under {os.path.join(wb.dir, 'wandb')})")
         if self.plan:
             lines.append(f"  plan:        {self.plan} (the placement it {'started' if finished else 'starts'} with; "
                          f"plan.file=... runs it again), priced with {self.hardware}")
