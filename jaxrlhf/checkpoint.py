@@ -158,6 +158,25 @@ class CheckpointManager:
         )
         return _gather_back(out["arrays"], target), dict(out["meta"])
 
+    def restore_params(self, step: int, role: str, target: Any) -> Any:
+        """Only `role`'s parameters of step `step`, onto the shardings of `target` (evaluation of a
+        run's intermediate step: no optimizer state, no other role read)."""
+        saved = self._mngr.item_metadata(step)["arrays"]
+        tree = getattr(saved, "tree", saved)
+        if role not in tree or "params" not in tree[role]:
+            raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} holds no parameters of "
+                                     f"{role!r} (roles: {', '.join(_roles(tree))})")
+        self._check_compatible(step, {role: {"params": target}}, None, roles=False)
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_save_sharding(x) or x.sharding), target
+        )
+        folder = os.path.join(self.directory, str(step), "arrays")
+        with ocp.PyTreeCheckpointer() as reader:
+            out = reader.restore(folder, args=ocp.args.PyTreeRestore(
+                item={role: {"params": abstract}}, partial_restore=True,
+                restore_args=ocp.checkpoint_utils.construct_restore_args({role: {"params": abstract}})))
+        return _gather_back(out[role]["params"], target)
+
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
@@ -165,7 +184,7 @@ class CheckpointManager:
         """A step's JSON metadata alone (no arrays read)."""
         return dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
-    def _check_compatible(self, step: int, target: Any, algorithm: str | None) -> None:
+    def _check_compatible(self, step: int, target: Any, algorithm: str | None, roles: bool = True) -> None:
         """A checkpoint written by another algorithm, with other roles or other model shapes is not
         damage: say what wrote it (instead of Orbax's "tree structures do not match"). Parameters are
         compared by path; optimizer states follow them."""
@@ -173,7 +192,7 @@ class CheckpointManager:
         tree = getattr(saved, "tree", saved)
         written_by = self.read_meta(step).get("algorithm")
         have_roles, want_roles = _roles(tree), _roles(target)
-        if (algorithm and written_by and written_by != algorithm) or have_roles != want_roles:
+        if (algorithm and written_by and written_by != algorithm) or (roles and have_roles != want_roles):
             raise CheckpointMismatch(
                 f"checkpoint step {step} was written by algorithm {written_by or '(not recorded)'} with roles "
                 f"{', '.join(have_roles)}, but this config runs {algorithm or 'an algorithm'} with roles "

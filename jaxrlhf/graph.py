@@ -139,6 +139,18 @@ class CallGraph:
         object.__setattr__(self, "calls", tuple(resolved))
         object.__setattr__(self, "_order", self._resolve_order())  # raises on a cycle; the planner asks often
 
+    def only(self, *names: str) -> "CallGraph":
+        """The graph of just the calls `names` (no host steps): what they read from the rest is fed.
+        Evaluation runs `actor.generate` alone this way."""
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise KeyError(f"no call(s) {unknown} in the graph; calls: {list(self.names)}")
+        calls = tuple(dataclasses.replace(c, deps=tuple(d for d in c.deps if d in names))
+                      for c in self.calls if c.name in names)
+        made = {v for c in calls for v in c.outputs}
+        feed = tuple(dict.fromkeys(v for c in calls for v in c.inputs if v not in made and v not in self.state))
+        return CallGraph(calls, feed=feed, state=tuple(v for v in self.state if any(v in c.inputs for c in calls)))
+
     # ---- queries ---------------------------------------------------------------------
     @property
     def nodes(self) -> tuple[Node, ...]:

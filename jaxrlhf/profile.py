@@ -212,21 +212,17 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
             log=functools.partial(print, flush=True)):
     """The calibrated hardware profile of the local devices with `cfg`'s calls measured into it, on
     groups of `sizes` devices (default: half and all of them)."""
-    import jax
-
-    from jaxrlhf.run import planning
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.placement.calibrate import calibrate
     from jaxrlhf.planner.measured import Measured, Table, model_key
     from jaxrlhf.planner.plan import DeviceGroup
+    from jaxrlhf.run import planning
+    from jaxrlhf.run.assembly import setup
 
-    algorithm = build_algorithm(cfg)
-    graph = algorithm.graph()
+    run_setup = setup(cfg)
+    algorithm, graph, models, chip = run_setup.algorithm, run_setup.graph, run_setup.models, run_setup.machine.chip
     wl = algorithm.workload()
-    chip = planning.Chip.of(jax.local_devices()[0])
-    models = planning.role_configs(cfg, list(graph.roles), chip.platform)
     hw = calibrate(planning.hardware_name(cfg, chip))
-    n = jax.device_count()
+    n = run_setup.machine.devices
     max_tensor = hw.max_tensor
     sizes = sorted(set(sizes)) if sizes else halves(n)
     if any(not 1 <= k <= n for k in sizes):

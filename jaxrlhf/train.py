@@ -1,11 +1,12 @@
 """`python -m jaxrlhf.train --config FILE [key=value ...]`: the main job, for every algorithm and stage.
 
 The CLI and the run loop only. A run resolves its config, sets up the JAX
-backend (`jaxrlhf.run.backend`), asks the algorithm (`algorithm.name`) for its
-roles and step graph, picks the execution plan (`jaxrlhf.run.planning`, shared
-with `python -m jaxrlhf.plan`), claims its output folder (`jaxrlhf.run.folder`),
-builds the models on their home placements, warming the actor up with the
-SFT stage first when `sft.steps > 0` (`jaxrlhf.run.roles`, `jaxrlhf.run.stages`),
+backend (`jaxrlhf.run.backend`) and is assembled as every entry point's run is
+(`jaxrlhf.run.assembly.setup`): the algorithm (`algorithm.name`) with its roles
+and step graph, the execution plan (`jaxrlhf.run.planning`, shared with
+`python -m jaxrlhf.plan`), and, once the output folder is claimed
+(`jaxrlhf.run.folder`), the models on their home placements, the actor warmed
+up with the SFT stage first when `sft.steps > 0` (`jaxrlhf.run.stages`). It
 then runs the algorithm's steps (`jaxrlhf.run.stages.run_steps`) with metrics,
 evaluation, checkpoints and signals, and exports the trained models as HF
 checkpoints. What a step computes is the algorithm's business; where each
@@ -20,9 +21,8 @@ import sys
 from typing import Any, Iterator, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run.backend import setup_devices
 from jaxrlhf.errors import EXIT_INTERRUPTED, Interrupted, RunError, run_cli
-from jaxrlhf.run.planning import Chip, hardware_profile, plan_for, role_configs
+from jaxrlhf.run.backend import setup_devices
 from jaxrlhf.run.folder import RunFiles, output_dir_lock, prepare_output_dir, set_aside_log
 
 
@@ -39,48 +39,26 @@ def run(cfg: cfglib.Config) -> dict[str, Any]:
 def _train(cfg: cfglib.Config) -> dict[str, Any]:
     import jax
 
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.checkpoint import CheckpointManager
     from jaxrlhf.metrics import MetricsWriter
     from jaxrlhf.models.tokenizer import load_tokenizer
-    from jaxrlhf.placement.calls import CallCache
-    from jaxrlhf.placement.devices import devices_per_host
-    from jaxrlhf.placement.executor import Executor
-    from jaxrlhf.placement.layout import AxisRules
-    from jaxrlhf.run.roles import build_roles, export_role
+    from jaxrlhf.run.assembly import setup
+    from jaxrlhf.run.roles import export_role
     from jaxrlhf.run.stages import Replanner, open_checked_data, run_steps, warm_up_actor
-    from jaxrlhf.planner.plan import ExecutionPlan
-    from jaxrlhf.transfer.processes import any_process, barrier, is_main, main_text
+    from jaxrlhf.transfer.processes import any_process, barrier, is_main
 
-    algorithm = build_algorithm(cfg)
+    run_setup = setup(cfg)
+    algorithm, model_configs = run_setup.algorithm, run_setup.models
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     data = open_checked_data(cfg, algorithm, tokenizer)
-    specs = algorithm.roles()
-    chip = Chip.of(jax.local_devices()[0])  # its profile and memory, where JAX names the chip (an H200: 141 GB)
-    model_configs = role_configs(cfg, list(specs), chip.platform)
     for role, mc in model_configs.items():
         if mc.vocab_size < tokenizer.vocab_size:
             raise cfglib.ConfigError(
                 f"model.{role}: vocab_size {mc.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
-    graph = algorithm.graph()
-    # With several processes the planner checks that device groups respect host boundaries. On TPU the
-    # chips one process sees are its host's (4 on multi-host slices, 8 on a v5litepod-8), which also caps
-    # tensor parallelism (`HardwareProfile.max_tensor`).
-    hosts_matter = jax.process_count() > 1 or jax.devices()[0].platform == "tpu"
-    host_size = devices_per_host() if hosts_matter else None
-
-    def choose_plan():
-        return plan_for(cfg, algorithm, model_configs, jax.device_count(), devices_per_host=host_size, chip=chip)
-
-    if cfg.plan.strategy == "auto":
-        # process 0 searches and every process runs its pick: a search cut short by its time budget on
-        # one host and not another would give the processes different programs
-        plan = ExecutionPlan.from_yaml(main_text("plan", lambda: choose_plan().to_yaml()), where="process 0's plan")
-    else:
-        plan = choose_plan()
+    plan = run_setup.choose_plan()
     print(plan.table(), flush=True)
-    cache = CallCache(plan, rules=AxisRules.from_config(cfg.plan.axis_rules))
+    cache = run_setup.cache(plan)
 
     prepare_output_dir(cfg.run, write=is_main())
     barrier("output_dir")  # no process opens files in the folder before process 0 has cleared it
@@ -88,7 +66,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     if is_main():
         print(files.summary(cfg.run), flush=True)
         plan.save(files.plan)  # what ran, for scripts/step_breakdown.py and for plan.file
-        hardware_profile(cfg, host_size, chip).save(files.hardware)
+        run_setup.hardware.save(files.hardware)
     ckpt = CheckpointManager(files.checkpoints, max_to_keep=cfg.run.keep_checkpoints)
     resume_step = ckpt.latest_step() if cfg.run.resume else None
     if cfg.run.resume and resume_step is None and is_main():
@@ -98,16 +76,11 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     warm_metrics: dict[str, float] = {}
 
     def warm_up(actor) -> None:
-        warm_metrics.update(warm_up_actor(cfg, actor, plan, cache, tokenizer))
+        warm_metrics.update(warm_up_actor(run_setup, actor, plan, cache, tokenizer))
 
-    views = algorithm.base_views()  # frozen roles that run on a LoRA role's base: no weights of their own
-    roles = build_roles(cfg, specs, model_configs, cache, plan,
-                        total_updates=cfg.run.steps * algorithm.updates_per_step,
-                        warm_up=warm_up if cfg.sft.steps and resume_step is None else None, base_views=views)
-    algorithm.bind(tokenizer, roles)
-    executor = Executor(plan, graph, roles, cache=cache, functions=algorithm.functions(),
-                        host_steps=algorithm.host_steps(), state=algorithm.initial_state())
-    executor.commit_state()
+    run = run_setup.build(plan, tokenizer, cache=cache,
+                          warm_up=warm_up if cfg.sft.steps and resume_step is None else None)
+    roles, executor, specs, views = run.roles, run.executor, algorithm.roles(), algorithm.base_views()
     derived_frozen = [r for r, s in specs.items()
                       if not s.trained and getattr(cfg.model, r).init_from and r not in views]
 
@@ -139,9 +112,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
 
     replanner = None
     if cfg.plan.replan_every:
-        replanner = Replanner(cfg, algorithm, model_configs, plan, jax.device_count(), host_size, chip,
-                              write=is_main(),
-                              make_cache=lambda p: CallCache(p, devices=cache.devices, rules=cache.rules))
+        replanner = Replanner(run_setup, plan, write=is_main(), make_cache=lambda p: run_setup.cache(p, like=cache))
 
     steps = cfg.run.steps
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard,

@@ -61,13 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     at = switches[0]["step"]
     first_plan = os.path.join(work, "first_plan.yaml")
-    from jaxrlhf.run import planning
-    from jaxrlhf.algorithms import declare
+    from jaxrlhf.run.assembly import Machine, setup
 
     cfg = cfglib.load_config(None, [*base, "plan.strategy=auto", f"plan.profile={profile}"])
-    algorithm = declare(cfg)
-    models = planning.role_configs(cfg, algorithm.graph().roles)
-    planning.plan_for(cfg, algorithm, models, 8).save(first_plan)
+    setup(cfg, machine=Machine.described(cfg, 8), runtime=False).choose_plan().save(first_plan)
     switched_plan = os.path.join(work, "replanned", "replan", f"plan_step{at}.yaml")
     before = run("first_plan", [f"plan.file={first_plan}"])
     after = run("switched_plan", [f"plan.file={switched_plan}"])

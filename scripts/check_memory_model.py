@@ -107,7 +107,6 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     import jax
     from flax import nnx
 
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.models.transformer import build_model
     from jaxrlhf.placement.calls import CallCache
@@ -115,14 +114,13 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
     from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
-    from jaxrlhf.run.planning import role_configs
+    from jaxrlhf.run.assembly import setup
     from jaxrlhf.run.roles import build_optimizer_for
 
     cfg = _config(model, args)
-    algorithm = build_algorithm(cfg)
-    graph = algorithm.graph()
+    run_setup = setup(cfg)  # the algorithm and model configs as a run has them; roles built abstract below
+    algorithm, graph, configs = run_setup.algorithm, run_setup.graph, run_setup.models
     specs = algorithm.roles()
-    configs = role_configs(cfg, list(specs))
     layout = Layout(**LAYOUTS[layout_name])
     plan = ExecutionPlan("check", args.devices, {"all": DeviceGroup("all", 0, args.devices)},
                          {c: Placement("all", layout) for c in graph.names})

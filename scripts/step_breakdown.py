@@ -52,21 +52,20 @@ def call_bounds(config: str, overrides: list[str], devices: int | None, profile:
                 run_folder: str | None = None) -> dict:
     """Per call: FLOPs and HBM bytes per device by the planner's cost model, and the profile's rates."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf.run import planning
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.plan import ExecutionPlan
     from jaxrlhf.planner.simulator import estimate_plan
+    from jaxrlhf.run import planning
+    from jaxrlhf.run.assembly import Machine, setup
 
     cfg = cfglib.load_config(config, overrides)
-    algorithm = build_algorithm(cfg)
-    graph = algorithm.graph()
-    models = planning.role_configs(cfg, list(graph.roles))
+    run_setup = setup(cfg, machine=Machine.described(cfg, devices or cfg.run.devices or 1), runtime=False)
+    algorithm, graph, models = run_setup.algorithm, run_setup.graph, run_setup.models
     ran = {name: os.path.join(run_folder or "", name) for name in ("plan.yaml", "hardware.yaml")}
     if run_folder and os.path.exists(ran["plan.yaml"]):  # the plan the run ran, whatever this machine is
         plan = ExecutionPlan.load(ran["plan.yaml"])
     else:
-        plan = planning.plan_for(cfg, algorithm, models, devices or cfg.run.devices or 1)
+        plan = run_setup.choose_plan()
     if not profile and run_folder and os.path.exists(ran["hardware.yaml"]):
         profile = ran["hardware.yaml"]
     hw = get_profile(profile or planning.hardware_name(cfg))

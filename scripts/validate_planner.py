@@ -160,13 +160,14 @@ def candidates(cfg, algorithm, models, n: int, hw, names, search_budget: float) 
 def predict(cfg, models, plan, hw):
     """The simulator's estimate of `plan` under `cfg` (its micro-batching, offloaded roles): the plan
     as `train` would run it (`planning.plan_for`), then `estimate_plan`."""
-    from jaxrlhf.run import planning
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.simulator import estimate_plan
+    from jaxrlhf.run.assembly import Machine, setup
+    from jaxrlhf.run.planning import Chip
 
-    algorithm = build_algorithm(cfg)
+    run_setup = setup(cfg, machine=Machine(plan.num_devices, chip=Chip("cpu")))
     with contextlib.redirect_stdout(sys.stderr):
-        placed = planning.plan_for(cfg, algorithm, models, plan.num_devices, chip=planning.Chip("cpu"))
+        placed = run_setup.choose_plan()
+    algorithm = run_setup.algorithm
     return placed, estimate_plan(placed, algorithm.graph(), models, algorithm.workload(), hw)
 
 
@@ -247,11 +248,10 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.placement.calibrate import calibrate
-    from jaxrlhf.profile import profile as measured_profile
     from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.run.planning import role_configs
+    from jaxrlhf.profile import profile as measured_profile
+    from jaxrlhf.run.assembly import setup
 
     n = jax.device_count()
     if args.profile and Path(args.profile).exists():
@@ -267,8 +267,8 @@ def main(argv=None) -> int:
     hw.save(str(hw_file))
     cfg = cfglib.with_overrides(cfg, [f"plan.hardware={hw_file}"])
 
-    algorithm = build_algorithm(cfg)
-    models = role_configs(cfg, list(algorithm.roles()))
+    run_setup = setup(cfg)
+    algorithm, models = run_setup.algorithm, run_setup.models
     plans = candidates(cfg, algorithm, models, n, hw, names, args.search_budget)
     print(f"{len(plans)} plans on {n} devices; {args.warmup} warm-up + {steps} measured steps each", flush=True)
 

@@ -51,8 +51,10 @@ def build_plan(
     offpolicy: bool = False,
     workload: "Workload | None" = None,
     hardware: "HardwareProfile | None" = None,
+    check: bool = True,
 ) -> ExecutionPlan:
-    """Plan for `strategy` on `num_devices`, validated; PlanError with the reason if it cannot apply.
+    """Plan for `strategy` on `num_devices`, validated (unless `check=False`: a caller that validates
+    the plan it ends with); PlanError with the reason if it cannot apply.
 
     `minibatch_size`: the rows one update of a train call feeds (default: the batch); a trained role's
     layout splits them evenly, as the search's layouts do (`Workload.call_batch`). `workload` and
@@ -76,7 +78,8 @@ def build_plan(
     if strategy == "disaggregated":
         kwargs["offpolicy"] = offpolicy
     plan = builder(num_devices, models, graph, **kwargs)
-    validate(plan, graph, models, batch_size=batch_size, devices_per_host=devices_per_host)
+    if check:
+        validate(plan, graph, models, batch_size=batch_size, devices_per_host=devices_per_host)
     return plan
 
 

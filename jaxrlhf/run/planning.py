@@ -127,18 +127,21 @@ def machine(cfg: cfglib.Config) -> tuple[int, int | None]:
 
 
 def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], num_devices: int,
-             devices_per_host: int | None = None, chip: Chip | None = None):
-    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`).
+             devices_per_host: int | None = None, chip: Chip | None = None, *, graph=None, hardware=None):
+    """The execution plan of a run: a plan file, a preset, or the planner's search (`auto`), for the
+    calls of `graph` (default the algorithm's), priced on `hardware` (default `hardware_profile`).
 
+    Presets get the workload and the hardware, as the search's seeds do, so a preset is the same plan
+    here as in `python -m jaxrlhf.plan`. The plan is validated once, before the memory model reads it.
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
     """
     from jaxrlhf.planner.plan import ExecutionPlan, PlanError, validate as validate_plan
     from jaxrlhf.planner.presets import build_plan
 
-    graph = algorithm.graph()
+    graph = graph or algorithm.graph()
     models = {r: model_configs[r] for r in graph.roles}
     batch, workload = algorithm.batch_rows, algorithm.workload()
-    hw = hardware_profile(cfg, devices_per_host, chip)
+    hw = hardware or hardware_profile(cfg, devices_per_host, chip)
     if cfg.plan.file:
         plan = ExecutionPlan.load(cfg.plan.file)
     elif cfg.plan.strategy == "auto":
@@ -150,14 +153,12 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
                           minibatch_size=workload.minibatch_size, devices_per_host=devices_per_host,
-                          offpolicy=cfg.plan.offpolicy)
-    check = dict(devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
-    try:  # before the memory model reads its groups
-        validate_plan(plan, graph, models, **check)
+                          offpolicy=cfg.plan.offpolicy, workload=workload, hardware=hw, check=False)
+    try:  # once, before the memory model reads its groups (offloading changes no placement)
+        validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
     except PlanError as e:
         raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
-    plan = with_offload(cfg, algorithm, plan, models, hw)
-    validate_plan(plan, graph, models, **check)
+    plan = with_offload(cfg, algorithm, plan, models, hw, graph)
     for warning in uneven_minibatches(plan, graph, workload):
         print(f"warning: {warning}", flush=True)
     return plan
@@ -181,7 +182,7 @@ def uneven_minibatches(plan, graph, workload) -> list[str]:
     return out
 
 
-def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw):
+def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw, graph=None):
     """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
     when set, else the plan file's own list, else what the memory model needs for the plan to fit."""
     from jaxrlhf.planner.memory import plan_memory
@@ -190,7 +191,7 @@ def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any],
         return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
     if plan.offload_roles or plan.strategy == "searched":
         return plan
-    report = plan_memory(plan, algorithm.graph(), models, algorithm.workload(), hw)
+    report = plan_memory(plan, graph or algorithm.graph(), models, algorithm.workload(), hw)
     if not report.feasible:
         print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
     return dataclasses.replace(plan, offload_roles=report.offloaded)

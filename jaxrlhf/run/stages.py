@@ -13,10 +13,9 @@ import contextlib
 import os
 import statistics
 import time
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run.planning import Chip
 
 WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
@@ -71,18 +70,14 @@ class Replanner:
     times, so every process switches alike.
     """
 
-    def __init__(self, cfg: cfglib.Config, algorithm, models: Mapping[str, Any], plan, num_devices: int,
-                 devices_per_host: int | None, chip: Chip | None, make_cache: Callable[[Any], Any],
-                 write: bool):
-        from jaxrlhf.run import planning
-
-        self.cfg, self.algorithm, self.plan = cfg, algorithm, plan
-        self.models = {r: models[r] for r in algorithm.graph().roles}
-        self.num_devices, self.devices_per_host = num_devices, devices_per_host
-        self.hw = planning.hardware_profile(cfg, devices_per_host, chip)
+    def __init__(self, run_setup, plan, make_cache: Callable[[Any], Any], write: bool):
+        cfg = run_setup.cfg
+        self.setup, self.cfg, self.algorithm, self.plan = run_setup, cfg, run_setup.algorithm, plan
+        self.hw = run_setup.hardware
+        self.models = run_setup.planned_models
         self.make_cache = make_cache
         self.folder = os.path.join(cfg.run.output_dir, "replan") if write else None
-        self.calls = [c.name for c in algorithm.graph().calls]
+        self.calls = [c.name for c in self.algorithm.graph().calls]
         self.samples: list[tuple[float, list[float]]] = []  # (step seconds, call seconds) on the running plan
         self.fresh = True  # the next step is the first on this plan
         self.before: float | None = None  # median step time on the plan switched away from
@@ -103,7 +98,6 @@ class Replanner:
 
     def check(self, step: int, metrics: dict[str, Any], executor):
         """Feed the medians of the samples into the profile, search again, switch if worth it."""
-        from jaxrlhf.run import planning
         from jaxrlhf.planner.replan import timed_runs, with_runs
         from jaxrlhf.transfer.processes import main_values
 
@@ -120,8 +114,7 @@ class Replanner:
         self.samples = []
         self.hw = with_runs(self.hw, timed_runs(self.plan, graph, self.models, wl, self.hw, call_s))
         t0 = time.perf_counter()
-        decision, _ = planning.replan(self.cfg, self.algorithm, self.models, self.plan, self.hw,
-                                           self.num_devices, self.devices_per_host)
+        decision, _ = self.setup.replan(self.plan, self.hw)
         metrics.update({"replan/search_s": time.perf_counter() - t0, "replan/switched": float(decision.switch),
                         "replan/predicted_gain": decision.gain, "replan/measured_step_s": step_s})
         if decision.current_s is not None:
@@ -179,30 +172,32 @@ def warmup_plan(plan):
                          notes="SFT warm-up on the actor's training placement")
 
 
-def warm_up_actor(cfg: cfglib.Config, actor, plan, cache, tokenizer) -> dict[str, float]:
-    """The SFT stage on the actor's training placement for `sft.steps` steps; updates `actor.params`."""
+def warm_up_actor(run_setup, actor, plan, cache, tokenizer) -> dict[str, float]:
+    """The SFT stage on the actor's training placement of `plan` for `sft.steps` steps, assembled like
+    any run (`assembly.setup`) on the run's machine and devices; updates `actor.params`."""
     import jax
 
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.algorithms.optim import build_optimizer
     from jaxrlhf.models import lora
-    from jaxrlhf.placement.calls import CallCache
-    from jaxrlhf.placement.executor import Executor, Role
+    from jaxrlhf.placement.executor import Role
+    from jaxrlhf.run.assembly import setup
     from jaxrlhf.run.roles import init_opt_state
 
+    cfg = run_setup.cfg
     steps = cfg.sft.steps
-    stage = build_algorithm(cfg, "sft", warmup=True)
+    stage = setup(cfg, algorithm=build_algorithm(cfg, "sft", warmup=True), machine=run_setup.machine)
     wplan = warmup_plan(plan)
-    wcache = CallCache(wplan, devices=cache.devices, rules=cache.rules)
+    wcache = stage.cache(wplan, like=cache)
     optimizer = build_optimizer(lr=cfg.sft.lr, total_updates=steps, warmup_steps=min(10, steps),
                                 trainable=lora.trainable if cfg.model.actor.lora else None)
     role = Role("actor", actor.graphdef, actor.params, optimizer)
     role.opt_state = init_opt_state(role, wcache.placed("actor.train"))
-    stage.bind(tokenizer, {"actor": role})
-    executor = Executor(wplan, stage.graph(), {"actor": role}, cache=wcache, functions=stage.functions())
+    executor = stage.build(wplan, tokenizer, cache=wcache, roles={"actor": role}).executor
     rng = jax.random.key(cfg.run.seed + WARMUP_SEED_OFFSET)
     t0, loss, every = time.perf_counter(), float("nan"), max(steps // 5, 1)
-    for step, metrics, _ in run_steps(stage, executor, stage.dataset(tokenizer), rng, 0, steps):
+    algorithm = stage.algorithm
+    for step, metrics, _ in run_steps(algorithm, executor, algorithm.dataset(tokenizer), rng, 0, steps):
         loss = metrics["loss/sft"]
         if step % every == 0 or step == steps:
             print(f"sft warm-up step {step}/{steps}: loss={loss:.4f}", flush=True)

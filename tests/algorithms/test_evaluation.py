@@ -125,3 +125,49 @@ def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def test_eval_config_errors(overrides, message):
     with pytest.raises(cfglib.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         cfglib.load_config(os.path.join(ROOT, "configs", "quickstart-grpo.yaml"), overrides)
+
+
+@pytest.mark.slow
+def test_eval_reads_a_runs_training_checkpoints_as_its_export(tmp_path):
+    """`--checkpoint RUN/checkpoints` (the newest step) and `RUN/checkpoints/N` evaluate the actor of
+    that step: the last step's weights equal the exported HF actor's, and so does the evaluation."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jaxrlhf import eval as eval_cli
+    from jaxrlhf.checkpoint import CheckpointManager
+    from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.run.assembly import setup
+
+    out = tmp_path / "grpo"
+    overrides = [f"run.output_dir={out}", "run.steps=2", "run.eval_every=0", "run.checkpoint_every=1",
+                 "run.tensorboard=false", "sft.steps=0", "data.batch_size=8", "eval.max_prompts=8"]
+    cfg = cfglib.load_config(os.path.join(ROOT, "configs", "quickstart.yaml"), overrides)  # PPO: every step moves
+    train.run(cfg)
+    ckpts = out / "checkpoints"
+    assert eval_cli.find_checkpoint(str(out)) == eval_cli.Checkpoint(hf=str(out / "actor_hf"))
+    assert eval_cli.find_checkpoint(str(ckpts)) == eval_cli.Checkpoint(orbax=str(ckpts), step=2)
+    assert eval_cli.find_checkpoint(str(ckpts / "1")) == eval_cli.Checkpoint(orbax=str(ckpts), step=1)
+    with pytest.raises(cfglib.ConfigError, match="no training checkpoint"):
+        eval_cli.find_checkpoint(str(tmp_path / "nothing"))
+    assert eval_cli.evaluate(cfg, str(ckpts)) == eval_cli.evaluate(cfg, str(out))
+
+    def actor_params(config):
+        run_setup = setup(config, calls=("actor.generate",))
+        run = run_setup.build(run_setup.choose_plan("colocated"), load_tokenizer(config.model.tokenizer))
+        return run.roles["actor"].params
+
+    template = actor_params(cfg)  # the preset's initial weights, on evaluation's placement
+    exported = actor_params(dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, actor=dataclasses.replace(cfg.model.actor, path=str(out / "actor_hf"), preset=None))))
+    reader = CheckpointManager(str(ckpts), max_to_keep=None)
+    last, first = reader.restore_params(2, "actor", template), reader.restore_params(1, "actor", template)
+    reader.close()
+    same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), last, exported)
+    assert all(jax.tree_util.tree_leaves(same))
+    moved = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), first, last)
+    assert not all(jax.tree_util.tree_leaves(moved))  # step 1's actor is not step 2's
+    trained = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), first, template)
+    assert not all(jax.tree_util.tree_leaves(trained))  # nor the untrained one

@@ -1,0 +1,144 @@
+"""Run assembly: every entry point builds its run through `jaxrlhf.run.assembly.setup`, and a preset
+is the same plan from `train` as from `python -m jaxrlhf.plan`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import types
+
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import plan as plan_cli
+from jaxrlhf.run import assembly
+from jaxrlhf.run.assembly import Machine, setup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+class Assembling(Exception):
+    """Raised by the spy in place of `setup`: the entry point reached the one assembly function."""
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls: list[dict] = []
+
+    def fake_setup(cfg, **kwargs):
+        calls.append({"algorithm": cfg.algorithm.name, **kwargs})
+        raise Assembling
+
+    monkeypatch.setattr(assembly, "setup", fake_setup)
+    return calls
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quickstart(tmp_path, *overrides: str) -> cfglib.Config:
+    return cfglib.load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", "run.devices=8", *overrides])
+
+
+def test_every_entry_point_assembles_its_run_through_setup(spy, tmp_path):
+    from jaxrlhf import eval as eval_cli
+    from jaxrlhf import profile, train
+    from jaxrlhf.run import stages
+
+    cfg = _quickstart(tmp_path)
+    entry_points = {
+        "train": lambda: train.run(cfg),
+        "eval": lambda: eval_cli.evaluate(cfg, str(hf)),
+        "warm-up": lambda: stages.warm_up_actor(types.SimpleNamespace(cfg=cfg, machine=Machine(8)),
+                                                None, None, None, None),
+        "profile": lambda: profile.profile(cfg),
+        "plan": lambda: plan_cli._main(["--config", QUICKSTART, "--out", str(tmp_path / "plan")]),
+        "step_breakdown": lambda: _script("step_breakdown").call_bounds(QUICKSTART, [], 8, None),
+        "validate_planner": lambda: _script("validate_planner").predict(cfg, {}, types.SimpleNamespace(num_devices=8),
+                                                                        None),
+    }
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for name, enter in entry_points.items():
+        before = len(spy)
+        with pytest.raises(Assembling):
+            enter()
+        assert len(spy) == before + 1, name
+    assert spy[1]["calls"] == ("actor.generate",)  # evaluation runs the generate call alone
+    assert spy[2]["machine"] == Machine(8) and spy[2]["algorithm"].name == "sft"  # the warm-up: the run's machine
+    assert spy[4]["runtime"] is False  # the plan CLI plans without JAX
+
+
+def test_replanning_searches_through_the_runs_setup(monkeypatch, tmp_path):
+    """The re-planner asks its run's setup (the path `plan_for` takes), with the run's profile
+    corrected by the measured call times."""
+    from jaxrlhf.run.stages import Replanner
+
+    cfg = _quickstart(tmp_path, "plan.strategy=auto", "plan.replan_every=1")
+    run_setup = setup(cfg, machine=Machine.described(cfg, 8), runtime=False)
+    plan = run_setup.choose_plan("colocated")  # the plan the run is on
+    asked = []
+
+    def replan(current, hardware):
+        asked.append((current, hardware))
+        raise Assembling
+
+    monkeypatch.setattr(run_setup, "replan", replan)
+    replanner = Replanner(run_setup, plan, make_cache=lambda p: None, write=False)
+    calls = len(replanner.calls)
+    replanner(1, {"time/step_s": 1.0, **{f"time/{c}_s": 0.1 for c in replanner.calls}}, executor=None)
+    with pytest.raises(Assembling):
+        replanner(2, {"time/step_s": 1.0, **{f"time/{c}_s": 0.1 for c in replanner.calls}}, executor=None)
+    assert asked[0][0] is plan and calls == 5
+    assert asked[0][1].measured is not None  # the run's own call times, not the bare profile
+
+
+MULTI_HOST = ["run.distributed=true", "distributed.num_processes=8", "distributed.coordinator_address=localhost:1234",
+              "distributed.process_id=0", "run.devices=8"]
+
+
+@pytest.mark.parametrize("strategy, model, overrides", [
+    ("verl", "llama2-7b", ["run.devices=8"]),  # on this JAX's 8 devices, as `train` runs it here
+    ("heuristic", "llama2-70b", MULTI_HOST),  # 8 hosts of 8: memory makes it pipeline across hosts
+])
+def test_a_preset_is_the_same_plan_from_train_and_from_the_plan_cli(strategy, model, overrides, capsys):
+    """`heuristic` and `verl` size themselves by the workload and the hardware: the plan a run's setup
+    chooses is the one `python -m jaxrlhf.plan` prices for that preset, and not the one the preset
+    makes blind to both (which is what `train` ran before)."""
+    from jaxrlhf.planner.presets import build_plan
+
+    args = plan_cli.parse_args(["--config", QUICKSTART, "--model-preset", model, "--hardware", "h100",
+                                f"plan.strategy={strategy}", *overrides])
+    cfg = plan_cli.resolve_config(args)
+    cli = setup(cfg, machine=Machine.described(cfg), runtime=False)
+    priced = cli.search(iterations=1, time_budget_s=30).presets[strategy].plan
+    hosts = cfg.run.distributed
+    run_setup = setup(cfg, machine=Machine.described(cfg)) if hosts else setup(cfg)
+    assert run_setup.machine.devices == (64 if hosts else 8) and run_setup.machine.runs_here != hosts
+    chosen = run_setup.choose_plan()
+    assert chosen.groups == priced.groups and chosen.calls == priced.calls
+    machine, algorithm = run_setup.machine, run_setup.algorithm
+    blind = build_plan(strategy, machine.devices, cli.planned_models, cli.graph, batch_size=algorithm.batch_rows,
+                       devices_per_host=machine.per_host)
+    assert (blind.groups, blind.calls) != (chosen.groups, chosen.calls)
+
+
+def test_the_plan_cli_and_step_breakdown_agree_on_the_described_machine(tmp_path, capsys):
+    """A machine the run is not on is planned from the config alone: `run.devices` x processes."""
+    cfg = _quickstart(tmp_path, "run.distributed=true", "distributed.num_processes=2",
+                      "distributed.coordinator_address=localhost:1234", "distributed.process_id=0", "run.devices=4")
+    assert Machine.described(cfg) == Machine(8, 4)
+    assert Machine.described(cfg, 16) == Machine(16, 4)
+    assert plan_cli._main(["--config", QUICKSTART, "--devices", "8", "--out", str(tmp_path / "p"), "--json",
+                           "--iterations", "20"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["algorithm"] == "ppo" and os.path.exists(tmp_path / "p" / "plan.yaml")
