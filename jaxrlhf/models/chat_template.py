@@ -8,7 +8,8 @@ transformers so the text is byte-identical: a sandboxed environment (templates f
 are untrusted code) with `trim_blocks` and `lstrip_blocks`, the loop-control extension, a
 `tojson` that does not HTML-escape, `raise_exception`, `strftime_now`, the `{% generation %}`
 block (rendered as its body), message keys whose value is None dropped, and the tokenizer's
-named special tokens (`bos_token`, `eos_token`, ...) as variables. The rendered text already
+named special tokens (`bos_token`, `eos_token`, ...) as variables, read as transformers reads them
+(`special_token_texts`: an older checkpoint's special_tokens_map.json too). The rendered text already
 holds the template's BOS, so it is encoded without adding special tokens (as transformers does).
 """
 
@@ -36,6 +37,24 @@ def token_text(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
+
+
+def special_token_texts(folder: pathlib.Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens (`bos_token`, ...) as transformers loads them: those of
+    tokenizer_config.json (`config`), with an older checkpoint's special_tokens_map.json over them.
+    transformers reads that file only when tokenizer_config.json has no `added_tokens_decoder` (which
+    every save since transformers 4.34 writes), and then each token it names replaces the config's
+    (a string or {"content": ...}; null removes it)."""
+    tokens = {name: config.get(name) for name in SPECIAL_TOKEN_NAMES}
+    map_file = pathlib.Path(folder) / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and map_file.exists():
+        try:
+            listed = json.loads(map_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ChatTemplateError(f"cannot read {map_file}: {e}") from None
+        if isinstance(listed, dict):
+            tokens.update({name: listed[name] for name in SPECIAL_TOKEN_NAMES if name in listed})
+    return {name: text for name, value in tokens.items() if (text := token_text(value)) is not None}
 
 
 def _environment() -> Any:
@@ -100,7 +119,7 @@ class ChatTemplate:
                 config = json.loads(config_file.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError) as e:
                 raise ChatTemplateError(f"cannot read {config_file}: {e}") from None
-        special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := token_text(config.get(name))) is not None}
+        special = special_token_texts(folder, config)
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.exists():
             return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))

@@ -20,7 +20,7 @@ import pathlib
 import warnings
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError, token_text
+from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError, special_token_texts
 
 
 class TokenizerError(ValueError):
@@ -124,7 +124,8 @@ class HFTokenizer:
     """A Hugging Face `tokenizer.json` loaded through the `tokenizers` package.
 
     Special token ids come from, in order: `tokenizer_config.json` (token
-    strings), `config.json` / `generation_config.json` (ids), then explicit
+    strings; with an older checkpoint's `special_tokens_map.json` over them,
+    as transformers reads it), `config.json` / `generation_config.json` (ids), then explicit
     arguments. A missing pad token falls back to EOS, as for Llama models.
     `eos_ids` is the EOS token plus every `eos_token_id` those two files list,
     so generation stops where `transformers` would.
@@ -194,9 +195,12 @@ class HFTokenizer:
                 found = _all_ids(data.get(f"{role}_token_id"))
                 if ids[role] is None and found:
                     ids[role] = found[0]
-        config = _read_json(folder / "tokenizer_config.json")
+        try:  # tokenizer_config.json's, or an older checkpoint's special_tokens_map.json's, as transformers reads them
+            texts = special_token_texts(folder, _read_json(folder / "tokenizer_config.json"))
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from None
         for role in ids:
-            content = token_text(config.get(f"{role}_token"))
+            content = texts.get(f"{role}_token")
             if content is not None and self._tok.token_to_id(content) is not None:
                 ids[role] = self._tok.token_to_id(content)  # the tokenizer's own config wins
         return ids, listed_eos

@@ -104,6 +104,65 @@ def test_rendering_and_ids_equal_transformers(style, as_jinja_file, tmp_path):
     assert compared >= 6
 
 
+def _tokens_in_special_tokens_map(folder, *, as_dicts: bool) -> None:
+    """Lay the folder out as an older checkpoint: the named special tokens only in special_tokens_map.json."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    names = [k for k in ("bos_token", "eos_token", "unk_token", "pad_token") if config.get(k)]
+    listed = {k: config.pop(k) for k in names}
+    if as_dicts:
+        listed = {k: {"content": v, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+                  for k, v in listed.items()}
+    config_file.write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps(listed))
+
+
+@pytest.mark.parametrize("style, as_dicts", [("llama3", False), ("mistral", True)])
+def test_special_tokens_only_in_special_tokens_map_render_like_transformers(style, as_dicts, tmp_path):
+    """An older checkpoint names bos_token, eos_token, ... only in special_tokens_map.json (as strings or
+    {"content": ...}): transformers fills them in from there, so BOS and EOS are in the rendered text
+    (not empty), and the tokenizer's BOS and EOS ids are transformers' too."""
+    folder = _folder(tmp_path, style, STYLES[style][1])
+    _tokens_in_special_tokens_map(folder, as_dicts=as_dicts)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert hf.bos_token and hf.eos_token  # the reference did read them
+    ours, tok = ChatTemplate.from_folder(folder), load_tokenizer(folder)
+    for messages in CONVERSATIONS[1:3]:
+        for gen in (False, True):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.render(messages, add_generation_prompt=gen) == expected, (messages, gen)
+            assert hf.bos_token in expected
+            expected_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            assert tok.encode(ours.render(messages, add_generation_prompt=gen)) == list(expected_ids)
+    assert (tok.bos_id, tok.eos_id) == (hf.bos_token_id, hf.eos_token_id)
+
+
+SHOW_TOKENS = "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}|{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize("layout", ["both_files", "saved_since_4_34", "map_removes_one"])
+def test_which_file_names_the_special_tokens_is_transformers_choice(layout, tmp_path):
+    """Both files name the tokens: transformers takes special_tokens_map.json's, unless tokenizer_config.json
+    has `added_tokens_decoder` (every save since transformers 4.34), when it does not read the map."""
+    folder = _folder(tmp_path, "llama3", SHOW_TOKENS)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    listed = {"bos_token": "<|end_of_text|>", "eos_token": {"content": "<|eom_id|>"}}
+    if layout == "saved_since_4_34":
+        config["added_tokens_decoder"] = {}
+    if layout == "map_removes_one":
+        listed = {"bos_token": None}
+    config_file.write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps(listed))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "a dog"}]
+    assert ChatTemplate.from_folder(folder).render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    tok = load_tokenizer(folder)
+    assert tok.eos_id == hf.eos_token_id
+    if hf.bos_token_id is not None:  # without one, ours names the BOS that tokenizer.json's post-processor adds
+        assert tok.bos_id == hf.bos_token_id
+
+
 def test_no_template_and_a_broken_one(tmp_path):
     folder = save_tiny_tokenizer(tmp_path / "plain", "qwen2")
     assert ChatTemplate.from_folder(folder) is None
