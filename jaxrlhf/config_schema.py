@@ -185,7 +185,7 @@ class PlanConfig:
     # a preset placement, or auto: the planner searches plans for these devices and picks the fastest
     strategy: Literal["colocated", "interleaved", "disaggregated", "reallocated", "heuristic", "verl", "auto"] = "colocated"
     file: str | None = None  # a plan YAML; overrides strategy
-    offpolicy: Bool = False  # generate step i+1 while training step i (disaggregated)
+    offpolicy: Bool = False  # the same as algorithm.max_staleness=1 (generate step i+1 while training step i)
     hardware: str | None = None  # planner hardware profile; null = the chip JAX runs on (NVIDIA H200 -> h200), else the platform's
     # a profile measured on this hardware (`python -m jaxrlhf.profile`): its numbers and call tables replace plan.hardware's
     profile: str | None = None
@@ -198,16 +198,21 @@ class PlanConfig:
     replan_threshold: Float = _field(0.1, check=non_negative)  # predicted gain a switch needs (0.1 = 10 %)
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
-        if self.offpolicy and self.file is None and self.strategy not in ("disaggregated", "auto"):
+        eta = getattr(config.algorithm, "max_staleness", 0)
+        ahead = (f"algorithm.max_staleness={eta}" if eta else "plan.offpolicy=true")
+        if self.offpolicy and not hasattr(config.algorithm, "max_staleness"):
+            yield (f"plan.offpolicy=true generates the next rollout while this one trains, but "
+                   f"algorithm.name={config.algorithm.name} has no rollout; set plan.offpolicy=false")
+        if (self.offpolicy or eta) and self.file is None and self.strategy not in ("disaggregated", "auto"):
             yield (
-                "plan.offpolicy=true overlaps generation with training, which needs separate generation devices: "
+                f"{ahead} overlaps generation with training, which needs separate generation devices: "
                 f"use plan.strategy=disaggregated (or auto), not {self.strategy}"
             )
         if self.replan_every and (self.file is not None or self.strategy != "auto"):
             yield (f"plan.replan_every={self.replan_every} re-runs the planner's search, which only "
                    f"plan.strategy=auto uses (and no plan.file); set plan.strategy=auto or plan.replan_every=0")
-        if self.replan_every and self.offpolicy:
-            yield ("plan.replan_every with plan.offpolicy=true is not supported: an off-policy plan always "
+        if self.replan_every and (self.offpolicy or eta):
+            yield (f"plan.replan_every with {ahead} is not supported: an off-policy plan always "
                    "has the next rollout in flight, so there is no step boundary to switch plans at; "
                    "set one of them off")
         if self.profile is not None and self.hardware is not None:
@@ -268,6 +273,9 @@ class RolloutConfig(AlgorithmConfig):
     entropy_coef: Float = _field(0.0, check=non_negative)  # entropy bonus in the policy loss
     overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
     overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
+    # weight updates the policy that sampled a trained rollout may lag the trainer (eta); 0 = synchronous.
+    # > 0: the generator runs up to eta batches ahead on its own devices (plan.strategy disaggregated or auto)
+    max_staleness: Int = _field(0, check=non_negative)
 
     def __post_init__(self) -> None:
         # a null upper clip is the lower one, resolved here: the config holds the value the loss uses
@@ -622,3 +630,9 @@ class Config:
     rewards: RewardsConfig = _field(factory=RewardsConfig)
     eval: EvalConfig = _field(factory=EvalConfig)
 
+
+    @property
+    def staleness_budget(self) -> int:
+        """eta: how many weight updates a trained rollout's sampling policy may lag the trainer
+        (`algorithm.max_staleness`; `plan.offpolicy=true` is the same as 1). 0 = synchronous."""
+        return max(getattr(self.algorithm, "max_staleness", 0), int(self.plan.offpolicy))

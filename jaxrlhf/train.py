@@ -114,6 +114,10 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     if cfg.plan.replan_every:
         replanner = Replanner(run_setup, plan, write=is_main(), make_cache=lambda p: run_setup.cache(p, like=cache))
 
+    staleness = run_setup.staleness(plan)
+    if cfg.staleness_budget and not staleness:
+        print(f"algorithm.max_staleness={cfg.staleness_budget}: the plan is synchronous (no generator of its "
+              "own to run ahead), so every rollout is on-policy", flush=True)
     steps = cfg.run.steps
     writer = MetricsWriter(cfg.run.output_dir, steps, resume_step=start, tensorboard=cfg.run.tensorboard,
                            enabled=is_main(), wandb=cfg.run.wandb, config=cfglib.to_dict(cfg))
@@ -123,7 +127,7 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
     try:
         stop.install()
         for step, metrics, data_state in run_steps(algorithm, executor, data, jax.random.key(cfg.run.seed), start,
-                                                   steps, offpolicy=plan.offpolicy,
+                                                   steps, staleness=staleness,
                                                    around=lambda s: profiled(cfg.run, s), after=replanner):
             if replanner is not None:  # a re-plan may have moved the run onto another plan
                 executor = replanner.executor

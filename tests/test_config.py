@@ -1,6 +1,7 @@
 """Config: YAML + overrides, printing, and the specific message of each mistake."""
 
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -489,3 +490,26 @@ def test_name_tables_are_registries():
     assert dict(table) == {"red": 1, "green": 2} and table.get("red") == 1
     with pytest.raises(ValueError, match="colour 'red' is already registered"):
         table.register("red")(3)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
+    (["algorithm.max_staleness=2", "plan.strategy=colocated"],
+     "algorithm.max_staleness=2 overlaps generation with training, which needs separate generation devices: "
+     "use plan.strategy=disaggregated (or auto), not colocated"),
+    (["algorithm.max_staleness=1", "plan.strategy=auto", "plan.replan_every=5"],
+     "plan.replan_every with algorithm.max_staleness=1 is not supported"),
+    (["algorithm.name=dpo", "plan.strategy=disaggregated", "plan.offpolicy=true"],
+     "algorithm.name=dpo has no rollout; set plan.offpolicy=false"),
+])
+def test_a_staleness_budget_the_plan_cannot_honour_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_the_staleness_budget_is_max_staleness_or_one_for_plan_offpolicy():
+    assert load_config(None, []).staleness_budget == 0
+    assert load_config(None, ["plan.strategy=disaggregated", "plan.offpolicy=true"]).staleness_budget == 1
+    assert load_config(None, ["plan.strategy=auto", "algorithm.max_staleness=3"]).staleness_budget == 3
+    assert load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "plan.strategy=disaggregated",
+                                     "algorithm.max_staleness=2", "plan.offpolicy=true"]).staleness_budget == 2

@@ -6,6 +6,7 @@ they were given, so every expectation below is counted by hand: no model, no com
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import jax
@@ -46,7 +47,8 @@ class Algorithm:
         return ("batch",)
 
     def metrics(self, result):
-        return {"batch": result.values["batch"], "ran_on": result.values["executor"]}
+        return {"batch": result.values["batch"], "ran_on": result.values["executor"],
+                **({"staleness": result.values["staleness"]} if result.values["staleness"] else {})}
 
 
 class Result:
@@ -58,15 +60,26 @@ class Result:
 
 
 class Executor:
-    """Records each step's (feed, next_feed, read)."""
+    """Records each step's (feed, ahead, read) and, as the real one does, trains the oldest rollout
+    started ahead, else the step's own feed; the rollouts in `ahead` start after this step's training
+    is dispatched and before its weights reach the generator, so they carry the update count the
+    generator holds then (`updates` before this step's)."""
 
     def __init__(self, name: str = "first", log: list | None = None):
         self.name, self.calls, self.log = name, [], log if log is not None else []
+        self.pending: collections.deque = collections.deque()
+        self.updates = 0  # weight updates the trainer made so far
+        self.trained: list[tuple[int, int]] = []  # (batch, updates of the policy that generated it)
 
-    def step(self, feed, next_feed=None, read=()):
-        self.calls.append((feed, next_feed, tuple(read)))
-        self.log.append(("step", self.name, feed["batch"]))
-        return Result({"batch": feed["batch"], "executor": self.name})
+    def step(self, feed, ahead=(), read=()):
+        self.calls.append((feed, tuple(f["batch"] for f in ahead), tuple(read)))
+        batch, version = self.pending.popleft() if self.pending else (feed["batch"], self.updates)
+        assert batch == feed["batch"]  # the loop hands each step the feed of the rollout it trains
+        self.trained.append((batch, version))
+        self.pending.extend((f["batch"], self.updates) for f in ahead)
+        self.updates += 1
+        self.log.append(("step", self.name, batch))
+        return Result({"batch": batch, "executor": self.name, "staleness": self.updates - 1 - version})
 
 
 RNG = jax.random.key(11)
@@ -87,7 +100,7 @@ def test_steps_are_numbered_from_one_and_each_draws_its_own_key_and_batch():
     assert [m["batch"] for _, m, _ in out] == [0, 1, 2]
     for step, (feed, next_feed, read) in enumerate(ex.calls, start=1):
         assert np.array_equal(np.asarray(jax.random.key_data(feed["key"])), key_of(step))
-        assert next_feed is None and read == ("batch",)
+        assert next_feed == () and read == ("batch",)
     # the algorithm's metrics, the executor result's and the stream's, merged
     _, m, _ = out[0]
     assert m == {"batch": 0, "ran_on": "first", "time/step_s": 0.25, "data/pos": 1}
@@ -119,24 +132,54 @@ def test_start_equal_to_stop_runs_nothing_and_draws_nothing():
 def test_offpolicy_feeds_the_next_batch_with_this_one_and_draws_each_batch_once():
     on_ex, off_ex, off_data = Executor(), Executor(), Stream()
     on = list(run_steps(Algorithm(), on_ex, Stream(), RNG, 0, 3))
-    off = list(run_steps(Algorithm(), off_ex, off_data, RNG, 0, 3, offpolicy=True))
+    off = list(run_steps(Algorithm(), off_ex, off_data, RNG, 0, 3, staleness=1))
     # the same steps, batches and resume positions as on-policy; 3 steps draw 3 batches
     assert [(s, m["batch"], d) for s, m, d in off] == [(s, m["batch"], d) for s, m, d in on]
     assert off_data.pos == 3
-    feeds = [(f["batch"], None if n is None else n["batch"]) for f, n, _ in off_ex.calls]
-    assert feeds == [(0, 1), (1, 2), (2, None)]  # the last step has no next step to start
-    for step, (feed, next_feed, _) in enumerate(off_ex.calls, start=1):
+    feeds = [(f["batch"], ahead) for f, ahead, _ in off_ex.calls]
+    assert feeds == [(0, (1,)), (1, (2,)), (2, ())]  # the last step has no next step to start
+    for step, (feed, _, _) in enumerate(off_ex.calls, start=1):  # each feed is built with its step's key
         assert np.array_equal(np.asarray(jax.random.key_data(feed["key"])), key_of(step))
-        if next_feed is not None:  # the next step's feed is built with the next step's key
-            assert np.array_equal(np.asarray(jax.random.key_data(next_feed["key"])), key_of(step + 1))
+    assert [m["rollout/staleness"] for _, m, _ in off] == [0.0, 1.0, 1.0]
+    assert [m["rollout/policy_version"] for _, m, _ in off] == [0.0, 0.0, 1.0]
+    assert "rollout/staleness" not in on[0][1]
 
 
 def test_offpolicy_resumed_window_starts_from_its_own_batch():
     data = Stream(pos=2)  # a run resumed after step 2
     ex = Executor()
-    out = list(run_steps(Algorithm(), ex, data, RNG, 2, 4, offpolicy=True))
+    out = list(run_steps(Algorithm(), ex, data, RNG, 2, 4, staleness=1))
     assert [(s, m["batch"]) for s, m, _ in out] == [(3, 2), (4, 3)]
-    assert [None if n is None else n["batch"] for _, n, _ in ex.calls] == [3, None]
+    assert [ahead for _, ahead, _ in ex.calls] == [(3,), ()]
+
+
+@pytest.mark.parametrize("eta", [1, 2, 3, 5])
+def test_staleness_never_exceeds_eta_and_every_batch_trains_once_in_order(eta):
+    """Random run lengths and resume points: the generator runs up to eta steps ahead (the staleness
+    of a trained rollout, counted independently by the stand-in executor, is at most eta and reaches
+    eta in steady state), every batch is trained exactly once and in order across resumes, and the
+    loop's staleness metrics agree with the executor's count."""
+    rng = np.random.default_rng(eta)
+    for _ in range(20):
+        stop = int(rng.integers(1, 3 * eta + 4))
+        cuts = sorted(set(int(c) for c in rng.integers(0, stop, size=int(rng.integers(0, 3)))))
+        data, trained, seen = Stream(), [], []
+        for lo, hi in zip([0, *cuts], [*cuts, stop]):
+            if lo == hi:
+                continue
+            ex = Executor()  # a resumed run starts a fresh executor: nothing in flight
+            resumed = Stream()
+            resumed.load_state_dict(data.state_dict())
+            data = resumed
+            out = list(run_steps(Algorithm(), ex, data, RNG, lo, hi, staleness=eta))
+            resumed.load_state_dict(out[-1][2])  # where the checkpoint of the window's last step continues
+            trained += [b for b, _ in ex.trained]
+            for (step, m, _), (feed, ahead, _) in zip(out, ex.calls):
+                assert m["rollout/staleness"] == m.get("staleness", 0) <= eta
+                assert all(step < b + 1 <= min(step + eta, hi) for b in ahead)  # admission pacing
+                seen.append(m["rollout/staleness"])
+        assert trained == list(range(stop))
+    assert max(seen) == eta
 
 
 def test_around_wraps_each_executor_step():

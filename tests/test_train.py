@@ -93,16 +93,22 @@ def test_pipelined_actor_and_critic_match_colocated(colocated, tmp_path):
 
 
 @pytest.mark.slow
-def test_offpolicy_disaggregated_trains_on_previous_weights(colocated, tmp_path):
-    """Step 1 is identical to on-policy; later rollouts come from the one-step-stale shadow actor."""
-    records = _run(tmp_path, "offpolicy", "plan.strategy=disaggregated", "plan.offpolicy=true")
-    _assert_same_metrics(colocated[:1], records[:1], "offpolicy step 1")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    # Step 2's rollout was generated while step 1 trained, by the shadow still holding the initial
-    # weights, which equal the reference: its KL is zero, unlike the on-policy run's.
+def test_a_generator_two_steps_ahead_trains_on_weights_two_updates_old(colocated, tmp_path):
+    """algorithm.max_staleness=2 on a disaggregated plan: step 1 is identical to on-policy; the shadow
+    generator starts steps 2 and 3 while step 1 trains, so both rollouts come from the initial weights,
+    which equal the reference (KL zero, unlike on-policy); step 4's comes from the weights after
+    update 1 (KL no longer zero). `plan.offpolicy=true` is the same with a budget of one."""
+    records = _run(tmp_path, "stale", "plan.strategy=disaggregated", "algorithm.max_staleness=2", "run.steps=4")
+    _assert_same_metrics(colocated[:1], records[:1], "max_staleness=2 step 1")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["rollout/staleness"] for r in records] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/policy_version"] for r in records] == [0.0, 0.0, 0.0, 1.0]
     assert abs(records[1]["kl/mean"]) < 1e-5 < abs(colocated[1]["kl/mean"])
-    assert abs(records[2]["kl/mean"]) > 1e-5
+    assert abs(records[2]["kl/mean"]) < 1e-5 < abs(colocated[2]["kl/mean"])
+    assert abs(records[3]["kl/mean"]) > 1e-5
     assert all(np.isfinite(r["loss/policy"]) for r in records)
+    alias = cfglib.load_config(None, [*BASE, "plan.strategy=disaggregated", "plan.offpolicy=true"])
+    assert alias.staleness_budget == 1
 
 
 def test_colocated_metrics_are_complete(colocated):

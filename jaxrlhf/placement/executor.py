@@ -36,6 +36,7 @@ scalars (and pytrees of scalars, such as normalisation moments) are replicated.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -163,7 +164,8 @@ class Executor:
         self._ops: list[Op] = []  # operations of the phase being dispatched
         self._training = graph.downstream_of_training()
         self.offload_idle()
-        self._pending: tuple[dict[str, Any], list[Op]] | None = None  # next step's collect phase (off-policy)
+        # the collect phases of the next steps, dispatched ahead on an off-policy plan, oldest first
+        self._pending: collections.deque[tuple[dict[str, Any], list[Op]]] = collections.deque()
 
     # ---------------------------------------------------------------- placement helpers
     def placed(self, call: str) -> Placed:
@@ -311,7 +313,7 @@ class Executor:
         device first (the new executor offloads what its plan offloads). Values are moved, never
         recomputed, so the run's math does not change: the live switch of a re-plan. Call it between
         steps; this executor must not be used afterwards."""
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("cannot switch plans while the next step's rollout is in flight (off-policy plan)")
         for role in self.roles.values():
             if role.shadow is not None:
@@ -422,22 +424,24 @@ class Executor:
             self._ops = outer
 
     def step(
-        self, feed: Mapping[str, Any], next_feed: Mapping[str, Any] | None = None, read: Sequence[str] = ()
+        self, feed: Mapping[str, Any], ahead: Sequence[Mapping[str, Any]] = (), read: Sequence[str] = ()
     ) -> StepResult:
         """One step of the graph; the values named in `read` come back on host, read in one gather once
-        everything else is dispatched. With a one-step off-policy plan, pass the next step's feed: its
-        collect phase runs on the shadow (previous weights) while this step trains, and the next call of
-        `step` uses it, ignoring its own `feed`."""
+        everything else is dispatched. On an off-policy plan, `ahead` holds the feeds of later steps to
+        start now: their collect phases run on the shadow generator (the weights it was last synced
+        with) while this step trains, and the next calls of `step` use them in order, ignoring their
+        own `feed`."""
         t_start = time.perf_counter()
         self.moves = MoveStats()
-        if self._pending is not None:
-            values, self._ops = self._pending
-            self._pending = None
+        if self._pending:
+            values, self._ops = self._pending.popleft()
         else:
             values, self._ops = self.collect(feed)
         self._run_phase([n for n in self.graph.order() if n.name in self._training], values)
-        if self.plan.offpolicy and next_feed is not None:
-            self._pending = self.collect(next_feed)  # overlaps the train calls: shadows sync after this
+        if ahead and not self.plan.offpolicy:
+            raise ValueError(f"plan {self.plan.strategy!r} is not off-policy: it cannot start later steps' rollouts")
+        for later in ahead:  # overlaps the train calls: shadows sync after this
+            self._pending.append(self.collect(later))
         self.sync_shadows()
         for name in self.graph.state:  # carried into the next step
             if f"next:{name}" in values:

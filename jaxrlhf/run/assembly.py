@@ -114,6 +114,14 @@ class RunSetup:
             return ExecutionPlan.from_yaml(main_text("plan", lambda: choose().to_yaml()), where="process 0's plan")
         return choose()
 
+    def staleness(self, plan: "ExecutionPlan") -> int:
+        """How many steps the generator runs ahead of the trainer on `plan`: the run's budget eta
+        (`Config.staleness_budget`) on an off-policy plan, at least 1 there (a plan file may be
+        off-policy by itself); 0 on any other plan, where every rollout is on-policy."""
+        if not plan.offpolicy:
+            return 0
+        return max(self.cfg.staleness_budget, 1)
+
     def search(self, *, time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
         """The planner's search over this machine (`planning.search_plan`): a SearchResult."""
         return planning.search_plan(self.cfg, self.algorithm, self.planned_models, self.machine.devices,

@@ -5,7 +5,7 @@ config, so everything that decides a plan lives here with one set of defaults:
 the role model configs, the hardware profile, the machine (devices and devices
 per host, over every process), and the plan itself (a plan file, a strategy
 preset, or the planner's search with `SEARCH_TIME_BUDGET_S`, the run's seed
-and `plan.offpolicy`). Only model dimensions are read: no weights, no JAX.
+and the run's staleness budget). Only model dimensions are read: no weights, no JAX.
 A run that re-plans (`plan.replan_every`) searches again through `replan`,
 with the same defaults, on the profile its own call times corrected.
 """
@@ -153,7 +153,8 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
                           minibatch_size=workload.minibatch_size, devices_per_host=devices_per_host,
-                          offpolicy=cfg.plan.offpolicy, workload=workload, hardware=hw, check=False)
+                          offpolicy=cfg.staleness_budget > 0 and cfg.plan.strategy == "disaggregated",
+                          workload=workload, hardware=hw, check=False)
     try:  # once, before the memory model reads its groups (offloading changes no placement)
         validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
     except PlanError as e:
@@ -200,12 +201,13 @@ def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any],
 def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int, hw, *,
                 time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
     """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
-    workload, seeded by `run.seed`, off-policy plans only with `plan.offpolicy`."""
+    workload, seeded by `run.seed`, off-policy plans (the generator ahead of the trainer) only with a
+    staleness budget (`Config.staleness_budget`)."""
     from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
 
     return search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
                   iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=time_budget_s,
-                  allow_offpolicy=cfg.plan.offpolicy)
+                  allow_offpolicy=cfg.staleness_budget > 0)
 
 
 def replan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], current, hw, num_devices: int,

@@ -20,38 +20,63 @@ from jaxrlhf import config as cfglib
 WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
 
-def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, offpolicy: bool = False,
+def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, staleness: int = 0,
               around: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
               after: Callable[[int, dict[str, Any], Any], Any] | None = None,
               ) -> Iterator[tuple[int, dict[str, Any], dict]]:
-    """Run steps `start + 1 .. stop`: yields (step, metrics, data position before the step's batch).
+    """Run steps `start + 1 .. stop`: yields (step, metrics, data position after the step's batch,
+    where a run resumed from that step continues).
 
-    Step `s` draws from `fold_in(rng, s)`. With `offpolicy` the next step's batch is fed with this
-    one, so the executor can start its generation while this step trains. `around(step)` wraps the
-    executor's step (a profiler trace). `after(step, metrics, executor)`, when given, runs after each
-    step (it may add metrics) and returns the executor for the next steps: the same one, or one on
-    another plan (`Replanner`: a live switch; the data stream and random keys go on unchanged)."""
+    Step `s` draws from `fold_in(rng, s)`. With `staleness` eta > 0 (an off-policy plan: a shadow
+    generator on its own devices) the executor is handed, with each step, the feeds of the steps up to
+    `s + eta` not yet started, so their rollouts are generated while this step trains; the rollout of
+    step `s` then comes from the policy of update `s - 1 - k` for some k <= eta (admission pacing: no
+    step starts that could not be trained within eta). Each step reports `rollout/staleness` (k: the
+    trainer's updates since that policy) and `rollout/policy_version` (its update count). A resumed
+    run starts again from its own step: the rollouts in flight at the checkpoint are not in it, so they
+    are generated again, from the same batches with the same keys, and never trained twice.
+    `around(step)` wraps the executor's step (a profiler trace). `after(step, metrics, executor)`,
+    when given, runs after each step (it may add metrics) and returns the executor for the next steps:
+    the same one, or one on another plan (`Replanner`: a live switch; the data stream and random keys
+    go on unchanged)."""
+    import collections
+
     import jax
 
     from jaxrlhf.transfer.host import HostValues
 
-    batch = None
+    def draw(step: int) -> dict:
+        batch = data.next_batch()
+        return {"step": step, "feed": algorithm.feed(batch, jax.random.fold_in(rng, step)),
+                "data_state": data.state_dict()}
+
+    inflight: collections.deque = collections.deque()  # steps whose rollouts were started ahead, oldest first
+    drawn = start  # the last step whose batch was drawn
     for step in range(start + 1, stop + 1):
-        batch = batch if (offpolicy and batch is not None) else data.next_batch()
-        data_state = data.state_dict()
-        nxt = data.next_batch() if offpolicy and step < stop else None
-        feed = algorithm.feed(batch, jax.random.fold_in(rng, step))
-        next_feed = algorithm.feed(nxt, jax.random.fold_in(rng, step + 1)) if nxt is not None else None
+        if inflight:
+            this = inflight.popleft()
+        else:
+            drawn, this = step, draw(step)
+            this["version"] = step - 1  # generated now, by the policy the trainer holds
+        ahead = []
+        while staleness and drawn < min(step + staleness, stop):
+            drawn += 1
+            nxt = draw(drawn)
+            nxt["version"] = step - 1  # the shadow syncs after this step's training
+            inflight.append(nxt)
+            ahead.append(nxt["feed"])
         with around(step):
-            result = executor.step(feed, next_feed, read=algorithm.metric_values())
+            result = executor.step(this["feed"], ahead, read=algorithm.metric_values())
         result.values = HostValues(result.values)  # other values read on first use, alike on every process
         metrics = algorithm.metrics(result)
         metrics.update(result.metrics())
         metrics.update(data.metrics())
+        if staleness:
+            metrics["rollout/policy_version"] = float(this["version"])
+            metrics["rollout/staleness"] = float(step - 1 - this["version"])
         if after is not None:
             executor = after(step, metrics, executor)
-        batch = nxt
-        yield step, metrics, data_state
+        yield step, metrics, this["data_state"]
 
 
 class Replanner:
