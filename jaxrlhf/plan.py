@@ -176,9 +176,22 @@ def report_text(res: SearchResult, devices: int, hardware: str) -> str:
         else:
             lines.append(f"  {name:14s} infeasible ({p.reason})")
     lines.append(f"  {'searched':14s} {best.step_s:.3g} s")
+    lines.append(async_line(res))
     lines.append(f"search: {res.seconds:.1f} s, {res.evaluations} plans evaluated"
                  + (" (time budget hit)" if res.budget_hit else ""))
     return "\n".join(lines)
+
+
+def async_line(res: SearchResult) -> str:
+    """What the generator running ahead of the trainer buys, as the search found it."""
+    if not res.offpolicy_searched:
+        return ("asynchronous plans (the generator ahead of the trainer) not searched: algorithm.max_staleness=0; "
+                "set it to 1 or more to let the planner weigh them")
+    if res.best_sync is None:
+        return "asynchronous: only plans with the generator ahead of the trainer fit"
+    return (f"asynchronous vs synchronous: best plan {res.best.step_s:.3g} s/step"
+            f"{' (generator ahead)' if res.best.plan.offpolicy else ' (on-policy)'}, best on-policy plan "
+            f"{res.best_sync.step_s:.3g} s/step: predicted gain {res.async_gain:.2f}x")
 
 
 def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
@@ -197,6 +210,8 @@ def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
                                    "move_source": res.best.move_sources.get(n, "formula")}
                                for n, c in res.best.calls.items()}},
         "presets": presets,
+        "sync_step_s": res.best_sync.step_s if res.best_sync else None,
+        "async_gain": res.async_gain,
         "search_s": res.seconds,
     }
 

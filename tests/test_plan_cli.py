@@ -17,7 +17,9 @@ def test_json_output_and_plan_file(tmp_path, capsys):
                "--prompt-len", "16", "--iterations", "300", "--json", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"algorithm", "searched", "presets", "search_s", "out"} and out["algorithm"] == "ppo"
+    assert set(out) == {"algorithm", "searched", "presets", "sync_step_s", "async_gain", "search_s", "out"}
+    assert out["algorithm"] == "ppo" and out["async_gain"] is None  # no staleness budget: not searched
+    assert out["sync_step_s"] == out["searched"]["step_s"]
     assert out["searched"]["step_s"] > 0 and out["search_s"] > 0
     assert {"colocated", "interleaved", "disaggregated", "reallocated", "heuristic"} <= set(out["presets"])
     for p in out["presets"].values():
@@ -33,6 +35,7 @@ def test_text_output_with_config(tmp_path, capsys):
     rc = main(["--config", QUICKSTART, "--hardware", "cpu", "--iterations", "200", "--out", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
+    assert "asynchronous plans (the generator ahead of the trainer) not searched: algorithm.max_staleness=0" in text
     assert "actor.generate" in text and "colocated" in text and "searched" in text and "GiB" in text
     assert os.path.exists(tmp_path / "plan.yaml")
 
@@ -186,3 +189,12 @@ def test_a_model_too_big_for_the_devices_is_refused_with_what_it_needs(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("error: no plan fits on 8 x h100") and "use at least 29 devices" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_staleness_budget_prints_the_predicted_async_gain(tmp_path, capsys):
+    rc = main(["--model-preset", "tiny", "--devices", "8", "--hardware", "cpu", "--batch", "16", "--gen-len", "8",
+               "--prompt-len", "16", "--iterations", "100", "--json", "--out", str(tmp_path),
+               "plan.strategy=auto", "algorithm.max_staleness=2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["async_gain"] >= 1.0 and out["sync_step_s"] == pytest.approx(out["async_gain"] * out["searched"]["step_s"])

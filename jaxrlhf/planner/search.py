@@ -235,6 +235,18 @@ class SearchResult:
     seconds: float
     evaluations: int
     budget_hit: bool
+    # the best plan whose rollouts are all on-policy: `best` itself, or (where off-policy plans were
+    # searched and one won) what the generator running ahead buys against it
+    best_sync: PlanEstimate | None = None
+    offpolicy_searched: bool = False
+
+    @property
+    def async_gain(self) -> float | None:
+        """Predicted step time of the best on-policy plan over the best plan's (1.0 when an on-policy
+        plan is best); None when off-policy plans were not searched or no on-policy plan fits."""
+        if not self.offpolicy_searched or self.best_sync is None:
+            return None
+        return self.best_sync.step_s / self.best.step_s
 
 
 class _Annealer:
@@ -706,7 +718,10 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
         if round(e, 9) not in seen_times:
             seen_times.add(round(e, 9))
             runners.append(est)
-    result = SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit)
+    on_policy = [est for _, est in feasible if not est.plan.offpolicy]
+    best_sync = best if not best.plan.offpolicy else (on_policy[0] if on_policy else None)
+    result = SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit,
+                          best_sync, allow_offpolicy)
     if seeds is None and not budget_hit:
         _RESULTS[key] = result
     return result

@@ -181,3 +181,16 @@ def test_a_kick_keeps_a_bottom_no_kick_beats():
     assert best.shadow == {"critic"} and e_bottom < ann.energy(best)[0] < e_bottom * 1.05
     kicked, hit = ann.kicked(bottom, float("inf"))
     assert not hit and kicked == bottom
+
+def test_the_search_reports_the_best_on_policy_plan_beside_the_best():
+    """With off-policy plans allowed, `best_sync` is the best plan whose rollouts are on-policy and
+    `async_gain` what the generator running ahead buys over it (1.0 when an on-policy plan wins);
+    without, nothing is claimed about asynchronous plans."""
+    hw, models, wl = _small_instance()
+    graph = ppo_graph()
+    models = {**models, "ref": models["actor"], "reward": models["critic"]}
+    sync = search(models, wl, hw, 4, graph, iterations=200, time_budget_s=30)
+    assert not sync.offpolicy_searched and sync.async_gain is None and sync.best_sync is sync.best
+    both = search(models, wl, hw, 4, graph, iterations=200, time_budget_s=30, allow_offpolicy=True)
+    assert both.offpolicy_searched and not both.best_sync.plan.offpolicy
+    assert both.async_gain == pytest.approx(both.best_sync.step_s / both.best.step_s) and both.async_gain >= 1.0
