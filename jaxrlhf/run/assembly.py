@@ -22,7 +22,7 @@ from jaxrlhf.run.planning import SEARCH_TIME_BUDGET_S, Chip
 
 if TYPE_CHECKING:
     from jaxrlhf.algorithms.base import Algorithm
-    from jaxrlhf.config import Config
+    from jaxrlhf.config_schema import Config
     from jaxrlhf.graph import CallGraph
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
