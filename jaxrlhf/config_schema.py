@@ -264,6 +264,17 @@ class RolloutConfig(AlgorithmConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     clip_eps: Float = _field(0.2, check=positive)  # ratio clip 1 - eps
     clip_eps_high: Float | None = _field(None, check=positive)  # upper clip 1 + eps; null = clip_eps (symmetric)
+    # off-policy correction between the sampling policy and the trainer's (docs/algorithms.md#off-policy-correction):
+    # none (the ratio against the sampled log-probs), tis, seq_mask, icepop, decoupled (recompute them first)
+    rollout_correction: Literal["none", "tis", "seq_mask", "icepop", "decoupled"] = "none"
+    tis_cap: Float = _field(2.0, check=positive)  # tis: C, the truncation of each token's weight min(rho, C)
+    icepop_low: Float = _field(0.5, check=positive)  # icepop: alpha, tokens with rho below it carry no loss
+    icepop_high: Float = _field(2.0, check=positive)  # icepop: beta, tokens with rho above it carry no loss
+    seq_mask_low: Float = _field(0.999, check=positive)  # seq_mask: drop responses whose geometric-mean rho is below
+    seq_mask_high: Float = _field(1.001, check=positive)  # seq_mask: drop responses whose geometric-mean rho is above
+    # decoupled: tokens whose weight pi_old / pi_behaviour exceeds this carry no loss (AReaL's behav_imp_weight_cap,
+    # > 1); null = no cap
+    decoupled_cap: Float | None = _field(None, check=lambda v: None if v is None or v > 1 else "must be > 1")
     minibatches: Int = _field(4, check=positive)  # policy updates per epoch over the step's rollouts
     epochs: Int = _field(1, check=positive)  # passes over the step's rollouts
     ratio_early_stop: Float | None = _field(5.0, check=positive)  # stop a step's updates past this ratio; null = never

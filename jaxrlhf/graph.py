@@ -52,6 +52,10 @@ class CallSpec:
     # lm head: which positions get full-vocabulary logits ("response": only those predicting the
     # response, as RL calls compute them; "all": every position, as SFT and DPO do)
     logit_positions: str = "response"
+    # reads its role's trained weights as this step's update starts (an off-policy correction's recompute
+    # of pi_old): it runs with the train calls, never dispatched ahead with its step's rollout, and never
+    # on a shadow copy (away from home the trained weights are moved for it)
+    fresh_weights: bool = False
 
     def __post_init__(self):
         if self.kind not in CALL_KINDS:
@@ -222,9 +226,11 @@ class CallGraph:
         return None
 
     def downstream_of_training(self) -> frozenset[str]:
-        """Names of the train calls and of every node that (transitively) reads their outputs."""
-        tainted = {c.name for c in self.calls if c.kind == "train"}
-        values = {v for c in self.calls if c.kind == "train" for v in c.outputs if v not in self.state}
+        """Names of the train calls, of the calls that need fresh weights (`CallSpec.fresh_weights`), and
+        of every node that (transitively) reads their outputs."""
+        seeds = [c for c in self.calls if c.kind == "train" or c.fresh_weights]
+        tainted = {c.name for c in seeds}
+        values = {v for c in seeds for v in c.outputs if v not in self.state}
         changed = True
         while changed:
             changed = False

@@ -7,7 +7,10 @@ Every policy loss has the same signature
 
 and is registered with `@register_loss("name")`. `logp` are the log-probs of
 the sampled tokens under the current parameters (recomputed with the same
-logits processing as sampling), `old_logp` those from the rollout.
+logits processing as sampling), `old_logp` those of the policy the ratio is
+taken against: the rollout's behaviour log-probs, or with a rollout correction
+the trainer's recomputed ones (`jaxrlhf.algorithms.correction`), whose
+`token_weights` keyword then scales each token's surrogate.
 
 Aggregation over tokens (`agg`):
 - "token-mean" (default for PPO): mean over every response token of the
@@ -157,6 +160,7 @@ def ppo_policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
     norm_len: int | None = None,
+    token_weights: TokenArray | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """Clipped PPO surrogate (Schulman et al. 2017), eps 0.2.
 
@@ -164,9 +168,12 @@ def ppo_policy_loss(
     incentive to move the policy far from the rollout policy within one
     batch. `dual_clip` (e.g. 3) bounds the loss for negative advantages
     (Ye et al. 2020). `ref_logp` is ignored: PPO puts the KL into the reward.
+    `token_weights` (a rollout correction's, constants) multiply each token's surrogate.
     """
     del ref_logp
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, dual_clip)
+    if token_weights is not None:
+        loss_tok = loss_tok * token_weights
     loss = aggregate(loss_tok, mask, agg, norm_len)
     loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
     stats["loss/policy"] = loss
@@ -189,15 +196,19 @@ def grpo_policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "seq-mean-token-mean",
     norm_len: int | None = None,
+    token_weights: TokenArray | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """GRPO loss (Shao et al. 2024): the clipped surrogate plus an optional KL-to-reference term.
 
     GRPO has no per-token KL reward; with `kl_coef > 0` it adds
     `kl_coef * k3(logp, ref_logp)` to every token's loss instead (the paper
     uses 0.04), which needs `ref_logp`. Sequences are averaged per sequence
-    first by default, as in the paper.
+    first by default, as in the paper. `token_weights` (a rollout correction's, constants) multiply
+    each token's surrogate, not its KL term.
     """
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, None)
+    if token_weights is not None:
+        loss_tok = loss_tok * token_weights
     kl = _kl_loss_term(logp, ref_logp, mask, kl_coef, kl_kind, stats, "grpo")
     if kl is not None:
         loss_tok = loss_tok + kl
@@ -236,6 +247,7 @@ def gspo_policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "seq-mean-token-mean",
     norm_len: int | None = None,
+    token_weights: TokenArray | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """GSPO loss (Zheng et al. 2025): one importance ratio and one clip decision per sequence.
 
@@ -245,6 +257,11 @@ def gspo_policy_loss(
     the mean over sequences. Token ratios vary too much to clip one by one when the reward is
     given per sequence; the paper clips at 3e-4 / 4e-4. The log-ratio is capped at 10 before
     the exponential, as verl. The KL term, if any, is added per token and averaged per sequence.
+
+    With `token_weights` (a rollout correction's, constants) the loss takes verl's token form,
+    s_i,t = sg(s_i) pi(y_t) / sg(pi(y_t)) (the same value and, unweighted, the same gradient), so
+    each token's weight scales its own gradient: the per-token losses times the weights, averaged
+    per sequence.
     """
     if agg != "seq-mean-token-mean":
         raise ValueError(f"gspo averages per sequence; loss aggregation {agg!r} does not apply")
@@ -265,7 +282,14 @@ def gspo_policy_loss(
         "ratio/mean": jnp.sum(ratio * has_tokens) / rows,
         "ratio/max": jnp.max(ratio * has_tokens),
     }
-    loss = jnp.sum(seq_loss * has_tokens) / rows
+    if token_weights is None:
+        loss = jnp.sum(seq_loss * has_tokens) / rows
+    else:
+        sg = jax.lax.stop_gradient
+        s_tok = sg(ratio)[:, None] * jnp.exp(token_log_ratio - sg(token_log_ratio))
+        a_tok = seq_adv[:, None]
+        loss_tok = jnp.maximum(-a_tok * s_tok, -a_tok * jnp.clip(s_tok, 1.0 - clip_eps, 1.0 + high))
+        loss = aggregate(loss_tok * token_weights, m, agg)
     kl = _kl_loss_term(logp, ref_logp, m, kl_coef, kl_kind, stats, "gspo")
     if kl is not None:
         loss = loss + aggregate(kl, m, agg)

@@ -46,6 +46,13 @@ class RolloutAlgorithm(Algorithm):
         return self.cfg.algorithm.group_size
 
     @property
+    def corrects(self) -> bool:
+        """An off-policy correction (`algorithm.rollout_correction` other than none): the actor recomputes
+        the rollout's log-probs before its update (`actor.inference`), the train call weighs them against
+        the behaviour log-probs the generate call recorded (`jaxrlhf.algorithms.correction`)."""
+        return self.cfg.algorithm.rollout_correction != "none"
+
+    @property
     def dynamic_sampling(self) -> bool:
         """Generate a larger pool of groups and train on the informative ones (see `select_groups`)."""
         return getattr(self.cfg.algorithm, "dynamic_sampling", False)  # only grouped algorithms have the key
@@ -140,6 +147,15 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+        for band, example in (("icepop", "0.5 and 2.0"), ("seq_mask", "0.999 and 1.001")):
+            low, high = getattr(alg, f"{band}_low"), getattr(alg, f"{band}_high")
+            if not low < high:
+                raise AlgorithmConfigError(
+                    f"algorithm.{band}_low={low} must be below algorithm.{band}_high={high} (e.g. {example})")
+            if not low <= 1.0 <= high:  # pi_old / pi_behaviour is 1 on policy
+                raise AlgorithmConfigError(
+                    f"algorithm.{band}_low={low} and algorithm.{band}_high={high} must hold 1 between them, the "
+                    f"ratio of an on-policy token, or a synchronous run would mask every token (e.g. {example})")
 
     def graph(self) -> CallGraph:
         pool = "pool_" if self.dynamic_sampling else ""
@@ -175,6 +191,10 @@ class RolloutAlgorithm(Algorithm):
             train_in += outs
         if self.greedy_baseline:
             train_in.append("greedy_ended_with_eos")
+        if self.corrects:  # pi_old: the trainer's log-probs of the rollout before this step's update
+            calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*SEQUENCE, *RESPONSE),
+                                  outputs=("old_logp",), fresh_weights=True))
+            train_in.append("old_logp")
         if self.uses_ref:
             calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*SEQUENCE, *RESPONSE),
                                   outputs=("ref_logp",)))
@@ -188,7 +208,7 @@ class RolloutAlgorithm(Algorithm):
         calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
                               outputs=("actor_stats", "advantages")))
         if self.uses_critic:
-            critic_in = tuple(v for v in train_in if v != "rng_actor") + ("rng_critic",)
+            critic_in = tuple(v for v in train_in if v not in ("rng_actor", "old_logp")) + ("rng_critic",)
             calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
                                   outputs=("critic_stats", "value_moments")))
         if self.uses_ref:

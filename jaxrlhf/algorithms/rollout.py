@@ -13,6 +13,8 @@ JAX; `RolloutRuntime` here is their runtime half. The step graph (bracketed part
                              the generate call's outputs are then named full_*)
     [score_rules]            host: decoded responses + reference answers -> rule_scores[, greedy_rule_scores]
     [reward.inference]       reward-model scores -> model_scores[, greedy_model_scores]
+    [actor.inference]        the trainer's log-probs of the response before its update -> old_logp
+                             (`algorithm.rollout_correction` other than none; `jaxrlhf.algorithms.correction`)
     [ref.inference]          reference log-probs of the response -> ref_logp
     [critic.inference]       values of every response token -> values
     actor.train              policy update -> actor_stats, advantages
@@ -44,6 +46,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
+from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction_weights
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
@@ -94,6 +97,7 @@ class RLSettings:
     engine: str = "static"  # generation.engine (models/engines.py)
     slots: int | None = None  # generation.slots (continuous engine)
     kv_pages: int | None = None  # generation.kv_pages (continuous engine)
+    correction: Correction = Correction()  # algorithm.rollout_correction and its parameters
 
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
@@ -140,15 +144,16 @@ def generate_call(
 
 def policy_logprobs(
     graphdef: nnx.GraphDef, sampling: SamplingParams, micro_batch: int | None, params: nnx.State,
-    inputs: dict[str, Any],
+    inputs: dict[str, Any], *, output: str = "ref_logp",
 ) -> dict[str, Float[Array, "batch new"]]:
-    """Log-probs of the response under a policy (the reference model), same logits processing as sampling."""
+    """Log-probs of the response under a policy, same logits processing as sampling, named `output`: the
+    reference model's (`ref_logp`), or the actor's before its update (`old_logp`, a rollout correction's)."""
     model = nnx.merge(graphdef, params)
     p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
 
     def one(b):
         logp = token_logprobs(response_logits(model, b, p), b["response_tokens"], sampling)
-        return {"ref_logp": jnp.where(b["response_mask"], logp, 0.0)}
+        return {output: jnp.where(b["response_mask"], logp, 0.0)}
 
     return map_microbatches(one, inputs, micro_batch)
 
@@ -241,7 +246,14 @@ def actor_train(
     opt_state: Any,
     inputs: dict[str, Any],
 ) -> tuple[nnx.State, Any, dict[str, Any]]:
-    """Clipped policy-gradient update over the rollouts; returns params, optimizer state, stats and advantages."""
+    """Clipped policy-gradient update over the rollouts; returns params, optimizer state, stats and advantages.
+
+    With a rollout correction (`s.correction`) the ratio is taken against the recomputed `old_logp`, and
+    the correction's token weights and loss mask (from `old_logp` against `behaviour_logp`) enter the loss;
+    without one against `behaviour_logp`, as sampled."""
+    correction = s.correction
+    if correction.active:
+        behaviour_logp(inputs, correction.kind)  # one line naming the key when the rollout has none
     kl_coef = inputs["kl_coef"].astype(jnp.float32)
     adv, _, kl, scores = rollout_advantages(inputs, s, kl_coef, inputs.get("value_moments"))
     loss_impl = get_loss(s.loss)
@@ -256,19 +268,21 @@ def actor_train(
         logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
         logp = jnp.where(mb["response_mask"], logp, 0.0)
         ent = entropy(logits, s.sampling)
+        mask = mb.get("loss_mask", mb["response_mask"])  # a correction's mask: no sequences it dropped
+        weights = {"token_weights": mb["is_weight"]} if "is_weight" in mb else {}
         loss, stats = loss_impl(
-            logp, mb["old_logp"], mb["adv"], mb["response_mask"], ref_logp=mb.get("ref_logp"), entropy=ent,
-            **loss_kwargs,
+            logp, mb["old_logp"], mb["adv"], mask, ref_logp=mb.get("ref_logp"), entropy=ent,
+            **loss_kwargs, **weights,
         )
         if "entropy" not in stats:
-            stats["entropy"] = masked_mean(jax.lax.stop_gradient(ent), mb["response_mask"])
+            stats["entropy"] = masked_mean(jax.lax.stop_gradient(ent), mask)
         exploded = (
-            importance_ratio_exploded(logp, mb["old_logp"], mb["response_mask"], s.ratio_early_stop)
+            importance_ratio_exploded(logp, mb["old_logp"], mask, s.ratio_early_stop)
             if s.ratio_early_stop is not None
             else jnp.array(False)
         )
-        weight = aggregation_weight(mb["response_mask"], s.loss_agg)
-        tokens = aggregation_weight(mb["response_mask"])
+        weight = aggregation_weight(mask, s.loss_agg)
+        tokens = aggregation_weight(mask)
         return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
 
     data = {
@@ -276,6 +290,13 @@ def actor_train(
         "response_tokens": inputs["response_tokens"], "response_mask": inputs["response_mask"],
         "old_logp": inputs["behaviour_logp"], "adv": adv,
     }
+    correction_stats: dict[str, Any] = {}
+    if correction.active:
+        weights, loss_mask, correction_stats = correction_weights(
+            correction, inputs["old_logp"], inputs["behaviour_logp"], inputs["response_mask"])
+        data.update(old_logp=inputs["old_logp"], loss_mask=loss_mask)
+        if weights is not None:
+            data["is_weight"] = weights
     if "ref_logp" in inputs:
         data["ref_logp"] = inputs["ref_logp"]
     params, opt_state, stats = minibatch_updates(
@@ -288,6 +309,7 @@ def actor_train(
     stats["kl/coef"] = kl_coef
     stats["advantages/mean"] = masked_mean(adv, mask)
     stats["reward/mean"] = jnp.mean(scores)
+    stats.update(correction_stats)
     return params, opt_state, {"actor_stats": stats, "advantages": adv}
 
 
@@ -431,6 +453,10 @@ class RolloutRuntime:
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
             ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
+            correction=Correction(
+                kind=alg.rollout_correction, tis_cap=alg.tis_cap, icepop_low=alg.icepop_low,
+                icepop_high=alg.icepop_high, seq_mask_low=alg.seq_mask_low, seq_mask_high=alg.seq_mask_high,
+                decoupled_cap=alg.decoupled_cap),
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -450,6 +476,9 @@ class RolloutRuntime:
                                        s.max_new_tokens, eos_ids, tok.pad_id,
                                        (s.engine, self.group_size, s.slots, s.kv_pages))
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
+        if s.correction.active:  # pi_old: the actor's log-probs of the rollout before this step's update
+            fns["actor.inference"] = functools.partial(policy_logprobs, m["actor"].graphdef, s.sampling,
+                                                       s.micro_batch, output="old_logp")
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
         if "critic" in m:

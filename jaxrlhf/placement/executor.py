@@ -255,7 +255,8 @@ class Executor:
         if placed.placement == self.home_placed(role_name).placement:
             return role.params, False
         shardings = placed.param_shardings(role.params)
-        if role_name in self.plan.shadow_roles:
+        fresh = call in self.graph.names and self.graph[call].fresh_weights  # the trained weights, not a shadow's
+        if role_name in self.plan.shadow_roles and not fresh:
             if role.shadow is None:
                 role.shadow = self.move(role.params, shardings, call=call, copy=True)
             return role.shadow, False

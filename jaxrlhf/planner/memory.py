@@ -251,7 +251,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         if role in plan.shadow_roles:
             seen = {(plan.group_of(home_call).start, plan.group_of(home_call).size, home.layout)}
             for c in calls:
-                if c.role != role:
+                if c.role != role or c.fresh_weights:  # those read the trained weights, moved for them
                     continue
                 g, lay = plan.group_of(c.name), plan.calls[c.name].layout
                 if (g.start, g.size, lay) not in seen:
@@ -270,7 +270,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         home_call = homes[c.role]
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
-        if moved and (c.role not in plan.shadow_roles or c.role in views):
+        if moved and (c.role not in plan.shadow_roles or c.role in views or c.fresh_weights):
             w += params_per_device(cfg, c.head, lay)
         work[c.name] = w
 

@@ -185,7 +185,8 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
             deps = [f"{d}@{i}" for d in c.deps]
             train = trains[c.role]
             at_home = at_homes[c.name]
-            shadow = c.role in plan.shadow_roles and not at_home
+            # a call that needs fresh weights (an off-policy correction's recompute) never reads the shadow
+            shadow = c.role in plan.shadow_roles and not at_home and not c.fresh_weights
             if train is not None and train.name != c.name and shadow:
                 back = 2 if plan.offpolicy and c.kind == "generate" else 1
                 if i - back >= 0:
@@ -201,7 +202,7 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
                           tuple(dict.fromkeys(deps))))
         # Shadow syncs after each train call, one per shadowed call.
         for c in order:
-            if c.role in plan.shadow_roles and not at_homes[c.name]:
+            if c.role in plan.shadow_roles and not at_homes[c.name] and not c.fresh_weights:
                 train = trains[c.role]
                 if train is None:
                     continue
@@ -245,7 +246,8 @@ def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, M
         costs[c.name] = cache.call(c, plan.group_of(c.name), p.layout, micro.get(c.name))
         home_call = plan.home_call(views.get(c.role, c.role))  # a LoRA role's base moves from that role's home
         # a LoRA shadow's base is copied once; each sync sends only the adapters
-        sync_adapters = c.role in plan.shadow_roles and models[c.role].lora is not None and c.role not in views
+        sync_adapters = (c.role in plan.shadow_roles and models[c.role].lora is not None and c.role not in views
+                         and not c.fresh_weights)
         moves[c.name], sources[c.name] = cache.move_cost(c, plan.group_of(home_call), plan.calls[home_call].layout,
                                                          plan.group_of(c.name), p.layout, sync_adapters)
     return costs, moves, sources
