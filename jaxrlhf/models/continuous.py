@@ -29,7 +29,8 @@ once per sample. This engine does the work each row needs, and keeps the cache i
   axis), so a row never reads another device's pages.
 
 Results come back in the original row order as a `GenerationOutput`, with `kv_pages_used`: the most
-response pages in use at any step (all shards).
+response pages in use at any step (all shards). The decode machinery is `PagedEngine`, which the
+streaming engine (`streaming.py`) runs in chunks over a state that persists between calls.
 """
 
 from __future__ import annotations
@@ -82,6 +83,206 @@ def _sample_rows(
     return jax.vmap(one)(keys, logits)
 
 
+def prompt_pages_of(x: Float[Array, "layers batch kv_heads bucket head_dim"], page: int
+                    ) -> Float[Array, "layers batch pages kv_heads page head_dim"]:
+    """A dense prefill's keys (or values) cut into the pool's pages, each prompt's pages in order."""
+    layers_n, batch, kvh, bucket, hd = x.shape
+    return x.reshape(layers_n, batch, kvh, bucket // page, page, hd).transpose(0, 1, 3, 2, 4, 5)
+
+
+WAITING, RUNNING, DONE = 0, 1, 2  # a row's status (`PagedEngine`); the streaming engine adds EMPTY = 3
+
+
+class PagedEngine:
+    """The decode machinery of the continuous engine over one pool of slots, rows and pages per batch
+    shard: refill free slots with waiting rows, grant pages (preempting the youngest rows when short),
+    move active slots to the front, run the narrowest width, write the step's keys/values, record tokens.
+    `generate_continuous` runs it to completion in one while_loop; `streaming` runs it in chunks over a
+    state that persists between calls. Built while tracing (it holds the model and traced arrays).
+
+    Per shard: `rows` rows in groups of `group` adjacent rows sharing a prompt (the prompt pages of group
+    q are q * prompt_pages ...), `slots` slots, `response_pages` response pages after the prompts' pages.
+    `row_keys[shard * rows + r]` is row r's sampling key (token i: fold_in(key, i)). The per-shard `data`
+    (vmapped over shards) holds the groups' prompt `mask`, prefill `logits`, prompt length `len` and the
+    rows' `limit`; optionally `prio` (a row's rank for entering and for keeping its pages: lowest first;
+    default the row id) and `v0` (a group's version, recorded for a row's first token, which is sampled
+    from the prefill logits). A row state dict may hold `version` [rows, N] (each token's version) and
+    `preempted` [] (a count of preemptions)."""
+
+    def __init__(self, model: nnx.Module, *, sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int,
+                 ways: int, rows: int, group: int, slots: int, prompts: int, bucket: int, max_new_tokens: int,
+                 response_pages: int, row_keys: PRNGKeyArray):
+        cfg = model.config
+        self.model, self.layers = model, split_layers(model)  # once, outside the token loop
+        self.sampling, self.pad_id = sampling, pad_id
+        self.eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+        self.ways, self.per_shard, self.g, self.s = ways, rows, group, slots
+        self.bucket, self.n = bucket, max_new_tokens
+        self.ps = sz.page_size(bucket)
+        self.prompt_pages, self.row_pages = sz.pages_per_row(bucket, max_new_tokens)
+        self.width_t = self.prompt_pages + self.row_pages  # block table entries per row
+        self.resp_pages = response_pages
+        self.base = prompts * self.prompt_pages  # a shard's response pages follow its prompt pages
+        self.unassigned = self.base + response_pages  # a page id past the pool
+        self.cols = bucket + max_new_tokens
+        self.widths = sz.step_widths(slots)
+        self.layers_n, self.kvh, self.hd = cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head
+        self.row_keys = row_keys
+        self.shard_ids = jnp.arange(ways)
+
+    def init_state(self) -> dict:
+        """Every slot idle, every page free, every row waiting with no output (one dict, [shards, ...])."""
+        ways, s, per_shard, n = self.ways, self.s, self.per_shard, self.n
+        return {
+            "row": jnp.full((ways, s), -1, jnp.int32), "i": jnp.ones((ways, s), jnp.int32),
+            "tok": jnp.full((ways, s), self.pad_id, jnp.int32), "pos": jnp.zeros((ways, s), jnp.int32),
+            "table": jnp.full((ways, s, self.width_t), self.unassigned, jnp.int32),
+            "valid": jnp.zeros((ways, s, self.cols), bool),
+            "free": jnp.ones((ways, self.resp_pages), bool), "status": jnp.zeros((ways, per_shard), jnp.int32),
+            "tokens": jnp.full((ways, per_shard, n), self.pad_id, jnp.int32),
+            "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
+            "out_valid": jnp.zeros((ways, per_shard, n), bool), "ended": jnp.zeros((ways, per_shard), bool),
+        }
+
+    def keys_of(self, shard, row, i):
+        return jax.vmap(lambda r, t: jax.random.fold_in(self.row_keys[r], t))(
+            shard * self.per_shard + jnp.clip(row, 0, self.per_shard - 1), i)
+
+    # ---- per-shard bookkeeping (vmapped over shards); `st` is one shard's dict of slot and row state
+
+    def release(self, st, mask):
+        """Return the response pages of the `mask` slots to the free list and clear their tables."""
+        ids = jnp.where(mask[:, None], st["table"][:, self.prompt_pages:] - self.base, self.resp_pages)
+        return dict(st, free=st["free"].at[ids].set(True, mode="drop"),
+                    table=jnp.where(mask[:, None], self.unassigned, st["table"]))
+
+    def record(self, st, lim, row, i, token, logp, write, version=None):
+        """Store each writing slot's token i of its row; slots whose row ended free their slot and pages."""
+        per_shard = self.per_shard
+        target = jnp.where(write, row, per_shard)  # out of range: dropped
+        is_eos = jnp.isin(token, self.eos)
+        ends = write & (is_eos | (i + 1 >= lim[jnp.clip(row, 0, per_shard - 1)]))
+        done = jnp.where(ends, row, per_shard)
+        st = dict(st, tokens=st["tokens"].at[target, i].set(token, mode="drop"),
+                  logp=st["logp"].at[target, i].set(logp, mode="drop"),
+                  out_valid=st["out_valid"].at[target, i].set(True, mode="drop"),
+                  ended=st["ended"].at[done].set(is_eos, mode="drop"),
+                  status=st["status"].at[done].set(DONE, mode="drop"))
+        if "version" in st:
+            st["version"] = st["version"].at[target, i].set(version, mode="drop")
+        st = self.release(st, ends)
+        return dict(st, row=jnp.where(ends, -1, row)), ends
+
+    def refill(self, st, shard, data):
+        """Waiting rows (lowest `prio`, else lowest id, first) enter free slots: their table lists their
+        prompt's pages and their first token is sampled from the prompt's prefill logits."""
+        s, per_shard, pp = self.s, self.per_shard, self.prompt_pages
+        free = st["row"] < 0
+        waiting = st["status"] == WAITING
+        if "prio" in data:
+            first = jnp.argsort(jnp.where(waiting, data["prio"], jnp.iinfo(jnp.int32).max))[:s]
+            first = jnp.where(waiting[first], first, per_shard)
+        else:
+            first = jnp.nonzero(waiting, size=s, fill_value=per_shard)[0]
+        new = jnp.where(free, first[jnp.clip(jnp.cumsum(free) - 1, 0, s - 1)], per_shard)
+        enter = new < per_shard
+        row = jnp.where(enter, new, st["row"])
+        group = jnp.clip(row, 0, per_shard - 1) // self.g
+        prompt_table = jnp.concatenate([group[:, None] * pp + jnp.arange(pp),
+                                        jnp.full((s, self.row_pages), self.unassigned, jnp.int32)], axis=1)
+        st = dict(st, status=st["status"].at[jnp.where(enter, new, per_shard)].set(RUNNING, mode="drop"),
+                  table=jnp.where(enter[:, None], prompt_table, st["table"]),
+                  valid=jnp.where(enter[:, None], jnp.pad(data["mask"][group], ((0, 0), (0, self.n))), st["valid"]))
+        token, logp = _sample_rows(self.keys_of(shard, row, jnp.zeros_like(row)), data["logits"][group],
+                                   self.sampling)
+        first_version = data["v0"][group] if "v0" in data else None
+        st, ends = self.record(st, data["limit"], row, 0, token, logp, enter, first_version)
+        st["row"] = jnp.where(enter & ~ends, row, st["row"])
+        for k, v in (("i", 1), ("tok", token), ("pos", data["len"][group])):
+            st[k] = jnp.where(enter, v, st[k])
+        return st
+
+    def allocate(self, st, data):
+        """A page for each slot whose next token starts one; when the pool is short, the youngest rows
+        (highest `prio`, else highest ids) are preempted (pages freed, outputs cleared, back to waiting) so
+        that the rows before them fit."""
+        s, per_shard, ps = self.s, self.per_shard, self.ps
+        active, i = st["row"] >= 0, st["i"]
+        req = active & ((i - 1) % ps == 0)
+        need = jnp.where(active, -(-(i - 1) // ps) + req, 0)
+        rank = data["prio"][jnp.clip(st["row"], 0, per_shard - 1)] if "prio" in data else st["row"]
+        order = jnp.argsort(jnp.where(active, rank, jnp.iinfo(jnp.int32).max))
+        keep = jnp.zeros((s,), bool).at[order].set(jnp.cumsum(need[order]) <= self.resp_pages)
+        preempt = active & ~keep
+        back = jnp.where(preempt, st["row"], per_shard)
+        st = self.release(st, preempt)
+        if "preempted" in st:  # a count of preemptions, where the state keeps one
+            st["preempted"] = st["preempted"] + preempt.sum(dtype=jnp.int32)
+        st = dict(st, status=st["status"].at[back].set(WAITING, mode="drop"),
+                  out_valid=st["out_valid"].at[back].set(False, mode="drop"),
+                  tokens=st["tokens"].at[back].set(self.pad_id, mode="drop"),
+                  logp=st["logp"].at[back].set(0.0, mode="drop"), row=jnp.where(preempt, -1, st["row"]))
+        grant = req & keep
+        avail = jnp.nonzero(st["free"], size=s, fill_value=self.resp_pages)[0]
+        page = jnp.where(grant, avail[jnp.clip(jnp.cumsum(grant) - 1, 0, s - 1)], self.resp_pages)
+        column = jnp.where(grant, self.prompt_pages + (i - 1) // ps, self.width_t)
+        return dict(st, free=st["free"].at[page].set(False, mode="drop"),
+                    table=st["table"].at[jnp.arange(s), column].set(self.base + page, mode="drop"))
+
+    @staticmethod
+    def compact(st):
+        """Active slots first (stable): a step runs the narrowest width that holds them."""
+        order = jnp.argsort(st["row"] < 0, stable=True)
+        return dict(st, **{k: st[k][order] for k in ("row", "i", "tok", "pos", "table", "valid")})
+
+    def advance(self, st, data, token, logp, version=None):
+        active = st["row"] >= 0
+        st, _ = self.record(st, data["limit"], st["row"], st["i"], token, logp, active, version)
+        step = active.astype(jnp.int32)
+        return dict(st, i=st["i"] + step, tok=jnp.where(active, token, st["tok"]), pos=st["pos"] + step)
+
+    # ---- the decode step at a static width: the model runs the first `w` slots of every shard
+
+    def decode(self, w, pool, st):
+        ways, s, layers_n, kvh, hd = self.ways, self.s, self.layers_n, self.kvh, self.hd
+        row, i, tok, pos, table, valid = (st[k][:, :w] for k in ("row", "i", "tok", "pos", "table", "valid"))
+        flat = lambda x: x.reshape(ways * w, *x.shape[2:])  # noqa: E731
+        active = row >= 0
+        cache = PagedKVCache(k=pool[0], v=pool[1], valid=flat(valid), index=flat(self.bucket + i - 1), table=table)
+        logits, cache = self.model(flat(tok)[:, None], flat(pos)[:, None], flat(active)[:, None], cache,
+                                   layers_split=self.layers)
+        keys = self.keys_of(jnp.repeat(self.shard_ids, w), flat(row), flat(i))
+        token, logp = _sample_rows(keys, logits[:, 0], self.sampling)
+        widen = lambda x, fill: jnp.full((ways, s), fill, x.dtype).at[:, :w].set(x.reshape(ways, w))  # noqa: E731
+        valid = st["valid"].at[:, :w].set(cache.valid.reshape(ways, w, self.cols))
+        new = jnp.zeros((2, layers_n, ways, s, kvh, hd), cache.new_k.dtype).at[:, :, :, :w].set(
+            jnp.stack([cache.new_k, cache.new_v])[:, :, :, 0].reshape(2, layers_n, ways, w, kvh, hd))
+        return new, valid, widen(token, self.pad_id), widen(logp, 0.0)
+
+    def step(self, pool, st, peak, data, version=None):
+        """One decode step of every shard (the while_loop body): refill, page, compact, decode, record.
+        `peak`: the most response pages in use at any step so far (all shards)."""
+        shards = jax.vmap  # the bookkeeping runs per batch shard
+        can_enter = jnp.any(st["row"] < 0) & jnp.any(st["status"] == WAITING)
+        st = jax.lax.cond(can_enter, lambda st: shards(self.refill)(st, self.shard_ids, data), lambda st: st, st)
+        # a page is granted (and the pool can run short) only when some row's next token starts a page,
+        # and a step needs compacting only when an idle slot sits before an active one: skip both else
+        starts = jnp.any((st["row"] >= 0) & ((st["i"] - 1) % self.ps == 0))
+        st = jax.lax.cond(starts, lambda st: shards(self.allocate)(st, data), lambda st: st, st)
+        peak = jnp.maximum(peak, self.resp_pages * self.ways - st["free"].sum())
+        active = st["row"] >= 0
+        st = jax.lax.cond(jnp.any(~active[:, :-1] & active[:, 1:]), shards(self.compact), lambda st: st, st)
+        busy = (st["row"] >= 0).sum(axis=1).max()
+        branch = (jnp.asarray(self.widths) >= busy).sum() - 1
+        branches = [lambda pool, st, w=w: self.decode(w, pool, st) for w in self.widths]
+        new, st["valid"], token, logp = jax.lax.switch(branch, branches, pool, st)
+        index = (self.bucket + st["i"] - 1).reshape(-1)  # idle slots' tables are unassigned: their writes drop
+        pool = tuple(write_pages(p, x.reshape(self.layers_n, self.ways * self.s, 1, self.kvh, self.hd), index,
+                                 st["table"]) for p, x in zip(pool, new))
+        st = shards(lambda st, data, token, logp: self.advance(st, data, token, logp, version))(st, data, token, logp)
+        return pool, st, peak
+
+
 def generate_continuous(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -116,16 +317,11 @@ def generate_continuous(
     g = sz.shard_group(rows, group_size, ways)  # rows sharing a prompt inside a shard
     per_shard = rows // ways
     prompts = per_shard // g  # distinct prompts per shard
-    s = sz.pool_size(rows, slots, ways) // ways  # slots per shard
-    ps = sz.page_size(bucket)
-    prompt_pages, row_pages = sz.pages_per_row(bucket, n)
-    width_t = prompt_pages + row_pages  # block table entries per row
-    resp_pages = sz.response_pages(bucket, n, rows, slots, kv_pages, ways)
-    base = prompts * prompt_pages  # a shard's response pages follow its prompt pages
-    unassigned = base + resp_pages  # a page id past the pool
-    cols = bucket + n
-    widths = sz.step_widths(s)
-    layers_n, kvh, hd = cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(rows))
+    eng = PagedEngine(model, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id, ways=ways,
+                      rows=per_shard, group=g, slots=sz.pool_size(rows, slots, ways) // ways, prompts=prompts,
+                      bucket=bucket, max_new_tokens=n,
+                      response_pages=sz.response_pages(bucket, n, rows, slots, kv_pages, ways), row_keys=row_keys)
 
     # Each distinct prompt once: its left-aligned tokens, its last logits and its keys/values as pages.
     picked = jnp.arange(rows // g) * g
@@ -133,157 +329,25 @@ def generate_continuous(
         graphdef, state, prompt_tokens[picked], prompt_mask[picked], bucket=bucket, max_new_tokens=0, pad_id=pad_id)
 
     def to_pages(x):  # [layers, shards * prompts, kv_heads, P, hd] -> [layers, shards, pages, kv_heads, ps, hd]
-        x = x.reshape(layers_n, ways, prompts, kvh, prompt_pages, ps, hd).transpose(0, 1, 2, 4, 3, 5, 6)
-        x = x.reshape(layers_n, ways, base, kvh, ps, hd)
-        x = jnp.concatenate([x, jnp.zeros((layers_n, ways, resp_pages, kvh, ps, hd), x.dtype)], axis=2)
+        x = prompt_pages_of(x, eng.ps).reshape(eng.layers_n, ways, eng.base, eng.kvh, eng.ps, eng.hd)
+        x = jnp.concatenate([x, jnp.zeros((eng.layers_n, ways, eng.resp_pages, eng.kvh, eng.ps, eng.hd), x.dtype)],
+                            axis=2)
         return ax.constrain(x, (None, ax.BATCH, None, None, None, None))
 
     pool = (to_pages(prefix.k), to_pages(prefix.v))
     shard_view = lambda x: x.reshape(ways, -1, *x.shape[1:])  # noqa: E731  [shards * k, ...] -> [shards, k, ...]
-    g_mask, g_logits = shard_view(group_mask), shard_view(prefix_logits)
-    g_len = shard_view(group_mask.sum(axis=1).astype(jnp.int32))  # rotary position of the first response token
-    eos = jnp.asarray(eos_tuple(eos_id) or (-1,), jnp.int32)
     limits = jnp.full((rows,), n, jnp.int32) if max_lengths is None else jnp.clip(max_lengths, 1, n).astype(jnp.int32)
-    limits = shard_view(limits)
-    row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(rows))
-    shard_ids = jnp.arange(ways)
-    layers = split_layers(model)  # once, outside the token loop (see Transformer.__call__)
-
-    def keys_of(shard, row, i):
-        return jax.vmap(lambda r, t: jax.random.fold_in(row_keys[r], t))(
-            shard * per_shard + jnp.clip(row, 0, per_shard - 1), i)
-
-    # ---- per-shard bookkeeping (vmapped over shards); `st` is one shard's dict of slot and row state
-
-    def release(st, mask):
-        """Return the response pages of the `mask` slots to the free list and clear their tables."""
-        ids = jnp.where(mask[:, None], st["table"][:, prompt_pages:] - base, resp_pages)
-        return dict(st, free=st["free"].at[ids].set(True, mode="drop"),
-                    table=jnp.where(mask[:, None], unassigned, st["table"]))
-
-    def record(st, lim, row, i, token, logp, write):
-        """Store each writing slot's token i of its row; slots whose row ended free their slot and pages."""
-        target = jnp.where(write, row, per_shard)  # out of range: dropped
-        is_eos = jnp.isin(token, eos)
-        ends = write & (is_eos | (i + 1 >= lim[jnp.clip(row, 0, per_shard - 1)]))
-        done = jnp.where(ends, row, per_shard)
-        st = dict(st, tokens=st["tokens"].at[target, i].set(token, mode="drop"),
-                  logp=st["logp"].at[target, i].set(logp, mode="drop"),
-                  out_valid=st["out_valid"].at[target, i].set(True, mode="drop"),
-                  ended=st["ended"].at[done].set(is_eos, mode="drop"),
-                  status=st["status"].at[done].set(2, mode="drop"))
-        st = release(st, ends)
-        return dict(st, row=jnp.where(ends, -1, row)), ends
-
-    def refill(st, shard, mask, logits, glen, lim):
-        """Waiting rows, lowest ids first, enter free slots: their table lists their prompt's pages and
-        their first token is sampled from the prompt's prefill logits."""
-        free = st["row"] < 0
-        first = jnp.nonzero(st["status"] == 0, size=s, fill_value=per_shard)[0]
-        new = jnp.where(free, first[jnp.clip(jnp.cumsum(free) - 1, 0, s - 1)], per_shard)
-        enter = new < per_shard
-        row = jnp.where(enter, new, st["row"])
-        group = jnp.clip(row, 0, per_shard - 1) // g
-        prompt_table = jnp.concatenate([group[:, None] * prompt_pages + jnp.arange(prompt_pages),
-                                        jnp.full((s, row_pages), unassigned, jnp.int32)], axis=1)
-        st = dict(st, status=st["status"].at[jnp.where(enter, new, per_shard)].set(1, mode="drop"),
-                  table=jnp.where(enter[:, None], prompt_table, st["table"]),
-                  valid=jnp.where(enter[:, None], jnp.pad(mask[group], ((0, 0), (0, n))), st["valid"]))
-        token, logp = _sample_rows(keys_of(shard, row, jnp.zeros_like(row)), logits[group], sampling)
-        st, ends = record(st, lim, row, 0, token, logp, enter)
-        st["row"] = jnp.where(enter & ~ends, row, st["row"])
-        for k, v in (("i", 1), ("tok", token), ("pos", glen[group])):
-            st[k] = jnp.where(enter, v, st[k])
-        return st
-
-    def allocate(st):
-        """A page for each slot whose next token starts one; when the pool is short, the youngest rows
-        (highest ids) are preempted (pages freed, outputs cleared, back to waiting) so that the rows before
-        them fit."""
-        active, i = st["row"] >= 0, st["i"]
-        req = active & ((i - 1) % ps == 0)
-        need = jnp.where(active, -(-(i - 1) // ps) + req, 0)
-        order = jnp.argsort(jnp.where(active, st["row"], per_shard))
-        keep = jnp.zeros((s,), bool).at[order].set(jnp.cumsum(need[order]) <= resp_pages)
-        preempt = active & ~keep
-        back = jnp.where(preempt, st["row"], per_shard)
-        st = release(st, preempt)
-        st = dict(st, status=st["status"].at[back].set(0, mode="drop"),
-                  out_valid=st["out_valid"].at[back].set(False, mode="drop"),
-                  tokens=st["tokens"].at[back].set(pad_id, mode="drop"),
-                  logp=st["logp"].at[back].set(0.0, mode="drop"), row=jnp.where(preempt, -1, st["row"]))
-        grant = req & keep
-        avail = jnp.nonzero(st["free"], size=s, fill_value=resp_pages)[0]
-        page = jnp.where(grant, avail[jnp.clip(jnp.cumsum(grant) - 1, 0, s - 1)], resp_pages)
-        column = jnp.where(grant, prompt_pages + (i - 1) // ps, width_t)
-        return dict(st, free=st["free"].at[page].set(False, mode="drop"),
-                    table=st["table"].at[jnp.arange(s), column].set(base + page, mode="drop"))
-
-    def compact(st):
-        """Active slots first (stable): a step runs the narrowest width that holds them."""
-        order = jnp.argsort(st["row"] < 0, stable=True)
-        return dict(st, **{k: st[k][order] for k in ("row", "i", "tok", "pos", "table", "valid")})
-
-    def advance(st, lim, token, logp):
-        active = st["row"] >= 0
-        st, _ = record(st, lim, st["row"], st["i"], token, logp, active)
-        step = active.astype(jnp.int32)
-        return dict(st, i=st["i"] + step, tok=jnp.where(active, token, st["tok"]), pos=st["pos"] + step)
-
-    # ---- the decode step at a static width: the model runs the first `w` slots of every shard
-
-    def decode(w, pool, st):
-        row, i, tok, pos, table, valid = (st[k][:, :w] for k in ("row", "i", "tok", "pos", "table", "valid"))
-        flat = lambda x: x.reshape(ways * w, *x.shape[2:])  # noqa: E731
-        active = row >= 0
-        cache = PagedKVCache(k=pool[0], v=pool[1], valid=flat(valid), index=flat(bucket + i - 1), table=table)
-        logits, cache = model(flat(tok)[:, None], flat(pos)[:, None], flat(active)[:, None], cache,
-                              layers_split=layers)
-        keys = keys_of(jnp.repeat(shard_ids, w), flat(row), flat(i))
-        token, logp = _sample_rows(keys, logits[:, 0], sampling)
-        widen = lambda x, fill: jnp.full((ways, s), fill, x.dtype).at[:, :w].set(x.reshape(ways, w))  # noqa: E731
-        valid = st["valid"].at[:, :w].set(cache.valid.reshape(ways, w, cols))
-        new = jnp.zeros((2, layers_n, ways, s, kvh, hd), cache.new_k.dtype).at[:, :, :, :w].set(
-            jnp.stack([cache.new_k, cache.new_v])[:, :, :, 0].reshape(2, layers_n, ways, w, kvh, hd))
-        return new, valid, widen(token, pad_id), widen(logp, 0.0)
-
-    branches = [lambda pool, st, w=w: decode(w, pool, st) for w in widths]
-    shards = jax.vmap  # the bookkeeping runs per batch shard
+    data = {"mask": shard_view(group_mask), "logits": shard_view(prefix_logits),
+            # the rotary position of the first response token
+            "len": shard_view(group_mask.sum(axis=1).astype(jnp.int32)), "limit": shard_view(limits)}
 
     def cond(carry):
-        return jnp.any(carry[1]["status"] != 2)
+        return jnp.any(carry[1]["status"] != DONE)
 
     def body(carry):
-        pool, st, peak = carry
-        can_enter = jnp.any(st["row"] < 0) & jnp.any(st["status"] == 0)
-        st = jax.lax.cond(can_enter, lambda st: shards(refill)(st, shard_ids, g_mask, g_logits, g_len, limits),
-                          lambda st: st, st)
-        # a page is granted (and the pool can run short) only when some row's next token starts a page,
-        # and a step needs compacting only when an idle slot sits before an active one: skip both else
-        starts = jnp.any((st["row"] >= 0) & ((st["i"] - 1) % ps == 0))
-        st = jax.lax.cond(starts, shards(allocate), lambda st: st, st)
-        peak = jnp.maximum(peak, resp_pages * ways - st["free"].sum())
-        active = st["row"] >= 0
-        st = jax.lax.cond(jnp.any(~active[:, :-1] & active[:, 1:]), shards(compact), lambda st: st, st)
-        busy = (st["row"] >= 0).sum(axis=1).max()
-        branch = (jnp.asarray(widths) >= busy).sum() - 1
-        new, st["valid"], token, logp = jax.lax.switch(branch, branches, pool, st)
-        index = (bucket + st["i"] - 1).reshape(-1)  # idle slots' tables are unassigned: their writes drop
-        pool = tuple(write_pages(p, x.reshape(layers_n, ways * s, 1, kvh, hd), index, st["table"])
-                     for p, x in zip(pool, new))
-        st = shards(advance)(st, limits, token, logp)
-        return pool, st, peak
+        return eng.step(*carry, data)
 
-    st = {
-        "row": jnp.full((ways, s), -1, jnp.int32), "i": jnp.ones((ways, s), jnp.int32),
-        "tok": jnp.full((ways, s), pad_id, jnp.int32), "pos": jnp.zeros((ways, s), jnp.int32),
-        "table": jnp.full((ways, s, width_t), unassigned, jnp.int32), "valid": jnp.zeros((ways, s, cols), bool),
-        "free": jnp.ones((ways, resp_pages), bool), "status": jnp.zeros((ways, per_shard), jnp.int32),
-        "tokens": jnp.full((ways, per_shard, n), pad_id, jnp.int32),
-        "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
-        "out_valid": jnp.zeros((ways, per_shard, n), bool), "ended": jnp.zeros((ways, per_shard), bool),
-    }
-    _, st, peak = jax.lax.while_loop(cond, body, (pool, st, jnp.int32(0)))
+    _, st, peak = jax.lax.while_loop(cond, body, (pool, eng.init_state(), jnp.int32(0)))
     out_tokens, out_logp, out_valid = (st[k].reshape(rows, n) for k in ("tokens", "logp", "out_valid"))
     prompt_rows = jnp.repeat(group_tokens, g, axis=0)
     return GenerationOutput(

@@ -1,0 +1,310 @@
+"""Streaming continuous generation: the continuous engine (`continuous.py`) as resumable chunks over a
+state that persists between calls, the building block of an asynchronous generator.
+
+Why: reasoning RL spends most of a step generating long-tailed responses. An asynchronous generator
+keeps its decode batch full by admitting new prompts as groups finish, hands finished groups to the
+trainer as they complete, and applies new weights at the next chunk while the rows in flight go on
+with their KV cache (partial rollouts, as AReaL and verl's async trainer do). Each token records the
+policy version that sampled it. Three pure, jittable functions over a `StreamState` do it:
+
+- `admit`: prefill new prompts (each once: a group's G rows list its pages) into free group slots;
+  their rows wait for a decode slot.
+- `run`: the continuous engine's decode loop (`continuous.PagedEngine`: refill, paging, preemption,
+  narrow widths) for at most `max_steps` steps or until `until_done_groups` groups are done. Rows still
+  running at the end keep their slots, pages and outputs and continue at the next `run`, possibly with
+  other parameters; every token sampled records the call's `version` (a row's first token is drawn
+  from the prefill logits, so it records the version `admit` was given).
+- `take` (host step): the done groups' outputs in admission order, their slots freed.
+
+Keys: token i of sample j of the prompt with id `uid` is drawn with fold_in(fold_in(rng, uid * G + j), i)
+(rng: `admit`'s), so a row's tokens do not depend on its slot, chunk, call or the pool: with the same
+weights throughout, streaming equals `generate_continuous` over rows ordered uid * G + j.
+
+Limits: one batch shard (a batch-sharded generation layout is refused); a fixed prompt bucket per state
+(`StreamSpec.prompt_bucket`); the KV of tokens sampled before a weight change is kept, not recomputed
+(the prompt's pages too: they are the admitting weights'); uid * G + j must fit int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models import slots as sz
+from jaxrlhf.models.continuous import DONE, RUNNING, WAITING, PagedEngine, prompt_pages_of
+from jaxrlhf.models.generation import GenerationOutput, _prefill, check_max_positions, eos_tuple, note_trace
+from jaxrlhf.models.sampling import SamplingParams
+
+EMPTY = 3  # a row of a free group slot (the engine's WAITING, RUNNING, DONE otherwise)
+FREE, GROUP_RUNNING, GROUP_DONE = 0, 1, 2  # a group slot's status
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """The static shape of a stream (hashable: a static argument). `groups` group slots of `group_size`
+    rows; prompts of up to `prompt_bucket` tokens (a multiple of 16 keeps pages of 16); `slots` rows decode
+    at once (None: every row); `kv_pages` response pages (None: every slot's full response, never
+    preempts)."""
+
+    groups: int
+    group_size: int
+    max_new_tokens: int
+    prompt_bucket: int
+    sampling: SamplingParams
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    slots: int | None = None
+    kv_pages: int | None = None
+
+    @classmethod
+    def make(cls, *, eos_id: int | Sequence[int] | None, **kw) -> "StreamSpec":
+        return cls(eos_ids=eos_tuple(eos_id), **kw)
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group_size
+
+    @property
+    def num_slots(self) -> int:
+        return sz.pool_size(self.rows, self.slots)
+
+    @property
+    def response_pages(self) -> int:
+        return sz.response_pages(self.prompt_bucket, self.max_new_tokens, self.rows, self.slots, self.kv_pages)
+
+
+@struct.dataclass
+class StreamState:
+    """Everything a stream keeps between calls (R = groups x G rows, N = max_new_tokens, P = bucket).
+
+    `pool`: (keys, values) pages [layers, 1, groups x P/16 prompt pages + response pages, kv_heads, 16,
+    head_dim]; group slot q's prompt pages are q x P/16 ... (written by `admit`, never by decode).
+    `rows`: the engine's dict (`PagedEngine.init_state`, leading shard axis of 1): per slot its row,
+    token index, last token, position, block table and valid columns; the response pages' free list;
+    per row its status (waiting / running / done / EMPTY), tokens, log-probs, valid mask, ended_with_eos
+    and each token's `version` (int32); `preempted`: rows preempted so far."""
+
+    pool: tuple[jax.Array, jax.Array]
+    rows: dict
+    prompt_tokens: Int[Array, "groups bucket"]  # left-aligned
+    prompt_mask: Bool[Array, "groups bucket"]
+    prefill_logits: Float[Array, "groups vocab"]
+    first_version: Int[Array, "groups"]  # `admit`'s version: the prefill's weights (a row's token 0)
+    uid: Int[Array, "groups"]  # -1 for a free slot
+    serial: Int[Array, "groups"]  # admission order (lower enters slots first and keeps its pages)
+    status: Int[Array, "groups"]  # FREE / GROUP_RUNNING / GROUP_DONE
+    limit: Int[Array, "rows"]  # a row's cap on its response length
+    row_key: PRNGKeyArray  # [rows]: fold_in(rng, uid * G + j)
+    admitted: Int[Array, ""]  # groups admitted so far (the next serial)
+    steps: Int[Array, ""]  # decode steps run so far
+    kv_pages_used: Int[Array, ""]  # the most response pages in use at any step so far
+
+
+@dataclasses.dataclass
+class Taken:
+    """`take`'s result (host arrays): `output` holds the taken groups' G rows each, group after group in
+    admission order (row k * G + j: sample j of `uids[k]`); `versions[r, i]`: the version that sampled
+    response token i of row r (-1 past the response)."""
+
+    output: GenerationOutput
+    versions: np.ndarray
+    uids: np.ndarray
+
+
+def _check(spec: StreamSpec) -> None:
+    if ax.batch_ways() != 1:
+        raise ValueError("the streaming engine runs on one batch shard; use a generation layout without "
+                         f"batch sharding (batch ways {ax.batch_ways()})")
+    if spec.prompt_bucket < 1 or spec.max_new_tokens < 1:
+        raise ValueError(f"prompt_bucket and max_new_tokens must be >= 1: {spec}")
+
+
+def _engine(model: nnx.Module, spec: StreamSpec, row_keys: PRNGKeyArray) -> PagedEngine:
+    return PagedEngine(model, sampling=spec.sampling, eos_ids=spec.eos_ids, pad_id=spec.pad_id, ways=1,
+                       rows=spec.rows, group=spec.group_size, slots=spec.num_slots, prompts=spec.groups,
+                       bucket=spec.prompt_bucket, max_new_tokens=spec.max_new_tokens,
+                       response_pages=spec.response_pages, row_keys=row_keys)
+
+
+def init(graphdef: nnx.GraphDef, params: nnx.State, *, spec: StreamSpec) -> StreamState:
+    """An empty stream: every group slot free, every page free."""
+    _check(spec)
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    check_max_positions(cfg.max_position_embeddings, spec.prompt_bucket, spec.max_new_tokens)
+    sz.check_groups(spec.rows, spec.group_size)
+    keys = jax.random.split(jax.random.key(0), spec.rows)
+    eng = _engine(model, spec, keys)
+    pages = eng.base + eng.resp_pages
+    shape = (cfg.num_layers, 1, pages, cfg.num_kv_heads, eng.ps, cfg.dim_per_head)
+    rows = dict(eng.init_state(), status=jnp.full((1, spec.rows), EMPTY, jnp.int32),
+                version=jnp.zeros((1, spec.rows, spec.max_new_tokens), jnp.int32),
+                preempted=jnp.zeros((1,), jnp.int32))
+    g, b = spec.groups, spec.prompt_bucket
+    return StreamState(
+        pool=(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype)), rows=rows,
+        prompt_tokens=jnp.full((g, b), spec.pad_id, jnp.int32), prompt_mask=jnp.zeros((g, b), bool),
+        prefill_logits=jnp.zeros((g, cfg.vocab_size), jnp.float32), first_version=jnp.zeros((g,), jnp.int32),
+        uid=jnp.full((g,), -1, jnp.int32), serial=jnp.zeros((g,), jnp.int32),
+        status=jnp.full((g,), FREE, jnp.int32), limit=jnp.full((spec.rows,), spec.max_new_tokens, jnp.int32),
+        row_key=keys, admitted=jnp.int32(0), steps=jnp.int32(0), kv_pages_used=jnp.int32(0))
+
+
+def admit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: StreamState,
+    prompt_tokens: Int[Array, "k length"],
+    prompt_mask: Bool[Array, "k length"],
+    uids: Int[Array, "k"],
+    rng: PRNGKeyArray,
+    *,
+    spec: StreamSpec,
+    version: Int[Array, ""] | int = 0,
+    max_lengths: Int[Array, "k"] | None = None,
+) -> tuple[StreamState, Bool[Array, "k"]]:
+    """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into the lowest
+    free group slots; returns the state and which were admitted. A prompt with uid < 0 is a blank (pad a
+    call to a fixed k with them: one program); prompts beyond the free slots are not admitted (check the
+    mask: nothing is queued). `max_lengths`: a prompt's cap on each of its responses (optional)."""
+    note_trace("stream_admit")
+    _check(spec)
+    k, width = prompt_tokens.shape
+    if width > spec.prompt_bucket:
+        raise ValueError(f"prompts of width {width} do not fit the stream's prompt_bucket {spec.prompt_bucket}")
+    G, n, groups = spec.group_size, spec.max_new_tokens, spec.groups
+    model = nnx.merge(graphdef, params)
+    eng = _engine(model, spec, state.row_key)
+    tokens, mask, logits, prefix = _prefill(graphdef, params, prompt_tokens, prompt_mask,
+                                            bucket=spec.prompt_bucket, max_new_tokens=0, pad_id=spec.pad_id)
+    uids = jnp.asarray(uids, jnp.int32)
+    want = uids >= 0
+    rank = jnp.cumsum(want) - 1
+    free = jnp.nonzero(state.status == FREE, size=k, fill_value=groups)[0]
+    slot = jnp.where(want, free[jnp.clip(rank, 0, k - 1)], groups)  # `groups`: not admitted (writes drop)
+    accepted = slot < groups
+    serial = state.admitted + rank
+    version = jnp.asarray(version, jnp.int32)
+
+    page_ids = jnp.where(accepted[:, None], slot[:, None] * eng.prompt_pages + jnp.arange(eng.prompt_pages),
+                         eng.unassigned)
+    pool = tuple(p.at[:, 0, page_ids].set(prompt_pages_of(x, eng.ps).astype(p.dtype), mode="drop")
+                 for p, x in zip(state.pool, (prefix.k, prefix.v)))
+    j = jnp.arange(G)
+    rows = (slot[:, None] * G + j).reshape(-1)  # out of range for a prompt not admitted
+    limits = jnp.full((k,), n, jnp.int32) if max_lengths is None else jnp.clip(max_lengths, 1, n).astype(jnp.int32)
+    keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))((uids[:, None] * G + j).reshape(-1))
+    st = dict(state.rows, status=state.rows["status"].at[0, rows].set(WAITING, mode="drop"))
+    put = lambda x, at, v: x.at[at].set(v, mode="drop")  # noqa: E731
+    state = state.replace(
+        pool=pool, rows=st,
+        prompt_tokens=put(state.prompt_tokens, slot, tokens), prompt_mask=put(state.prompt_mask, slot, mask),
+        prefill_logits=put(state.prefill_logits, slot, logits.astype(jnp.float32)),
+        first_version=put(state.first_version, slot, version), uid=put(state.uid, slot, uids),
+        serial=put(state.serial, slot, serial), status=put(state.status, slot, GROUP_RUNNING),
+        limit=put(state.limit, rows, jnp.repeat(limits, G)), row_key=put(state.row_key, rows, keys),
+        admitted=state.admitted + accepted.sum(dtype=jnp.int32))
+    return state, accepted
+
+
+def run(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: StreamState,
+    *,
+    spec: StreamSpec,
+    version: Int[Array, ""] | int,
+    max_steps: Int[Array, ""] | int,
+    until_done_groups: Int[Array, ""] | int,
+) -> StreamState:
+    """Decode for at most `max_steps` steps, or until at least `until_done_groups` groups are done (not
+    yet taken), or until no row is left to decode; every token sampled records `version`. Rows still
+    running keep their slots, pages and outputs for the next call (which may pass other `params`)."""
+    note_trace("stream_run")
+    _check(spec)
+    G = spec.group_size
+    model = nnx.merge(graphdef, params)
+    eng = _engine(model, spec, state.row_key)
+    data = {"mask": state.prompt_mask[None], "logits": state.prefill_logits[None],
+            "len": state.prompt_mask.sum(axis=1).astype(jnp.int32)[None], "limit": state.limit[None],
+            "prio": (state.serial[:, None] * G + jnp.arange(G)).reshape(1, -1), "v0": state.first_version[None]}
+    version = jnp.asarray(version, jnp.int32)
+    stop = state.steps + jnp.asarray(max_steps, jnp.int32)
+    until = jnp.asarray(until_done_groups, jnp.int32)
+
+    def groups_done(st):
+        return jnp.all(st["status"].reshape(spec.groups, G) == DONE, axis=1)
+
+    def cond(carry):
+        _, st, _, steps = carry
+        busy = jnp.any((st["status"] == WAITING) | (st["status"] == RUNNING))
+        return busy & (steps < stop) & (groups_done(st).sum() < until)
+
+    def body(carry):
+        pool, st, peak, steps = carry
+        return *eng.step(pool, st, peak, data, version), steps + 1
+
+    pool, st, peak, steps = jax.lax.while_loop(
+        cond, body, (state.pool, state.rows, state.kv_pages_used, state.steps))
+    status = jnp.where(groups_done(st), GROUP_DONE, state.status)
+    return state.replace(pool=pool, rows=st, kv_pages_used=peak, steps=steps, status=status)
+
+
+def release_done(state: StreamState, *, spec: StreamSpec) -> tuple[StreamState, dict, Bool[Array, "groups"]]:
+    """Every group slot's outputs (done or not), which are done, and the state with the done slots
+    freed (their rows empty, outputs cleared; their response pages went back when their rows ended, and
+    their prompt pages are the next admission's to overwrite)."""
+    note_trace("stream_release")
+    G = spec.group_size
+    done = state.status == GROUP_DONE
+    st = state.rows
+    valid = st["out_valid"][0]
+    outs = {"prompt_tokens": state.prompt_tokens, "prompt_mask": state.prompt_mask, "uid": state.uid,
+            "serial": state.serial, "tokens": st["tokens"][0], "logp": st["logp"][0], "valid": valid,
+            "version": jnp.where(valid, st["version"][0], -1), "ended": st["ended"][0]}
+    clear = jnp.repeat(done, G)
+    keep = lambda x, empty: jnp.where(clear.reshape(-1, *[1] * (x.ndim - 2)), empty, x[0])[None]  # noqa: E731
+    rows = dict(st, status=keep(st["status"], EMPTY), tokens=keep(st["tokens"], spec.pad_id),
+                logp=keep(st["logp"], 0.0), out_valid=keep(st["out_valid"], False),
+                version=keep(st["version"], 0), ended=keep(st["ended"], False))
+    state = state.replace(rows=rows, status=jnp.where(done, FREE, state.status),
+                          uid=jnp.where(done, -1, state.uid))
+    return state, outs, done
+
+
+# The state is donated: a call writes the pool and outputs in place (one copy of the pool, not two);
+# the state passed in is invalid afterwards.
+admit_fn = jax.jit(admit, static_argnums=0, static_argnames=("spec",), donate_argnames=("state",))
+run_fn = jax.jit(run, static_argnums=0, static_argnames=("spec",), donate_argnames=("state",))
+release_fn = jax.jit(release_done, static_argnames=("spec",), donate_argnames=("state",))
+
+
+def take(state: StreamState, *, spec: StreamSpec) -> tuple[Taken, StreamState]:
+    """The done groups' outputs (host arrays, admission order) and the state with their slots freed."""
+    state, outs, done = release_fn(state, spec=spec)
+    outs, done = jax.device_get((outs, done))
+    G = spec.group_size
+    picked = np.flatnonzero(done)
+    picked = picked[np.argsort(outs["serial"][picked], kind="stable")]
+    rows = (picked[:, None] * G + np.arange(G)).reshape(-1)
+    prompt_tokens = np.repeat(outs["prompt_tokens"][picked], G, axis=0)
+    response = outs["tokens"][rows]
+    valid = outs["valid"][rows]
+    output = GenerationOutput(
+        tokens=np.concatenate([prompt_tokens, response], axis=1), prompt_tokens=prompt_tokens,
+        prompt_mask=np.repeat(outs["prompt_mask"][picked], G, axis=0), response_tokens=response,
+        response_mask=valid, logprobs=outs["logp"][rows], lengths=valid.sum(axis=1).astype(np.int32),
+        ended_with_eos=outs["ended"][rows])
+    return Taken(output=output, versions=outs["version"][rows], uids=outs["uid"][picked]), state
+
+
+def free_groups(state: StreamState) -> int:
+    """Group slots an `admit` can fill now (a host read)."""
+    return int(jax.device_get((state.status == FREE).sum()))
