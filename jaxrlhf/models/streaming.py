@@ -20,7 +20,9 @@ Keys: token i of sample j of the prompt with id `uid` is drawn with fold_in(fold
 (rng: `admit`'s), so a row's tokens do not depend on its slot, chunk, call or the pool: with the same
 weights throughout, streaming equals `generate_continuous` over rows ordered uid * G + j.
 
-Limits: one batch shard (a batch-sharded generation layout is refused); a fixed prompt bucket per state
+Sharded batch: `StreamSpec.batch_ways` shards (the generation layout's batch ways, or 1) each own
+groups / ways contiguous group slots, their rows, slots and pages, as in the continuous engine; `admit`
+fills free slots round-robin over the shards. Limits: a fixed prompt bucket per state
 (`StreamSpec.prompt_bucket`); the KV of tokens sampled before a weight change is kept, not recomputed
 (the prompt's pages too: they are the admitting weights'); uid * G + j must fit int32.
 """
@@ -51,7 +53,8 @@ class StreamSpec:
     """The static shape of a stream (hashable: a static argument). `groups` group slots of `group_size`
     rows; prompts of up to `prompt_bucket` tokens (a multiple of 16 keeps pages of 16); `slots` rows decode
     at once (None: every row); `kv_pages` response pages (None: every slot's full response, never
-    preempts)."""
+    preempts); `batch_ways`: shards of the batch axis (each its own groups / ways group slots, slots and
+    pages; all sizes here are over all shards, as `generation.slots` and `kv_pages` are)."""
 
     groups: int
     group_size: int
@@ -62,6 +65,7 @@ class StreamSpec:
     pad_id: int
     slots: int | None = None
     kv_pages: int | None = None
+    batch_ways: int = 1
 
     @classmethod
     def make(cls, *, eos_id: int | Sequence[int] | None, **kw) -> "StreamSpec":
@@ -72,21 +76,25 @@ class StreamSpec:
         return self.groups * self.group_size
 
     @property
-    def num_slots(self) -> int:
-        return sz.pool_size(self.rows, self.slots)
+    def slots_per_shard(self) -> int:
+        return sz.pool_size(self.rows, self.slots, self.batch_ways) // self.batch_ways
 
     @property
     def response_pages(self) -> int:
-        return sz.response_pages(self.prompt_bucket, self.max_new_tokens, self.rows, self.slots, self.kv_pages)
+        """Response pages of one shard."""
+        return sz.response_pages(self.prompt_bucket, self.max_new_tokens, self.rows, self.slots, self.kv_pages,
+                                 self.batch_ways)
 
 
 @struct.dataclass
 class StreamState:
     """Everything a stream keeps between calls (R = groups x G rows, N = max_new_tokens, P = bucket).
 
-    `pool`: (keys, values) pages [layers, 1, groups x P/16 prompt pages + response pages, kv_heads, 16,
-    head_dim]; group slot q's prompt pages are q x P/16 ... (written by `admit`, never by decode).
-    `rows`: the engine's dict (`PagedEngine.init_state`, leading shard axis of 1): per slot its row,
+    `pool`: (keys, values) pages [layers, shards, groups / shards x P/16 prompt pages + response pages,
+    kv_heads, 16, head_dim]; group slot q (shard q // (groups / shards)) owns the prompt pages
+    (q % (groups / shards)) x P/16 ... of its shard (written by `admit`, never by decode).
+    `rows`: the engine's dict (`PagedEngine.init_state`, [shards, ...]; row q x G + j is row
+    (q x G + j) % (R / shards) of shard (q x G + j) // (R / shards)): per slot its row,
     token index, last token, position, block table and valid columns; the response pages' free list;
     per row its status (waiting / running / done / EMPTY), tokens, log-probs, valid mask, ended_with_eos
     and each token's `version` (int32); `preempted`: rows preempted so far."""
@@ -119,16 +127,24 @@ class Taken:
 
 
 def _check(spec: StreamSpec) -> None:
-    if ax.batch_ways() != 1:
-        raise ValueError("the streaming engine runs on one batch shard; use a generation layout without "
-                         f"batch sharding (batch ways {ax.batch_ways()})")
+    if ax.batch_ways() not in (1, spec.batch_ways):
+        raise ValueError(f"the generation layout shards the batch {ax.batch_ways()} ways but the stream was "
+                         f"made for batch_ways={spec.batch_ways}")
+    if spec.batch_ways < 1 or spec.groups % spec.batch_ways:
+        raise ValueError(f"{spec.groups} group slots do not split into batch_ways={spec.batch_ways} shards")
     if spec.prompt_bucket < 1 or spec.max_new_tokens < 1:
         raise ValueError(f"prompt_bucket and max_new_tokens must be >= 1: {spec}")
 
 
+def _constrain(pool: jax.Array) -> jax.Array:
+    return ax.constrain(pool, (None, ax.BATCH, None, None, None, None))
+
+
 def _engine(model: nnx.Module, spec: StreamSpec, row_keys: PRNGKeyArray) -> PagedEngine:
-    return PagedEngine(model, sampling=spec.sampling, eos_ids=spec.eos_ids, pad_id=spec.pad_id, ways=1,
-                       rows=spec.rows, group=spec.group_size, slots=spec.num_slots, prompts=spec.groups,
+    ways = spec.batch_ways
+    return PagedEngine(model, sampling=spec.sampling, eos_ids=spec.eos_ids, pad_id=spec.pad_id, ways=ways,
+                       rows=spec.rows // ways, group=spec.group_size, slots=spec.slots_per_shard,
+                       prompts=spec.groups // ways,
                        bucket=spec.prompt_bucket, max_new_tokens=spec.max_new_tokens,
                        response_pages=spec.response_pages, row_keys=row_keys)
 
@@ -143,13 +159,14 @@ def init(graphdef: nnx.GraphDef, params: nnx.State, *, spec: StreamSpec) -> Stre
     keys = jax.random.split(jax.random.key(0), spec.rows)
     eng = _engine(model, spec, keys)
     pages = eng.base + eng.resp_pages
-    shape = (cfg.num_layers, 1, pages, cfg.num_kv_heads, eng.ps, cfg.dim_per_head)
-    rows = dict(eng.init_state(), status=jnp.full((1, spec.rows), EMPTY, jnp.int32),
-                version=jnp.zeros((1, spec.rows, spec.max_new_tokens), jnp.int32),
-                preempted=jnp.zeros((1,), jnp.int32))
+    ways = spec.batch_ways
+    shape = (cfg.num_layers, ways, pages, cfg.num_kv_heads, eng.ps, cfg.dim_per_head)
+    rows = dict(eng.init_state(), status=jnp.full((ways, spec.rows // ways), EMPTY, jnp.int32),
+                version=jnp.zeros((ways, spec.rows // ways, spec.max_new_tokens), jnp.int32),
+                preempted=jnp.zeros((ways,), jnp.int32))
     g, b = spec.groups, spec.prompt_bucket
     return StreamState(
-        pool=(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype)), rows=rows,
+        pool=(_constrain(jnp.zeros(shape, cfg.jnp_dtype)), _constrain(jnp.zeros(shape, cfg.jnp_dtype))), rows=rows,
         prompt_tokens=jnp.full((g, b), spec.pad_id, jnp.int32), prompt_mask=jnp.zeros((g, b), bool),
         prefill_logits=jnp.zeros((g, cfg.vocab_size), jnp.float32), first_version=jnp.zeros((g,), jnp.int32),
         uid=jnp.full((g,), -1, jnp.int32), serial=jnp.zeros((g,), jnp.int32),
@@ -170,10 +187,11 @@ def admit(
     version: Int[Array, ""] | int = 0,
     max_lengths: Int[Array, "k"] | None = None,
 ) -> tuple[StreamState, Bool[Array, "k"]]:
-    """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into the lowest
-    free group slots; returns the state and which were admitted. A prompt with uid < 0 is a blank (pad a
-    call to a fixed k with them: one program); prompts beyond the free slots are not admitted (check the
-    mask: nothing is queued). `max_lengths`: a prompt's cap on each of its responses (optional)."""
+    """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into free group
+    slots (the lowest of each shard first, round-robin over the shards); returns the state and which were
+    admitted. A prompt with uid < 0 is a blank (pad a call to a fixed k with them: one program); prompts
+    beyond the free slots are not admitted (check the mask: nothing is queued). `max_lengths`: a prompt's
+    cap on each of its responses (optional)."""
     note_trace("stream_admit")
     _check(spec)
     k, width = prompt_tokens.shape
@@ -187,21 +205,27 @@ def admit(
     uids = jnp.asarray(uids, jnp.int32)
     want = uids >= 0
     rank = jnp.cumsum(want) - 1
-    free = jnp.nonzero(state.status == FREE, size=k, fill_value=groups)[0]
+    per_shard = groups // spec.batch_ways  # group slots per shard
+    q = jnp.arange(groups)
+    free = jnp.where(state.status == FREE, q % per_shard * spec.batch_ways + q // per_shard, groups)  # rank
+    free = jnp.concatenate([jnp.where(jnp.sort(free) < groups, jnp.argsort(free), groups),
+                            jnp.full((k,), groups, jnp.int32)])[:k]  # free slots in round-robin order
     slot = jnp.where(want, free[jnp.clip(rank, 0, k - 1)], groups)  # `groups`: not admitted (writes drop)
     accepted = slot < groups
     serial = state.admitted + rank
     version = jnp.asarray(version, jnp.int32)
 
-    page_ids = jnp.where(accepted[:, None], slot[:, None] * eng.prompt_pages + jnp.arange(eng.prompt_pages),
-                         eng.unassigned)
-    pool = tuple(p.at[:, 0, page_ids].set(prompt_pages_of(x, eng.ps).astype(p.dtype), mode="drop")
+    shard = slot // per_shard  # out of range for a prompt not admitted: its writes drop
+    page_ids = slot[:, None] % per_shard * eng.prompt_pages + jnp.arange(eng.prompt_pages)
+    pool = tuple(_constrain(p.at[:, shard[:, None], page_ids].set(prompt_pages_of(x, eng.ps).astype(p.dtype),
+                                                                   mode="drop"))
                  for p, x in zip(state.pool, (prefix.k, prefix.v)))
     j = jnp.arange(G)
     rows = (slot[:, None] * G + j).reshape(-1)  # out of range for a prompt not admitted
     limits = jnp.full((k,), n, jnp.int32) if max_lengths is None else jnp.clip(max_lengths, 1, n).astype(jnp.int32)
     keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))((uids[:, None] * G + j).reshape(-1))
-    st = dict(state.rows, status=state.rows["status"].at[0, rows].set(WAITING, mode="drop"))
+    rows_s = spec.rows // spec.batch_ways
+    st = dict(state.rows, status=state.rows["status"].at[rows // rows_s, rows % rows_s].set(WAITING, mode="drop"))
     put = lambda x, at, v: x.at[at].set(v, mode="drop")  # noqa: E731
     state = state.replace(
         pool=pool, rows=st,
@@ -232,9 +256,11 @@ def run(
     G = spec.group_size
     model = nnx.merge(graphdef, params)
     eng = _engine(model, spec, state.row_key)
-    data = {"mask": state.prompt_mask[None], "logits": state.prefill_logits[None],
-            "len": state.prompt_mask.sum(axis=1).astype(jnp.int32)[None], "limit": state.limit[None],
-            "prio": (state.serial[:, None] * G + jnp.arange(G)).reshape(1, -1), "v0": state.first_version[None]}
+    shards = lambda x: x.reshape(spec.batch_ways, -1, *x.shape[1:])  # noqa: E731  [k, ...] -> [shards, k/shards, ...]
+    data = {"mask": shards(state.prompt_mask), "logits": shards(state.prefill_logits),
+            "len": shards(state.prompt_mask.sum(axis=1).astype(jnp.int32)), "limit": shards(state.limit),
+            "prio": shards((state.serial[:, None] * G + jnp.arange(G)).reshape(-1)),
+            "v0": shards(state.first_version)}
     version = jnp.asarray(version, jnp.int32)
     stop = state.steps + jnp.asarray(max_steps, jnp.int32)
     until = jnp.asarray(until_done_groups, jnp.int32)
@@ -254,7 +280,8 @@ def run(
     pool, st, peak, steps = jax.lax.while_loop(
         cond, body, (state.pool, state.rows, state.kv_pages_used, state.steps))
     status = jnp.where(groups_done(st), GROUP_DONE, state.status)
-    return state.replace(pool=pool, rows=st, kv_pages_used=peak, steps=steps, status=status)
+    return state.replace(pool=tuple(_constrain(p) for p in pool), rows=st, kv_pages_used=peak, steps=steps,
+                         status=status)
 
 
 def release_done(state: StreamState, *, spec: StreamSpec) -> tuple[StreamState, dict, Bool[Array, "groups"]]:
@@ -265,12 +292,16 @@ def release_done(state: StreamState, *, spec: StreamSpec) -> tuple[StreamState, 
     G = spec.group_size
     done = state.status == GROUP_DONE
     st = state.rows
-    valid = st["out_valid"][0]
+    flat = lambda x: x.reshape(spec.rows, *x.shape[2:])  # noqa: E731  [shards, R / shards, ...] -> [R, ...]
+    valid = flat(st["out_valid"])
     outs = {"prompt_tokens": state.prompt_tokens, "prompt_mask": state.prompt_mask, "uid": state.uid,
-            "serial": state.serial, "tokens": st["tokens"][0], "logp": st["logp"][0], "valid": valid,
-            "version": jnp.where(valid, st["version"][0], -1), "ended": st["ended"][0]}
+            "serial": state.serial, "tokens": flat(st["tokens"]), "logp": flat(st["logp"]), "valid": valid,
+            "version": jnp.where(valid, flat(st["version"]), -1), "ended": flat(st["ended"])}
     clear = jnp.repeat(done, G)
-    keep = lambda x, empty: jnp.where(clear.reshape(-1, *[1] * (x.ndim - 2)), empty, x[0])[None]  # noqa: E731
+
+    def keep(x, empty):
+        return jnp.where(clear.reshape(-1, *[1] * (x.ndim - 2)), empty, flat(x)).reshape(x.shape)
+
     rows = dict(st, status=keep(st["status"], EMPTY), tokens=keep(st["tokens"], spec.pad_id),
                 logp=keep(st["logp"], 0.0), out_valid=keep(st["out_valid"], False),
                 version=keep(st["version"], 0), ended=keep(st["ended"], False))

@@ -6,12 +6,15 @@ that switches models at the same token); admission and take bookkeeping; one pro
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrlhf.models import axes as ax
 from jaxrlhf.models import generation as gen
 from jaxrlhf.models import streaming as sm
 from jaxrlhf.models.config import preset
@@ -31,11 +34,22 @@ def model():
     return build_model(preset("tiny"), seed=0)
 
 
-def _spec(sampling, eos_id):
-    # 3 group slots of 2 rows, 3 decode slots, 3 response pages of 8 tokens (one 12-token response needs
-    # 2): rows wait for a slot, and a row that crosses into its second page preempts the youngest
-    return sm.StreamSpec.make(groups=3, group_size=G, max_new_tokens=N, prompt_bucket=BUCKET, sampling=sampling,
-                              eos_id=eos_id, pad_id=0, slots=3, kv_pages=3)
+def _spec(sampling, eos_id, ways=1):
+    # 4 group slots of 2 rows, 3 decode slots, 3 response pages of 8 tokens (one 12-token response needs
+    # 2): rows wait for a slot, and a row that crosses into its second page preempts the youngest. Over
+    # 2 batch shards: 2 group slots, 2 decode slots and 2 pages each
+    return sm.StreamSpec.make(groups=4, group_size=G, max_new_tokens=N, prompt_bucket=BUCKET, sampling=sampling,
+                              eos_id=eos_id, pad_id=0, slots=3, kv_pages=3, batch_ways=ways)
+
+
+def _sharded(ways):
+    """The batch axis sharded over `ways` of the 8 simulated devices (nothing for 1)."""
+    if ways == 1:
+        return contextlib.nullcontext()
+    from jaxrlhf.placement.layout import activation_resolver, make_mesh
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    return ax.activation_sharding(activation_resolver(make_mesh(DeviceGroup("g", 0, ways), Layout(data=ways))))
 
 
 def _prompt_arrays(uids):
@@ -59,18 +73,9 @@ def _reference(model, rng, sampling, eos_id):
                          max_lengths=jnp.repeat(jnp.asarray(CAPS, jnp.int32), G))
 
 
-@pytest.mark.slow
-def test_waves_and_chunks_equal_generating_all_prompts_at_once(model):
-    """Admitted in waves (2 of 3 group slots first, in a shuffled uid order, blanks padding the admit
-    call), decoded 3 steps per call, taken as groups finish: every (uid, j) row equals the one-call
-    engine's, with caps, EOS ends and preemption; each group is taken once; one program per shape."""
-    rng = jax.random.key(7)
-    free = _reference(model, rng, SAMPLED, None)
-    eos = int(np.asarray(free.response_tokens)[0, 2])  # a token sampled early in some row: ends rows by EOS
-    ref = _reference(model, rng, SAMPLED, eos)
-    assert bool(np.asarray(ref.ended_with_eos).any()) and not bool(np.asarray(ref.ended_with_eos).all())
-    spec = _spec(SAMPLED, eos)
-    graphdef, params = nnx.split(model)
+def _stream_in_waves(graphdef, params, spec, rng):
+    """Prompts admitted 2 per call (the first wave into 2 of the 4 group slots), 3 decode steps per run,
+    done groups taken after every run; returns the final state and every take."""
     state = sm.init(graphdef, params, spec=spec)
     queue = [3, 0, 4, 1, 2]
     state, accepted = _admit(graphdef, params, state, [queue.pop(0), queue.pop(0)], rng, spec)
@@ -93,10 +98,30 @@ def test_waves_and_chunks_equal_generating_all_prompts_at_once(model):
             traces = {k: gen.trace_count(k) for k in ("stream_run", "stream_admit", "stream_release")}
         assert calls < 40
     assert {k: gen.trace_count(k) for k in traces} == traces  # every later call reused its program
+    return state, taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ways", [1, 2])
+def test_waves_and_chunks_equal_generating_all_prompts_at_once(model, ways):
+    """Admitted in waves (2 of 4 group slots first, in a shuffled uid order, blanks padding the admit
+    call), decoded 3 steps per call, taken as groups finish: every (uid, j) row equals the one-call
+    engine's, with caps, EOS ends and preemption; each group is taken once; one program per shape. Also
+    with the batch sharded 2 ways (each shard its own group slots, decode slots and pages)."""
+    rng = jax.random.key(7)
+    free = _reference(model, rng, SAMPLED, None)
+    eos = int(np.asarray(free.response_tokens)[0, 2])  # a token sampled early in some row: ends rows by EOS
+    ref = _reference(model, rng, SAMPLED, eos)
+    assert bool(np.asarray(ref.ended_with_eos).any()) and not bool(np.asarray(ref.ended_with_eos).all())
+    graphdef, params = nnx.split(model)
+    with _sharded(ways):
+        state, taken = _stream_in_waves(graphdef, params, _spec(SAMPLED, eos, ways), rng)
     uids = np.concatenate([t.uids for t in taken])
     assert sorted(uids.tolist()) == list(range(len(PROMPTS)))  # every group taken exactly once
-    # the pool ran full and rows were preempted (3 slots want up to 6 pages) and recomputed
-    assert int(state.kv_pages_used) == 3 and int(state.rows["preempted"].sum()) > 0
+    # the pool ran full and rows were preempted (the slots want up to twice the pages) and recomputed
+    assert int(state.kv_pages_used) == (3 if ways == 1 else 4)
+    assert int(state.rows["preempted"].sum()) > 0
+    assert len(state.pool[0].sharding.device_set) == ways  # the pool's shard axis lives on `ways` devices
     for t in taken:
         for k, u in enumerate(t.uids):
             got, want = slice(k * G, (k + 1) * G), slice(u * G, (u + 1) * G)
@@ -155,7 +180,7 @@ def test_weights_changed_between_chunks_continue_rows_on_their_cache(model):
     state = sm.run_fn(graphdef, params_b, state, spec=spec, version=1, max_steps=100, until_done_groups=3)
     assert gen.trace_count("stream_run") == traces  # new weights, version and step budget: same program
     late, state = sm.take(state, spec=spec)
-    assert sm.free_groups(state) == 3
+    assert sm.free_groups(state) == 4
     a_only = gen.generate_tokens(graphdef, params, *_prompt_arrays(list(range(len(PROMPTS)))), rng,
                                  max_new_tokens=N, sampling=GREEDY, eos_id=None, pad_id=0, min_bucket=BUCKET,
                                  max_lengths=jnp.asarray(CAPS, jnp.int32))
@@ -184,20 +209,21 @@ def test_a_full_pool_refuses_admission_and_take_frees_only_done_groups(model):
     state = sm.init(graphdef, params, spec=spec)
     state, a = _admit(graphdef, params, state, [0, 1], rng, spec)
     state, b = _admit(graphdef, params, state, [2, 3], rng, spec)
-    assert np.asarray(a).tolist() == [True, True] and np.asarray(b).tolist() == [True, False]
-    assert sm.free_groups(state) == 0
+    state, c = _admit(graphdef, params, state, [4, -1], rng, spec)
+    assert np.asarray(a).tolist() == [True, True] == np.asarray(b).tolist()
+    assert np.asarray(c).tolist() == [False, False] and sm.free_groups(state) == 0  # full: 4 is refused
     nothing, state = sm.take(state, spec=spec)  # none done yet
     assert nothing.uids.tolist() == [] and nothing.output.response_tokens.shape == (0, N)
     state = sm.run_fn(graphdef, params, state, spec=spec, version=0, max_steps=100, until_done_groups=1)
     assert int((state.status == sm.GROUP_DONE).sum()) >= 1
     out, state = sm.take(state, spec=spec)
-    assert len(out.uids) >= 1 and set(out.uids.tolist()) <= {0, 1, 2}
+    assert len(out.uids) >= 1 and set(out.uids.tolist()) <= {0, 1, 2, 3}
     assert sm.free_groups(state) == len(out.uids)
     state, c = _admit(graphdef, params, state, [4, -1], rng, spec)
     assert np.asarray(c).tolist() == [True, False]
 
 
-def test_a_prompt_wider_than_the_bucket_is_an_error(model):
+def test_a_wide_prompt_or_uneven_shards_is_an_error(model):
     spec = _spec(GREEDY, None)
     graphdef, params = nnx.split(model)
     state = sm.init(graphdef, params, spec=spec)
@@ -205,3 +231,5 @@ def test_a_prompt_wider_than_the_bucket_is_an_error(model):
     with pytest.raises(ValueError, match="prompt_bucket 8"):
         sm.admit(graphdef, params, state, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray([0]),
                  jax.random.key(0), spec=spec)
+    with pytest.raises(ValueError, match="4 group slots do not split into batch_ways=3"):
+        sm.init(graphdef, params, spec=_spec(GREEDY, None, ways=3))
