@@ -30,7 +30,7 @@ fills free slots round-robin over the shards. Limits: a fixed prompt bucket per 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +186,7 @@ def admit(
     spec: StreamSpec,
     version: Int[Array, ""] | int = 0,
     max_lengths: Int[Array, "k"] | None = None,
+    tag: Hashable = None,
 ) -> tuple[StreamState, Bool[Array, "k"]]:
     """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into free group
     slots (the lowest of each shard first, round-robin over the shards); returns the state and which were
@@ -247,6 +248,7 @@ def run(
     version: Int[Array, ""] | int,
     max_steps: Int[Array, ""] | int,
     until_done_groups: Int[Array, ""] | int,
+    tag: Hashable = None,
 ) -> StreamState:
     """Decode for at most `max_steps` steps, or until at least `until_done_groups` groups are done (not
     yet taken), or until no row is left to decode; every token sampled records `version`. Rows still
@@ -284,7 +286,8 @@ def run(
                          status=status)
 
 
-def release_done(state: StreamState, *, spec: StreamSpec) -> tuple[StreamState, dict, Bool[Array, "groups"]]:
+def release_done(state: StreamState, *, spec: StreamSpec, tag: Hashable = None
+                 ) -> tuple[StreamState, dict, Bool[Array, "groups"]]:
     """Every group slot's outputs (done or not), which are done, and the state with the done slots
     freed (their rows empty, outputs cleared; their response pages went back when their rows ended, and
     their prompt pages are the next admission's to overwrite)."""
@@ -311,15 +314,16 @@ def release_done(state: StreamState, *, spec: StreamSpec) -> tuple[StreamState, 
 
 
 # The state is donated: a call writes the pool and outputs in place (one copy of the pool, not two);
-# the state passed in is invalid afterwards.
-admit_fn = jax.jit(admit, static_argnums=0, static_argnames=("spec",), donate_argnames=("state",))
-run_fn = jax.jit(run, static_argnums=0, static_argnames=("spec",), donate_argnames=("state",))
-release_fn = jax.jit(release_done, static_argnames=("spec",), donate_argnames=("state",))
+# the state passed in is invalid afterwards. `tag` only separates compile caches, as in `generation`:
+# one per `axes.activation_sharding` resolver a stream is traced under.
+admit_fn = jax.jit(admit, static_argnums=0, static_argnames=("spec", "tag"), donate_argnames=("state",))
+run_fn = jax.jit(run, static_argnums=0, static_argnames=("spec", "tag"), donate_argnames=("state",))
+release_fn = jax.jit(release_done, static_argnames=("spec", "tag"), donate_argnames=("state",))
 
 
-def take(state: StreamState, *, spec: StreamSpec) -> tuple[Taken, StreamState]:
+def take(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> tuple[Taken, StreamState]:
     """The done groups' outputs (host arrays, admission order) and the state with their slots freed."""
-    state, outs, done = release_fn(state, spec=spec)
+    state, outs, done = release_fn(state, spec=spec, tag=tag)
     outs, done = jax.device_get((outs, done))
     G = spec.group_size
     picked = np.flatnonzero(done)

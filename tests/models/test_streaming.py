@@ -61,7 +61,7 @@ def _admit(graphdef, params, state, uids, rng, spec, version=0):
     tokens, mask = _prompt_arrays(uids)
     caps = jnp.asarray([CAPS[u] if u >= 0 else N for u in uids], jnp.int32)
     return sm.admit_fn(graphdef, params, state, tokens, mask, jnp.asarray(uids, jnp.int32), rng, spec=spec,
-                       version=version, max_lengths=caps)
+                       version=version, max_lengths=caps, tag=spec.batch_ways)
 
 
 def _reference(model, rng, sampling, eos_id):
@@ -83,10 +83,11 @@ def _stream_in_waves(graphdef, params, spec, rng):
     taken, calls, traces = [], 0, None
     while queue or sum(len(t.uids) for t in taken) < len(PROMPTS):
         steps = int(state.steps)
-        state = sm.run_fn(graphdef, params, state, spec=spec, version=0, max_steps=3, until_done_groups=1)
+        state = sm.run_fn(graphdef, params, state, spec=spec, version=0, max_steps=3, until_done_groups=1,
+                          tag=spec.batch_ways)  # a compile cache per sharding resolver
         assert 0 < int(state.steps) - steps <= 3
         calls += 1
-        out, state = sm.take(state, spec=spec)
+        out, state = sm.take(state, spec=spec, tag=spec.batch_ways)
         taken.append(out)
         wave = [queue.pop(0) if queue else -1 for _ in range(2)]  # a blank (uid -1) keeps k = 2
         fits = sm.free_groups(state)
