@@ -36,6 +36,8 @@ BASE = [
     "run.compile_cache=null",
 ]
 GRPO = ["algorithm.name=grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.05"]
+# 3 steps: the warm-up learning rate rises from 0 over them, so the final loss is on trained weights
+WARM_UP = ["sft.steps=3", "sft.batch_size=8"]
 PPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "entropy", "clipfrac", "approx_kl")
 GRPO_KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean")
 # name -> (overrides, reference run, compared keys)
@@ -48,9 +50,13 @@ CASES = {
     # searched on a profile that says generation on all 8 devices is nearly free (jaxrlhf.testing.replan),
     # re-planned after step 2 from process 0's call times: both processes switch alike, mid-run
     "grpo-replanned": ([*GRPO, "plan.strategy=auto", "plan.replan_every=2"], "grpo", GRPO_KEYS),
+    # the actor's SFT warm-up first (its own plan, data stream, seed and schedule), then the reference and
+    # critic copied from the warmed-up actor; the warm-up's final loss is compared too (test below)
+    "ppo-warmed-colocated": (["plan.strategy=colocated", *WARM_UP], "ppo-warmed", PPO_KEYS),
 }
 REFERENCES = {"ppo": ["plan.strategy=colocated", "run.checkpoint_every=1", "run.export_hf=true"],
-              "grpo": [*GRPO, "plan.strategy=colocated"]}
+              "grpo": [*GRPO, "plan.strategy=colocated"],
+              "ppo-warmed": ["plan.strategy=colocated", *WARM_UP]}
 # The 1-process reference's step-2 checkpoint, continued on 2 processes with actor and critic on
 # different processes (interleaved).
 RESUMED = "ppo-interleaved-resumed"
@@ -142,6 +148,12 @@ def test_two_processes_match_one(session, case):
     assert [r["step"] for r in got] == [1, 2, 3]
     for a, b in zip(got, want):
         assert_same(a, b, keys, case)
+
+
+def test_warm_up_alike_on_two_processes(session):
+    """The SFT warm-up's final loss (step 1's `sft/final_loss`) is the one-process run's."""
+    got, want = session["records"]["ppo-warmed-colocated"][0], session["refs"]["ppo-warmed"][0]
+    assert got["sft/final_loss"] == pytest.approx(want["sft/final_loss"], rel=1e-5)
 
 
 def test_two_processes_replan_alike(session):
