@@ -58,6 +58,7 @@ def main() -> int:
     pid = spec["process_id"]
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
+    from jaxrlhf.run import planning
     from jaxrlhf.run.backend import setup_devices
 
     dist = cfglib.DistributedConfig(
@@ -76,7 +77,7 @@ def main() -> int:
             time.sleep(0.5)
         cfg = cfglib.load_config(None, overrides)
         if spec.get("fail") == pid:  # an exception in this process only, before its first collective
-            train.plan_for = _fails
+            planning.plan_for = _fails  # where the run's setup chooses its plan
         if spec.get("signal_in_save") == pid:  # SIGTERM to this process only, while it saves a checkpoint
             _signal_during_first_save()
         if spec.get("disk_full", [None])[0] == pid:  # this process's writes of one step fail for want of space
