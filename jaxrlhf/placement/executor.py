@@ -432,6 +432,8 @@ class Executor:
         start now: their collect phases run on the shadow generator (the weights it was last synced
         with) while this step trains, and the next calls of `step` use them in order, ignoring their
         own `feed`."""
+        if ahead and not self.plan.offpolicy:
+            raise ValueError(f"plan {self.plan.strategy!r} is not off-policy: it cannot start later steps' rollouts")
         t_start = time.perf_counter()
         self.moves = MoveStats()
         if self._pending:
@@ -439,8 +441,6 @@ class Executor:
         else:
             values, self._ops = self.collect(feed)
         self._run_phase([n for n in self.graph.order() if n.name in self._training], values)
-        if ahead and not self.plan.offpolicy:
-            raise ValueError(f"plan {self.plan.strategy!r} is not off-policy: it cannot start later steps' rollouts")
         for later in ahead:  # overlaps the train calls: shadows sync after this
             self._pending.append(self.collect(later))
         self.sync_shadows()
