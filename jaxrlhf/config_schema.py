@@ -196,6 +196,10 @@ class PlanConfig:
     # switch to another plan live when it is predicted faster by more than replan_threshold; 0 = never
     replan_every: Int = _field(0, check=non_negative)
     replan_threshold: Float = _field(0.1, check=non_negative)  # predicted gain a switch needs (0.1 = 10 %)
+    # for the planner: median response length (tokens) of the log-normal lengths it prices generation with
+    # (an off-policy plan's buffer absorbs long steps); null = every response runs to generation.max_new_tokens
+    response_length_median: Int | None = _field(None, check=positive)
+    response_length_sigma: Float = _field(0.0, check=non_negative)  # sigma of those log-normal lengths; 0 = none vary
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
         eta = getattr(config.algorithm, "max_staleness", 0)
@@ -215,6 +219,10 @@ class PlanConfig:
             yield (f"plan.replan_every with {ahead} is not supported: an off-policy plan always "
                    "has the next rollout in flight, so there is no step boundary to switch plans at; "
                    "set one of them off")
+        cap = config.generation.max_new_tokens
+        if self.response_length_median is not None and self.response_length_median > cap:
+            yield (f"plan.response_length_median={self.response_length_median} is above the response length cap "
+                   f"generation.max_new_tokens={cap}; set it to at most {cap} (or null)")
         if self.profile is not None and self.hardware is not None:
             yield ("plan.profile and plan.hardware both name the hardware; keep one (the measured "
                    "profile holds its hardware numbers)")
@@ -647,3 +655,10 @@ class Config:
         """eta: how many weight updates a trained rollout's sampling policy may lag the trainer
         (`algorithm.max_staleness`; `plan.offpolicy=true` is the same as 1). 0 = synchronous."""
         return max(getattr(self.algorithm, "max_staleness", 0), int(self.plan.offpolicy))
+
+    @property
+    def generator_lead(self) -> int:
+        """Steps the generator runs ahead of the trainer on an off-policy plan: the budget, at least 1
+        (a plan may be off-policy by itself). The runtime (`RunSetup.staleness`) and the planner
+        (`Workload.staleness`) both read it, so they schedule the same eta."""
+        return max(self.staleness_budget, 1)

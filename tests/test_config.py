@@ -513,3 +513,30 @@ def test_the_staleness_budget_is_max_staleness_or_one_for_plan_offpolicy():
     assert load_config(None, ["plan.strategy=auto", "algorithm.max_staleness=3"]).staleness_budget == 3
     assert load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "plan.strategy=disaggregated",
                                      "algorithm.max_staleness=2", "plan.offpolicy=true"]).staleness_budget == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["plan.response_length_median=0"], "config key 'plan.response_length_median' must be > 0, got 0"),
+    (["generation.max_new_tokens=64", "plan.response_length_median=65"],
+     "plan.response_length_median=65 is above the response length cap generation.max_new_tokens=64; "
+     "set it to at most 64 (or null)"),
+    (["plan.response_length_sigma=-0.5"], "config key 'plan.response_length_sigma' must be >= 0, got -0.5"),
+])
+def test_a_response_length_distribution_out_of_range_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_the_planner_and_the_runtime_read_one_staleness_and_the_lengths_from_the_config():
+    """`Algorithm.workload()` fills eta with `Config.generator_lead`, the number `RunSetup.staleness`
+    runs an off-policy plan with (the budget, at least 1), and the response lengths from `plan:`."""
+    from jaxrlhf.algorithms import declare
+
+    for overrides, eta in (([], 1), (["plan.strategy=auto", "algorithm.max_staleness=3"], 3)):
+        cfg = load_config(None, overrides + ["generation.max_new_tokens=64", "plan.response_length_median=16",
+                                             "plan.response_length_sigma=1.0"])
+        wl = declare(cfg).workload()
+        assert cfg.generator_lead == wl.staleness == eta
+        assert (wl.gen_len, wl.gen_len_median, wl.gen_len_sigma) == (64, 16, 1.0)
+    wl = declare(load_config(None, [])).workload()
+    assert (wl.staleness, wl.gen_len_median, wl.gen_len_sigma) == (1, None, 0.0)

@@ -96,6 +96,8 @@ class Algorithm(abc.ABC):
             gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
             gen_pages=cfg.generation.kv_pages,
             base_views=tuple(sorted(self.base_views().items())),
+            staleness=cfg.generator_lead,
+            gen_len_median=cfg.plan.response_length_median, gen_len_sigma=cfg.plan.response_length_sigma,
         )
 
     def base_views(self) -> dict[str, str]:

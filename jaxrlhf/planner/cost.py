@@ -57,6 +57,8 @@ TP_ALLREDUCES_PER_LAYER = 2  # attention output and MLP output
 
 
 REMAT_POLICIES = ("none", "full", "dots")
+LENGTH_BATCHES = 8  # K: the batches of drawn response lengths the steps cycle through (step i has batch i % K)
+LENGTH_SEED = 0
 
 
 def _per_role(value: Any, role: str | None, default: Any) -> Any:
@@ -90,6 +92,10 @@ class Workload:
       placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
       all. Cluster studies set it; the runtime applies one
       `algorithm.micro_batch_size` to every call, so `train` plans leave it off.
+    - `staleness`: on an off-policy plan, how many steps the generator may run ahead of the trainer
+      (`Config.generator_lead`, the number the runtime uses; the plan's own `staleness` overrides it).
+    - `gen_len_median`, `gen_len_sigma`: response lengths are log-normal with this median and sigma,
+      capped at `gen_len` (`response_lengths`); None = every response runs to the cap.
     """
 
     batch_size: int = 512
@@ -108,9 +114,16 @@ class Workload:
     gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
     # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
     base_views: tuple[tuple[str, str], ...] = ()
+    staleness: int = 1  # steps the generator may run ahead on an off-policy plan
+    gen_len_median: int | None = None  # median response length; None = every response is gen_len long
+    gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs"):
+        if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
+            raise ValueError(f"workload.gen_len_median={self.gen_len_median} must lie in 1..gen_len={self.gen_len}")
+        if self.gen_len_sigma < 0:
+            raise ValueError(f"workload.gen_len_sigma must be >= 0, got {self.gen_len_sigma}")
+        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs", "staleness"):
             if getattr(self, f) < 1:
                 raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
         if self.micro_batch is not None and self.micro_batch < 1:
@@ -186,6 +199,41 @@ class Workload:
             return prompts, rows / batch_ways, self.gen_len
         pool = pool_size(rows, self.gen_slots, batch_ways)
         return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
+
+    @property
+    def lengths_vary(self) -> bool:
+        """Whether response lengths are drawn: a median and a spread; else every response runs to the cap."""
+        return self.gen_len_median is not None and self.gen_len_sigma > 0
+
+    def response_lengths(self, rows: int) -> np.ndarray:
+        """LENGTH_BATCHES batches of `rows` response lengths, shape [batches, rows]: log-normal around
+        `gen_len_median` with `gen_len_sigma`, rounded, in 1..gen_len. Drawn with a fixed seed rather
+        than taken as quantiles: what a buffer of steps absorbs is how one batch differs from the next,
+        and batches built from the same quantiles would all be alike. Fixed, so an estimate is
+        deterministic and its schedule repeats every LENGTH_BATCHES steps."""
+        if not self.lengths_vary:
+            return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
+        z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
+        lengths = np.rint(self.gen_len_median * np.exp(self.gen_len_sigma * z))
+        return np.clip(lengths, 1, self.gen_len).astype(np.int64)
+
+    def decode_fractions(self, call: CallSpec, batch_ways: int) -> tuple[float, ...]:
+        """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
+        cap): the static engine's loop runs until the batch's longest row ends (`models.generation`
+        stops when every row is done), so max(L) / gen_len; the continuous engine keeps its pool of P
+        slots full, so sum(L) / P steps plus the last round's tail (max(L) - mean(L)), over
+        ceil(rows / P) x gen_len. All 1.0 when the lengths do not vary."""
+        if not self.lengths_vary:
+            return (1.0,) * LENGTH_BATCHES
+        rows = self.call_seqs(call)
+        n = self.generate_shape(call, batch_ways)[2]
+        lengths = self.response_lengths(rows).astype(np.float64)
+        if self.gen_engine == "static" or rows % batch_ways:  # (an uneven batch runs as static does)
+            steps = lengths.max(axis=1)
+        else:
+            pool = pool_size(rows, self.gen_slots, batch_ways)
+            steps = lengths.sum(axis=1) / pool + lengths.max(axis=1) - lengths.mean(axis=1)
+        return tuple(float(min(s / n, 1.0)) for s in steps)
 
     def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
@@ -508,6 +556,15 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
                     + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
+
+
+def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways: int) -> tuple[float, ...]:
+    """Seconds of a generate call for each of the LENGTH_BATCHES batches of response lengths: the
+    prefill as priced, everything else (decode, its collectives and kernel launches) scaled by the
+    batch's decode steps (`Workload.decode_fractions`). A per-step scale, not a re-pricing: a short
+    batch's steps attend to a shorter cache, which this leaves out (it errs towards the longer time)."""
+    prefill = cost.parts.get("prefill", 0.0)
+    return tuple(prefill + (cost.seconds - prefill) * f for f in wl.decode_fractions(call, batch_ways))
 
 
 CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": train_cost}

@@ -127,6 +127,9 @@ class ExecutionPlan:
     offpolicy: bool = False  # generate step i+1 while training step i (needs a shadow actor)
     offload_roles: tuple[str, ...] = ()  # frozen roles kept in host memory between their calls
     notes: str = ""
+    # off-policy only: steps the generator may run ahead of the trainer (eta, chosen by the search);
+    # None = the run's budget (`Config.generator_lead`)
+    staleness: int | None = None
 
     # ---- queries -----------------------------------------------------------------
     def group_of(self, call: str) -> DeviceGroup:
@@ -152,11 +155,13 @@ class ExecutionPlan:
             "offpolicy": self.offpolicy,
             "offload_roles": list(self.offload_roles),
             "notes": self.notes,
+            **({"staleness": self.staleness} if self.staleness is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
-        known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes"}
+        known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
+                 "staleness"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -182,6 +187,13 @@ class ExecutionPlan:
             except (TypeError, ValueError) as e:
                 raise PlanError(f"{where}.calls.{c}: axis sizes must be integers ({e})") from None
             calls[c] = Placement(str(p["group"]), layout)
+        staleness = d.get("staleness")
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1):
+            raise PlanError(f"{where}.staleness must be an integer >= 1 (steps the generator runs ahead), "
+                            f"got {staleness!r}")
+        if staleness is not None and not d.get("offpolicy", False):
+            raise PlanError(f"{where}.staleness={staleness} needs offpolicy: true (only an off-policy plan's "
+                            "generator runs ahead); drop staleness or set offpolicy")
         return cls(
             strategy=str(d.get("strategy", "custom")),
             num_devices=int(d["num_devices"]),
@@ -191,6 +203,7 @@ class ExecutionPlan:
             offpolicy=bool(d.get("offpolicy", False)),
             offload_roles=tuple(d.get("offload_roles", ()) or ()),
             notes=str(d.get("notes", "") or ""),
+            staleness=staleness,
         )
 
     def to_yaml(self) -> str:
@@ -233,7 +246,9 @@ class ExecutionPlan:
             lines[0] += f"; shadow copies: {', '.join(self.shadow_roles)}"
         if self.offload_roles:
             lines[0] += f"; offloaded to host between calls: {', '.join(self.offload_roles)}"
-        if self.offpolicy:
+        if self.offpolicy and self.staleness:
+            lines[0] += f"; off-policy, the generator up to {self.staleness} steps ahead"
+        elif self.offpolicy:
             lines[0] += "; one-step off-policy"
         for i, r in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
@@ -434,6 +449,8 @@ def validate(
             )
         if role in plan.shadow_roles:
             raise PlanError(f"role {role!r} is both offloaded and shadowed; choose one")
+    if plan.staleness is not None and (not plan.offpolicy or plan.staleness < 1):
+        raise PlanError(f"staleness={plan.staleness} needs an off-policy plan (offpolicy=true) and eta >= 1")
     if plan.offpolicy:
         gens = [c.name for c in graph.calls if c.kind == "generate"]
         if not gens:

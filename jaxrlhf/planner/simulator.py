@@ -6,7 +6,10 @@ call, a reallocation before each call that runs away from its role's home
 train call of a role with persistent copies (likewise on both groups). An
 operation waits for its dependencies in the same step and for its role's
 train call of the previous step (a call on a shadow copy waits for the sync
-instead, one step further back when the plan is off-policy). Operations that
+instead; an off-policy plan's generate call of step i waits for the sync of
+step i - (eta + 1), eta the steps its generator may run ahead). A generate
+call may last differently from step to step (drawn response lengths, step i
+taking batch i % K: `cost.generate_durations`). Operations that
 share a device run one after another; disjoint ones overlap, unless their
 devices share a host's cores (simulated CPU devices). A greedy list scheduler
 always starts the ready operation that can start earliest. The
@@ -20,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from jaxrlhf.planner.cost import CallCost, CostCache, Workload, offload_cost
+from jaxrlhf.planner.cost import LENGTH_BATCHES, CallCost, CostCache, Workload, generate_durations, offload_cost
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
@@ -54,6 +57,7 @@ class Span:
 class Timeline:
     spans: list[Span]
     steps: int
+    max_period: int = 0  # longest period `period` looks for; 0 = MAX_PERIOD
 
     @property
     def makespan(self) -> float:
@@ -72,10 +76,10 @@ class Timeline:
         return [b - a for a, b in zip(ends, ends[1:])]
 
     def period(self) -> int | None:
-        """The smallest number of steps p (up to MAX_PERIOD) after which the step gaps repeat: the last
+        """The smallest number of steps p (up to `max_period`) after which the step gaps repeat: the last
         p gaps equal the p before them and the p before those. None while the schedule is still settling."""
         gaps = self.step_gaps()
-        for p in range(1, MAX_PERIOD + 1):
+        for p in range(1, (self.max_period or MAX_PERIOD) + 1):
             if len(gaps) >= 3 * p and all(
                     math.isclose(gaps[-1 - i], gaps[-1 - i - k * p], rel_tol=1e-9, abs_tol=1e-12)
                     for i in range(p) for k in (1, 2)):
@@ -160,13 +164,20 @@ def _placed_at_home(plan: ExecutionPlan, call: str) -> bool:
     return (a.start, a.size, plan.calls[call].layout) == (b.start, b.size, plan.calls[home].layout)
 
 
-def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float],
-              move_s: Mapping[str, float], steps: int) -> list[Op]:
+def _seconds_at(call_s: float | Sequence[float], step: int) -> float:
+    """A call's seconds in `step`: one number for every step, or a cycle of them (step i: i % len)."""
+    return call_s if isinstance(call_s, (int, float)) else call_s[step % len(call_s)]
+
+
+def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float | Sequence[float]],
+              move_s: Mapping[str, float], steps: int, staleness: int = 1) -> list[Op]:
     """Unroll `steps` steps of `graph` under `plan` into ops.
 
-    `call_s[call]`: seconds of the call itself. `move_s[call]`: seconds to bring
-    its role's parameters to the call's placement (a reallocation, or for a role
-    in `plan.shadow_roles` the sync after its train call); missing or 0 means none.
+    `call_s[call]`: seconds of the call itself (or a cycle of per-step seconds). `move_s[call]`: seconds
+    to bring its role's parameters to the call's placement (a reallocation, or for a role in
+    `plan.shadow_roles` the sync after its train call); missing or 0 means none. `staleness`: on an
+    off-policy plan, how many steps the generator runs ahead (generate of step i waits for the sync of
+    step i - (staleness + 1)).
     """
     ops: list[Op] = []
     order = graph.topological()
@@ -188,7 +199,7 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
             # a call that needs fresh weights (an off-policy correction's recompute) never reads the shadow
             shadow = c.role in plan.shadow_roles and not at_home and not c.fresh_weights
             if train is not None and train.name != c.name and shadow:
-                back = 2 if plan.offpolicy and c.kind == "generate" else 1
+                back = staleness + 1 if plan.offpolicy and c.kind == "generate" else 1
                 if i - back >= 0:
                     deps.append(f"{c.name}:sync@{i - back}")
             elif train is not None and i > 0:
@@ -198,8 +209,8 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float]
                 ops.append(Op(f"{c.name}:realloc@{i}", c.name, "realloc", i, _ranges(home, group), move,
                               tuple(dict.fromkeys(deps))))
                 deps = [f"{c.name}:realloc@{i}"]
-            ops.append(Op(f"{c.name}@{i}", c.name, "call", i, (( group.start, group.stop),), call_s[c.name],
-                          tuple(dict.fromkeys(deps))))
+            ops.append(Op(f"{c.name}@{i}", c.name, "call", i, (( group.start, group.stop),),
+                          _seconds_at(call_s[c.name], i), tuple(dict.fromkeys(deps))))
         # Shadow syncs after each train call, one per shadowed call.
         for c in order:
             if c.role in plan.shadow_roles and not at_homes[c.name] and not c.fresh_weights:
@@ -275,7 +286,7 @@ def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
     return None
 
 
-END_STEPS = 2  # last steps left out of the gaps (an off-policy shadow lags 2 steps)
+END_STEPS = 2  # last steps left out of the gaps (an off-policy shadow lags 2 steps at eta = 1)
 MAX_MICRO = 64  # most micro-batches a call is split into when the planner picks the count
 
 
@@ -345,25 +356,42 @@ def plan_fit(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelCo
 
 MIN_STEPS = 3 + END_STEPS + 1  # steps simulated first: 3 gaps, enough to see a period of 1 repeat
 MAX_STEPS = 64
-MAX_PERIOD = 3  # off-policy shadows lag 2 steps, so a schedule may repeat every 2 or 3 steps
+MAX_PERIOD = 3  # off-policy shadows lag 2 steps at eta = 1, so a schedule may repeat every 2 or 3 steps
+
+
+def max_period(staleness: int, varying: bool) -> int:
+    """The longest period a schedule may have: a generator eta steps ahead lags eta + 1 steps, so up to
+    eta + 2 (MAX_PERIOD at eta = 1); generate calls cycling through K length batches repeat every K."""
+    return max(MAX_PERIOD, staleness + 2, LENGTH_BATCHES if varying else 0)
 SETTLED = 1e-3  # relative change of the estimate between n and 2n steps that counts as settled
 
 
-def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float], move_s: Mapping[str, float],
-                 steps: int = MIN_STEPS, shared_host: int | None = None) -> Timeline:
+def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float | Sequence[float]],
+                 move_s: Mapping[str, float], steps: int = MIN_STEPS, shared_host: int | None = None,
+                 staleness: int = 1) -> Timeline:
     """A schedule long enough to show the steady state: from `steps` steps, doubled until the step gaps
     repeat (`Timeline.period`) or the estimate moves by less than SETTLED (or MAX_STEPS). The first
     steps are faster than the rest (nothing waits yet for a previous step's train call), so a short
     schedule's mean gap is too small: 4 x 70B on 128 GPUs read 8.2 s after 3 steps, 9.0 s settled.
-    `shared_host` as in `schedule`."""
-    n, before = max(steps, 2), None
+    `shared_host` as in `schedule`; `staleness` as in `build_ops`. Calls whose seconds change from step
+    to step stop only at a period (or MAX_STEPS): their mean gap can look settled by chance."""
+    varying = any(not isinstance(v, (int, float)) for v in call_s.values())
+    longest = max_period(staleness if plan.offpolicy else 1, varying)
+    # enough steps that a longer period can show three times (else 6 steps may end before a long batch)
+    n, before = max(steps, 2, 3 * longest + END_STEPS + 1 if longest > MAX_PERIOD else 0), None
     while True:
-        tl = schedule(build_ops(graph, plan, call_s, move_s, n), plan.num_devices, shared_host)
+        tl = schedule(build_ops(graph, plan, call_s, move_s, n, staleness), plan.num_devices, shared_host)
+        tl.max_period = longest
         if tl.period() is not None or n >= MAX_STEPS:
             return tl
-        if before is not None and abs(tl.step_s - before) <= SETTLED * before:
+        if not varying and before is not None and abs(tl.step_s - before) <= SETTLED * before:
             return tl
         n, before = min(2 * n, MAX_STEPS), tl.step_s
+
+
+def plan_staleness(plan: ExecutionPlan, wl: Workload) -> int:
+    """eta the plan runs with: its own `staleness` when set, else the workload's (the run's budget)."""
+    return plan.staleness or wl.staleness
 
 
 def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
@@ -382,6 +410,12 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     }
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
-    call_s = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
-    timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host)
+    call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
+    if wl.lengths_vary:
+        for c in graph.calls:
+            if c.kind == "generate":
+                lay = plan.calls[c.name].layout
+                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0)
+                                       for d in generate_durations(costs[c.name], wl, c, lay.data * lay.fsdp))
+    timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)

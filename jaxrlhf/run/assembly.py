@@ -115,12 +115,22 @@ class RunSetup:
         return choose()
 
     def staleness(self, plan: "ExecutionPlan") -> int:
-        """How many steps the generator runs ahead of the trainer on `plan`: the run's budget eta
-        (`Config.staleness_budget`) on an off-policy plan, at least 1 there (a plan file may be
-        off-policy by itself); 0 on any other plan, where every rollout is on-policy."""
+        """How many steps the generator runs ahead of the trainer on `plan`: on an off-policy plan the
+        plan's own `staleness` (the eta the search chose) when it has one, else the run's budget
+        (`Config.generator_lead`: `Config.staleness_budget`, at least 1, as the planner's workload has
+        it); 0 on any other plan, where every rollout is on-policy. A plan asking for more than the
+        budget is refused: the budget is what the algorithm was told its rollouts may lag."""
         if not plan.offpolicy:
             return 0
-        return max(self.cfg.staleness_budget, 1)
+        budget = self.cfg.generator_lead
+        if plan.staleness is not None and plan.staleness > budget:
+            from jaxrlhf.planner.plan import PlanError
+
+            raise PlanError(
+                f"the plan's staleness={plan.staleness} runs the generator further ahead than "
+                f"algorithm.max_staleness={self.cfg.staleness_budget} allows; set algorithm.max_staleness="
+                f"{plan.staleness} or lower the plan's staleness")
+        return plan.staleness or budget
 
     def search(self, *, time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
         """The planner's search over this machine (`planning.search_plan`): a SearchResult."""

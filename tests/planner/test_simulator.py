@@ -154,3 +154,91 @@ def test_micro_batch_count_is_chosen_per_call():
     assert est.feasible and est.micro["actor.train"] > 1 and est.micro["actor.generate"] == 1
     for c in graph.calls:
         assert est.micro[c.name] in micro_options(c, plan, searched, cache)
+
+
+# Asynchronous RL: the generator runs up to eta steps ahead on its shadow copy ("lo"); the rest share
+# "hi", which is busy 1 + 2 + 3 + 0.5 (reward, critic, train, sync) = 6.5 s per step.
+ASYNC = {"actor.generate": "lo", "reward.inference": "hi", "critic.inference": "hi", "actor.train": "hi"}
+
+
+def test_a_deeper_buffer_buys_nothing_when_every_generate_lasts_the_same():
+    p = plan(ASYNC, shadow_roles=("actor",), offpolicy=True)
+    times = [steady_state(G, p, T, {"actor.generate": 0.5}, staleness=eta).step_s for eta in (1, 2, 4)]
+    assert times == pytest.approx([6.5, 6.5, 6.5])
+    ops = build_ops(G, p, T, {"actor.generate": 0.5}, 6, staleness=3)
+    gen = next(o for o in ops if o.name == "actor.generate@5")
+    assert gen.deps == ("actor.generate:sync@1",)  # step i waits for the sync of step i - (eta + 1)
+
+
+def test_a_deeper_buffer_absorbs_a_long_generate():
+    """Generate lasts 2 s in seven steps of eight and 30 s in the eighth (mean 5.5 s; with its 0.5 s
+    sync "lo" is busy 6 s per step, "hi" 6.5 s). One step ahead, the long one holds up the trainer;
+    every further step of buffer hides more of it, down to the bound of the busier group."""
+    p = plan(ASYNC, shadow_roles=("actor",), offpolicy=True)
+    cycle = {**T, "actor.generate": (2.0,) * 7 + (30.0,)}
+    steps = {eta: steady_state(G, p, cycle, {"actor.generate": 0.5}, staleness=eta) for eta in (1, 2, 8)}
+    assert steps[1].period() == 8 and steps[1].step_s == pytest.approx(9.5)
+    assert steps[2].step_s == pytest.approx(8.75) and steps[2].step_s < steps[1].step_s
+    bound = max(sum(cycle["actor.generate"]) / 8 + 0.5, 6.5)
+    assert all(tl.step_s >= bound - 1e-9 for tl in steps.values()) and steps[8].step_s == pytest.approx(bound)
+
+
+def _llama_async(**wl_kw):
+    import dataclasses
+
+    from jaxrlhf.models.config import preset
+    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.testing.graphs import ppo_graph
+
+    graph, hw = ppo_graph(), get_profile("h100")
+    models = {r: preset("llama-100m") for r in graph.roles}
+    wl = Workload(batch_size=16, prompt_len=64, gen_len=512, minibatches=2, **wl_kw)
+    p = build_plan("disaggregated", 8, models, graph, batch_size=wl.batch_size, devices_per_host=8)
+    return graph, models, wl, hw, dataclasses.replace(p, offpolicy=True)
+
+
+def test_the_defaults_reproduce_the_estimate_from_before_staleness_and_lengths():
+    """The numbers the planner gave (at the commit before these inputs) for this disaggregated,
+    off-policy plan; a median with sigma 0 (no lengths drawn) and eta 1 change nothing."""
+    from jaxrlhf.planner.simulator import estimate_plan
+
+    graph, models, wl, hw, p = _llama_async()
+    before = estimate_plan(p, graph, models, wl, hw).step_s
+    assert before == pytest.approx(0.46268016855253413, rel=1e-12)
+    for kw in ({"gen_len_median": 32}, {"gen_len_median": 32, "gen_len_sigma": 0.0, "staleness": 1}):
+        again = estimate_plan(p, graph, models, wl.__class__(**{**wl.__dict__, **kw}), hw).step_s
+        assert again == before
+
+
+def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
+    """Static: each batch decodes until its longest response ends (the runtime's loop stops when every
+    row is done), so a batch whose longest row reaches the cap costs the cap's time. Continuous, with a
+    pool of 4 slots for 16 rows: the tokens over the pool plus the last round's tail, below the cap."""
+    import numpy as np
+
+    from jaxrlhf.planner.cost import LENGTH_BATCHES, CostCache, generate_durations
+    from jaxrlhf.planner.simulator import estimate_plan
+
+    for engine in ("static", "continuous"):
+        graph, models, wl, hw, p = _llama_async(gen_engine=engine, gen_slots=4, gen_len_median=16, gen_len_sigma=1.0)
+        call = next(c for c in graph.calls if c.kind == "generate")
+        lay = p.calls[call.name].layout
+        ways = lay.data * lay.fsdp
+        cost = CostCache(models, wl, hw).call(call, p.group_of(call.name), lay)
+        durations = generate_durations(cost, wl, call, ways)
+        lengths = wl.response_lengths(wl.call_seqs(call))
+        assert len(durations) == LENGTH_BATCHES and max(durations) <= cost.seconds
+        assert lengths.shape == (LENGTH_BATCHES, 16) and lengths.min() >= 1 and lengths.max() <= 512
+        prefill = cost.parts["prefill"]
+        if engine == "static":
+            expect = prefill + (cost.seconds - prefill) * lengths.max(axis=1) / 512
+            assert durations == pytest.approx(list(expect))
+            assert durations[int(lengths.max(axis=1).argmax())] == pytest.approx(max(durations))
+        else:
+            steps = lengths.sum(axis=1) / 4 + lengths.max(axis=1) - lengths.mean(axis=1)
+            assert durations == pytest.approx(list(prefill + (cost.seconds - prefill) * steps / (4 * 512)))
+            assert max(durations) < cost.seconds
+        est = estimate_plan(p, graph, models, wl, hw)
+        assert est.timeline.period() == LENGTH_BATCHES and np.mean(durations) <= est.step_s < cost.seconds
