@@ -128,7 +128,8 @@ class RunConfig:
     platform: Literal["cpu", "gpu", "tpu", "auto"] = "auto"  # JAX backend; auto = what JAX finds
     devices: Int | None = _field(None, check=positive)  # simulated CPU devices; null = what JAX has
     distributed: Bool = False  # several processes form one run (jax.distributed); see the distributed section
-    compile_cache: str | None = "~/.cache/jaxrlhf/xla"  # persistent compilation cache; null = off
+    # persistent compilation cache, and the finished plan searches of plan.strategy=auto (in plans/); null = off
+    compile_cache: str | None = "~/.cache/jaxrlhf/xla"
     tensorboard: Bool = True  # also write metrics as TensorBoard events to <output_dir>/tensorboard
     # also log metrics and the resolved config to Weights & Biases (pip install 'jaxrlhf[wandb]'; main process only; a
     # resumed run continues its W&B run): {project, name, mode: online, offline or disabled}; a null project is

@@ -28,6 +28,19 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _plan_searches_in_the_test_cache():
+    """In-process runs keep their plan searches (`run.planning.plan_cache_dir`) in the test run's cache
+    folder too, as the CLI runs tests start do through `compile_cache.override()`, never in ~/.cache."""
+    from jaxrlhf.run import planning
+
+    kept = planning.plan_cache_dir
+    planning.plan_cache_dir = lambda cfg: None if cfg.run.compile_cache is None else \
+        os.path.join(os.environ[_CACHE_ENV], "plans")
+    yield
+    planning.plan_cache_dir = kept
+
+
 def pytest_unconfigure(config):
     if _made_cache:
         shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)

@@ -140,6 +140,7 @@ class State:
     slots: tuple[tuple[str, Slot], ...]  # in graph order
     shadow: frozenset[str] = frozenset()
     offpolicy: bool = False
+    staleness: int | None = None  # off-policy only: eta in 1..Workload.staleness; None = the workload's
 
     def get(self, call: str) -> Slot:
         return dict(self.slots)[call]
@@ -164,13 +165,14 @@ def state_to_plan(state: State, num_devices: int, strategy: str = "searched", no
     shadow = tuple(sorted(r for r in state.shadow if any(
         c.split(".")[0] == r and slot != slots.get(f"{r}.train", slot) for c, slot in state.slots)))
     offpolicy = state.offpolicy and bool(shadow)
-    return ExecutionPlan(strategy, num_devices, groups, calls, shadow, offpolicy, notes)
+    return ExecutionPlan(strategy, num_devices, groups, calls, shadow, offpolicy, notes,
+                         staleness=state.staleness if offpolicy else None)
 
 
 def plan_to_state(plan: ExecutionPlan, graph: CallGraph) -> State:
     slots = tuple((c.name, (plan.group_of(c.name).start, plan.group_of(c.name).size, plan.calls[c.name].layout))
                   for c in graph.calls)
-    return State(slots, frozenset(plan.shadow_roles), plan.offpolicy)
+    return State(slots, frozenset(plan.shadow_roles), plan.offpolicy, plan.staleness if plan.offpolicy else None)
 
 
 # ---- preset seeds ---------------------------------------------------------------------------------
@@ -239,6 +241,7 @@ class SearchResult:
     # searched and one won) what the generator running ahead buys against it
     best_sync: PlanEstimate | None = None
     offpolicy_searched: bool = False
+    kept_in: str | None = None  # the folder this search was read back from (`search(cache_dir=...)`), if any
 
     @property
     def async_gain(self) -> float | None:
@@ -464,7 +467,8 @@ class _Annealer:
     def _toggle_shadow(st: State, role: str) -> State:
         """`role`'s shadow copy added or dropped; a plan without shadow copies cannot be off-policy."""
         shadow = st.shadow ^ {role}
-        return dataclasses.replace(st, shadow=shadow, offpolicy=st.offpolicy and bool(shadow))
+        offpolicy = st.offpolicy and bool(shadow)
+        return dataclasses.replace(st, shadow=shadow, offpolicy=offpolicy, staleness=st.staleness if offpolicy else None)
 
     def _move_role(self, st: State, call: str, slot: Slot) -> State:
         """`call` and the calls of its role that share its placement, moved to `slot` where they can."""
@@ -486,6 +490,24 @@ class _Annealer:
     def place_home(self, st: State, role: str, slot: Slot) -> State:
         """`role`'s home and the calls sharing it moved to `slot` (those that can use its layout)."""
         return self._move_role(st, self.home[role], slot)
+
+    def restaled(self, st: State, rng: random.Random) -> State:
+        """The off-policy `st` with its generator one step more or less ahead, within 1..the budget."""
+        eta = st.staleness or self.wl.staleness
+        options = [e for e in (eta - 1, eta + 1) if 1 <= e <= self.wl.staleness]
+        return dataclasses.replace(st, staleness=rng.choice(options))
+
+    def freshest(self, st: State) -> State:
+        """`st` with the fewest steps ahead that keep its step time (each eta in 1..the budget tried):
+        a staler rollout that buys no speed only costs learning."""
+        if not st.offpolicy or self.wl.staleness == 1:
+            return st
+        e_best = self.energy(st)[0]
+        for eta in range(1, self.wl.staleness + 1):
+            fresher = dataclasses.replace(st, staleness=eta)
+            if self.energy(fresher)[0] <= e_best * (1 + 1e-9):
+                return fresher
+        return st
 
     def propose(self, st: State, rng: random.Random) -> State:
         calls = [c for c, _ in st.slots]
@@ -517,7 +539,9 @@ class _Annealer:
         if self.trained:  # shadow copies / off-policy
             role = rng.choice(self.trained)
             if self.allow_offpolicy and role in st.shadow and rng.random() < 0.5:
-                return dataclasses.replace(st, offpolicy=not st.offpolicy)
+                if st.offpolicy and self.wl.staleness > 1 and rng.random() < 0.5:
+                    return self.restaled(st, rng)
+                return dataclasses.replace(st, offpolicy=not st.offpolicy, staleness=None)
             return self._toggle_shadow(st, role)
         return st.with_slot(call, rng.choice(self.slots[call]))
 
@@ -615,7 +639,7 @@ def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionP
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
            graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
            top_k: int = 4, steps: int = MIN_STEPS, allow_offpolicy: bool = False,
-           seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
+           seeds: Mapping[str, ExecutionPlan] | None = None, cache_dir: str | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
     The seed plans are every preset that applies, a greedy one, splits of the
@@ -629,7 +653,9 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     search is the same call for num_devices / 2 (reused when already done in this process). `seeds`
     replaces the presets and the half-size seed, e.g. for tests. One-step
     off-policy plans are explored only with `allow_offpolicy`, because they
-    change the algorithm, not just its speed.
+    change the algorithm, not just its speed. With `cache_dir`, a finished
+    search is kept there and the same question (the same models, workload,
+    hardware, devices, calls, seed and planner code) is answered from it.
     """
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
@@ -639,6 +665,10 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
                 allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
+    kept = _kept_search(cache_dir, key) if seeds is None else None
+    if kept is not None:
+        _RESULTS[key] = kept
+        return kept
     if _cannot_fit(models, graph, wl, hw, num_devices):
         need = state_bytes(models, graph, wl)
         raise PlanError(
@@ -653,7 +683,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     if seeds is None and num_devices % 2 == 0 and half >= 1 and not _cannot_fit(models, graph, wl, hw, half):
         try:
             smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations, top_k=top_k,
-                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s)
+                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s,
+                             cache_dir=cache_dir)
             raw[f"best of {half}"] = embed(smaller.best.plan, graph, num_devices)
         except PlanError:  # nothing fits on half the devices: no half-size seed
             pass
@@ -698,7 +729,9 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
             budget_hit = ann.kicked(ann.best_state(), deadline)[1]
 
     presets.pop(f"best of {half}", None)  # a seed, not a preset
-    feasible = sorted(((e, est) for e, est in ann.seen.values() if est.feasible), key=lambda x: x[0])
+    fresh = ann.freshest(ann.best_state())  # the best, with the fewest steps ahead that keep its time
+    ranked = sorted(ann.seen.items(), key=lambda kv: (kv[0] != fresh, kv[1][0]))
+    feasible = [(e, est) for _, (e, est) in ranked if est.feasible]
     if not feasible:
         reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
         raise PlanError(
@@ -722,6 +755,71 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     best_sync = best if not best.plan.offpolicy else (on_policy[0] if on_policy else None)
     result = SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit,
                           best_sync, allow_offpolicy)
-    if seeds is None and not budget_hit:
+    if seeds is None and not budget_hit:  # deterministic: a search cut short by the clock is not kept
         _RESULTS[key] = result
+        _keep_search(cache_dir, key, result)
     return result
+
+
+@functools.cache
+def _planner_code() -> str:
+    """A digest of the planner's and the call graph's source: a kept search is only as good as the code
+    that ran it."""
+    import hashlib
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in [*sorted(here.glob("*.py")), here.parent / "graph.py"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _kept_path(cache_dir: str, key: str) -> str:
+    import hashlib
+    import os
+
+    name = hashlib.sha256((_planner_code() + key).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"search-{name}.pkl")
+
+
+def _kept_search(cache_dir: str | None, key: str) -> SearchResult | None:
+    """The search kept for `key` in `cache_dir`, or None (none kept, or a file that does not read back:
+    the search runs again and replaces it)."""
+    import pickle
+
+    if cache_dir is None:
+        return None
+    try:
+        with open(_kept_path(cache_dir, key), "rb") as f:
+            found = pickle.load(f)
+    except Exception:  # noqa: BLE001 - absent, truncated or from other code: search again
+        return None
+    if not isinstance(found, tuple) or len(found) != 2 or found[0] != key:
+        return None
+    return dataclasses.replace(found[1], kept_in=cache_dir)
+
+
+def _keep_search(cache_dir: str | None, key: str, result: SearchResult) -> None:
+    """Write `result` for `key` into `cache_dir` atomically (a folder that cannot be written is no error:
+    the next run searches again)."""
+    import os
+    import pickle
+    import tempfile
+
+    if cache_dir is None:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((key, result), f)
+        os.replace(tmp, _kept_path(cache_dir, key))
+    except OSError:
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -145,9 +145,10 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     if cfg.plan.file:
         plan = ExecutionPlan.load(cfg.plan.file)
     elif cfg.plan.strategy == "auto":
-        result = search_plan(cfg, algorithm, models, num_devices, hw)
-        print(f"plan.strategy=auto: searched {result.evaluations} plans in {result.seconds:.1f} s "
-              f"(estimated step {result.best.step_s:.3g} s on {num_devices} x {hw.name})"
+        result = search_plan(cfg, algorithm, models, num_devices, hw, cache_dir=plan_cache_dir(cfg))
+        how = (f"the search kept in {result.kept_in} ({result.evaluations} plans, {result.seconds:.1f} s when it ran)"
+               if result.kept_in else f"searched {result.evaluations} plans in {result.seconds:.1f} s")
+        print(f"plan.strategy=auto: {how} (estimated step {result.best.step_s:.3g} s on {num_devices} x {hw.name})"
               + (" (time budget hit)" if result.budget_hit else ""), flush=True)
         plan = result.best.plan
     else:
@@ -199,15 +200,26 @@ def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any],
 
 
 def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int, hw, *,
-                time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
+                time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None,
+                cache_dir: str | None = None):
     """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
     workload, seeded by `run.seed`, off-policy plans (the generator ahead of the trainer) only with a
-    staleness budget (`Config.staleness_budget`)."""
+    staleness budget (`Config.staleness_budget`); answered from `cache_dir` when the same search was
+    kept there."""
     from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
 
     return search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
                   iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=time_budget_s,
-                  allow_offpolicy=cfg.staleness_budget > 0)
+                  allow_offpolicy=cfg.staleness_budget > 0, cache_dir=cache_dir)
+
+
+def plan_cache_dir(cfg: cfglib.Config) -> str | None:
+    """Where a run keeps its finished plan searches: beside its compiled programs (`run.compile_cache`,
+    in `plans/`), so a second run of the same config (a resume, a re-run) starts without searching
+    again; None when that cache is off."""
+    if cfg.run.compile_cache is None:
+        return None
+    return os.path.join(os.path.expanduser(cfg.run.compile_cache), "plans")
 
 
 def replan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], current, hw, num_devices: int,

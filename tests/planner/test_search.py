@@ -182,6 +182,43 @@ def test_a_kick_keeps_a_bottom_no_kick_beats():
     kicked, hit = ann.kicked(bottom, float("inf"))
     assert not hit and kicked == bottom
 
+def _async_annealer(staleness: int):
+    """The small instance with long-tailed response lengths (median 8 of 128 tokens, sigma 1.5), the
+    generator allowed `staleness` steps ahead, and its disaggregated plan made off-policy."""
+    from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.planner.search import plan_to_state
+
+    hw, models, wl = _small_instance()
+    wl = dataclasses.replace(wl, gen_len=128, gen_len_median=8, gen_len_sigma=1.5, ppo_epochs=2, staleness=staleness)
+    ann = search_module._Annealer(SearchSpace.build(GRAPH, models, wl, 4, hw), models, wl, hw, steps=3,
+                                  allow_offpolicy=True)
+    plan = build_plan("disaggregated", 4, models, GRAPH, batch_size=wl.batch_size, devices_per_host=4)
+    return ann, dataclasses.replace(plan_to_state(plan, GRAPH), offpolicy=True)
+
+
+def test_the_search_chooses_the_fewest_steps_ahead_that_reach_the_best_time():
+    """An off-policy state carries its eta within 1..the budget (Workload.staleness); the plan says it
+    (YAML key staleness). Of the etas that reach the best time, the fewest wins: a staler rollout
+    that buys no speed only costs learning. Here the tail makes eta 2 faster than 1, and 3 no faster."""
+    from jaxrlhf.planner.plan import ExecutionPlan
+
+    ann, st = _async_annealer(staleness=3)
+    e = {eta: ann.energy(dataclasses.replace(st, staleness=eta))[0] for eta in (1, 2, 3)}
+    assert e[2] < e[1] and e[3] >= e[2] * (1 - 1e-9)
+    chosen = ann.freshest(dataclasses.replace(st, staleness=3))
+    assert chosen.staleness == 2
+    plan = state_to_plan(chosen, 4)
+    assert plan.staleness == 2 and "staleness: 2" in plan.to_yaml()
+    assert ExecutionPlan.from_yaml(plan.to_yaml()).staleness == 2
+    rng = random.Random(0)
+    assert {ann.restaled(dataclasses.replace(st, staleness=eta), rng).staleness
+            for eta in (1, 2, 3) for _ in range(8)} == {1, 2, 3}
+    assert state_to_plan(dataclasses.replace(chosen, offpolicy=False), 4).staleness is None
+    # with the budget at 1 there is nothing to choose: the plan leaves staleness out, as before
+    ann, st = _async_annealer(staleness=1)
+    assert ann.freshest(st) is st and "staleness" not in state_to_plan(st, 4).to_yaml()
+
+
 def test_the_search_reports_the_best_on_policy_plan_beside_the_best():
     """With off-policy plans allowed, `best_sync` is the best plan whose rollouts are on-policy and
     `async_gain` what the generator running ahead buys over it (1.0 when an on-policy plan wins);
@@ -194,3 +231,33 @@ def test_the_search_reports_the_best_on_policy_plan_beside_the_best():
     both = search(models, wl, hw, 4, graph, iterations=200, time_budget_s=30, allow_offpolicy=True)
     assert both.offpolicy_searched and not both.best_sync.plan.offpolicy
     assert both.async_gain == pytest.approx(both.best_sync.step_s / both.best.step_s) and both.async_gain >= 1.0
+
+
+def test_a_kept_search_answers_the_same_question_and_only_that(tmp_path, monkeypatch):
+    """`cache_dir` keeps a finished search: the same question is answered from the file (no plan
+    estimated), another seed or device count searches, and a damaged file is searched again and replaced."""
+    hw = dataclasses.replace(H100, devices_per_host=4)
+    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    wl = Workload(batch_size=32, prompt_len=64, gen_len=64, minibatches=2)
+    first = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert first.kept_in is None and len(list(tmp_path.iterdir())) == 3  # 4 devices, and the 2 and 1 seeding it
+    monkeypatch.setattr(search_module, "_RESULTS", {})  # a new process: only the folder remembers
+    estimated = []
+    real = search_module.estimate_plan
+    monkeypatch.setattr(search_module, "estimate_plan", lambda *a, **k: estimated.append(1) or real(*a, **k))
+    again = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert again.kept_in == str(tmp_path) and not estimated
+    assert again.best.plan == first.best.plan and again.best.step_s == first.best.step_s
+    assert again.evaluations == first.evaluations
+
+    other = search(models, wl, hw, 4, GRAPH, iterations=200, seed=12, cache_dir=str(tmp_path))
+    assert other.kept_in is None and estimated
+
+    monkeypatch.setattr(search_module, "_RESULTS", {})
+    for path in tmp_path.iterdir():
+        path.write_bytes(b"not a pickle")
+    redone = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert redone.kept_in is None and redone.best.plan == first.best.plan
+    monkeypatch.setattr(search_module, "_RESULTS", {})
+    assert search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path)).kept_in == str(tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
