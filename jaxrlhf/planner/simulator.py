@@ -58,6 +58,7 @@ class Timeline:
     spans: list[Span]
     steps: int
     max_period: int = 0  # longest period `period` looks for; 0 = MAX_PERIOD
+    period_unit: int = 1  # periods are multiples of it (calls cycling through K durations: K)
 
     @property
     def makespan(self) -> float:
@@ -77,9 +78,11 @@ class Timeline:
 
     def period(self) -> int | None:
         """The smallest number of steps p (up to `max_period`) after which the step gaps repeat: the last
-        p gaps equal the p before them and the p before those. None while the schedule is still settling."""
+        p gaps equal the p before them and the p before those (p a multiple of `period_unit`: three equal
+        gaps in a row may be a stretch of short generate calls, not the cycle). None while the schedule
+        is still settling."""
         gaps = self.step_gaps()
-        for p in range(1, (self.max_period or MAX_PERIOD) + 1):
+        for p in range(self.period_unit, (self.max_period or MAX_PERIOD) + 1, self.period_unit):
             if len(gaps) >= 3 * p and all(
                     math.isclose(gaps[-1 - i], gaps[-1 - i - k * p], rel_tol=1e-9, abs_tol=1e-12)
                     for i in range(p) for k in (1, 2)):
@@ -357,13 +360,14 @@ def plan_fit(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelCo
 MIN_STEPS = 3 + END_STEPS + 1  # steps simulated first: 3 gaps, enough to see a period of 1 repeat
 MAX_STEPS = 64
 MAX_PERIOD = 3  # off-policy shadows lag 2 steps at eta = 1, so a schedule may repeat every 2 or 3 steps
+SETTLED = 1e-3  # relative change of the estimate between n and 2n steps that counts as settled
 
 
 def max_period(staleness: int, varying: bool) -> int:
     """The longest period a schedule may have: a generator eta steps ahead lags eta + 1 steps, so up to
-    eta + 2 (MAX_PERIOD at eta = 1); generate calls cycling through K length batches repeat every K."""
-    return max(MAX_PERIOD, staleness + 2, LENGTH_BATCHES if varying else 0)
-SETTLED = 1e-3  # relative change of the estimate between n and 2n steps that counts as settled
+    eta + 2 (MAX_PERIOD at eta = 1); generate calls cycling through K length batches repeat every K
+    (looked for up to 2K)."""
+    return max(MAX_PERIOD, staleness + 2, 2 * LENGTH_BATCHES if varying else 0)
 
 
 def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float | Sequence[float]],
@@ -381,7 +385,7 @@ def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, flo
     n, before = max(steps, 2, 3 * longest + END_STEPS + 1 if longest > MAX_PERIOD else 0), None
     while True:
         tl = schedule(build_ops(graph, plan, call_s, move_s, n, staleness), plan.num_devices, shared_host)
-        tl.max_period = longest
+        tl.max_period, tl.period_unit = longest, LENGTH_BATCHES if varying else 1
         if tl.period() is not None or n >= MAX_STEPS:
             return tl
         if not varying and before is not None and abs(tl.step_s - before) <= SETTLED * before:

@@ -242,3 +242,19 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
             assert max(durations) < cost.seconds
         est = estimate_plan(p, graph, models, wl, hw)
         assert est.timeline.period() == LENGTH_BATCHES and np.mean(durations) <= est.step_s < cost.seconds
+
+
+def test_a_run_of_equal_gaps_is_not_mistaken_for_the_period_of_varying_calls():
+    """Seven 2 s generate calls and one of 60 s (mean 9.25 s, plus the 0.5 s sync: 9.75 s per step on
+    "lo", more than "hi"'s 6.5 s). Behind the short calls the trainer sets the pace, and three equal
+    6.5 s gaps in a row looked like a period of 1 (6.5 s per step); periods of calls that cycle
+    through 8 durations are multiples of 8. One step ahead, seven steps go at the trainer's 6.5 s and
+    the long one at 60 + 0.5 s: 106 s per 8 steps."""
+    p = plan(ASYNC, shadow_roles=("actor",), offpolicy=True)
+    cycle = {**T, "actor.generate": (2.0,) * 7 + (60.0,)}
+    times = {}
+    for eta in (1, 2):
+        tl = steady_state(G, p, cycle, {"actor.generate": 0.5}, staleness=eta)
+        assert tl.period() == 8 and tl.step_s >= 9.75
+        times[eta] = tl.step_s
+    assert times[1] == pytest.approx((7 * 6.5 + 60.5) / 8) and times[2] < times[1]
