@@ -3,6 +3,7 @@ is the same plan from `train` as from `python -m jaxrlhf.plan`."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -142,3 +143,28 @@ def test_the_plan_cli_and_step_breakdown_agree_on_the_described_machine(tmp_path
                            "--iterations", "20"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["algorithm"] == "ppo" and os.path.exists(tmp_path / "p" / "plan.yaml")
+
+
+def test_the_run_runs_the_plans_staleness_within_its_budget():
+    """An off-policy plan's own staleness (the search's eta) is what the run uses; none = the budget;
+    one above algorithm.max_staleness is refused with both numbers; a plan file may not ask for one
+    on an on-policy plan."""
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError
+
+    groups = {"gen": DeviceGroup("gen", 0, 1), "train": DeviceGroup("train", 1, 1)}
+    calls = {"actor.generate": Placement("gen", Layout()), "actor.train": Placement("train", Layout())}
+    plan = ExecutionPlan("test", 2, groups, calls, ("actor",), True)
+    cfg = cfglib.load_config(None, ["plan.strategy=auto", "algorithm.max_staleness=3"])
+    run = types.SimpleNamespace(cfg=cfg)
+    assert assembly.RunSetup.staleness(run, plan) == 3
+    assert assembly.RunSetup.staleness(run, dataclasses.replace(plan, staleness=2)) == 2
+    assert assembly.RunSetup.staleness(run, dataclasses.replace(plan, offpolicy=False, staleness=None)) == 0
+    with pytest.raises(PlanError, match="the plan's staleness=4 runs the generator further ahead than "
+                                        "algorithm.max_staleness=3 allows"):
+        assembly.RunSetup.staleness(run, dataclasses.replace(plan, staleness=4))
+    text = dataclasses.replace(plan, staleness=2).to_yaml()
+    assert ExecutionPlan.from_yaml(text).staleness == 2 and "staleness" not in plan.to_yaml()
+    with pytest.raises(PlanError, match=r"plan.staleness=2 needs offpolicy: true"):
+        ExecutionPlan.from_yaml(text.replace("offpolicy: true", "offpolicy: false"))
+    with pytest.raises(PlanError, match=r"plan.staleness must be an integer >= 1"):
+        ExecutionPlan.from_yaml(text.replace("staleness: 2", "staleness: 0"))
