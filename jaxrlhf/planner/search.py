@@ -241,6 +241,7 @@ class SearchResult:
     # searched and one won) what the generator running ahead buys against it
     best_sync: PlanEstimate | None = None
     offpolicy_searched: bool = False
+    kept_in: str | None = None  # the folder this search was read back from (`search(cache_dir=...)`), if any
 
     @property
     def async_gain(self) -> float | None:
@@ -639,7 +640,7 @@ def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionP
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
            graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
            top_k: int = 4, steps: int = MIN_STEPS, allow_offpolicy: bool = False,
-           seeds: Mapping[str, ExecutionPlan] | None = None) -> SearchResult:
+           seeds: Mapping[str, ExecutionPlan] | None = None, cache_dir: str | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
     The seed plans are every preset that applies, a greedy one, splits of the
@@ -653,7 +654,9 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     search is the same call for num_devices / 2 (reused when already done in this process). `seeds`
     replaces the presets and the half-size seed, e.g. for tests. One-step
     off-policy plans are explored only with `allow_offpolicy`, because they
-    change the algorithm, not just its speed.
+    change the algorithm, not just its speed. With `cache_dir`, a finished
+    search is kept there and the same question (the same models, workload,
+    hardware, devices, calls, seed and planner code) is answered from it.
     """
     missing = [c.role for c in graph.calls if c.role not in models]
     if missing:
@@ -663,6 +666,10 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
                 allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
+    kept = _kept_search(cache_dir, key) if seeds is None else None
+    if kept is not None:
+        _RESULTS[key] = kept
+        return kept
     if _cannot_fit(models, graph, wl, hw, num_devices):
         need = state_bytes(models, graph, wl)
         raise PlanError(
@@ -677,7 +684,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     if seeds is None and num_devices % 2 == 0 and half >= 1 and not _cannot_fit(models, graph, wl, hw, half):
         try:
             smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations, top_k=top_k,
-                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s)
+                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s,
+                             cache_dir=cache_dir)
             raw[f"best of {half}"] = embed(smaller.best.plan, graph, num_devices)
         except PlanError:  # nothing fits on half the devices: no half-size seed
             pass
@@ -748,6 +756,71 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     best_sync = best if not best.plan.offpolicy else (on_policy[0] if on_policy else None)
     result = SearchResult(best, runners, presets, time.perf_counter() - t_start, len(ann.seen), budget_hit,
                           best_sync, allow_offpolicy)
-    if seeds is None and not budget_hit:
+    if seeds is None and not budget_hit:  # deterministic: a search cut short by the clock is not kept
         _RESULTS[key] = result
+        _keep_search(cache_dir, key, result)
     return result
+
+
+@functools.cache
+def _planner_code() -> str:
+    """A digest of the planner's and the call graph's source: a kept search is only as good as the code
+    that ran it."""
+    import hashlib
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in [*sorted(here.glob("*.py")), here.parent / "graph.py"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _kept_path(cache_dir: str, key: str) -> str:
+    import hashlib
+    import os
+
+    name = hashlib.sha256((_planner_code() + key).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"search-{name}.pkl")
+
+
+def _kept_search(cache_dir: str | None, key: str) -> SearchResult | None:
+    """The search kept for `key` in `cache_dir`, or None (none kept, or a file that does not read back:
+    the search runs again and replaces it)."""
+    import pickle
+
+    if cache_dir is None:
+        return None
+    try:
+        with open(_kept_path(cache_dir, key), "rb") as f:
+            found = pickle.load(f)
+    except Exception:  # noqa: BLE001 - absent, truncated or from other code: search again
+        return None
+    if not isinstance(found, tuple) or len(found) != 2 or found[0] != key:
+        return None
+    return dataclasses.replace(found[1], kept_in=cache_dir)
+
+
+def _keep_search(cache_dir: str | None, key: str, result: SearchResult) -> None:
+    """Write `result` for `key` into `cache_dir` atomically (a folder that cannot be written is no error:
+    the next run searches again)."""
+    import os
+    import pickle
+    import tempfile
+
+    if cache_dir is None:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((key, result), f)
+        os.replace(tmp, _kept_path(cache_dir, key))
+    except OSError:
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

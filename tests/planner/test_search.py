@@ -231,3 +231,33 @@ def test_the_search_reports_the_best_on_policy_plan_beside_the_best():
     both = search(models, wl, hw, 4, graph, iterations=200, time_budget_s=30, allow_offpolicy=True)
     assert both.offpolicy_searched and not both.best_sync.plan.offpolicy
     assert both.async_gain == pytest.approx(both.best_sync.step_s / both.best.step_s) and both.async_gain >= 1.0
+
+
+def test_a_kept_search_answers_the_same_question_and_only_that(tmp_path, monkeypatch):
+    """`cache_dir` keeps a finished search: the same question is answered from the file (no plan
+    estimated), another seed or device count searches, and a damaged file is searched again and replaced."""
+    hw = dataclasses.replace(H100, devices_per_host=4)
+    models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
+    wl = Workload(batch_size=32, prompt_len=64, gen_len=64, minibatches=2)
+    first = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert first.kept_in is None and len(list(tmp_path.iterdir())) == 3  # 4 devices, and the 2 and 1 seeding it
+    monkeypatch.setattr(search_module, "_RESULTS", {})  # a new process: only the folder remembers
+    estimated = []
+    real = search_module.estimate_plan
+    monkeypatch.setattr(search_module, "estimate_plan", lambda *a, **k: estimated.append(1) or real(*a, **k))
+    again = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert again.kept_in == str(tmp_path) and not estimated
+    assert again.best.plan == first.best.plan and again.best.step_s == first.best.step_s
+    assert again.evaluations == first.evaluations
+
+    other = search(models, wl, hw, 4, GRAPH, iterations=200, seed=12, cache_dir=str(tmp_path))
+    assert other.kept_in is None and estimated
+
+    monkeypatch.setattr(search_module, "_RESULTS", {})
+    for path in tmp_path.iterdir():
+        path.write_bytes(b"not a pickle")
+    redone = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
+    assert redone.kept_in is None and redone.best.plan == first.best.plan
+    monkeypatch.setattr(search_module, "_RESULTS", {})
+    assert search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path)).kept_in == str(tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
