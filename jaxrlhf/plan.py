@@ -189,8 +189,10 @@ def async_line(res: SearchResult) -> str:
                 "set it to 1 or more to let the planner weigh them")
     if res.best_sync is None:
         return "asynchronous: only plans with the generator ahead of the trainer fit"
+    # the search writes the eta it chose on the plan when the budget left it a choice; else it is 1
+    ahead = f" (generator ahead, eta = {res.best.plan.staleness or 1})" if res.best.plan.offpolicy else " (on-policy)"
     return (f"asynchronous vs synchronous: best plan {res.best.step_s:.3g} s/step"
-            f"{' (generator ahead)' if res.best.plan.offpolicy else ' (on-policy)'}, best on-policy plan "
+            f"{ahead}, best on-policy plan "
             f"{res.best_sync.step_s:.3g} s/step: predicted gain {res.async_gain:.2f}x")
 
 
