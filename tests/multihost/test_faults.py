@@ -19,6 +19,7 @@ import time
 import pytest
 
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing import compile_cache
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BASE = [
     "--config", "configs/quickstart.yaml", "model.actor.preset=tiny", "run.tensorboard=false",
     "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
-    "algorithm.minibatches=2", "sft.steps=0", "rewards.eos_only=false", "run.compile_cache=null",
+    "algorithm.minibatches=2", "sft.steps=0", "rewards.eos_only=false", compile_cache.override(),
     "plan.strategy=colocated", "run.checkpoint_every=1", "distributed.heartbeat_timeout_s=10",
 ]
 

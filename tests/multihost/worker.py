@@ -65,7 +65,9 @@ def main() -> int:
         coordinator_address=f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
         transfer_port_base=spec["port"] + 1, heartbeat_timeout_s=spec.get("heartbeat_s", 100),
     )
-    run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=True, compile_cache=None)
+    # the test run's compilation cache, shared by every process of every multi-process test
+    run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=True,
+                           compile_cache=os.environ.get("JAXRLHF_TEST_COMPILE_CACHE"))
     setup_devices(run, dist)
     print(f"process {pid} joined", flush=True)
     found: dict = {"runs": {}}
