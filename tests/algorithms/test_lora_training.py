@@ -44,7 +44,8 @@ def test_lora_grpo_raises_a_discoverable_reward(tmp_path):
     find and reinforce digit tokens, with the KL measured against the actor's base."""
     out = tmp_path / "run"
     cfg = cfglib.load_config(os.path.join(ROOT, "configs", "grpo_lora.yaml"), [
-        f"run.output_dir={out}", f"run.steps={STEPS}", "run.checkpoint_every=0", "run.tensorboard=false",
+        f"run.output_dir={out}", f"run.steps={STEPS}", "run.checkpoint_every=0", "run.save_checkpoints=false",
+        "run.tensorboard=false",
         "run.export_hf=false", "model.actor.preset=null", f"model.actor.path={pretrained_like_base(tmp_path / 'b')}",
         "rewards.eos_only=false", DIGIT,
     ])
@@ -60,7 +61,8 @@ def test_lora_grpo_raises_a_discoverable_reward(tmp_path):
 def test_disaggregated_lora_syncs_only_adapters_and_exports_both_forms(tmp_path):
     out = tmp_path / "run"
     cfg = cfglib.load_config(os.path.join(ROOT, "configs", "grpo_lora.yaml"), [
-        f"run.output_dir={out}", "run.steps=3", "run.checkpoint_every=0", "run.tensorboard=false",
+        f"run.output_dir={out}", "run.steps=3", "run.checkpoint_every=0", "run.save_checkpoints=false",
+        "run.tensorboard=false",
         "plan.strategy=disaggregated", "algorithm.kl_coef=0.0", "data.batch_size=4", "algorithm.group_size=2",
         "algorithm.minibatches=1", "algorithm.epochs=1",
     ])
