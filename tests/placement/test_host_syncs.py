@@ -74,7 +74,10 @@ def _syncs_per_step(tmp_path, monkeypatch, layers: int, strategy: str) -> list[i
         "model.actor.preset=tiny", f"model.actor.overrides.num_layers={layers}", "run.steps=3",
         "run.checkpoint_every=0", "run.tensorboard=false", "run.export_hf=false", "run.log_every=1",
         "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4", "algorithm.minibatches=2",
-        "sft.steps=0", f"plan.strategy={strategy}", f"run.output_dir={tmp_path / f'{strategy}{layers}'}",
+        # GRPO with a reference: one call of each kind (generate, inference, train) and the actor's moves
+        # between them; PPO's critic added two more of the same kinds and a third model to build and compile
+        "algorithm.name=grpo", "algorithm.group_size=4", "algorithm.kl_coef=0.05", "sft.steps=0",
+        f"plan.strategy={strategy}", f"run.output_dir={tmp_path / f'{strategy}{layers}'}",
     ])
     counter = SyncCounter()
     with monkeypatch.context() as m, counter.installed(m):
@@ -90,4 +93,6 @@ def test_host_syncs_per_step_do_not_grow_with_layers(tmp_path, monkeypatch):
     deep = _syncs_per_step(tmp_path, monkeypatch, 12, "reallocated")
     # Step 2 (step 1 compiles; step 3 has no next step to mark its end).
     assert shallow[1] == deep[1], (shallow, deep)
-    assert 0 < shallow[1] <= 30, shallow  # a few per call boundary (24 when written), not one per array
+    # a few per call boundary (19 with this GRPO run when measured; PPO, with a critic, had 24-25 against a
+    # bound of 30), not one per array
+    assert 0 < shallow[1] <= 24, shallow
