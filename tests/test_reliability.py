@@ -420,7 +420,7 @@ def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path)
 @pytest.mark.multiprocess
 def test_sigint_saves_the_step_reached_and_resumes(tmp_path):
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE, "run.devices=8",
+    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
            f"run.output_dir={out}", "run.checkpoint_every=0", compile_cache.override()]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*cmd, "run.steps=200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
