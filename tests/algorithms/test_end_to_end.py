@@ -17,7 +17,9 @@ from jaxrlhf.metrics import read_metrics
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 
 BASE = [
-    "model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0", "run.tensorboard=false",
+    # runs compared, never resumed: no checkpoint (orbax's save of every role costs seconds per run)
+    "model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0", "run.save_checkpoints=false",
+    "run.tensorboard=false",
     "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
     "sft.steps=0", "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3", "optimizer.reward.lr=1e-3",
     "rewards.eos_only=false", 'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
