@@ -72,7 +72,8 @@ class SyncCounter:
 def _syncs_per_step(tmp_path, monkeypatch, layers: int, strategy: str) -> list[int]:
     cfg = cfglib.load_config(None, [
         "model.actor.preset=tiny", f"model.actor.overrides.num_layers={layers}", "run.steps=3",
-        "run.checkpoint_every=0", "run.tensorboard=false", "run.export_hf=false", "run.log_every=1",
+        "run.checkpoint_every=0", "run.save_checkpoints=false", "run.tensorboard=false", "run.export_hf=false",
+        "run.log_every=1",
         "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4", "algorithm.minibatches=2",
         # GRPO with a reference: one call of each kind (generate, inference, train) and the actor's moves
         # between them; PPO's critic added two more of the same kinds and a third model to build and compile
