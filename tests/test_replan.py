@@ -21,7 +21,7 @@ from jaxrlhf.metrics import read_metrics
 from jaxrlhf.planner.plan import ExecutionPlan
 from jaxrlhf.testing.replan import TINY_GRPO, WRONG_LAYOUT, write_wrong_profile
 
-BASE = [*TINY_GRPO, "run.steps=4"]
+BASE = [*TINY_GRPO, "run.steps=4", "run.save_checkpoints=false"]  # neither run resumes
 KEYS = ("reward/mean", "kl/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean", "kl/loss")
 
 
