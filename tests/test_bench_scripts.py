@@ -52,7 +52,8 @@ def test_validate_planner_quick_runs_plans_and_reports_their_ranking(tmp_path):
     hw = str(tmp_path / "cpu.yaml")
     get_profile("cpu").save(hw)
     _load("validate_planner").main(["--quick", "--profile", hw, "--search-budget", "1", "--warmup", "0",
-                                    "--workdir", str(tmp_path / "w"), "--out", str(out), compile_cache.override()])
+                                    "--workdir", str(tmp_path / "w"), "--out", str(out), compile_cache.override(),
+                                    "run.save_checkpoints=false"])
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert len(rows) >= 2 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)
