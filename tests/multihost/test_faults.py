@@ -47,7 +47,6 @@ def _start(out, *overrides: str, claims=((0, 2), (1, 2))) -> list[subprocess.Pop
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
                    JAXRLHF_COORDINATOR=f"127.0.0.1:{port}", JAXRLHF_NUM_PROCESSES=str(count),
                    JAXRLHF_PROCESS_ID=str(pid))
-        env.pop("XLA_FLAGS", None)
         cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, f"run.output_dir={out}", *overrides,
                "run.distributed=true", "run.platform=cpu", "run.devices=4",
                f"distributed.transfer_port_base={_free_port()}"]

@@ -71,7 +71,6 @@ def launch(out, runs: dict, *, processes=2, devices=4, **extra) -> list[subproce
     """Start the worker processes of one run (they write worker-<i>.json and their logs into `out`)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
     procs = []
     for pid in range(processes):
         spec = dict(out=str(out), port=port, processes=processes, process_id=pid, devices=devices, runs=runs,
