@@ -249,7 +249,7 @@ class ExecutionPlan:
         if self.offpolicy and self.staleness:
             lines[0] += f"; off-policy, the generator up to {self.staleness} steps ahead"
         elif self.offpolicy:
-            lines[0] += "; one-step off-policy"
+            lines[0] += "; off-policy, the generator ahead by the run's algorithm.max_staleness (at least 1)"
         for i, r in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
             if i == 0:
