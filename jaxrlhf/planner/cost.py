@@ -61,6 +61,14 @@ LENGTH_BATCHES = 8  # K: the batches of drawn response lengths the steps cycle t
 LENGTH_SEED = 0
 
 
+@functools.lru_cache(maxsize=64)
+def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray:
+    """`Workload.response_lengths`' draw, once per distribution and batch size: every plan a search
+    estimates prices its generate calls with the same lengths."""
+    z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
+    return np.clip(np.rint(median * np.exp(sigma * z)), 1, cap).astype(np.int64)
+
+
 def _per_role(value: Any, role: str | None, default: Any) -> Any:
     """A Workload setting given for every role, or as a mapping role -> setting."""
     return value.get(role, default) if isinstance(value, Mapping) else value
@@ -213,9 +221,7 @@ class Workload:
         deterministic and its schedule repeats every LENGTH_BATCHES steps."""
         if not self.lengths_vary:
             return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
-        z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
-        lengths = np.rint(self.gen_len_median * np.exp(self.gen_len_sigma * z))
-        return np.clip(lengths, 1, self.gen_len).astype(np.int64)
+        return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
 
     def decode_fractions(self, call: CallSpec, batch_ways: int) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the

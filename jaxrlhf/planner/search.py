@@ -819,7 +819,7 @@ def _keep_search(cache_dir: str | None, key: str, result: SearchResult) -> None:
         with os.fdopen(fd, "wb") as f:
             pickle.dump((key, result), f)
         os.replace(tmp, _kept_path(cache_dir, key))
-    except OSError:
+    except OSError:  # a full or read-only disk: nothing kept, the next run searches again
         pass
     finally:
         if os.path.exists(tmp):
