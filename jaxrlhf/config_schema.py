@@ -587,6 +587,38 @@ class GenerationConfig:
     # stops at EOS): identical work every step, for benchmarks against peers run the same way (TRL's
     # stop_token=None, vLLM's ignore_eos). Needs rewards.eos_only=false: no response ends with EOS
     ignore_eos: Bool = False
+    # partial rollouts: the continuous engine streams the rollouts (docs/placement.md#partial-rollouts): its
+    # pool stays full across steps, admitting the prompts of the next steps (up to algorithm.max_staleness
+    # batches ahead) as groups finish, and rows in flight go on under new weights when they arrive, keeping
+    # their KV cache; every token records the weight version that sampled it. Needs engine=continuous
+    partial_rollout: Bool = False
+    stream_chunk: Int = _field(16, check=positive)  # partial rollouts: decode steps between looks for new weights
+    # responses end at lengths drawn from plan.response_length_median / response_length_sigma (the planner's
+    # own draws), not at EOS: a synthetic workload to measure throughput and check the planner's estimates
+    # with a model that does not yet answer at realistic lengths. Needs ignore_eos=true (nothing learns)
+    simulated_lengths: Bool = False
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        rollout = hasattr(config.algorithm, "max_staleness")  # the algorithms that generate rollouts
+        name = config.algorithm.name
+        for key in ("partial_rollout", "simulated_lengths"):
+            if getattr(self, key) and not rollout:
+                yield f"generation.{key}=true applies to rollouts, and algorithm.name={name} has none; set it false"
+        if self.partial_rollout and self.engine != "continuous":
+            yield ("generation.partial_rollout=true streams rollouts through the continuous engine's paged pool; "
+                   f"set generation.engine=continuous (not {self.engine})")
+        if self.partial_rollout and getattr(config.algorithm, "dynamic_sampling", False):
+            yield ("generation.partial_rollout=true trains every group it admits, in order; "
+                   "algorithm.dynamic_sampling drops groups from a larger pool: set one of them false")
+        if self.partial_rollout and config.plan.replan_every:
+            yield ("generation.partial_rollout=true keeps rollouts in flight across steps, so there is no step "
+                   "boundary to switch plans at; set plan.replan_every=0")
+        if self.simulated_lengths and config.plan.response_length_median is None:
+            yield ("generation.simulated_lengths=true draws response lengths from the planner's distribution: "
+                   "set plan.response_length_median (and plan.response_length_sigma)")
+        if self.simulated_lengths and not self.ignore_eos:
+            yield ("generation.simulated_lengths=true ends responses at drawn lengths, not at EOS: set "
+                   "generation.ignore_eos=true (and rewards.eos_only=false)")
 
 
 @_no_extra_keys

@@ -62,7 +62,8 @@ class RolloutAlgorithm(Algorithm):
         """Cut the rollout batch to its longest response after generation (`generation.trim_responses`;
         nothing to cut when `max_new_tokens` allows one width only or every response runs to it)."""
         gen = self.cfg.generation
-        return bool(gen.trim_responses) and not gen.ignore_eos and len(response_widths(gen.max_new_tokens)) > 1
+        vary = not gen.ignore_eos or gen.simulated_lengths
+        return bool(gen.trim_responses) and vary and len(response_widths(gen.max_new_tokens)) > 1
 
     @property
     def uncut_prefix(self) -> str:
@@ -157,17 +158,23 @@ class RolloutAlgorithm(Algorithm):
                     f"algorithm.{band}_low={low} and algorithm.{band}_high={high} must hold 1 between them, the "
                     f"ratio of an on-policy token, or a synchronous run would mask every token (e.g. {example})")
 
+    @property
+    def generate_inputs(self) -> tuple[str, ...]:
+        """Inputs of the generate calls: the prompts and the sampling key, and with
+        `generation.simulated_lengths` each response's drawn length (`max_lengths`)."""
+        drawn = ("max_lengths",) if self.cfg.generation.simulated_lengths else ()
+        return ("prompt_tokens", "prompt_mask", "rng_generate", *drawn)
+
     def graph(self) -> CallGraph:
         pool = "pool_" if self.dynamic_sampling else ""
         calls: list[CallSpec] = [
-            CallSpec("actor.generate", "actor", "generate", inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+            CallSpec("actor.generate", "actor", "generate", inputs=self.generate_inputs,
                      outputs=tuple(self.generated_prefix + v for v in GENERATED), seqs_per_row=self.pool_factor),
         ]
         prefixes = (pool,)
         if self.greedy_baseline:
             prefixes = ("", "greedy_")
-            calls.append(CallSpec("actor.generate_greedy", "actor", "generate",
-                                  inputs=("prompt_tokens", "prompt_mask", "rng_generate"),
+            calls.append(CallSpec("actor.generate_greedy", "actor", "generate", inputs=self.generate_inputs,
                                   outputs=tuple("greedy_" + v for v in GENERATED)))
         host: list[HostStep] = []
         train_in = [*GENERATED, "kl_coef", "rng_actor"]
@@ -214,6 +221,8 @@ class RolloutAlgorithm(Algorithm):
         if self.uses_ref:
             host.append(HostStep("kl_control", ("kl_coef", "actor_stats"), ("kl_coef",)))
         feed = ["prompt_tokens", "prompt_mask", "prompts", "answers", "rng_generate", "rng_actor"]
+        if self.cfg.generation.simulated_lengths:
+            feed.append("max_lengths")
         if self.uses_critic:
             feed.append("rng_critic")
         return CallGraph(tuple(calls), tuple(host), tuple(feed), tuple(state))

@@ -56,7 +56,7 @@ from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
-from jaxrlhf.models.lengths import response_width
+from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 
@@ -128,12 +128,13 @@ def generate_call(
 ) -> dict[str, jax.Array]:
     """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`.
     A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots, kv_pages): the prompts
-    come in groups of `group_size` adjacent copies (`repeat_rows`), which the continuous engine prefills once."""
+    come in groups of `group_size` adjacent copies (`repeat_rows`), which the continuous engine prefills once.
+    `inputs["max_lengths"]` (optional): each response's own cap (`generation.simulated_lengths`)."""
     name, group_size, slots, kv_pages = engine
     out = GENERATION_ENGINES[name](
         graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-        group_size=group_size, slots=slots, kv_pages=kv_pages,
+        group_size=group_size, slots=slots, kv_pages=kv_pages, max_lengths=inputs.get("max_lengths"),
     )
     values = {
         "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
@@ -564,6 +565,8 @@ class RolloutRuntime:
         }
         if self.uses_critic:
             feed["rng_critic"] = critic
+        if self.cfg.generation.simulated_lengths:
+            feed["max_lengths"] = simulated_lengths(self.cfg, gen, len(batch.prompts))
         return feed
 
     def metric_values(self) -> tuple[str, ...]:
@@ -667,6 +670,16 @@ class RolloutRuntime:
         return functools.partial(generate_call, self.models["actor"].graphdef, s.sampling, s.max_new_tokens,
                                  self.tokenizer.eos_ids, self.tokenizer.pad_id,
                                  (s.engine, self.cfg.eval.samples, s.slots, s.kv_pages), "")
+
+
+def simulated_lengths(cfg: Any, rng: jax.Array, rows: int) -> np.ndarray:
+    """Each response's length under `generation.simulated_lengths`: log-normal around
+    `plan.response_length_median` with `plan.response_length_sigma`, capped at `generation.max_new_tokens`
+    (`lengths.lognormal_lengths`, the planner's distribution), drawn from the step's generation key."""
+    seed = np.asarray(jax.random.key_data(rng)).astype(np.uint32).ravel()
+    z = np.random.default_rng(seed).standard_normal(rows)
+    return lognormal_lengths(z, cfg.plan.response_length_median, cfg.plan.response_length_sigma,
+                             cfg.generation.max_new_tokens).astype(np.int32)
 
 
 def sampling_params(cfg: Any) -> SamplingParams:

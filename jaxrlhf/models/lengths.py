@@ -34,3 +34,13 @@ def response_widths(max_new_tokens: int) -> tuple[int, ...]:
 def response_width(longest: int, max_new_tokens: int) -> int:
     """The narrowest of `response_widths` that holds a batch whose longest response has `longest` tokens."""
     return next(w for w in response_widths(max_new_tokens) if w >= min(int(longest), int(max_new_tokens)))
+
+
+def lognormal_lengths(z: "np.ndarray", median: int, sigma: float, cap: int) -> "np.ndarray":
+    """Response lengths median x exp(sigma x z) for standard normal draws `z`, rounded, in [1, cap]: the
+    long-tailed lengths of reasoning rollouts. The planner prices generation with them
+    (`planner.cost.Workload.response_lengths`) and `generation.simulated_lengths` makes a run's responses
+    end at them, so a plan is measured on the workload it was priced on."""
+    import numpy as np
+
+    return np.clip(np.rint(median * np.exp(sigma * np.asarray(z, np.float64))), 1, cap).astype(np.int64)

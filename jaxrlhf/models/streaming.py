@@ -124,6 +124,7 @@ class Taken:
     output: GenerationOutput
     versions: np.ndarray
     uids: np.ndarray
+    serials: np.ndarray  # each taken group's admission number (`StreamState.admitted` when it came in)
 
 
 def _check(spec: StreamSpec) -> None:
@@ -185,14 +186,14 @@ def admit(
     *,
     spec: StreamSpec,
     version: Int[Array, ""] | int = 0,
-    max_lengths: Int[Array, "k"] | None = None,
+    max_lengths: Int[Array, "k"] | Int[Array, "k group"] | None = None,
     tag: Hashable = None,
 ) -> tuple[StreamState, Bool[Array, "k"]]:
     """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into free group
     slots (the lowest of each shard first, round-robin over the shards); returns the state and which were
     admitted. A prompt with uid < 0 is a blank (pad a call to a fixed k with them: one program); prompts
     beyond the free slots are not admitted (check the mask: nothing is queued). `max_lengths`: a prompt's
-    cap on each of its responses (optional)."""
+    cap on each of its responses, or [k, G] one per response (optional)."""
     note_trace("stream_admit")
     _check(spec)
     k, width = prompt_tokens.shape
@@ -224,6 +225,7 @@ def admit(
     j = jnp.arange(G)
     rows = (slot[:, None] * G + j).reshape(-1)  # out of range for a prompt not admitted
     limits = jnp.full((k,), n, jnp.int32) if max_lengths is None else jnp.clip(max_lengths, 1, n).astype(jnp.int32)
+    limits = jnp.broadcast_to(limits.reshape(k, -1), (k, G)).reshape(-1)  # one per row
     keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))((uids[:, None] * G + j).reshape(-1))
     rows_s = spec.rows // spec.batch_ways
     st = dict(state.rows, status=state.rows["status"].at[rows // rows_s, rows % rows_s].set(WAITING, mode="drop"))
@@ -234,7 +236,7 @@ def admit(
         prefill_logits=put(state.prefill_logits, slot, logits.astype(jnp.float32)),
         first_version=put(state.first_version, slot, version), uid=put(state.uid, slot, uids),
         serial=put(state.serial, slot, serial), status=put(state.status, slot, GROUP_RUNNING),
-        limit=put(state.limit, rows, jnp.repeat(limits, G)), row_key=put(state.row_key, rows, keys),
+        limit=put(state.limit, rows, limits), row_key=put(state.row_key, rows, keys),
         admitted=state.admitted + accepted.sum(dtype=jnp.int32))
     return state, accepted
 
@@ -337,7 +339,8 @@ def take(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> tuple
         prompt_mask=np.repeat(outs["prompt_mask"][picked], G, axis=0), response_tokens=response,
         response_mask=valid, logprobs=outs["logp"][rows], lengths=valid.sum(axis=1).astype(np.int32),
         ended_with_eos=outs["ended"][rows])
-    return Taken(output=output, versions=outs["version"][rows], uids=outs["uid"][picked]), state
+    return Taken(output=output, versions=outs["version"][rows], uids=outs["uid"][picked],
+                 serials=outs["serial"][picked]), state
 
 
 def free_groups(state: StreamState) -> int:

@@ -374,8 +374,11 @@ class Executor:
             )
         return out
 
-    def _run_phase(self, nodes: list[Node], values: dict[str, Any]) -> None:
-        """Run `nodes` as their inputs become available: ready calls first, then one host step."""
+    def _run_phase(self, nodes: list[Node], values: dict[str, Any],
+                   overlap: Callable[[], None] | None = None) -> None:
+        """Run `nodes` as their inputs become available: ready calls first, then one host step.
+        `overlap` (optional) runs once, before the first host step (which may wait for the calls
+        dispatched so far) or at the end: host work that goes on while those calls run."""
         done = set(values) | set(self.graph.state)
         finished: set[str] = set()
         pending = list(nodes)
@@ -390,6 +393,9 @@ class Executor:
             batch = calls or ready[:1]
             if not batch:
                 raise RuntimeError(f"cannot run {[n.name for n in pending]}: inputs never become available")
+            if overlap is not None and not calls:
+                overlap()
+                overlap = None
             inputs_of = {
                 node.name: {v: (self.state[v] if v in self.graph.state else values[v]) for v in node.inputs}
                 for node in batch
@@ -409,29 +415,35 @@ class Executor:
                 done |= set(out)
                 finished.add(node.name)
                 pending.remove(node)
+        if overlap is not None:
+            overlap()
 
     def collect(self, feed: Mapping[str, Any]) -> tuple[dict[str, Any], list[Op]]:
         """The collect phase of a step (everything that does not depend on training), dispatched; returns
-        its values and operations."""
+        its values and operations. A node whose outputs the feed already holds is not run (a streaming
+        generator hands in the generate call's outputs: `jaxrlhf.run.generator`)."""
         missing = [f for f in self.graph.feed if f not in feed]
         if missing:
             raise ValueError(f"step feed lacks {missing}")
         values = dict(feed)
         outer, self._ops = self._ops, []
         try:
-            self._run_phase([n for n in self.graph.order() if n.name not in self._training], values)
+            self._run_phase([n for n in self.graph.order() if n.name not in self._training
+                             and not set(n.outputs) <= set(feed)], values)
             return values, self._ops
         finally:
             self._ops = outer
 
     def step(
-        self, feed: Mapping[str, Any], ahead: Sequence[Mapping[str, Any]] = (), read: Sequence[str] = ()
+        self, feed: Mapping[str, Any], ahead: Sequence[Mapping[str, Any]] = (), read: Sequence[str] = (),
+        overlap: Callable[[], None] | None = None,
     ) -> StepResult:
         """One step of the graph; the values named in `read` come back on host, read in one gather once
         everything else is dispatched. On an off-policy plan, `ahead` holds the feeds of later steps to
         start now: their collect phases run on the shadow generator (the weights it was last synced
         with) while this step trains, and the next calls of `step` use them in order, ignoring their
-        own `feed`."""
+        own `feed`. `overlap` runs on the host while the train calls run (a streaming generator's
+        decode chunks), before the shadows are synced."""
         if ahead and not self.plan.offpolicy:
             raise ValueError(f"plan {self.plan.strategy!r} is not off-policy: it cannot start later steps' rollouts")
         t_start = time.perf_counter()
@@ -440,7 +452,7 @@ class Executor:
             values, self._ops = self._pending.popleft()
         else:
             values, self._ops = self.collect(feed)
-        self._run_phase([n for n in self.graph.order() if n.name in self._training], values)
+        self._run_phase([n for n in self.graph.order() if n.name in self._training], values, overlap)
         for later in ahead:  # overlaps the train calls: shadows sync after this
             self._pending.append(self.collect(later))
         self.sync_shadows()

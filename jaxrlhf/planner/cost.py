@@ -49,6 +49,7 @@ from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lengths import lognormal_lengths
 from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,7 +67,7 @@ def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray
     """`Workload.response_lengths`' draw, once per distribution and batch size: every plan a search
     estimates prices its generate calls with the same lengths."""
     z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
-    return np.clip(np.rint(median * np.exp(sigma * z)), 1, cap).astype(np.int64)
+    return lognormal_lengths(z, median, sigma, cap)
 
 
 def _per_role(value: Any, role: str | None, default: Any) -> Any:

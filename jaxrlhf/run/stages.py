@@ -21,6 +21,7 @@ WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
 
 def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, staleness: int = 0,
+              partial: bool = False,
               around: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
               after: Callable[[int, dict[str, Any], Any], Any] | None = None,
               ) -> Iterator[tuple[int, dict[str, Any], dict]]:
@@ -35,6 +36,9 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
     trainer's updates since that policy) and `rollout/policy_version` (its update count). A resumed
     run starts again from its own step: the rollouts in flight at the checkpoint are not in it, so they
     are generated again, from the same batches with the same keys, and never trained twice.
+    With `partial` (`generation.partial_rollout`) the rollouts stream instead
+    (`jaxrlhf.run.generator`): admission per group, rows in flight going on under new weights, and
+    the same bound eta on the oldest trained token.
     `around(step)` wraps the executor's step (a profiler trace). `after(step, metrics, executor)`,
     when given, runs after each step (it may add metrics) and returns the executor for the next steps:
     the same one, or one on another plan (`Replanner`: a live switch; the data stream and random keys
@@ -50,6 +54,9 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
         return {"step": step, "feed": algorithm.feed(batch, jax.random.fold_in(rng, step)),
                 "data_state": data.state_dict()}
 
+    if partial:
+        yield from _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, around, after)
+        return
     inflight: collections.deque = collections.deque()  # steps whose rollouts were started ahead, oldest first
     drawn = start  # the last step whose batch was drawn
     for step in range(start + 1, stop + 1):
@@ -77,6 +84,29 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
         if after is not None:
             executor = after(step, metrics, executor)
         yield step, metrics, this["data_state"]
+
+
+def _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, around, after):
+    """`run_steps` with a streaming generator (partial rollouts): each step's batch comes from the
+    stream, and the stream decodes on while the step trains."""
+    from jaxrlhf.run.generator import StreamingGenerator
+    from jaxrlhf.transfer.host import HostValues
+
+    generator = StreamingGenerator(algorithm, executor, eta=staleness, start=start, stop=stop, draw=draw)
+    for step in range(start + 1, stop + 1):
+        feed, data_state, rollout = generator.batch(step)
+        with around(step):
+            result = executor.step(feed, read=algorithm.metric_values(), overlap=generator.overlap)
+        generator.updated()
+        result.values = HostValues(result.values)
+        metrics = algorithm.metrics(result)
+        metrics.update(result.metrics())
+        metrics.update(data.metrics())
+        metrics.update(rollout)
+        metrics["time/step_s"] += rollout["time/generate_wait_s"]  # the trainer waited for the stream first
+        if after is not None:
+            executor = after(step, metrics, executor)
+        yield step, metrics, data_state
 
 
 class Replanner:

@@ -1,0 +1,226 @@
+"""The streaming generator of partial rollouts (`generation.partial_rollout: true`).
+
+Why: with long-tailed responses a synchronous step decodes its batch until the longest response ends,
+and the decode pool empties as rows finish. The streaming generator keeps the continuous engine's pool
+full instead: it admits the prompts of the next steps as groups finish (`models.streaming`), hands the
+trainer each step's batch when its last group is done, and applies new weights at the next decode chunk
+while the rows in flight go on with their KV cache (partial rollouts, as AReaL and verl's asynchronous
+trainer do). Every token records the weight version (trainer updates) that sampled it.
+
+Staleness is enforced by admission pacing, never by discarding work: batches are trained in admission
+order (prompt k of the run belongs to step k // B + 1, B = data.batch_size), and a step's prompts are
+admitted only once the generator holds weights at most eta updates behind the update that step trains
+on (`algorithm.max_staleness`), so no trained token is older than eta. With eta = 0 a step's prompts
+enter only after the previous update: the synchronous step through the same engine.
+
+Where the work runs: the generate call's placement (the plan's shadow generator on a disaggregated
+plan, or the actor's home placement). The executor runs everything else of the step on a batch whose
+generate outputs this module supplies (`Executor.collect` skips a node whose outputs are given), and
+calls `overlap` while the train calls run: decode chunks on the generator's devices meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxrlhf.errors import RunError
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models import streaming
+from jaxrlhf.models.lengths import bucket_length
+
+GENERATE_CALL = "actor.generate"
+
+
+@dataclasses.dataclass
+class _Drawn:
+    """One step's batch as drawn from the data: its feed, the data position after it, and its groups'
+    progress (admitted so far; the outputs of the done ones, by prompt index)."""
+
+    step: int
+    feed: dict[str, Any]
+    data_state: dict
+    admitted: int = 0
+    done: dict[int, tuple[dict[str, np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+class StreamingGenerator:
+    """Streams the rollouts of steps `start + 1 .. stop` on the generate call's placement of `executor`.
+
+    `draw(step)` returns the step's feed and data position (drawn in step order, each once). `batch(step)`
+    returns the feed of `step` with the generate call's outputs in it, decoding until its groups are
+    done; `overlap()` decodes while the trainer is busy; `updated()` after each step moves the
+    generator to the new weights (the next chunk samples with them)."""
+
+    def __init__(self, algorithm, executor, *, eta: int, start: int, stop: int,
+                 draw: Callable[[int], dict[str, Any]]):
+        cfg = algorithm.cfg
+        self.executor, self.eta, self.stop, self.draw_step = executor, eta, stop, draw
+        self.version = start  # trainer updates in the weights the generator holds
+        self.next_step = start + 1  # the next step to draw
+        self.prompts = cfg.data.batch_size
+        self.group = algorithm.group_size
+        self.prefix = algorithm.generated_prefix
+        self.chunk = cfg.generation.stream_chunk
+        s = algorithm.settings()
+        placed = executor.placed(GENERATE_CALL)
+        if jax.process_count() > 1:
+            raise RunError("generation.partial_rollout=true streams rollouts in one process; a run of "
+                           f"{jax.process_count()} processes generates a batch at a time: set it false")
+        with ax.activation_sharding(placed.resolver()):
+            ways = ax.batch_ways()
+        groups = (eta + 1) * self.prompts  # every group admitted and not yet trained may be in the stream
+        groups = -(-groups // ways) * ways
+        tok = algorithm.tokenizer
+        self.spec = streaming.StreamSpec.make(
+            groups=groups, group_size=self.group, max_new_tokens=s.max_new_tokens,
+            prompt_bucket=bucket_length(cfg.data.max_prompt_len, multiple=16),
+            sampling=s.sampling, eos_id=() if s.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
+            slots=s.slots or self.prompts * self.group,  # the synchronous engine's pool: the same memory
+            kv_pages=s.kv_pages, batch_ways=ways)
+        self._weights: tuple[int, Any] | None = None  # (version, a reallocated copy of the weights)
+        self.graphdef = algorithm.models["actor"].graphdef
+        # the stream's programs are traced with the generate placement's activation rules (`tag` keeps
+        # their compiled programs apart from those of another placement)
+        self.resolver, self.tag = placed.resolver(), (GENERATE_CALL, placed.placement)
+        with ax.activation_sharding(self.resolver):
+            self.state = streaming.init(self.graphdef, self._params(), spec=self.spec)
+        self.free = groups  # group slots free in the stream
+        self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
+        self.order: list[tuple[int, int]] = []  # (step, prompt index) of every admitted group, by serial
+        self.busy_s = 0.0  # seconds decoding while the trainer trained (since the last `batch`)
+
+    def _params(self):
+        """The actor's weights on the generator at `version`: its home copy or the plan's shadow as they
+        are, or, where the plan reallocates them for generation, a copy made once per update and kept
+        for every chunk until the next (the home copy is donated to the update meanwhile)."""
+        if self._weights is not None and self._weights[0] == self.version:
+            return self._weights[1]
+        params, temporary = self.executor.params_for("actor", GENERATE_CALL)
+        self._weights = (self.version, params) if temporary else None
+        return params
+
+    # ------------------------------------------------------------------ admission and decoding
+    def _admissible(self, step: int) -> bool:
+        """Whether `step`'s prompts may enter: trained after step - 1 updates, their first tokens from
+        the generator's weights (`version` updates) must be at most eta behind."""
+        return step - 1 - self.eta <= self.version
+
+    def _admit_ready(self) -> None:
+        """Admit waiting prompts, oldest step first, into free group slots while their step is admissible."""
+        while self.free:
+            pending = next((d for d in self.steps.values() if d.admitted < self.prompts), None)
+            if pending is None:
+                if self.next_step > self.stop or not self._admissible(self.next_step):
+                    return
+                drawn = self.draw_step(self.next_step)
+                pending = self.steps[self.next_step] = _Drawn(self.next_step, drawn["feed"], drawn["data_state"])
+                self.next_step += 1
+            if not self._admissible(pending.step):
+                return
+            self._admit_from(pending, min(self.free, self.prompts - pending.admitted))
+
+    def _admit_from(self, drawn: _Drawn, k: int) -> None:
+        B, G, first = self.prompts, self.group, drawn.admitted
+        feed = drawn.feed
+        rows = np.arange(B) * G  # the first row of each group (`repeat_rows`: G adjacent copies)
+        uids = np.where((np.arange(B) >= first) & (np.arange(B) < first + k), np.arange(B), -1).astype(np.int32)
+        lengths = feed.get("max_lengths")
+        lengths = (np.full((B, G), self.spec.max_new_tokens, np.int32) if lengths is None
+                   else np.asarray(lengths, np.int32).reshape(B, G))
+        with ax.activation_sharding(self.resolver):
+            self.state, accepted = streaming.admit_fn(
+                self.graphdef, self._params(), self.state, np.asarray(feed["prompt_tokens"])[rows],
+                np.asarray(feed["prompt_mask"])[rows], uids, feed["rng_generate"], spec=self.spec,
+                version=np.int32(self.version), max_lengths=lengths, tag=self.tag)
+        accepted = np.asarray(jax.device_get(accepted))
+        if not np.array_equal(accepted, uids >= 0):  # the host's count of free slots is the stream's
+            raise RuntimeError(f"stream admitted {accepted.sum()} of {k} prompts into {self.free} free slots")
+        self.order.extend((drawn.step, i) for i in range(first, first + k))
+        drawn.admitted += k
+        self.free -= k
+
+    def _decode_chunk(self) -> bool:
+        """One chunk of decode steps, then the done groups taken; False when nothing was left to decode."""
+        if self.free == self.spec.groups:
+            return False
+        with ax.activation_sharding(self.resolver):
+            self.state = streaming.run_fn(self.graphdef, self._params(), self.state, spec=self.spec,
+                                          version=np.int32(self.version), max_steps=np.int32(self.chunk),
+                                          until_done_groups=np.int32(self.spec.groups + 1), tag=self.tag)
+            taken, self.state = streaming.take(self.state, spec=self.spec, tag=self.tag)
+        out = taken.output
+        G = self.group
+        for k, serial in enumerate(taken.serials):
+            step, i = self.order[int(serial)]
+            rows = slice(k * G, (k + 1) * G)
+            values = {"tokens": out.tokens[rows], "prompt_mask": out.prompt_mask[rows],
+                      "response_tokens": out.response_tokens[rows], "response_mask": out.response_mask[rows],
+                      "behaviour_logp": out.logprobs[rows], "ended_with_eos": out.ended_with_eos[rows]}
+            self.steps[step].done[i] = (values, taken.versions[rows])
+        self.free += len(taken.serials)
+        return True
+
+    # ------------------------------------------------------------------ the trainer's side
+    def batch(self, step: int) -> tuple[dict[str, Any], dict, dict[str, float]]:
+        """The feed of `step` with its generated batch (the generate call's outputs), the data position
+        after it, and its rollout metrics; decodes until every group of the step is done."""
+        t0 = time.perf_counter()
+        if step != next(iter(self.steps), self.next_step):
+            raise RuntimeError(f"batches are trained in order: asked for step {step}")
+        while True:
+            self._admit_ready()
+            drawn = self.steps.get(step)
+            if drawn is not None and len(drawn.done) == self.prompts:
+                break
+            if not self._decode_chunk():
+                raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
+        del self.steps[step]
+        waited = time.perf_counter() - t0
+        feed = dict(drawn.feed)
+        groups = [drawn.done[i] for i in range(self.prompts)]
+        values = {k: np.concatenate([g[0][k] for g in groups]) for k in groups[0][0]}
+        versions = np.concatenate([g[1] for g in groups])
+        prompt_mask = values.pop("prompt_mask")
+        mask = np.concatenate([prompt_mask, values["response_mask"]], axis=1)
+        values.update(mask=mask, positions=np.maximum(np.cumsum(mask, axis=1, dtype=np.int32) - 1, 0))
+        feed.update({self.prefix + k: v for k, v in values.items()})
+        metrics = self._metrics(step, versions, values["response_mask"])
+        metrics.update({"time/generate_wait_s": waited, "time/generate_overlap_s": self.busy_s})
+        self.busy_s = 0.0
+        return feed, drawn.data_state, metrics
+
+    def _metrics(self, step: int, versions: np.ndarray, response_mask: np.ndarray) -> dict[str, float]:
+        """Staleness of the batch's tokens: trainer updates (step - 1) minus the version that sampled each."""
+        valid = response_mask.astype(bool) & (versions >= 0)
+        lag = (step - 1) - versions[valid]
+        if lag.size and lag.max() > self.eta:  # admission pacing guarantees it; a breach is a bug
+            raise RuntimeError(f"step {step}: a token {lag.max()} updates old was about to be trained "
+                               f"(algorithm.max_staleness={self.eta})")
+        spans = [len(set(v[m].tolist())) for v, m in zip(versions, valid)]
+        out = {"rollout/staleness": float(lag.max(initial=0)), "rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+               "rollout/policy_version": float(versions[valid].min(initial=step - 1)),
+               "rollout/partial_frac": float(np.mean([n > 1 for n in spans]))}
+        for k in range(self.eta + 1):
+            out[f"rollout/staleness_frac/{k}"] = float(np.mean(lag == k)) if lag.size else 0.0
+        return out
+
+    def overlap(self) -> None:
+        """Decode while the trainer's update runs on its own devices (the executor calls this once the
+        train calls are dispatched): chunk after chunk until the update is done or nothing is left."""
+        t0 = time.perf_counter()
+        actor = self.executor.roles["actor"]
+        while not all(x.is_ready() for x in jax.tree_util.tree_leaves(actor.params) if isinstance(x, jax.Array)):
+            self._admit_ready()
+            if not self._decode_chunk():
+                break
+        self.busy_s += time.perf_counter() - t0
+
+    def updated(self) -> None:
+        """The trainer finished an update and synced it: the next chunk samples with the new weights."""
+        self.version += 1
