@@ -105,6 +105,9 @@ class Workload:
       (`Config.generator_lead`, the number the runtime uses; the plan's own `staleness` overrides it).
     - `gen_len_median`, `gen_len_sigma`: response lengths are log-normal with this median and sigma,
       capped at `gen_len` (`response_lengths`); None = every response runs to the cap.
+    - `gen_stream`: the continuous engine streams rollouts across steps (`generation.partial_rollout`):
+      on an off-policy plan its pool is refilled with the next steps' prompts as rows end, so a batch
+      costs its tokens over the pool, without the last round's tail (`decode_fractions`).
     """
 
     batch_size: int = 512
@@ -126,6 +129,7 @@ class Workload:
     staleness: int = 1  # steps the generator may run ahead on an off-policy plan
     gen_len_median: int | None = None  # median response length; None = every response is gen_len long
     gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
+    gen_stream: bool = False  # generation.partial_rollout: the pool stays full across steps
 
     def __post_init__(self):
         if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
@@ -224,12 +228,13 @@ class Workload:
             return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
         return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
 
-    def decode_fractions(self, call: CallSpec, batch_ways: int) -> tuple[float, ...]:
+    def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
         cap): the static engine's loop runs until the batch's longest row ends (`models.generation`
         stops when every row is done), so max(L) / gen_len; the continuous engine keeps its pool of P
         slots full, so sum(L) / P steps plus the last round's tail (max(L) - mean(L)), over
-        ceil(rows / P) x gen_len. All 1.0 when the lengths do not vary."""
+        ceil(rows / P) x gen_len; `streamed` (partial rollouts ahead of the trainer: the next batches'
+        rows fill the tail) sum(L) / P. All 1.0 when the lengths do not vary."""
         if not self.lengths_vary:
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
@@ -239,7 +244,9 @@ class Workload:
             steps = lengths.max(axis=1)
         else:
             pool = pool_size(rows, self.gen_slots, batch_ways)
-            steps = lengths.sum(axis=1) / pool + lengths.max(axis=1) - lengths.mean(axis=1)
+            steps = lengths.sum(axis=1) / pool
+            if not streamed:
+                steps = steps + lengths.max(axis=1) - lengths.mean(axis=1)
         return tuple(float(min(s / n, 1.0)) for s in steps)
 
     def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
@@ -565,13 +572,15 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
 
 
-def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways: int) -> tuple[float, ...]:
+def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways: int,
+                       streamed: bool = False) -> tuple[float, ...]:
     """Seconds of a generate call for each of the LENGTH_BATCHES batches of response lengths: the
     prefill as priced, everything else (decode, its collectives and kernel launches) scaled by the
-    batch's decode steps (`Workload.decode_fractions`). A per-step scale, not a re-pricing: a short
-    batch's steps attend to a shorter cache, which this leaves out (it errs towards the longer time)."""
+    batch's decode steps (`Workload.decode_fractions`; `streamed` as there). A per-step scale, not a
+    re-pricing: a short batch's steps attend to a shorter cache, which this leaves out (it errs towards
+    the longer time)."""
     prefill = cost.parts.get("prefill", 0.0)
-    return tuple(prefill + (cost.seconds - prefill) * f for f in wl.decode_fractions(call, batch_ways))
+    return tuple(prefill + (cost.seconds - prefill) * f for f in wl.decode_fractions(call, batch_ways, streamed))
 
 
 CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": train_cost}

@@ -244,6 +244,31 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
         assert est.timeline.period() == LENGTH_BATCHES and np.mean(durations) <= est.step_s < cost.seconds
 
 
+def test_a_streaming_generator_has_no_tail_on_an_off_policy_plan():
+    """Partial rollouts (`Workload.gen_stream`): the next batches' rows fill the pool where the last
+    round's tail would run, so a batch costs its tokens over the pool, on an off-policy plan only (a
+    synchronous plan has no next batch in flight to refill with)."""
+    import dataclasses
+
+    from jaxrlhf.planner.cost import CostCache, generate_durations
+    from jaxrlhf.planner.simulator import estimate_plan
+
+    graph, models, wl, hw, p = _llama_async(gen_engine="continuous", gen_slots=4, gen_len_median=16,
+                                            gen_len_sigma=1.0)
+    streamed = dataclasses.replace(wl, gen_stream=True)
+    call = next(c for c in graph.calls if c.kind == "generate")
+    lay = p.calls[call.name].layout
+    cost = CostCache(models, streamed, hw).call(call, p.group_of(call.name), lay)
+    lengths = streamed.response_lengths(streamed.call_seqs(call))
+    prefill = cost.parts["prefill"]
+    durations = generate_durations(cost, streamed, call, lay.data * lay.fsdp, streamed=True)
+    assert durations == pytest.approx(list(prefill + (cost.seconds - prefill) * lengths.sum(axis=1) / 4 / (4 * 512)))
+    assert p.offpolicy
+    assert estimate_plan(p, graph, models, streamed, hw).step_s < estimate_plan(p, graph, models, wl, hw).step_s
+    sync = dataclasses.replace(p, offpolicy=False, shadow_roles=())
+    assert estimate_plan(sync, graph, models, streamed, hw).step_s == estimate_plan(sync, graph, models, wl, hw).step_s
+
+
 def test_a_run_of_equal_gaps_is_not_mistaken_for_the_period_of_varying_calls():
     """Seven 2 s generate calls and one of 60 s (mean 9.25 s, plus the 0.5 s sync: 9.75 s per step on
     "lo", more than "hi"'s 6.5 s). Behind the short calls the trainer sets the pace, and three equal
