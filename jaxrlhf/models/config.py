@@ -13,7 +13,9 @@ from typing import Any
 
 from jaxrlhf.registry import Registry
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3")
+# The MLP's gate activations: ours -> the name HF configs give it (`hidden_act` / `hidden_activation`).
+MLP_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
 # Models with at most this many layers run the scan over their stacked layers unrolled, by platform
@@ -75,7 +77,8 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and numerics of a decoder-only (LLaMA-family) transformer."""
+    """Dimensions and numerics of a decoder-only transformer: Llama, and the families that differ from it
+    by the switches below (Qwen2/3, Mistral, Gemma 2/3; docs/models.md)."""
 
     vocab_size: int
     hidden_size: int
@@ -91,6 +94,30 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # Mistral; None = full causal attention
+    # Per-family switches (HF import sets them; see docs/models.md). Each is off by default (Llama).
+    # With a sliding_window: layer i attends globally when (i + 1) % sliding_window_pattern == 0 and
+    # through the window otherwise (Gemma 2: 2, one local layer then one global; Gemma 3: 6, five local
+    # then one global); None: every layer slides.
+    sliding_window_pattern: int | None = None
+    # Rope base of the sliding-window (local) layers; None: rope_theta (Gemma 3: 10000 local, 1e6 global).
+    local_rope_theta: float | None = None
+    # RMSNorm of every query and key head over head_dim, before the rotation (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Every RMSNorm scales by (norm_offset + weight): Gemma stores the scale minus one (1.0).
+    norm_offset: float = 0.0
+    # Embeddings multiplied by sqrt(hidden_size) (rounded to the embedding's dtype) before the first layer
+    # (Gemma); a tied LM head reads the unscaled table.
+    scale_embeddings: bool = False
+    # An RMSNorm on the attention output and one on the MLP output, before each residual add (Gemma 2/3:
+    # four norms per layer).
+    post_norms: bool = False
+    mlp_activation: str = "silu"  # the MLP gate's activation, a key of MLP_ACTIVATIONS (Gemma: "gelu_tanh")
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+    query_pre_attn_scalar: float | None = None
+    # Scaled attention scores squashed to cap * tanh(score / cap) before the mask (Gemma 2: 50); None: not.
+    attn_logit_softcap: float | None = None
+    # The output logits squashed the same way (Gemma 2: 30); None: not.
+    final_logit_softcap: float | None = None
     architecture: str = "llama"
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
@@ -122,6 +149,17 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: use float32, bfloat16 or float16")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: choose one of {list(MLP_ACTIVATIONS)}")
+        pattern = self.sliding_window_pattern
+        if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 2):
+            raise ValueError(f"model.sliding_window_pattern={pattern!r} must be an integer >= 2 (or None)")
+        if pattern is not None and self.sliding_window is None:
+            raise ValueError("model.sliding_window_pattern needs a sliding_window")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"model.{name}={value!r} must be positive (or None)")
 
     def _normalize_eos(self) -> None:
         """Accept HF's list form (`eos_token_id: [a, b]`, e.g. from overrides); keep one canonical form:
@@ -160,6 +198,19 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_heads
 
     @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window (see `sliding_window_pattern`)."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        p = self.sliding_window_pattern
+        return tuple(p is None or (i + 1) % p != 0 for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
+
+    @property
     def jnp_param_dtype(self):
         import jax.numpy as jnp
 
@@ -186,7 +237,9 @@ class ModelConfig:
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
         if self.attention_bias:
             attn += h * hd + 2 * kv * hd
-        layer = attn + 3 * d * f + 2 * d
+        if self.qk_norm:
+            attn += 2 * hd
+        layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
         total = self.vocab_size * d + self.num_layers * layer + d
         if with_lm_head and not self.tie_word_embeddings:
             total += d * self.vocab_size
@@ -209,6 +262,28 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, max_position_embeddings=512, sliding_window=16,
         architecture="mistral",
+    ),
+    "tiny-qwen3": ModelConfig(  # head_dim 32 != hidden / heads, as real Qwen3 sizes have
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=True, architecture="qwen3",
+    ),
+    # Test sizes of the Gemmas: query_pre_attn_scalar != head_dim as in the larger Gemmas, and caps that a
+    # tiny random model's attention scores (~0.03) and logits (~0.5) reach, so that tests exercise every switch.
+    "tiny-gemma2": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+        sliding_window=16, sliding_window_pattern=2, norm_offset=1.0, scale_embeddings=True, post_norms=True,
+        mlp_activation="gelu_tanh", query_pre_attn_scalar=24, attn_logit_softcap=0.05, final_logit_softcap=0.5,
+        tie_word_embeddings=True, architecture="gemma2", bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
+    "tiny-gemma3": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+        rope_theta=1e6, local_rope_theta=10000.0, sliding_window=16, sliding_window_pattern=6, qk_norm=True,
+        norm_offset=1.0, scale_embeddings=True, post_norms=True, mlp_activation="gelu_tanh",
+        query_pre_attn_scalar=24, tie_word_embeddings=True, architecture="gemma3", bos_token_id=2,
+        eos_token_id=1, pad_token_id=0,
     ),
     "small": ModelConfig(  # quickstart-scale actor (~3M parameters)
         vocab_size=384, hidden_size=256, intermediate_size=688, num_layers=4,
@@ -270,6 +345,43 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
         pad_token_id=None,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=True, architecture="qwen3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
+        extra_eos_token_ids=(151643,), pad_token_id=None,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=True, architecture="qwen3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
+        extra_eos_token_ids=(151643,), pad_token_id=None,
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
+        extra_eos_token_ids=(151643,), pad_token_id=None,
+    ),
+    "gemma2-2b": ModelConfig(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
+        num_heads=8, num_kv_heads=4, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        sliding_window=4096, sliding_window_pattern=2, norm_offset=1.0, scale_embeddings=True, post_norms=True,
+        mlp_activation="gelu_tanh", query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+        tie_word_embeddings=True, architecture="gemma2", param_dtype="bfloat16", dtype="bfloat16",
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
+    "gemma3-1b": ModelConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1e6, local_rope_theta=10000.0, sliding_window=512, sliding_window_pattern=6, qk_norm=True,
+        norm_offset=1.0, scale_embeddings=True, post_norms=True, mlp_activation="gelu_tanh",
+        query_pre_attn_scalar=256, tie_word_embeddings=True, architecture="gemma3", param_dtype="bfloat16",
+        dtype="bfloat16", bos_token_id=2, eos_token_id=1, extra_eos_token_ids=(106,), pad_token_id=0,
     ),
 })
 

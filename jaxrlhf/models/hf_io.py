@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors`.
 
-Users start from pretrained Llama / Qwen2 / Mistral checkpoints and hand
+Users start from pretrained Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3
+(text) checkpoints and hand
 trained actors back to `transformers`, so both directions must be exact
 (float32 logits within 1e-4 relative, import -> export -> import bitwise).
 
@@ -37,7 +38,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrlhf.models import lora
-from jaxrlhf.models.config import ModelConfig, RopeScaling
+from jaxrlhf.models.config import MLP_ACTIVATIONS, ModelConfig, RopeScaling
 from jaxrlhf.models.transformer import build_model
 
 CONFIG_FILE = "config.json"
@@ -50,12 +51,27 @@ HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B); the multimodal Gemma3ForConditionalGeneration is not
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json `model_type`, where it is not the architecture's name
 # Reward models: transformers' sequence-classification classes (num_labels=1).
 HF_REWARD_ARCHITECTURES: dict[str, str] = {
-    cls.removesuffix("ForCausalLM") + "ForSequenceClassification": arch for cls, arch in HF_ARCHITECTURES.items()
+    cls.removesuffix("ForCausalLM") + "ForSequenceClassification": arch
+    for cls, arch in HF_ARCHITECTURES.items() if arch != "gemma3"
+} | {"Gemma3TextForSequenceClassification": "gemma3"}
+# What each family fixes in the model beyond what its config.json keys say (ModelConfig's switches).
+FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
+    "qwen2": dict(attention_bias=True),
+    "qwen3": dict(qk_norm=True),
+    "gemma2": dict(norm_offset=1.0, scale_embeddings=True, post_norms=True),
+    "gemma3": dict(qk_norm=True, norm_offset=1.0, scale_embeddings=True, post_norms=True),
 }
+_GEMMA = ("gemma2", "gemma3")
+# Gemma's layer kinds when config.json has no `layer_types`: every P-th layer global.
+_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}
 _HF_REWARD_CLASS = {arch: cls for cls, arch in HF_REWARD_ARCHITECTURES.items()}
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # config.json key that records which head (value / reward) a checkpoint of ours carries.
@@ -73,19 +89,48 @@ def _supported() -> str:
     return ", ".join(sorted(HF_ARCHITECTURES)) + " (and their ...ForSequenceClassification reward models)"
 
 
-def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
-    """rope theta and scaling from either the transformers 5 `rope_parameters` or legacy keys."""
+_LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' `layer_types` entries
+
+
+def _rope_from_hf(hf: dict[str, Any], arch: str, where: str) -> tuple[float, RopeScaling | None, float | None]:
+    """rope theta, scaling and the local layers' theta (None: the same rotation) from either the
+    transformers 5 `rope_parameters` (Gemma 3: one entry per layer kind) or the legacy keys."""
     params = hf.get("rope_parameters") or {}
-    if "rope_layer" in params or any(isinstance(v, dict) for v in params.values()):
-        raise CheckpointError(f"{where}: per-layer rope_parameters are not supported")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or params
+    per_kind = any(isinstance(v, dict) for v in params.values())
+    if arch != "gemma3" and ("rope_layer" in params or per_kind):
+        raise CheckpointError(f"{where}: per-layer rope_parameters are not supported for {arch}")
+    if arch != "gemma3":
+        theta, scaling = _one_rope(params, hf.get("rope_scaling"), hf.get("rope_theta", 10000.0),
+                                   "rope_parameters", where)
+        if arch == "gemma2" and scaling is not None:
+            raise CheckpointError(f"{where}: rope_parameters: llama3 rope scaling is not supported for gemma2")
+        return theta, scaling, None
+    if per_kind and set(params) - set(_LAYER_KINDS):
+        raise CheckpointError(f"{where}: rope_parameters keys {sorted(params)}: expected {list(_LAYER_KINDS)}")
+    full = params.get("full_attention") or {} if per_kind else params
+    local = params.get("sliding_attention") or {} if per_kind else {}
+    theta, scaling = _one_rope(full, hf.get("rope_scaling"), hf.get("rope_theta", 1e6),
+                               "rope_parameters.full_attention", where)
+    if scaling is not None:
+        raise CheckpointError(f"{where}: rope_parameters.full_attention: llama3 rope scaling is not supported for gemma3")
+    local_theta, local_scaling = _one_rope(local, None, hf.get("rope_local_base_freq", 10000.0),
+                                           "rope_parameters.sliding_attention", where)
+    if local_scaling is not None:
+        raise CheckpointError(f"{where}: rope_parameters.sliding_attention: scaled local rope is not supported")
+    return theta, scaling, local_theta
+
+
+def _one_rope(params: dict[str, Any], legacy: dict[str, Any] | None, legacy_theta: Any, key: str,
+              where: str) -> tuple[float, RopeScaling | None]:
+    """One rope (`params` in transformers 5's form, else the legacy `rope_scaling` / `rope_theta`)."""
+    theta = float(params.get("rope_theta", legacy_theta))
+    scaling = legacy or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
     if kind != "llama3":
         raise CheckpointError(
-            f"{where}: rope type {kind!r} is not supported; only the default rope and 'llama3' scaling are"
+            f"{where}: {key}.rope_type={kind!r} is not supported; only the default rope and 'llama3' scaling are"
         )
     defaults = RopeScaling()
     return theta, RopeScaling(
@@ -98,8 +143,32 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | 
     )
 
 
+def _gemma_layers_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where: str
+                          ) -> tuple[int | None, int | None]:
+    """Gemma's (sliding_window, sliding_window_pattern) from `sliding_window` and `layer_types` (else the
+    family's pattern): local layers with every P-th layer global, every layer local (P None), or none."""
+    window = hf.get("sliding_window")
+    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or _DEFAULT_PATTERN[arch])
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    if len(kinds) != num_layers or set(kinds) - set(_LAYER_KINDS):
+        raise CheckpointError(f"{where}: layer_types={kinds} must list {num_layers} of {list(_LAYER_KINDS)}")
+    if window is None or "sliding_attention" not in kinds:
+        return None, None
+    if "full_attention" not in kinds:
+        return int(window), None
+    pattern = kinds.index("full_attention") + 1
+    if [k == "sliding_attention" for k in kinds] != [bool((i + 1) % pattern) for i in range(num_layers)]:
+        raise CheckpointError(
+            f"{where}: layer_types={kinds} is not supported: global layers must recur every N layers "
+            "(layer i global when (i + 1) % N == 0)"
+        )
+    return int(window), pattern
+
+
 def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where: str) -> int | None:
-    """Mistral: `sliding_window` as is. Qwen2: only if every layer slides (we have one mask for all layers)."""
+    """Mistral: `sliding_window` as is. Qwen2/3: only if every layer slides (or none does)."""
     if arch == "mistral":
         return hf.get("sliding_window")
     if arch == "llama" or not hf.get("use_sliding_window", False) or hf.get("sliding_window") is None:
@@ -112,8 +181,17 @@ def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, wher
     if all(t == "full_attention" for t in layer_types):
         return None
     raise CheckpointError(
-        f"{where}: Qwen2 with sliding window on only some layers (layer_types={layer_types}) is not supported"
+        f"{where}: {arch} with sliding window on only some layers (layer_types={layer_types}) is not supported"
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _int_if_whole(value: float) -> int | float:
+    """transformers types some scalars (Gemma's query_pre_attn_scalar) as int: 256.0 is written 256."""
+    return int(value) if float(value).is_integer() else value
 
 
 def _first_id(value: Any) -> int | None:
@@ -148,21 +226,40 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             f"{where}: architectures={archs!r} is not supported; supported architectures: {_supported()}"
         )
     arch = known[found[0]]
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+    gemma = arch in _GEMMA
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = hf.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+    activations = {theirs: ours for ours, theirs in MLP_ACTIVATIONS.items()}
+    if act not in activations or (act != "silu") != gemma:
+        expected = "gelu_pytorch_tanh" if gemma else "silu"
+        raise CheckpointError(f"{where}: {act_key}={act!r} is not supported for {arch} (only {expected!r})")
     if hf.get("mlp_bias", False):
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
-    if arch == "llama" and hf.get("attention_bias", False):
-        raise CheckpointError(f"{where}: Llama attention_bias=true (bias on o_proj too) is not supported")
+    if arch != "qwen2" and hf.get("attention_bias", False):
+        raise CheckpointError(f"{where}: {arch} attention_bias=true (bias on o_proj too) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{where}: use_bidirectional_attention=true is not supported (causal models only)")
     try:
         hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
-        theta, scaling = _rope_from_hf(hf, where)
+        theta, scaling, local_theta = _rope_from_hf(hf, arch, where)
         head_dim = hf.get("head_dim")
         dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
         if dtype not in _DTYPES:
             raise CheckpointError(f"{where}: dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if gemma:
+            window, pattern = _gemma_layers_from_hf(hf, arch, layers, where)
+            family = dict(
+                sliding_window=window, sliding_window_pattern=pattern,
+                local_rope_theta=local_theta if window is not None and local_theta != theta else None,
+                mlp_activation="gelu_tanh", query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
+                final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
+            )
+        else:
+            family = dict(sliding_window=_sliding_window_from_hf(hf, arch, layers, where))
         return ModelConfig(
+            **FAMILY_SWITCHES.get(arch, {}),
+            **family,
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -175,9 +272,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            attention_bias=arch == "qwen2",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window_from_hf(hf, arch, layers, where),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # Gemma's default: tied
             param_dtype=dtype,
             dtype=dtype,
             bos_token_id=_first_id(hf.get("bos_token_id")),
@@ -185,6 +280,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             extra_eos_token_ids=tuple(_id_list(hf.get("eos_token_id"))[1:]),
             pad_token_id=_first_id(hf.get("pad_token_id")),
         )
+    except CheckpointError:
+        raise
     except KeyError as e:
         raise CheckpointError(f"{where}: required key {e.args[0]!r} is missing") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:  # a string where a number belongs, zero heads
@@ -220,10 +317,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"{arch} checkpoints cannot hold q/k/v biases without an o_proj bias; use qwen2")
     if arch == "llama" and config.sliding_window is not None:
         raise ValueError("LlamaForCausalLM has no sliding window; use architecture='mistral'")
+    _check_family(config)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     hf: dict[str, Any] = {
         "architectures": [_HF_CLASS[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPE.get(arch, arch),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -254,11 +352,56 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif arch == "mistral":
         hf["sliding_window"] = config.sliding_window
+    elif arch in _GEMMA:
+        del hf["hidden_act"]
+        local = config.local_layers
+        hf.update(
+            hidden_activation=MLP_ACTIVATIONS[config.mlp_activation], attention_bias=False,
+            query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar or config.dim_per_head),
+            attn_logit_softcapping=config.attn_logit_softcap, final_logit_softcapping=config.final_logit_softcap,
+            sliding_window=config.sliding_window, use_bidirectional_attention=False,
+            layer_types=[_LAYER_KINDS[is_local] for is_local in local],
+        )
+        if arch == "gemma3":  # one rope per layer kind, and transformers 4.x's keys for the local one
+            local_theta = config.local_rope_theta or config.rope_theta
+            hf["rope_parameters"] = {"full_attention": rope_parameters,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+            hf.update(rope_local_base_freq=local_theta, rope_scaling=None,
+                      sliding_window_pattern=config.sliding_window_pattern or 1)
     else:
         sliding = config.sliding_window is not None
         hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, max_window_layers=0)
         hf["layer_types"] = ["sliding_attention" if sliding else "full_attention"] * config.num_layers
     return hf
+
+
+# ModelConfig's per-family switches and their Llama values; a family's own values in FAMILY_SWITCHES.
+_SWITCH_DEFAULTS: dict[str, Any] = dict(qk_norm=False, norm_offset=0.0, scale_embeddings=False, post_norms=False)
+
+
+def _check_family(config: ModelConfig) -> None:
+    """A config that `architecture`'s HF class can hold: its switches are the family's (a Llama with q/k
+    norms has no HF class), else a ValueError naming the field."""
+    arch = config.architecture
+    family = {k: v for k, v in FAMILY_SWITCHES.get(arch, {}).items() if k != "attention_bias"}
+    for name, value in (_SWITCH_DEFAULTS | family).items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{arch} checkpoints have {name}={value!r}; this model has {getattr(config, name)!r}")
+    gemma_only = dict(sliding_window_pattern=None, query_pre_attn_scalar=None, attn_logit_softcap=None,
+                      final_logit_softcap=None)
+    if arch not in _GEMMA:
+        gemma_only.update(mlp_activation="silu", local_rope_theta=None)
+    elif config.mlp_activation != "gelu_tanh":
+        raise ValueError(f"{arch} checkpoints have mlp_activation='gelu_tanh'; this model has {config.mlp_activation!r}")
+    elif arch == "gemma2":
+        gemma_only = dict(local_rope_theta=None)
+    else:
+        gemma_only = {}
+    for name, value in gemma_only.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{arch} checkpoints have no {name} (this model has {getattr(config, name)!r})")
+    if arch in _GEMMA and config.rope_scaling is not None:
+        raise ValueError(f"{arch}: rope_scaling is not supported")
 
 
 # ---------------------------------------------------------------- tensor layout
@@ -299,6 +442,10 @@ def _flat(path, key, ours: tuple[int, ...]) -> _TensorSpec:
     return _TensorSpec(path, key, (n,), to_hf=lambda x: x.reshape(n), from_hf=lambda w: w.reshape(ours))
 
 
+def _norm(path, key, size: int) -> _TensorSpec:
+    return _TensorSpec(path, key, (size,), _same, _same)
+
+
 def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     h, kv, hd = config.num_heads, config.num_kv_heads, config.dim_per_head
@@ -320,6 +467,17 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
             _TensorSpec(p + ("input_norm", "weight"), k + "input_layernorm.weight", (d,), _same, _same),
             _TensorSpec(p + ("post_attn_norm", "weight"), k + "post_attention_layernorm.weight", (d,), _same, _same),
         ]
+        if config.post_norms:  # Gemma: HF's post_attention_layernorm is on the attention output
+            layer[-1] = _norm(p + ("post_attn_norm", "weight"), k + "pre_feedforward_layernorm.weight", d)
+            layer += [
+                _norm(p + ("attn_out_norm", "weight"), k + "post_attention_layernorm.weight", d),
+                _norm(p + ("mlp_out_norm", "weight"), k + "post_feedforward_layernorm.weight", d),
+            ]
+        if config.qk_norm:
+            layer += [
+                _norm(p + ("attn", "q_norm", "weight"), k + "self_attn.q_norm.weight", hd),
+                _norm(p + ("attn", "k_norm", "weight"), k + "self_attn.k_norm.weight", hd),
+            ]
         if config.attention_bias:
             layer += [
                 _flat(p + ("attn", "q_bias"), k + "self_attn.q_proj.bias", (h, hd)),
@@ -505,7 +663,7 @@ def load_hf_checkpoint(
     config_overrides: dict[str, Any] | None = None,
     shardings: Callable[[nnx.State], Any] | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
-    """Load a HF Llama/Qwen2/Mistral checkpoint (or one of ours) as an NNX model.
+    """Load a HF checkpoint of a supported family (`HF_ARCHITECTURES`) (or one of ours) as an NNX model.
 
     head: "lm", "value" or "reward"; default: the head recorded in config.json by
     `save_hf_checkpoint`, else "reward" for a `...ForSequenceClassification`

@@ -126,12 +126,14 @@ def positions_from_mask(mask: Bool[Array, "batch length"]) -> Int[Array, "batch 
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_inv_frequencies(config: ModelConfig) -> Float[Array, "half_head_dim"]:
-    """Inverse rotary frequencies, with Llama-3 style scaling when configured."""
+def rope_inv_frequencies(config: ModelConfig, local: bool = False) -> Float[Array, "half_head_dim"]:
+    """Inverse rotary frequencies, with Llama-3 style scaling when configured; `local`: those of the
+    sliding-window layers (base `local_rope_theta`, never scaled)."""
     dim = config.dim_per_head
-    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     s = config.rope_scaling
-    if s is None:
+    if s is None or local:
         return inv
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -146,6 +148,8 @@ def rope_inv_frequencies(config: ModelConfig) -> Float[Array, "half_head_dim"]:
 
 
 RopeTables = tuple[jax.Array, jax.Array]  # (cos, sin), each float32 [batch, length, 1, head_dim / 2]
+# The global layers' tables and the local (sliding-window) layers' own, or None where they rotate alike.
+Ropes = tuple[RopeTables, RopeTables | None]
 
 
 def rope_tables(
@@ -228,14 +232,47 @@ def dense(x: Float[Array, "batch length in"], w: jax.Array, preferred_element_ty
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    """RMSNorm over the last axis (the hidden size, or `head_dim` for the per-head q/k norms), scaled by
+    `config.norm_offset + weight`; the weight starts where that scale is 1."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, axis: str = ax.EMBED):
         self.eps = config.rms_norm_eps
-        self.weight = _param(rngs, _ones, (config.hidden_size,), (ax.EMBED,), config.jnp_param_dtype)
+        self.offset = config.norm_offset
+        size = config.dim_per_head if axis == ax.HEAD_DIM else config.hidden_size
+        init = jax.nn.initializers.constant(1.0 - self.offset)
+        self.weight = _param(rngs, init, (size,), (axis,), config.jnp_param_dtype)
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight.value.astype(jnp.float32) * xf).astype(x.dtype)
+        scale = self.weight.value.astype(jnp.float32)
+        if self.offset:
+            scale = self.offset + scale
+        return (scale * xf).astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma's soft-capping of attention scores and logits); `x` when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _is_local(config: ModelConfig, layer: Int[Array, ""] | int) -> bool | jax.Array:
+    """Whether `layer` attends through the sliding window: a Python bool when every layer does the same
+    (the program then holds one kind of attention), else looked up from `config.local_layers`."""
+    kinds = set(config.local_layers)
+    if len(kinds) == 1:
+        return kinds.pop()
+    return jnp.asarray(config.local_layers)[layer]
+
+
+def _layer_rope(ropes: Ropes, local: bool | jax.Array) -> RopeTables:
+    """The rotation tables of a local (sliding-window) or global layer."""
+    rope, local_rope = ropes
+    if local_rope is None or local is False:
+        return rope
+    if local is True:
+        return local_rope
+    return tuple(jnp.where(local, lt, gt) for gt, lt in zip(rope, local_rope))
 
 
 class Attention(nnx.Module):
@@ -251,6 +288,9 @@ class Attention(nnx.Module):
             self.q_bias = _param(rngs, _zeros, (h, hd), (ax.HEADS, ax.HEAD_DIM), pd)
             self.k_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
             self.v_bias = _param(rngs, _zeros, (kv, hd), (ax.KV_HEADS, ax.HEAD_DIM), pd)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config, rngs=rngs, axis=ax.HEAD_DIM)
+            self.k_norm = RMSNorm(config, rngs=rngs, axis=ax.HEAD_DIM)
         for name, adapter in lora.adapters(config.lora, "attn", {
             name: (getattr(self, name).value.shape, getattr(self, name).get_metadata()["logical_axes"],
                    2 if name == "o" else 1) for name in ("q", "k", "v", "o")}, rngs).items():
@@ -266,7 +306,7 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: Float[Array, "batch length embed"],
-        rope: RopeTables,
+        ropes: Ropes,
         key_valid: Bool[Array, "batch slots"],
         kv: KV | None,
         layer: Int[Array, ""],
@@ -277,8 +317,12 @@ class Attention(nnx.Module):
         """`kv` is the whole stacked cache: only this layer's new slots are written (in place in a loop).
         `pages`: the block tables of a paged cache (`PagedKVCache`); `kv` is then its page pool."""
         cfg = self.config
-        q = apply_rope(self._project(x, "q"), rope)
-        k = apply_rope(self._project(x, "k"), rope)
+        local = _is_local(cfg, layer)
+        rope = _layer_rope(ropes, local)
+        q, k = self._project(x, "q"), self._project(x, "k")
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = self._project(x, "v")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         b, t = x.shape[:2]
@@ -304,12 +348,18 @@ class Attention(nnx.Module):
             scores = _decode_scores(qg, k.astype(q.dtype))
         else:
             scores = float32_product(functools.partial(jnp.einsum, "btkgh,bksh->bkgts"), qg, k.astype(q.dtype))
-        scores = scores / math.sqrt(cfg.dim_per_head)
+        if cfg.query_pre_attn_scalar is None:
+            scores = scores / math.sqrt(cfg.dim_per_head)
+        else:
+            scores = scores * cfg.attention_scale
+        scores = softcap(scores, cfg.attn_logit_softcap)
         q_slot = jnp.reshape(offset, (-1, 1, 1)) + jnp.arange(t)[None, :, None]  # [1 or B, T, 1]
         k_slot = jnp.arange(s)[None, None, :]
         allowed = (k_slot <= q_slot) & key_valid[:, None, :]  # [B, T, S]
-        if cfg.sliding_window is not None:
+        if local is True:
             allowed &= q_slot - k_slot < cfg.sliding_window
+        elif local is not False:  # this layer's kind is a traced lookup (local and global layers alternate)
+            allowed &= (q_slot - k_slot < cfg.sliding_window) | ~local
         if segment_ids is not None:  # packed rows: attend only within one's own sequence
             allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         allowed |= k_slot == q_slot  # a padding query attends to itself: finite garbage, never NaN
@@ -393,9 +443,16 @@ def _read_pages(
     return x
 
 
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.jnp_dtype
+        self.activation = config.mlp_activation
         d, f, pd = config.hidden_size, config.intermediate_size, config.jnp_param_dtype
         self.gate = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
         self.up = _param(rngs, _normal, (d, f), (ax.EMBED, ax.MLP), pd)
@@ -409,7 +466,7 @@ class MLP(nnx.Module):
         dt = self.dtype
         g = _adapted(self, "gate", x, dense(x, self.gate.value.astype(dt)), dt)
         u = _adapted(self, "up", x, dense(x, self.up.value.astype(dt)), dt)
-        h = ax.constrain(jax.nn.silu(g) * u, (ax.BATCH, ax.LENGTH, ax.MLP))
+        h = ax.constrain(_ACTIVATIONS[self.activation](g) * u, (ax.BATCH, ax.LENGTH, ax.MLP))
         return _adapted(self, "down", h, dense(h, self.down.value.astype(dt)), dt)
 
 
@@ -420,16 +477,28 @@ def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array, dtype) -
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: `input_norm` before attention, `post_attn_norm` before the MLP (HF Llama's
+    `post_attention_layernorm`); with `post_norms` also `attn_out_norm` / `mlp_out_norm` on each branch's
+    output before its residual add (Gemma's `post_attention_layernorm` / `post_feedforward_layernorm`)."""
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
+        if config.post_norms:
+            self.attn_out_norm = RMSNorm(config, rngs=rngs)
+            self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
-    def __call__(self, x, rope, key_valid, kv, layer, offset, segment_ids=None, pages=None):
-        h, kv = self.attn(self.input_norm(x), rope, key_valid, kv, layer, offset, segment_ids, pages)
+    def __call__(self, x, ropes, key_valid, kv, layer, offset, segment_ids=None, pages=None):
+        h, kv = self.attn(self.input_norm(x), ropes, key_valid, kv, layer, offset, segment_ids, pages)
+        if hasattr(self, "attn_out_norm"):
+            h = self.attn_out_norm(h)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        h = self.mlp(self.post_attn_norm(x))
+        if hasattr(self, "mlp_out_norm"):
+            h = self.mlp_out_norm(h)
+        x = x + h
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
 
 
@@ -494,7 +563,10 @@ class Transformer(nnx.Module):
         cfg = self.config
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.jnp_dtype)
+        x = jnp.take(self.embed.value, tokens, axis=0)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+        x = x.astype(cfg.jnp_dtype)
         x = ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED))
         mask = mask.astype(bool)
         if cache is None:
@@ -503,7 +575,12 @@ class Transformer(nnx.Module):
             key_valid = _write_valid(cache.valid, mask, cache.index)
             offset, kv = cache.index, (cache.k, cache.v)
         pages = cache.table if isinstance(cache, PagedKVCache) else None
-        rope = rope_tables(positions, rope_inv_frequencies(cfg), key_valid.shape[1])  # a position < its slot
+        # a position < its slot; local layers rotate by their own base where the config gives one
+        rope = rope_tables(positions, rope_inv_frequencies(cfg), key_valid.shape[1])
+        local_rope = None
+        if cfg.local_rope_theta is not None and any(cfg.local_layers):
+            local_rope = rope_tables(positions, rope_inv_frequencies(cfg, local=True), key_valid.shape[1])
+        ropes = (rope, local_rope)
         if cache is not None and isinstance(cache.k, tuple) and layers_split is None:
             raise ValueError("a per-layer KV cache (KVCache.per_layer) is read by a forward with layers_split")
         if pages is not None:  # the pool is read only; the new tokens' keys/values are collected per layer
@@ -516,27 +593,29 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("generation (a KV-cache forward) is never pipelined; use a layout with stage=1")
 
-            def layer(layer_state, x, rows):
+            def layer(indexed_state, x, rows):
+                layer_state, index = indexed_state
                 rope_rows, valid, seg = rows
-                return nnx.merge(graphdef, layer_state)(x, rope_rows, valid, None, 0, 0, seg)[0]
+                return nnx.merge(graphdef, layer_state)(x, rope_rows, valid, None, index, 0, seg)[0]
 
             if remat:
                 layer = jax.checkpoint(layer, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
-            x = pipeline.gpipe(layer, layer_states, x, (rope, key_valid, segment_ids),
+            indexed = (layer_states, jnp.arange(cfg.num_layers))  # each layer's index travels with its weights
+            x = pipeline.gpipe(layer, indexed, x, (ropes, key_valid, segment_ids),
                                stages=pipeline.current_stages(), microbatches=pipeline.current_microbatches())
         elif layers_split is not None:
             if len(layers_split) != cfg.num_layers:
                 raise ValueError(f"layers_split holds {len(layers_split)} layers; the model has {cfg.num_layers}")
             for i, layer_state in enumerate(layers_split):
                 x, kv = nnx.merge(graphdef, layer_state)(
-                    x, rope, key_valid, kv, i, offset, segment_ids, pages)
+                    x, ropes, key_valid, kv, i, offset, segment_ids, pages)
         else:
 
             def step(carry, xs):
                 x, kv = carry
                 layer_state, layer = xs
                 x, kv = nnx.merge(graphdef, layer_state)(
-                    x, rope, key_valid, kv, layer, offset, segment_ids, pages
+                    x, ropes, key_valid, kv, layer, offset, segment_ids, pages
                 )
                 return (x, kv), None
 
@@ -601,7 +680,7 @@ class CausalLM(nnx.Module):
             w = self.model.embed.value.astype(dt).T
         else:
             w = self.lm_head.value.astype(dt)
-        logits = dense(h, w, preferred_element_type=jnp.float32)
+        logits = softcap(dense(h, w, preferred_element_type=jnp.float32), self.config.final_logit_softcap)
         return ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB)), cache
 
 

@@ -1,0 +1,317 @@
+"""Qwen3, Gemma 2 and Gemma 3 (text): parity with transformers on random small checkpoints transformers itself
+wrote (prefill logits, static and continuous greedy generation), export round trips, the family switches each
+exercised, and one clear error per unsupported config key."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.models import generation as gen
+from jaxrlhf.models import pipeline
+from jaxrlhf.models.config import PRESETS, ModelConfig
+from jaxrlhf.models.continuous import continuous_fn
+from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from jaxrlhf.models.sampling import GREEDY
+from jaxrlhf.testing.models import (
+    jax_logits,
+    left_padded_batch,
+    load_transformers_model,
+    max_relative_error,
+    random_model,
+    torch_logits,
+)
+
+TOL = 1e-4  # as tests/models/test_parity.py
+LENGTH = 40  # longer than the tiny presets' sliding window (16): local layers differ from global ones
+FAMILIES = ["qwen3", "gemma2", "gemma3"]
+PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2, 50], [2, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76]]
+N = 16  # with the 18-token prompt generation crosses the 16-token window
+
+
+def hf_config(config: ModelConfig):
+    """transformers' own config for one of our tiny family presets, built from its classes (not hf_io)."""
+    import transformers
+
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.architecture == "qwen3":
+        return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], rope_parameters=rope, **common)
+    gemma = dict(query_pre_attn_scalar=config.query_pre_attn_scalar, sliding_window=config.sliding_window,
+                 attn_logit_softcapping=config.attn_logit_softcap,
+                 final_logit_softcapping=config.final_logit_softcap, **common)
+    if config.architecture == "gemma2":
+        return transformers.Gemma2Config(architectures=["Gemma2ForCausalLM"], rope_parameters=rope, **gemma)
+    rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": config.local_rope_theta}}
+    return transformers.Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], rope_parameters=rope, **gemma)
+
+
+def save_family_checkpoint(root, family: str, seed: int = 0, **overrides) -> str:
+    """A random float32 transformers model of the tiny `family` preset, its norms perturbed off their init
+    (Gemma's start at 0, Qwen3's at 1), saved with `save_pretrained`."""
+    import torch
+    import transformers
+
+    hf = hf_config(PRESETS[f"tiny-{family}"].replace(**overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, hf.architectures[0])._from_config(
+        hf, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    path = root / f"{family}-{seed}"
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# A tiny random model with tied embeddings mostly repeats its input's last token (its hidden state stays
+# close to that token's embedding); an untied Qwen3 generates varied tokens (the Gemmas do tied).
+CHECKPOINT_OVERRIDES = {"qwen3": dict(tie_word_embeddings=False)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: save_family_checkpoint(root, family, seed=1, **CHECKPOINT_OVERRIDES.get(family, {}))
+            for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """transformers' greedy continuations of PROMPTS, per family (one row at a time, no padding), each
+    ending at the model's EOS or after N tokens."""
+    import torch
+
+    out = {}
+    for family, path in checkpoints.items():
+        hf = load_transformers_model(path)
+        eos = PRESETS[f"tiny-{family}"].eos_token_id
+        rows = []
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                rows.append(hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
+                                        eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist())
+        out[family] = rows
+    return out
+
+
+def _responses(out) -> list[list[int]]:
+    """Each row's response up to its length (its EOS included)."""
+    return [np.asarray(out.response_tokens[row, :int(out.lengths[row])]).tolist() for row in range(len(PROMPTS))]
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_family_switches_are_read(checkpoints):
+    """config.json of each family gives the preset we built it from (dimensions and switches)."""
+    for family, path in checkpoints.items():
+        _, config = load_hf_checkpoint(path)
+        assert config == PRESETS[f"tiny-{family}"].replace(**CHECKPOINT_OVERRIDES.get(family, {})), family
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "qwen3-0.6b", "qwen3-8b", "gemma2-2b",
+                                  "gemma3-1b"])
+def test_config_round_trip(name):
+    assert config_from_hf(config_to_hf(PRESETS[name])) == PRESETS[name]
+
+
+def test_parameter_count_matches_transformers():
+    """`num_params` (what the planner prices) counts the q/k norms, the extra norms and a head_dim that is
+    not hidden / heads as transformers does."""
+    import transformers
+
+    for family in FAMILIES:
+        config = PRESETS[f"tiny-{family}"]
+        for tied in (True, False):
+            c = config.replace(tie_word_embeddings=tied)
+            hf = getattr(transformers, hf_config(c).architectures[0])(hf_config(c))
+            assert c.num_params() == sum(p.numel() for p in hf.parameters()), (family, tied)
+
+
+def test_legacy_gemma3_keys():
+    """transformers 4.x Gemma 3 configs: rope_theta / rope_local_base_freq and sliding_window_pattern."""
+    hf = config_to_hf(PRESETS["gemma3-1b"])
+    del hf["rope_parameters"], hf["layer_types"]
+    hf.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6)
+    assert config_from_hf(hf) == PRESETS["gemma3-1b"]
+
+
+# ---------------------------------------------------------------- parity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_left_padded(checkpoints, family):
+    model, config = load_hf_checkpoint(checkpoints[family])
+    hf = load_transformers_model(checkpoints[family])
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5, 17))
+    ours, ref = jax_logits(model, tokens, mask), torch_logits(hf, tokens, mask)
+    assert max_relative_error(ours, ref, mask) <= TOL
+    # row 1 is left-padded: its logits equal those of the same tokens unpadded
+    again = jax_logits(model, np.stack([tokens[1, 5:].tolist() + [7] * 5, tokens[1], tokens[2]]), mask)
+    np.testing.assert_allclose(again[0, :-5], ours[1, 5:], atol=TOL * np.abs(ref).max())
+
+
+# Each switch, set back to Llama's, changes the logits: the parity above exercises all of them.
+SWITCHES = {
+    "qwen3": [],
+    "gemma2": [dict(sliding_window=None, sliding_window_pattern=None), dict(sliding_window_pattern=None),
+               dict(attn_logit_softcap=None), dict(final_logit_softcap=None), dict(query_pre_attn_scalar=None),
+               dict(scale_embeddings=False), dict(norm_offset=0.0), dict(mlp_activation="silu")],
+    "gemma3": [dict(sliding_window=None, sliding_window_pattern=None), dict(sliding_window_pattern=None),
+               dict(local_rope_theta=None), dict(query_pre_attn_scalar=None)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_each_switch_is_exercised(checkpoints, family):
+    path = checkpoints[family]
+    _, config = load_hf_checkpoint(path)
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5))
+    ref = torch_logits(load_transformers_model(path), tokens, mask)
+    for override in SWITCHES[family]:
+        other, _ = load_hf_checkpoint(path, config_overrides=override)
+        assert max_relative_error(jax_logits(other, tokens, mask), ref, mask) > 10 * TOL, override
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_static_engine_equals_transformers_generate(checkpoints, references, family):
+    model, config = load_hf_checkpoint(checkpoints[family])
+    ours = gen.generate(model, PROMPTS, N, GREEDY, eos_id=config.eos_token_id, pad_id=0)
+    assert _responses(ours) == references[family]
+    assert all(len(set(row)) > 3 for row in references[family])  # not a model that repeats one token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_continuous_engine_equals_transformers_generate(checkpoints, references, family):
+    model, config = load_hf_checkpoint(checkpoints[family])
+    tokens, mask = gen.pad_prompts(PROMPTS, 0)
+    graphdef, state = nnx.split(model)
+    # 2 slots for 3 rows: a row starts in a freed slot mid-run
+    out = continuous_fn(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), max_new_tokens=N,
+                        sampling=GREEDY, eos_id=config.eos_token_id, pad_id=0, slots=2)
+    assert _responses(out) == references[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3"])
+def test_pipelined_forward_knows_each_layers_kind(family):
+    """Pipeline stages run their block of layers with each layer's own kind (local / global)."""
+    config = PRESETS[f"tiny-{family}"]
+    model = random_model(config, seed=2)
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5))
+    ref = jax_logits(model, tokens, mask)
+    with pipeline.staged(2), pipeline.microbatches(2):
+        staged = jax_logits(model, tokens, mask)
+    np.testing.assert_allclose(staged, ref, atol=1e-5 * np.abs(ref).max())
+
+
+# ---------------------------------------------------------------- export
+
+
+def _params(model: nnx.Module) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip(checkpoints, tmp_path, family):
+    """import -> export -> transformers loads it with the same logits; import again: bitwise the same."""
+    model, config = load_hf_checkpoint(checkpoints[family])
+    path = save_hf_checkpoint(model, config, tmp_path / "export")
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5, 17))
+    ref = torch_logits(load_transformers_model(checkpoints[family]), tokens, mask)
+    assert max_relative_error(torch_logits(load_transformers_model(path), tokens, mask), ref, mask) <= TOL
+    again, config_again = load_hf_checkpoint(path)
+    assert config_again == config
+    a, b = _params(model), _params(again)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_untied_export_round_trip(tmp_path, family):
+    """A random untied model of each family: export -> import is bitwise, and transformers reads its config."""
+    import transformers
+
+    config = PRESETS[f"tiny-{family}"].replace(tie_word_embeddings=False)
+    model = random_model(config, seed=4)
+    path = save_hf_checkpoint(model, config, tmp_path / "untied")
+    again, loaded = load_hf_checkpoint(path)
+    assert loaded == config
+    a, b = _params(model), _params(again)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    assert hf.tie_word_embeddings is False and hf.num_hidden_layers == config.num_layers
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _hf(name: str, **changes) -> dict:
+    hf = config_to_hf(PRESETS[name])
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("tiny-gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                                         "sliding_attention": {"rope_type": "default"}}},
+     r"rope_parameters\.full_attention\.rope_type='yarn' is not supported"),
+    ("tiny-qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     r"rope_parameters\.rope_type='dynamic' is not supported"),
+    ("tiny-gemma3", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                     "sliding_attention", "sliding_attention", "full_attention"]},
+     r"layer_types=.*global layers must recur every N layers"),
+    ("tiny-gemma2", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported for gemma2"),
+    ("tiny-qwen3", {"attention_bias": True}, r"qwen3 attention_bias=true .* is not supported"),
+    ("tiny-gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=true is not supported"),
+    ("tiny-gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]},
+     r"architectures=\['Gemma3ForConditionalGeneration'\] is not supported"),
+    ("tiny-qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+     r"qwen3 with sliding window on only some layers"),
+])
+def test_unsupported_config_is_one_clear_error(name, changes, message):
+    with pytest.raises(CheckpointError, match=message) as err:
+        config_from_hf(_hf(name, **changes))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("tiny", {"qk_norm": True}, r"llama checkpoints have qk_norm=False"),
+    ("tiny-qwen3", {"qk_norm": False}, r"qwen3 checkpoints have qk_norm=True"),
+    ("tiny-gemma2", {"local_rope_theta": 500.0}, r"gemma2 checkpoints have no local_rope_theta"),
+    ("tiny-qwen3", {"final_logit_softcap": 30.0}, r"qwen3 checkpoints have no final_logit_softcap"),
+    ("tiny-gemma3", {"mlp_activation": "silu"}, r"gemma3 checkpoints have mlp_activation='gelu_tanh'"),
+])
+def test_export_of_a_config_no_hf_class_holds_is_refused(name, changes, message):
+    with pytest.raises(ValueError, match=message):
+        config_to_hf(PRESETS[name].replace(**changes))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_config_is_what_transformers_writes(family):
+    """The family's keys in transformers' own config.json, with the same values for our preset."""
+    ours = config_to_hf(PRESETS[f"tiny-{family}"])
+    theirs = hf_config(PRESETS[f"tiny-{family}"]).to_dict()
+    keys = ["model_type", "rope_parameters", "layer_types", "head_dim", "tie_word_embeddings"]
+    if family != "qwen3":
+        keys += ["sliding_window", "query_pre_attn_scalar", "hidden_activation", "attn_logit_softcapping",
+                 "final_logit_softcapping"]
+    for key in keys:
+        assert ours[key] == theirs[key], key
