@@ -4,6 +4,8 @@ exercised, and one clear error per unsupported config key."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,3 +317,46 @@ def test_exported_config_is_what_transformers_writes(family):
                  "final_logit_softcapping"]
     for key in keys:
         assert ours[key] == theirs[key], key
+
+
+# ---------------------------------------------------------------- reward models
+
+
+REWARD_CLASSES = {"qwen3": "Qwen3ForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
+                  "gemma3": "Gemma3TextForSequenceClassification"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_reward_model_loads_with_same_scores(tmp_path, family):
+    """A num_labels=1 sequence classifier transformers wrote: same scores here, and exported back tensor for
+    tensor (no final-logit soft-cap on a score)."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from jaxrlhf.models.transformer import positions_from_mask
+
+    hfc = hf_config(PRESETS[f"tiny-{family}"])
+    hfc.num_labels = 1
+    torch.manual_seed(9)
+    hf = getattr(transformers, REWARD_CLASSES[family])._from_config(
+        hfc, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name == "score.weight":
+                p.mul_(30.0)  # scores well above a soft-cap's linear range, so a capped score would differ
+    hf.save_pretrained(tmp_path / "theirs", safe_serialization=True)
+    model, config = load_hf_checkpoint(tmp_path / "theirs")
+    assert type(model).__name__ == "RewardModel"
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5, 17), pad_id=config.pad_token_id)
+    m = jnp.asarray(mask)
+    ours = np.asarray(model(jnp.asarray(tokens), positions_from_mask(m), m), np.float32)
+    ref = torch_logits(hf, tokens, mask)[:, 0]
+    np.testing.assert_allclose(ours, ref, rtol=TOL, atol=TOL * np.abs(ref).max())
+    save_hf_checkpoint(model, config, tmp_path / "ours")
+    theirs, exported = load_file(tmp_path / "theirs" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert theirs.keys() == exported.keys() and all(theirs[k].tobytes() == exported[k].tobytes() for k in theirs)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == [REWARD_CLASSES[family]]
