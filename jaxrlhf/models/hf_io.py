@@ -125,6 +125,7 @@ def _one_rope(params: dict[str, Any], legacy: dict[str, Any] | None, legacy_thet
     """One rope (`params` in transformers 5's form, else the legacy `rope_scaling` / `rope_theta`)."""
     theta = float(params.get("rope_theta", legacy_theta))
     scaling = legacy or params
+    key = "rope_scaling" if legacy else key
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
@@ -366,8 +367,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             local_theta = config.local_rope_theta or config.rope_theta
             hf["rope_parameters"] = {"full_attention": rope_parameters,
                                      "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
-            hf.update(rope_local_base_freq=local_theta, rope_scaling=None,
-                      sliding_window_pattern=config.sliding_window_pattern or 1)
+            hf.update(rope_local_base_freq=local_theta, rope_scaling=None)
+            if config.sliding_window_pattern is not None:
+                hf["sliding_window_pattern"] = config.sliding_window_pattern
     else:
         sliding = config.sliding_window is not None
         hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, max_window_layers=0)
