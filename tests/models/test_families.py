@@ -1,6 +1,7 @@
 """Qwen3, Gemma 2 and Gemma 3 (text): parity with transformers on random small checkpoints transformers itself
-wrote (prefill logits, static and continuous greedy generation), export round trips, the family switches each
-exercised, and one clear error per unsupported config key."""
+wrote (prefill logits, static and continuous greedy generation, reward scores), export round trips, the family
+switches each exercised, gradients, chat templates in each family's style, and one clear error per unsupported
+config key."""
 
 from __future__ import annotations
 
@@ -401,3 +402,95 @@ def test_gradients_with_remat_and_in_bfloat16(family):
         np.testing.assert_allclose(np.asarray(flat_remat[path]), g, atol=1e-6 * max(np.abs(g).max(), 1e-12))
         error = np.linalg.norm(np.asarray(flat16[path]) - g) / np.linalg.norm(g)
         assert error < 0.05, (jax.tree_util.keystr(path), error)
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+# Templates in the style of each family's tokenizer_config.json, written here.
+# Qwen3: ChatML; an assistant turn's reasoning (<think>...</think>) is dropped from the history except after
+# the last user query; `enable_thinking=false` (not passed here: thinking on) would add an empty block.
+QWEN3_TEMPLATE = """{%- set ns = namespace(last_query=-1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if message.role == 'user' and ns.last_query == -1 %}
+        {%- set ns.last_query = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query and reasoning %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+# Gemma 2/3: BOS, <start_of_turn>user / model turns, a system message folded into the first user turn,
+# strict alternation.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] | trim }}
+    {{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\\n' }}
+{%- endif -%}
+"""
+CONVERSATIONS = [
+    [{"role": "user", "content": "the cat sat on the mat"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12 + 7 = ?  "},
+     {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n19"}, {"role": "user", "content": "a dog"}],
+    [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "<think>\nsay hi\n</think>\n\nhi"}],
+]
+
+
+@pytest.mark.parametrize("style, tokenizer_style, template", [("qwen3", "qwen2", QWEN3_TEMPLATE),
+                                                              ("gemma", "llama2", GEMMA_TEMPLATE)])
+def test_chat_templates_render_like_transformers(tmp_path, style, tokenizer_style, template):
+    import transformers
+
+    from jaxrlhf.models.chat_template import ChatTemplate
+    from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.testing.models import save_tiny_tokenizer
+
+    # the SentencePiece-style tiny tokenizer knows only the characters it was trained on
+    corpus = ["<start_of_turn>user\nmodel <end_of_turn>\n be brief 12 + 7 = ? 19 a dog hello world hi <think> </think> say"]
+    folder = save_tiny_tokenizer(tmp_path / style, tokenizer_style, corpus=corpus)
+    (folder / "chat_template.jinja").write_text(template)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours, tok = ChatTemplate.from_folder(folder), load_tokenizer(folder)
+    for messages in CONVERSATIONS:
+        for gen in (False, True):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.render(messages, add_generation_prompt=gen) == expected, (messages, gen)
+            expected_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            assert tok.encode(ours.render(messages, add_generation_prompt=gen)) == list(expected_ids)
+    if style == "qwen3":  # the last turn's reasoning is kept, an earlier one's dropped
+        assert "add them" not in ours.render(CONVERSATIONS[1]) and "say hi" in ours.render(CONVERSATIONS[2])
