@@ -144,12 +144,22 @@ def test_parameter_count_matches_transformers():
             assert c.num_params() == sum(p.numel() for p in hf.parameters()), (family, tied)
 
 
-def test_legacy_gemma3_keys():
-    """transformers 4.x Gemma 3 configs: rope_theta / rope_local_base_freq and sliding_window_pattern."""
+def test_legacy_keys():
+    """transformers 4.x configs as the published checkpoints ship them: Gemma 3's rope_theta /
+    rope_local_base_freq and sliding_window_pattern, Gemma 2 without layer_types (every other layer
+    local), Qwen3's rope_theta with rope_scaling null."""
     hf = config_to_hf(PRESETS["gemma3-1b"])
     del hf["rope_parameters"], hf["layer_types"]
-    hf.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6)
+    hf.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6, rope_scaling=None)
     assert config_from_hf(hf) == PRESETS["gemma3-1b"]
+    hf = config_to_hf(PRESETS["gemma2-2b"])
+    del hf["rope_parameters"], hf["layer_types"]
+    hf.update(hidden_act="gelu_pytorch_tanh", cache_implementation="hybrid")
+    assert config_from_hf(hf) == PRESETS["gemma2-2b"]
+    hf = config_to_hf(PRESETS["qwen3-0.6b"])
+    del hf["rope_parameters"], hf["layer_types"]
+    hf.update(rope_scaling=None, max_window_layers=28, torch_dtype="bfloat16")
+    assert config_from_hf(hf) == PRESETS["qwen3-0.6b"]
 
 
 # ---------------------------------------------------------------- parity
