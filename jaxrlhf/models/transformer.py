@@ -1,5 +1,9 @@
 """Decoder-only LLaMA-family transformer in Flax NNX, with a KV cache.
 
+Other families (Qwen2/3, Mistral, Gemma 2/3) are Llama with switches that `ModelConfig` holds as fields
+(q/k norms, norm offset, embedding scale, post-norms, GeGLU, soft-caps, alternating local and global
+layers with their own rope base; docs/models.md): the forward reads the switches, never family names.
+
 One attention code path serves training (no cache), prefill and decode:
 queries sit at cache slots [index, index + T) and may attend to any earlier
 slot that holds a real token. Left padding therefore changes nothing for the
@@ -47,7 +51,6 @@ def _param(rngs: nnx.Rngs, init: Callable, shape: tuple[int, ...], names: ax.Log
 
 _normal = jax.nn.initializers.normal(stddev=0.02)
 _zeros = jax.nn.initializers.zeros
-_ones = jax.nn.initializers.ones
 KV = tuple[jax.Array, jax.Array]  # the stacked cache keys and values, [layers, batch, slots, kv_heads, head_dim]
 
 
@@ -348,7 +351,7 @@ class Attention(nnx.Module):
             scores = _decode_scores(qg, k.astype(q.dtype))
         else:
             scores = float32_product(functools.partial(jnp.einsum, "btkgh,bksh->bkgts"), qg, k.astype(q.dtype))
-        if cfg.query_pre_attn_scalar is None:
+        if cfg.query_pre_attn_scalar is None:  # a division, as before the switch: the same rounding
             scores = scores / math.sqrt(cfg.dim_per_head)
         else:
             scores = scores * cfg.attention_scale
@@ -486,17 +489,18 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(config, rngs=rngs)
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
+        self.post_norms = config.post_norms
         if config.post_norms:
             self.attn_out_norm = RMSNorm(config, rngs=rngs)
             self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
     def __call__(self, x, ropes, key_valid, kv, layer, offset, segment_ids=None, pages=None):
         h, kv = self.attn(self.input_norm(x), ropes, key_valid, kv, layer, offset, segment_ids, pages)
-        if hasattr(self, "attn_out_norm"):
+        if self.post_norms:
             h = self.attn_out_norm(h)
         x = x + h
         h = self.mlp(self.post_attn_norm(x))
-        if hasattr(self, "mlp_out_norm"):
+        if self.post_norms:
             h = self.mlp_out_norm(h)
         x = x + h
         return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
