@@ -90,6 +90,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # HF rope_type 'linear': positions divided by this factor in the rotation of the global layers (Gemma 3
+    # 4B and larger: 8); None: not scaled.
+    rope_linear_factor: float | None = None
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     tie_word_embeddings: bool = False
@@ -156,7 +159,10 @@ class ModelConfig:
             raise ValueError(f"model.sliding_window_pattern={pattern!r} must be an integer >= 2 (or None)")
         if pattern is not None and self.sliding_window is None:
             raise ValueError("model.sliding_window_pattern needs a sliding_window")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        if self.rope_scaling is not None and self.rope_linear_factor is not None:
+            raise ValueError("model.rope_scaling and model.rope_linear_factor: choose one rope scaling")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta",
+                     "rope_linear_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model.{name}={value!r} must be positive (or None)")

@@ -92,56 +92,69 @@ def _supported() -> str:
 _LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' `layer_types` entries
 
 
-def _rope_from_hf(hf: dict[str, Any], arch: str, where: str) -> tuple[float, RopeScaling | None, float | None]:
-    """rope theta, scaling and the local layers' theta (None: the same rotation) from either the
-    transformers 5 `rope_parameters` (Gemma 3: one entry per layer kind) or the legacy keys."""
+def _rope_from_hf(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """The rope fields of ModelConfig (rope_theta, rope_scaling, rope_linear_factor, local_rope_theta) from
+    either the transformers 5 `rope_parameters` (Gemma 3: one entry per layer kind) or the legacy keys."""
     params = hf.get("rope_parameters") or {}
+    _check_full_rotation(hf, "", where)
     per_kind = any(isinstance(v, dict) for v in params.values())
     if arch != "gemma3" and ("rope_layer" in params or per_kind):
         raise CheckpointError(f"{where}: per-layer rope_parameters are not supported for {arch}")
     if arch != "gemma3":
-        theta, scaling = _one_rope(params, hf.get("rope_scaling"), hf.get("rope_theta", 10000.0),
-                                   "rope_parameters", where)
-        if arch == "gemma2" and scaling is not None:
-            raise CheckpointError(f"{where}: rope_parameters: llama3 rope scaling is not supported for gemma2")
-        return theta, scaling, None
-    if per_kind and set(params) - set(_LAYER_KINDS):
-        raise CheckpointError(f"{where}: rope_parameters keys {sorted(params)}: expected {list(_LAYER_KINDS)}")
-    full = params.get("full_attention") or {} if per_kind else params
-    local = params.get("sliding_attention") or {} if per_kind else {}
-    theta, scaling = _one_rope(full, hf.get("rope_scaling"), hf.get("rope_theta", 1e6),
-                               "rope_parameters.full_attention", where)
-    if scaling is not None:
-        raise CheckpointError(f"{where}: rope_parameters.full_attention: llama3 rope scaling is not supported for gemma3")
-    local_theta, local_scaling = _one_rope(local, None, hf.get("rope_local_base_freq", 10000.0),
-                                           "rope_parameters.sliding_attention", where)
-    if local_scaling is not None:
-        raise CheckpointError(f"{where}: rope_parameters.sliding_attention: scaled local rope is not supported")
-    return theta, scaling, local_theta
+        rope = _one_rope(params, hf.get("rope_scaling"), hf.get("rope_theta", 10000.0), "rope_parameters", where)
+    else:
+        if per_kind and set(params) - set(_LAYER_KINDS):
+            raise CheckpointError(f"{where}: rope_parameters keys {sorted(params)}: expected {list(_LAYER_KINDS)}")
+        full = params.get("full_attention") or {} if per_kind else params
+        local = params.get("sliding_attention") or {} if per_kind else {}
+        rope = _one_rope(full, hf.get("rope_scaling"), hf.get("rope_theta", 1e6),
+                         "rope_parameters.full_attention", where)
+        key = "rope_parameters.sliding_attention"
+        local_rope = _one_rope(local, None, hf.get("rope_local_base_freq", 10000.0), key, where)
+        if local_rope["rope_scaling"] or local_rope["rope_linear_factor"]:
+            raise CheckpointError(f"{where}: {key}: a scaled rope on the local layers is not supported")
+        rope["local_rope_theta"] = local_rope["rope_theta"]
+    if arch in _GEMMA and rope["rope_scaling"] is not None:
+        raise CheckpointError(f"{where}: rope_parameters: 'llama3' rope scaling is not supported for {arch}")
+    return rope
+
+
+def _check_full_rotation(params: dict[str, Any], prefix: str, where: str) -> None:
+    """Our rope rotates every dimension of a head: a partial rotation is refused."""
+    value = params.get("partial_rotary_factor", 1.0)
+    if value is not None and float(value) != 1.0:
+        raise CheckpointError(f"{where}: {prefix}partial_rotary_factor={value!r} is not supported (only 1.0)")
 
 
 def _one_rope(params: dict[str, Any], legacy: dict[str, Any] | None, legacy_theta: Any, key: str,
-              where: str) -> tuple[float, RopeScaling | None]:
+              where: str) -> dict[str, Any]:
     """One rope (`params` in transformers 5's form, else the legacy `rope_scaling` / `rope_theta`)."""
-    theta = float(params.get("rope_theta", legacy_theta))
+    rope: dict[str, Any] = dict(rope_theta=float(params.get("rope_theta", legacy_theta)), rope_scaling=None,
+                                rope_linear_factor=None)
     scaling = legacy or params
     key = "rope_scaling" if legacy else key
+    _check_full_rotation(scaling or {}, f"{key}.", where)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, None
+        return rope
+    if kind == "linear":
+        if "factor" not in scaling:
+            raise CheckpointError(f"{where}: {key}: a 'linear' rope needs its factor")
+        return rope | dict(rope_linear_factor=float(scaling["factor"]))
     if kind != "llama3":
         raise CheckpointError(
-            f"{where}: {key}.rope_type={kind!r} is not supported; only the default rope and 'llama3' scaling are"
+            f"{where}: {key}.rope_type={kind!r} is not supported; only the default rope, 'linear' and 'llama3' "
+            "scaling are"
         )
     defaults = RopeScaling()
-    return theta, RopeScaling(
+    return rope | dict(rope_scaling=RopeScaling(
         factor=float(scaling.get("factor", defaults.factor)),
         low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(
             scaling.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
         ),
-    )
+    ))
 
 
 def _gemma_layers_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where: str
@@ -242,7 +255,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
         raise CheckpointError(f"{where}: use_bidirectional_attention=true is not supported (causal models only)")
     try:
         hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
-        theta, scaling, local_theta = _rope_from_hf(hf, arch, where)
+        rope = _rope_from_hf(hf, arch, where)
+        local_theta = rope.pop("local_rope_theta", None)
         head_dim = hf.get("head_dim")
         dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
         if dtype not in _DTYPES:
@@ -251,7 +265,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             window, pattern = _gemma_layers_from_hf(hf, arch, layers, where)
             family = dict(
                 sliding_window=window, sliding_window_pattern=pattern,
-                local_rope_theta=local_theta if window is not None and local_theta != theta else None,
+                local_rope_theta=local_theta if window is not None and local_theta != rope["rope_theta"] else None,
                 mlp_activation="gelu_tanh", query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                 attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
                 final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
@@ -270,8 +284,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            rope_theta=theta,
-            rope_scaling=scaling,
+            **rope,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # Gemma's default: tied
             param_dtype=dtype,
@@ -348,6 +361,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         s = dataclasses.asdict(config.rope_scaling)
         hf["rope_scaling"] = {"rope_type": "llama3", **s}
         rope_parameters = {"rope_type": "llama3", "rope_theta": config.rope_theta, **s}
+    if config.rope_linear_factor is not None:
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": config.rope_linear_factor}
+        rope_parameters = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_linear_factor}
     hf["rope_parameters"] = rope_parameters
     if arch == "llama":
         hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
@@ -367,7 +383,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
             local_theta = config.local_rope_theta or config.rope_theta
             hf["rope_parameters"] = {"full_attention": rope_parameters,
                                      "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
-            hf.update(rope_local_base_freq=local_theta, rope_scaling=None)
+            hf.update(rope_local_base_freq=local_theta)
             if config.sliding_window_pattern is not None:
                 hf["sliding_window_pattern"] = config.sliding_window_pattern
     else:

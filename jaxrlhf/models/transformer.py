@@ -130,11 +130,13 @@ def positions_from_mask(mask: Bool[Array, "batch length"]) -> Int[Array, "batch 
 
 
 def rope_inv_frequencies(config: ModelConfig, local: bool = False) -> Float[Array, "half_head_dim"]:
-    """Inverse rotary frequencies, with Llama-3 style scaling when configured; `local`: those of the
-    sliding-window layers (base `local_rope_theta`, never scaled)."""
+    """Inverse rotary frequencies, with Llama-3 style or linear scaling when configured; `local`: those of
+    the sliding-window layers (base `local_rope_theta`, never scaled)."""
     dim = config.dim_per_head
     theta = config.local_rope_theta if local else config.rope_theta
     inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if config.rope_linear_factor is not None and not local:
+        return inv / config.rope_linear_factor
     s = config.rope_scaling
     if s is None or local:
         return inv

@@ -48,6 +48,8 @@ def hf_config(config: ModelConfig):
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
     )
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_linear_factor is not None:
+        rope = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_linear_factor}
     if config.architecture == "qwen3":
         return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], rope_parameters=rope, **common)
     gemma = dict(query_pre_attn_scalar=config.query_pre_attn_scalar, sliding_window=config.sliding_window,
@@ -127,8 +129,10 @@ def test_family_switches_are_read(checkpoints):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "qwen3-0.6b", "qwen3-8b", "gemma2-2b",
                                   "gemma3-1b"])
-def test_config_round_trip(name):
-    assert config_from_hf(config_to_hf(PRESETS[name])) == PRESETS[name]
+@pytest.mark.parametrize("linear", [None, 8.0])
+def test_config_round_trip(name, linear):
+    config = PRESETS[name].replace(rope_linear_factor=linear)
+    assert config_from_hf(config_to_hf(config)) == config
 
 
 def test_parameter_count_matches_transformers():
@@ -176,6 +180,24 @@ def test_logits_match_transformers_left_padded(checkpoints, family):
     # row 1 is left-padded: its logits equal those of the same tokens unpadded
     again = jax_logits(model, np.stack([tokens[1, 5:].tolist() + [7] * 5, tokens[1], tokens[2]]), mask)
     np.testing.assert_allclose(again[0, :-5], ours[1, 5:], atol=TOL * np.abs(ref).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_linear_rope_scaling_matches_transformers(tmp_path, family):
+    """HF rope_type 'linear' (Gemma 3 4B and larger: factor 8 on the global layers only), in transformers 5's
+    rope_parameters and, for Gemma 3, the 4.x `rope_scaling` key our export also writes."""
+    path = save_family_checkpoint(tmp_path, family, seed=5, rope_linear_factor=8.0)
+    model, config = load_hf_checkpoint(path)
+    assert config.rope_linear_factor == 8.0
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 7))
+    ref = torch_logits(load_transformers_model(path), tokens, mask)
+    assert max_relative_error(jax_logits(model, tokens, mask), ref, mask) <= TOL
+    unscaled, _ = load_hf_checkpoint(path, config_overrides={"rope_linear_factor": None})
+    assert max_relative_error(jax_logits(unscaled, tokens, mask), ref, mask) > 10 * TOL
+    save_hf_checkpoint(model, config, tmp_path / "export")
+    assert max_relative_error(torch_logits(load_transformers_model(tmp_path / "export"), tokens, mask), ref,
+                              mask) <= TOL
 
 
 # Each switch, set back to Llama's, changes the logits: the parity above exercises all of them.
@@ -288,6 +310,11 @@ def _hf(name: str, **changes) -> dict:
      r"rope_parameters\.full_attention\.rope_type='yarn' is not supported"),
     ("tiny-qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
      r"rope_parameters\.rope_type='dynamic' is not supported"),
+    ("tiny-qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type='yarn'"),
+    ("tiny-gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     r"rope_parameters\.sliding_attention: a scaled rope on the local layers is not supported"),
+    ("tiny-qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5 is not supported"),
     ("tiny-gemma3", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention",
                                      "sliding_attention", "sliding_attention", "full_attention"]},
      r"layer_types=.*global layers must recur every N layers"),
