@@ -242,6 +242,12 @@ def test_greedy_continuous_engine_equals_transformers_generate(checkpoints, refe
     out = continuous_fn(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), max_new_tokens=N,
                         sampling=GREEDY, eos_id=config.eos_token_id, pad_id=0, slots=2)
     assert _responses(out) == references[family]
+    # groups of 2 samples per prompt: the prompt's pages prefilled once and shared by both rows
+    tokens, mask = gen.pad_prompts([p for p in PROMPTS for _ in range(2)], 0)
+    out = continuous_fn(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), max_new_tokens=N,
+                        sampling=GREEDY, eos_id=config.eos_token_id, pad_id=0, group_size=2, slots=3)
+    rows = [np.asarray(out.response_tokens[r, :int(out.lengths[r])]).tolist() for r in range(2 * len(PROMPTS))]
+    assert rows == [ref for ref in references[family] for _ in range(2)]
 
 
 @pytest.mark.slow
