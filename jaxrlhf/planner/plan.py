@@ -360,6 +360,28 @@ def layout_misfit(
 
 
 # ---- validation -----------------------------------------------------------------------
+def offpolicy_problem(plan: ExecutionPlan, graph: CallGraph) -> str | None:
+    """Why an off-policy plan cannot run (None if it can, or is not off-policy): the generator needs a
+    shadow copy of its role and devices no train call uses, since it generates the next steps while
+    training runs. The runtime (`validate`) and the planner's search (`simulator.check_plan`) both ask."""
+    if not plan.offpolicy:
+        return None
+    gens = [c.name for c in graph.calls if c.kind == "generate"]
+    if not gens:
+        return "offpolicy=true but the graph has no generate call"
+    for gen in gens:
+        role = graph[gen].role
+        if role not in plan.shadow_roles:
+            return (f"offpolicy=true needs a shadow {role!r} for {gen!r} (add {role!r} to shadow_roles): "
+                    "generation of the next step cannot read weights that training is updating")
+        for c in graph.calls:
+            if c.kind == "train" and plan.group_of(gen).overlaps(plan.group_of(c.name)):
+                return (f"offpolicy=true runs {gen!r} and {c.name!r} at the same time, but their groups "
+                        f"{plan.calls[gen].group!r} and {plan.calls[c.name].group!r} share devices; "
+                        "put generation on devices no train call uses")
+    return None
+
+
 def validate(
     plan: ExecutionPlan,
     graph: "CallGraph",
@@ -451,21 +473,6 @@ def validate(
             raise PlanError(f"role {role!r} is both offloaded and shadowed; choose one")
     if plan.staleness is not None and (not plan.offpolicy or plan.staleness < 1):
         raise PlanError(f"staleness={plan.staleness} needs an off-policy plan (offpolicy=true) and eta >= 1")
-    if plan.offpolicy:
-        gens = [c.name for c in graph.calls if c.kind == "generate"]
-        if not gens:
-            raise PlanError("offpolicy=true but the graph has no generate call")
-        for gen in gens:
-            role = graph[gen].role
-            if role not in plan.shadow_roles:
-                raise PlanError(
-                    f"offpolicy=true needs a shadow {role!r} for {gen!r} (add {role!r} to shadow_roles): "
-                    "generation of the next step cannot read weights that training is updating"
-                )
-            for c in graph.calls:
-                if c.kind == "train" and plan.group_of(gen).overlaps(plan.group_of(c.name)):
-                    raise PlanError(
-                        f"offpolicy=true runs {gen!r} and {c.name!r} at the same time, but their groups "
-                        f"{plan.calls[gen].group!r} and {plan.calls[c.name].group!r} share devices; "
-                        "put generation on devices no train call uses"
-                    )
+    problem = offpolicy_problem(plan, graph)
+    if problem:
+        raise PlanError(problem)

@@ -29,7 +29,7 @@ from jaxrlhf.planner.cost import LENGTH_BATCHES, CallCost, CostCache, Workload, 
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit, offpolicy_problem
 from jaxrlhf.models.config import ModelConfig
 
 
@@ -286,7 +286,7 @@ def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             reason = layout_misfit(p.layout, models[c.role], kind=c.kind)
             if reason:
                 return f"call {c.name!r}: {reason}"
-    return None
+    return offpolicy_problem(plan, graph)  # what the runtime refuses, the search must not pick
 
 
 END_STEPS = 2  # last steps left out of the gaps (an off-policy shadow lags 2 steps at eta = 1)

@@ -219,6 +219,24 @@ def test_the_search_chooses_the_fewest_steps_ahead_that_reach_the_best_time():
     assert ann.freshest(st) is st and "staleness" not in state_to_plan(st, 4).to_yaml()
 
 
+def test_an_off_policy_plan_whose_generator_shares_devices_with_training_is_never_picked():
+    """The runtime refuses an off-policy plan whose generate call shares devices with a train call
+    (`plan.offpolicy_problem`); the search prices it as infeasible, so it never returns one."""
+    from jaxrlhf.planner.plan import validate
+
+    ann, st = _async_annealer(staleness=2)
+    plan = state_to_plan(st, 4)
+    assert ann.energy(st)[1].feasible
+    shared = dataclasses.replace(plan, calls={**plan.calls, "actor.generate": plan.calls["actor.train"]})
+    est = estimate_plan(shared, GRAPH, ann.models, ann.wl, ann.hw)
+    assert not est.feasible and "share devices" in est.reason
+    hw, models, wl = _small_instance()
+    wl = dataclasses.replace(wl, gen_len=128, gen_len_median=8, gen_len_sigma=1.5, staleness=2)
+    for seed in range(3):
+        best = search(models, wl, hw, 4, GRAPH, iterations=150, seed=seed, allow_offpolicy=True).best.plan
+        validate(best, GRAPH, models, devices=4, batch_size=wl.batch_size)
+
+
 def test_the_search_reports_the_best_on_policy_plan_beside_the_best():
     """With off-policy plans allowed, `best_sync` is the best plan whose rollouts are on-policy and
     `async_gain` what the generator running ahead buys over it (1.0 when an on-policy plan wins);
