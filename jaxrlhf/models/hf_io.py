@@ -56,6 +56,10 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B); the multimodal Gemma3ForConditionalGeneration is not
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+# Multimodal checkpoints whose text model we load (its config in `text_config`, its tensors under a prefix;
+# the vision tower and projector are left out): class -> (our architecture, tensor name prefix). Export
+# writes the text model alone, as the architecture's ...ForCausalLM.
+MULTIMODAL_TEXT: dict[str, tuple[str, str]] = {"Gemma3ForConditionalGeneration": ("gemma3", "language_model.")}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json `model_type`, where it is not the architecture's name
 # Reward models: transformers' sequence-classification classes (num_labels=1).
 HF_REWARD_ARCHITECTURES: dict[str, str] = {
@@ -86,7 +90,8 @@ class CheckpointError(ValueError):
 
 
 def _supported() -> str:
-    return ", ".join(sorted(HF_ARCHITECTURES)) + " (and their ...ForSequenceClassification reward models)"
+    return (", ".join(sorted(HF_ARCHITECTURES)) + " (and their ...ForSequenceClassification reward models; "
+            + ", ".join(f"the text model of {cls}" for cls in MULTIMODAL_TEXT) + ")")
 
 
 _LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' `layer_types` entries
@@ -226,12 +231,30 @@ def _hf_ids(ids: tuple[int, ...]) -> int | list[int] | None:
     return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
+def _text_part(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """The config of the text model and the prefix of its tensor names: a multimodal checkpoint's
+    `text_config` (the top level's token ids and dtype over it: generation_config.json's EOS ids land
+    there), else `hf` itself and no prefix."""
+    found = [a for a in hf.get("architectures") or [] if a in MULTIMODAL_TEXT]
+    if not found:
+        return hf, ""
+    arch, prefix = MULTIMODAL_TEXT[found[0]]
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: {found[0]} needs a text_config")
+    top = {k: hf[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                              "tie_word_embeddings") if hf.get(k) is not None}
+    return {**text, **top, "architectures": [_HF_CLASS[arch]]}, prefix
+
+
 def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
-    """Translate a HF `config.json` dict into a `ModelConfig`.
+    """Translate a HF `config.json` dict into a `ModelConfig` (of the text model, for a multimodal
+    checkpoint in `MULTIMODAL_TEXT`).
 
     `source` only names the file in error messages.
     """
     where = str(source)
+    hf, _ = _text_part(hf, where)
     archs = hf.get("architectures") or []
     known = {**HF_ARCHITECTURES, **HF_REWARD_ARCHITECTURES}
     found = [a for a in archs if a in known]
@@ -607,11 +630,10 @@ class _Weights:
         return self._handle(key).get_tensor(key)
 
 
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: int) -> None:
-    """Every expected tensor present with its shape, no layers beyond num_layers: else one error listing all."""
+def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: int, prefix: str = "") -> None:
+    """Every expected tensor present with its shape, no layers beyond num_layers: else one error listing all.
+    `prefix`: what the trunk's tensor names start with before `model.` (a multimodal checkpoint's text model)."""
+    layer_key = re.compile(rf"^{re.escape(prefix)}model\.layers\.(\d+)\.")
     problems = []
     for s in specs:
         if s.key not in weights.files:
@@ -623,10 +645,10 @@ def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: 
                 f"{weights.file_of(s.key)}: tensor {s.key!r} has shape {list(found)}, expected {list(s.shape)}"
             )
     extra = sorted(
-        {int(m.group(1)) for k in weights.files if (m := _LAYER_KEY.match(k)) and int(m.group(1)) >= num_layers}
+        {int(m.group(1)) for k in weights.files if (m := layer_key.match(k)) and int(m.group(1)) >= num_layers}
     )
     if extra:
-        key = next(k for k in weights.files if k.startswith(f"model.layers.{extra[0]}."))
+        key = next(k for k in weights.files if k.startswith(f"{prefix}model.layers.{extra[0]}."))
         problems.append(
             f"{weights.file_of(key)}: tensor {key!r} belongs to layer {extra[0]}, but config.json has "
             f"num_hidden_layers={num_layers} (layers {extra} found)"
@@ -706,12 +728,17 @@ def load_hf_checkpoint(
     config = config_from_hf(hf, source=path / CONFIG_FILE).replace(**overrides)
 
     weights = _Weights(path)
-    trunk = _trunk_specs(config)
-    layouts = _head_layouts(config, head)
+    _, prefix = _text_part(hf, str(path / CONFIG_FILE))
+
+    def prefixed(specs: list[_TensorSpec]) -> list[_TensorSpec]:
+        return [dataclasses.replace(s, key=prefix + s.key) for s in specs] if prefix else specs
+
+    trunk = prefixed(_trunk_specs(config))
+    layouts = [prefixed(layout) for layout in _head_layouts(config, head)]
     present = [layout for layout in layouts if any(s.key in weights.files for s in layout)]
     head_specs = present[0] if present else layouts[0]
     fresh_head = head != "lm" and not present
-    _check_tensors(weights, trunk + ([] if fresh_head else head_specs), config.num_layers)
+    _check_tensors(weights, trunk + ([] if fresh_head else head_specs), config.num_layers, prefix)
 
     for key in _MUST_BE_ZERO:
         if key in weights.files and np.any(weights.get(key) != 0):

@@ -200,6 +200,37 @@ def test_linear_rope_scaling_matches_transformers(tmp_path, family):
                               mask) <= TOL
 
 
+@pytest.mark.slow
+def test_text_model_of_a_multimodal_gemma3_checkpoint(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: its text model loads (config from
+    text_config, tensors under language_model.), scores text as transformers' multimodal model does, and
+    exports as a text-only Gemma3ForCausalLM with the same logits."""
+    import torch
+    import transformers
+
+    text = hf_config(PRESETS["tiny-gemma3"].replace(rope_linear_factor=8.0)).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    hfc = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(6)
+    hf = transformers.Gemma3ForConditionalGeneration._from_config(hfc, attn_implementation="eager",
+                                                                  dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "mm", safe_serialization=True)
+    model, config = load_hf_checkpoint(tmp_path / "mm")
+    assert config == PRESETS["tiny-gemma3"].replace(rope_linear_factor=8.0)
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 7))
+    ref = torch_logits(hf, tokens, mask)
+    assert max_relative_error(jax_logits(model, tokens, mask), ref, mask) <= TOL
+    save_hf_checkpoint(model, config, tmp_path / "text")
+    exported = load_transformers_model(tmp_path / "text")
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    assert max_relative_error(torch_logits(exported, tokens, mask), ref, mask) <= TOL
+
+
 # Each switch, set back to Llama's, changes the logits: the parity above exercises all of them.
 SWITCHES = {
     "qwen3": [],
@@ -327,8 +358,10 @@ def _hf(name: str, **changes) -> dict:
     ("tiny-gemma2", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported for gemma2"),
     ("tiny-qwen3", {"attention_bias": True}, r"qwen3 attention_bias=true .* is not supported"),
     ("tiny-gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=true is not supported"),
+    ("tiny-qwen3", {"architectures": ["Qwen3MoeForCausalLM"]},
+     r"architectures=\['Qwen3MoeForCausalLM'\] is not supported; supported architectures: .*Qwen3ForCausalLM"),
     ("tiny-gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]},
-     r"architectures=\['Gemma3ForConditionalGeneration'\] is not supported"),
+     r"Gemma3ForConditionalGeneration needs a text_config"),
     ("tiny-qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
      r"qwen3 with sliding window on only some layers"),
 ])
