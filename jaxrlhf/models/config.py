@@ -389,6 +389,25 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         query_pre_attn_scalar=256, tie_word_embeddings=True, architecture="gemma3", param_dtype="bfloat16",
         dtype="bfloat16", bos_token_id=2, eos_token_id=1, extra_eos_token_ids=(106,), pad_token_id=0,
     ),
+    # Gemma 3 4B and larger: the text model of the multimodal checkpoint, global layers' rope scaled by 8.
+    "gemma3-4b": ModelConfig(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+        num_heads=8, num_kv_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1e6, rope_linear_factor=8.0, local_rope_theta=10000.0, sliding_window=1024,
+        sliding_window_pattern=6, qk_norm=True, norm_offset=1.0, scale_embeddings=True, post_norms=True,
+        mlp_activation="gelu_tanh", query_pre_attn_scalar=256, tie_word_embeddings=True, architecture="gemma3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=2, eos_token_id=1, extra_eos_token_ids=(106,),
+        pad_token_id=0,
+    ),
+    "gemma3-27b": ModelConfig(
+        vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_layers=62,
+        num_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1e6, rope_linear_factor=8.0, local_rope_theta=10000.0, sliding_window=1024,
+        sliding_window_pattern=6, qk_norm=True, norm_offset=1.0, scale_embeddings=True, post_norms=True,
+        mlp_activation="gelu_tanh", query_pre_attn_scalar=168, tie_word_embeddings=True, architecture="gemma3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=2, eos_token_id=1, extra_eos_token_ids=(106,),
+        pad_token_id=0,
+    ),
 })
 
 

@@ -60,6 +60,15 @@ _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 # the vision tower and projector are left out): class -> (our architecture, tensor name prefix). Export
 # writes the text model alone, as the architecture's ...ForCausalLM.
 MULTIMODAL_TEXT: dict[str, tuple[str, str]] = {"Gemma3ForConditionalGeneration": ("gemma3", "language_model.")}
+# The published multimodal configs leave out every text_config key at transformers' default (Gemma 3 27B's
+# has no vocab_size, heads or activation): those defaults, per text architecture.
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3": dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+    pad_token_id=0,
+)}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json `model_type`, where it is not the architecture's name
 # Reward models: transformers' sequence-classification classes (num_labels=1).
 HF_REWARD_ARCHITECTURES: dict[str, str] = {
@@ -233,8 +242,8 @@ def _hf_ids(ids: tuple[int, ...]) -> int | list[int] | None:
 
 def _text_part(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
     """The config of the text model and the prefix of its tensor names: a multimodal checkpoint's
-    `text_config` (the top level's token ids and dtype over it: generation_config.json's EOS ids land
-    there), else `hf` itself and no prefix."""
+    `text_config` over transformers' defaults for the keys it leaves out, the top level's token ids and
+    dtype over both (generation_config.json's EOS ids land there); else `hf` itself and no prefix."""
     found = [a for a in hf.get("architectures") or [] if a in MULTIMODAL_TEXT]
     if not found:
         return hf, ""
@@ -244,7 +253,7 @@ def _text_part(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
         raise CheckpointError(f"{where}: {found[0]} needs a text_config")
     top = {k: hf[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
                               "tie_word_embeddings") if hf.get(k) is not None}
-    return {**text, **top, "architectures": [_HF_CLASS[arch]]}, prefix
+    return {**_TEXT_CONFIG_DEFAULTS[arch], **text, **top, "architectures": [_HF_CLASS[arch]]}, prefix
 
 
 def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:

@@ -128,7 +128,7 @@ def test_family_switches_are_read(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "qwen3-0.6b", "qwen3-8b", "gemma2-2b",
-                                  "gemma3-1b"])
+                                  "gemma3-1b", "gemma3-4b", "gemma3-27b"])
 @pytest.mark.parametrize("linear", [None, 8.0])
 def test_config_round_trip(name, linear):
     config = PRESETS[name].replace(rope_linear_factor=linear)
@@ -156,6 +156,14 @@ def test_legacy_keys():
     del hf["rope_parameters"], hf["layer_types"]
     hf.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6, rope_scaling=None)
     assert config_from_hf(hf) == PRESETS["gemma3-1b"]
+    # the published multimodal Gemma 3 27B: a sparse text_config (every key left out is transformers' default)
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+          "torch_dtype": "bfloat16", "mm_tokens_per_image": 256, "vision_config": {"hidden_size": 1152},
+          "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                          "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                          "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                          "sliding_window": 1024}}
+    assert config_from_hf(hf) == PRESETS["gemma3-27b"]
     hf = config_to_hf(PRESETS["gemma2-2b"])
     del hf["rope_parameters"], hf["layer_types"]
     hf.update(hidden_act="gelu_pytorch_tanh", cache_implementation="hybrid")
