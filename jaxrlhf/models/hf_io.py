@@ -1,8 +1,7 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors`.
 
-Users start from pretrained Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3
-(text) checkpoints and hand
-trained actors back to `transformers`, so both directions must be exact
+Users start from pretrained Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 checkpoints
+(docs/models.md) and hand trained actors back to `transformers`, so both directions must be exact
 (float32 logits within 1e-4 relative, import -> export -> import bitwise).
 
 HF stores `nn.Linear` weights as [out, in] with heads flattened; our layout
@@ -53,7 +52,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B); the multimodal Gemma3ForConditionalGeneration is not
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 1B and 270M; the larger ones through MULTIMODAL_TEXT
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 # Multimodal checkpoints whose text model we load (its config in `text_config`, its tensors under a prefix;
