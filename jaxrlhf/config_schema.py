@@ -208,10 +208,12 @@ class PlanConfig:
         if self.offpolicy and not hasattr(config.algorithm, "max_staleness"):
             yield (f"plan.offpolicy=true generates the next rollout while this one trains, but "
                    f"algorithm.name={config.algorithm.name} has no rollout; set plan.offpolicy=false")
-        if (self.offpolicy or eta) and self.file is None and self.strategy not in ("disaggregated", "auto"):
+        streamed = config.generation.partial_rollout  # a stream refills its pool ahead on any plan
+        if (self.offpolicy or eta) and not streamed and self.file is None and self.strategy not in ("disaggregated", "auto"):
             yield (
                 f"{ahead} overlaps generation with training, which needs separate generation devices: "
-                f"use plan.strategy=disaggregated (or auto), not {self.strategy}"
+                f"use plan.strategy=disaggregated (or auto), not {self.strategy}, or stream the rollouts "
+                "(generation.partial_rollout=true with generation.engine=continuous), which runs ahead on any plan"
             )
         if self.replan_every and (self.file is not None or self.strategy != "auto"):
             yield (f"plan.replan_every={self.replan_every} re-runs the planner's search, which only "
@@ -294,7 +296,8 @@ class RolloutConfig(AlgorithmConfig):
     overlong_buffer: Int = _field(0, check=non_negative)  # DAPO soft length penalty over the last N tokens; 0 = off
     overlong_penalty: Float = _field(1.0, check=non_negative)  # penalty at max_new_tokens
     # weight updates the policy that sampled a trained rollout may lag the trainer (eta); 0 = synchronous.
-    # > 0: the generator runs up to eta batches ahead on its own devices (plan.strategy disaggregated or auto)
+    # > 0: the generator runs up to eta batches ahead on its own devices (plan.strategy disaggregated or auto),
+    # or, with generation.partial_rollout, the stream admits prompts up to eta batches ahead on any plan
     max_staleness: Int = _field(0, check=non_negative)
 
     def __post_init__(self) -> None:

@@ -54,14 +54,16 @@ def test_streaming_with_no_staleness_is_the_synchronous_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eta,seed", [(1, 0), (2, 1)])
-def test_no_trained_token_is_older_than_the_budget(tmp_path, eta, seed):
+@pytest.mark.parametrize("eta,seed,strategy", [(1, 0, "colocated"), (2, 1, "disaggregated")])
+def test_no_trained_token_is_older_than_the_budget(tmp_path, eta, seed, strategy):
     """Random generation times (log-normal response lengths, drawn per step from the run's seed) and
     short decode chunks: rows run across weight updates (partial rollouts), yet no trained token is
-    more than eta updates old, and the stream runs eta steps ahead once it is full. GRPO: its group
-    advantages need every sample of a group, which the stream hands over only together."""
+    more than eta updates old, and the stream runs eta steps ahead once it is full: on a generator of
+    its own (disaggregated) that decodes during training, and on the trainer's devices (colocated),
+    where it refills its pool with the next steps' prompts but decodes only between updates. GRPO:
+    its group advantages need every sample of a group, which the stream hands over only together."""
     records = _run(tmp_path, f"eta{eta}", "algorithm.name=grpo", "algorithm.group_size=4",
-                   "plan.strategy=disaggregated", f"algorithm.max_staleness={eta}",
+                   f"plan.strategy={strategy}", f"algorithm.max_staleness={eta}",
                    *STREAM, "generation.stream_chunk=2", "generation.max_new_tokens=32",
                    "generation.ignore_eos=true", "generation.simulated_lengths=true",
                    "plan.response_length_median=8", "plan.response_length_sigma=1.0", "run.steps=5",
@@ -74,6 +76,8 @@ def test_no_trained_token_is_older_than_the_budget(tmp_path, eta, seed):
         assert sum(fractions) == pytest.approx(1.0)
     assert any(r["rollout/partial_frac"] > 0 for r in records)  # some rows saw two weight versions
     assert 1 <= max(r["response/length_mean"] for r in records) <= 32
+    overlapped = sum(r["time/generate_overlap_s"] for r in records)
+    assert overlapped > 0 if strategy == "disaggregated" else overlapped == 0
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ class Algorithm(abc.ABC):
             base_views=tuple(sorted(self.base_views().items())),
             staleness=cfg.generator_lead,
             gen_len_median=cfg.plan.response_length_median, gen_len_sigma=cfg.plan.response_length_sigma,
-            gen_stream=cfg.generation.partial_rollout,
+            gen_stream=cfg.generation.partial_rollout and cfg.staleness_budget >= 1,
         )
 
     def base_views(self) -> dict[str, str]:

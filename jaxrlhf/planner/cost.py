@@ -105,9 +105,10 @@ class Workload:
       (`Config.generator_lead`, the number the runtime uses; the plan's own `staleness` overrides it).
     - `gen_len_median`, `gen_len_sigma`: response lengths are log-normal with this median and sigma,
       capped at `gen_len` (`response_lengths`); None = every response runs to the cap.
-    - `gen_stream`: the continuous engine streams rollouts across steps (`generation.partial_rollout`):
-      on an off-policy plan its pool is refilled with the next steps' prompts as rows end, so a batch
-      costs its tokens over the pool, without the last round's tail (`decode_fractions`).
+    - `gen_stream`: the continuous engine streams rollouts across steps (`generation.partial_rollout`
+      with a staleness budget of at least 1): on any plan its pool is refilled with the next steps'
+      prompts as rows end, so a batch costs its tokens over the pool, without the last round's tail
+      (`decode_fractions`). Overlap with training still needs an off-policy plan.
     """
 
     batch_size: int = 512
@@ -129,7 +130,7 @@ class Workload:
     staleness: int = 1  # steps the generator may run ahead on an off-policy plan
     gen_len_median: int | None = None  # median response length; None = every response is gen_len long
     gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
-    gen_stream: bool = False  # generation.partial_rollout: the pool stays full across steps
+    gen_stream: bool = False  # generation.partial_rollout (eta >= 1): the pool stays full across steps
 
     def __post_init__(self):
         if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
@@ -233,8 +234,8 @@ class Workload:
         cap): the static engine's loop runs until the batch's longest row ends (`models.generation`
         stops when every row is done), so max(L) / gen_len; the continuous engine keeps its pool of P
         slots full, so sum(L) / P steps plus the last round's tail (max(L) - mean(L)), over
-        ceil(rows / P) x gen_len; `streamed` (partial rollouts ahead of the trainer: the next batches'
-        rows fill the tail) sum(L) / P. All 1.0 when the lengths do not vary."""
+        ceil(rows / P) x gen_len; `streamed` (partial rollouts running ahead: the next batches' rows
+        fill the tail) sum(L) / P. All 1.0 when the lengths do not vary."""
         if not self.lengths_vary:
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)

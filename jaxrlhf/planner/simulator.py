@@ -416,11 +416,10 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
     if wl.lengths_vary:
-        streamed = wl.gen_stream and plan.offpolicy  # the stream runs ahead only where the plan does
         for c in graph.calls:
             if c.kind == "generate":
                 lay = plan.calls[c.name].layout
                 call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_durations(
-                    costs[c.name], wl, c, lay.data * lay.fsdp, streamed))
+                    costs[c.name], wl, c, lay.data * lay.fsdp, wl.gen_stream))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)

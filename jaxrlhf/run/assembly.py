@@ -119,9 +119,12 @@ class RunSetup:
         plan's own `staleness` (the eta the search chose) when it has one, else the run's budget
         (`Config.generator_lead`: `Config.staleness_budget`, at least 1, as the planner's workload has
         it); 0 on any other plan, where every rollout is on-policy. A plan asking for more than the
-        budget is refused: the budget is what the algorithm was told its rollouts may lag."""
+        budget is refused: the budget is what the algorithm was told its rollouts may lag. With partial
+        rollouts (`generation.partial_rollout`) the stream runs ahead by the budget on any plan: on one
+        that is not off-policy it refills its decode pool with the next steps' prompts and decodes while
+        the trainer waits for its batch (`run.generator`)."""
         if not plan.offpolicy:
-            return 0
+            return self.cfg.staleness_budget if self.cfg.generation.partial_rollout else 0
         budget = self.cfg.generator_lead
         if plan.staleness is not None and plan.staleness > budget:
             from jaxrlhf.planner.plan import PlanError

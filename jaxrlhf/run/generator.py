@@ -74,6 +74,11 @@ class StreamingGenerator:
                            f"{jax.process_count()} processes generates a batch at a time: set it false")
         with ax.activation_sharding(placed.resolver()):
             ways = ax.batch_ways()
+        # Decode during training only on devices no train call of the actor uses (a disaggregated plan's
+        # generator): elsewhere the chunks would compete with the update for the same devices, and on the
+        # actor's home placement they would read the weights the update is donating.
+        trained = executor.placed(executor.plan.home_call("actor"))
+        self.overlaps = not ({d.id for d in placed.mesh.devices.flat} & {d.id for d in trained.mesh.devices.flat})
         groups = (eta + 1) * self.prompts  # every group admitted and not yet trained may be in the stream
         groups = -(-groups // ways) * ways
         tok = algorithm.tokenizer
@@ -213,6 +218,8 @@ class StreamingGenerator:
     def overlap(self) -> None:
         """Decode while the trainer's update runs on its own devices (the executor calls this once the
         train calls are dispatched): chunk after chunk until the update is done or nothing is left."""
+        if not self.overlaps:
+            return
         t0 = time.perf_counter()
         actor = self.executor.roles["actor"]
         while not all(x.is_ready() for x in jax.tree_util.tree_leaves(actor.params) if isinstance(x, jax.Array)):
