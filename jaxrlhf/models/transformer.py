@@ -263,10 +263,13 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def _is_local(config: ModelConfig, layer: Int[Array, ""] | int) -> bool | jax.Array:
     """Whether `layer` attends through the sliding window: a Python bool when every layer does the same
-    (the program then holds one kind of attention), else looked up from `config.local_layers`."""
+    (the program then holds one kind of attention) or the layer index is a Python int (a decode loop over
+    split layers), else looked up from `config.local_layers` (a scanned or pipelined layer)."""
     kinds = set(config.local_layers)
     if len(kinds) == 1:
         return kinds.pop()
+    if isinstance(layer, int):
+        return config.local_layers[layer]
     return jnp.asarray(config.local_layers)[layer]
 
 
