@@ -154,7 +154,7 @@ def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g} s"
 
 
-def report_text(res: SearchResult, devices: int, hardware: str) -> str:
+def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: SearchResult | None = None) -> str:
     best = res.best
     lines = [best.plan.table(), "", "per call:"]
     rows = [("call", "time", "from", "move", "memory/device")]
@@ -176,7 +176,7 @@ def report_text(res: SearchResult, devices: int, hardware: str) -> str:
         else:
             lines.append(f"  {name:14s} infeasible ({p.reason})")
     lines.append(f"  {'searched':14s} {best.step_s:.3g} s")
-    lines.append(async_line(res))
+    lines.append(async_line(res) if unstreamed is None else streamed_line(res, unstreamed))
     lines.append(f"search: {res.seconds:.1f} s, {res.evaluations} plans evaluated"
                  + (" (time budget hit)" if res.budget_hit else ""))
     return "\n".join(lines)
@@ -196,7 +196,17 @@ def async_line(res: SearchResult) -> str:
             f"{res.best_sync.step_s:.3g} s/step: predicted gain {res.async_gain:.2f}x")
 
 
-def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
+def streamed_line(res: SearchResult, unstreamed: SearchResult) -> str:
+    """What partial rollouts buy (`generation.partial_rollout`): the best streamed plan against the best
+    plan of the same run without a stream and without a staleness budget."""
+    how = "the generator ahead, decoding during training" if res.best.plan.offpolicy else \
+        "the stream refilled ahead, decoding between updates"
+    return (f"partial rollouts vs synchronous: best streamed plan {res.best.step_s:.3g} s/step ({how}), "
+            f"best synchronous plan {unstreamed.best.step_s:.3g} s/step: predicted gain "
+            f"{unstreamed.best.step_s / res.best.step_s:.2f}x")
+
+
+def report_json(res: SearchResult, algorithm: str, unstreamed: SearchResult | None = None) -> dict[str, Any]:
     presets: dict[str, Any] = {}
     for name, p in res.presets.items():
         if isinstance(p, str):
@@ -212,8 +222,8 @@ def report_json(res: SearchResult, algorithm: str) -> dict[str, Any]:
                                    "move_source": res.best.move_sources.get(n, "formula")}
                                for n, c in res.best.calls.items()}},
         "presets": presets,
-        "sync_step_s": res.best_sync.step_s if res.best_sync else None,
-        "async_gain": res.async_gain,
+        "sync_step_s": (unstreamed.best.step_s if unstreamed else res.best_sync.step_s if res.best_sync else None),
+        "async_gain": unstreamed.best.step_s / res.best.step_s if unstreamed else res.async_gain,
         "search_s": res.seconds,
     }
 
@@ -293,6 +303,15 @@ def _main(argv: Sequence[str]) -> int:
         devices, hw, graph = run_setup.machine.devices, run_setup.hardware, run_setup.graph
         out = out_folder(args, cfg, devices, hw.name)
         res = run_setup.search(time_budget_s=args.time_budget, iterations=args.iterations)
+        unstreamed = None
+        if cfg.generation.partial_rollout and cfg.staleness_budget:  # the baseline: no stream, on-policy
+            from jaxrlhf import config as cfglib
+
+            sync_cfg = cfglib.with_overrides(cfg, ["generation.partial_rollout=false", "algorithm.max_staleness=0",
+                                                   "plan.offpolicy=false"])
+            sync_setup = dataclasses.replace(run_setup, cfg=sync_cfg,
+                                             algorithm=setup(sync_cfg, machine=run_setup.machine, runtime=False).algorithm)
+            unstreamed = sync_setup.search(time_budget_s=args.time_budget, iterations=args.iterations)
     except ValueError as e:  # ConfigError and PlanError are ValueErrors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -301,10 +320,10 @@ def _main(argv: Sequence[str]) -> int:
     draw_timeline(res.best.timeline, os.path.join(out, "timeline.png"),
                   title=f"searched plan: {res.best.step_s:.3g} s/step on {devices} x {hw.name}")
     if args.json:
-        print(json.dumps(report_json(res, cfg.algorithm.name) | {"out": out}))
+        print(json.dumps(report_json(res, cfg.algorithm.name, unstreamed) | {"out": out}))
     else:
         print(f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}")
-        print(report_text(res, devices, hw.name))
+        print(report_text(res, devices, hw.name, unstreamed))
         print(f"wrote {os.path.join(out, 'plan.yaml')} and {os.path.join(out, 'timeline.png')}")
     return 0
 

@@ -12,8 +12,9 @@ both sides. Plans run through `jaxrlhf.train.run` (the real executor):
 - synchronous: the colocated preset, the disaggregated preset on-policy, and the planner's pick with no
   staleness budget (`algorithm.max_staleness=0`);
 - asynchronous (`generation.partial_rollout=true`: the streaming generator, admission paced by eta): the
-  disaggregated preset at eta = 1 .. --max-eta, a 2-device generator at eta = 1, and the planner's pick
-  with `algorithm.max_staleness=--max-eta`.
+  colocated preset (the stream refills its pool ahead, decoding between updates) and the disaggregated
+  preset (its generator decoding during training) at eta = 1 .. --max-eta, a 2-device generator at
+  eta = 1, and the planner's pick with `algorithm.max_staleness=--max-eta`.
 
 Each plan runs `--warmup` + `--steps` steps; its time is the median `time/step_s` of the measured steps
 (for a streamed run it includes the trainer's wait for its batch). Trained samples/s = prompts x G / that.
@@ -114,7 +115,9 @@ def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Cand
            Candidate(f"sync disaggregated {gen}:{n - gen}", disaggregated(disagg, n, gen, 0, models, batch), SYNC, 0)]
     result = planning.search_plan(sync_cfg, algorithm, models, n, hw, time_budget_s=search_budget)
     out.append(Candidate("sync planner pick", result.best.plan, SYNC, 0))
+    colocated = preset("colocated")
     for eta in range(1, max_eta + 1):
+        out.append(Candidate(f"async colocated eta={eta}", colocated, streamed(eta), eta))
         out.append(Candidate(f"async disaggregated {gen}:{n - gen} eta={eta}", disaggregated(disagg, n, gen, eta, models, batch),
                              streamed(eta), eta))
     two = disaggregated(disagg, n, 2, 1, models, batch) if gen != 2 and n > 2 else None
@@ -123,9 +126,9 @@ def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Cand
     async_cfg = cfglib.with_overrides(cfg, [*streamed(max_eta), "plan.strategy=auto"])
     async_setup = setup(async_cfg)
     result = planning.search_plan(async_cfg, async_setup.algorithm, models, n, hw, time_budget_s=search_budget)
-    best = result.best.plan
-    eta = (best.staleness or max_eta) if best.offpolicy else 0
-    out.append(Candidate("async planner pick", best, streamed(max_eta) if eta else SYNC, eta))
+    best = result.best.plan  # a stream runs ahead on any plan: by the plan's own eta, else the budget
+    eta = best.staleness or max_eta
+    out.append(Candidate("async planner pick", best, streamed(eta), eta))
     return out
 
 
