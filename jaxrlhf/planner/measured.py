@@ -47,8 +47,10 @@ PROFILE_SOURCES = ("measured", "calibrated", "formula")
 
 
 def model_key(cfg, head: str) -> str:
-    """What a measured time depends on about a model: its dimensions, dtypes and head."""
-    return (f"{cfg.architecture}-h{cfg.hidden_size}-l{cfg.num_layers}-q{cfg.num_heads}-kv{cfg.num_kv_heads}"
+    """What a measured time depends on about a model: its dimensions, dtypes and head. A head width other
+    than hidden / heads (Qwen3, Gemma) is part of the key; the keys of models without one are unchanged."""
+    width = "" if cfg.dim_per_head * cfg.num_heads == cfg.hidden_size else f"-d{cfg.dim_per_head}"
+    return (f"{cfg.architecture}-h{cfg.hidden_size}-l{cfg.num_layers}-q{cfg.num_heads}-kv{cfg.num_kv_heads}{width}"
             f"-f{cfg.intermediate_size}-v{cfg.vocab_size}-{cfg.param_dtype}-{cfg.dtype}-{head}")
 
 
