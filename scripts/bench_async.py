@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from validate_planner import measure, predict  # noqa: E402
+from validate_planner import hardware_profile, measure, predict  # noqa: E402
 
 G = 8
 BASE = [
@@ -132,6 +132,36 @@ def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Cand
     return out
 
 
+def repredict(path: Path, cfg, hw, work: Path, out: str | None) -> int:
+    """The planner's estimate of each plan of an earlier result under `hw`, beside the time measured there."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf.planner.plan import ExecutionPlan
+    from jaxrlhf.run.assembly import setup
+
+    earlier = json.loads(path.read_text())
+    rows = []
+    for r in earlier["rows"]:
+        plan = ExecutionPlan.from_dict(r["plan"])
+        plan_file = work / (r["name"].replace(" ", "_").replace(":", "-").replace("=", "") + ".plan.yaml")
+        plan.save(str(plan_file))
+        run_cfg = cfglib.with_overrides(cfg, [*(streamed(r["eta"]) if r["eta"] else SYNC), f"plan.file={plan_file}"])
+        _, est = predict(run_cfg, setup(run_cfg).models, plan, hw)
+        rows.append({"name": r["name"], "eta": r["eta"], "predicted_s": est.step_s, "measured_s": r["measured_s"]})
+        print(f"{r['name']:34s} predicted {est.step_s:8.2f} s  measured {r['measured_s']:8.2f} s  "
+              f"ratio {est.step_s / r['measured_s']:5.2f}", flush=True)
+    errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
+    best = min(r["measured_s"] for r in rows)
+    predicted_best = min(rows, key=lambda r: r["predicted_s"])
+    summary = {"median_abs_error": statistics.median(errors), "predicted_best": predicted_best["name"],
+               "predicted_best_vs_best": predicted_best["measured_s"] / best, "rows": rows}
+    print(f"median |predicted/measured - 1| {summary['median_abs_error']:.2f} over {len(rows)} plans; the plan "
+          f"predicted fastest ({predicted_best['name']}) measured {summary['predicted_best_vs_best']:.2f}x the best")
+    if out:
+        with open(out, "x") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=None, help="measured steps per plan (default 4; quick 1)")
@@ -144,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="run folders go here (default: a temporary folder)")
     ap.add_argument("--out", help="write the results as JSON here (a new file)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, short responses, 1 step")
+    ap.add_argument("--repredict", metavar="JSON",
+                    help="run nothing: predict the plans of an earlier --out again with this run's profile "
+                         "(e.g. --measured) and compare with the step times measured there")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else (1 if args.quick else 4)
@@ -165,23 +198,16 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxrlhf.placement.calibrate import calibrate
-    from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.profile import profile as measured_profile
-
     n = jax.device_count()
-    if args.profile and Path(args.profile).exists():
-        hw = get_profile(args.profile)
-    else:
-        hw = measured_profile(cfglib.with_overrides(cfg, SYNC), repeats=2) if args.measured else calibrate("cpu")
-        if args.profile:
-            hw.save(args.profile)
+    hw = hardware_profile(cfglib.with_overrides(cfg, SYNC), args.profile, args.measured)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     hw_file = work / "hardware.yaml"
     hw.save(str(hw_file))
     cfg = cfglib.with_overrides(cfg, [f"plan.hardware={hw_file}"])
 
+    if args.repredict:
+        return repredict(Path(args.repredict), cfg, hw, work, args.out)
     plans = candidates(cfg, n, hw, args.max_eta, args.search_budget)
     rows = []
     for c in plans:

@@ -202,6 +202,21 @@ def measure(cfg, out_dir: Path, warmup: int) -> dict:
     }
 
 
+def hardware_profile(cfg, path: str | None, measured: bool):
+    """The profile predictions use: the file at `path` when it exists; else measured call tables of `cfg`
+    (`measured`) or the calibration of this machine, written to `path` when given."""
+    from jaxrlhf.placement.calibrate import calibrate
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.profile import profile as measured_profile
+
+    if path and Path(path).exists():
+        return get_profile(path)
+    hw = measured_profile(cfg, repeats=2) if measured else calibrate("cpu")
+    if path:
+        hw.save(path)
+    return hw
+
+
 def rank_of(name: str, rows: list[dict]) -> int:
     """1-based rank of the row `name` by measured step time (1 = fastest)."""
     order = sorted(rows, key=lambda r: r["measured_s"])
@@ -248,18 +263,10 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxrlhf.placement.calibrate import calibrate
-    from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.profile import profile as measured_profile
     from jaxrlhf.run.assembly import setup
 
     n = jax.device_count()
-    if args.profile and Path(args.profile).exists():
-        hw = get_profile(args.profile)
-    else:
-        hw = measured_profile(cfg, repeats=2) if args.measured else calibrate("cpu")
-        if args.profile:
-            hw.save(args.profile)
+    hw = hardware_profile(cfg, args.profile, args.measured)
     temp = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="validate_planner_") if temp else args.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -96,8 +96,9 @@ class StreamingGenerator:
         with ax.activation_sharding(self.resolver):
             self.state = streaming.init(self.graphdef, self._params(), spec=self.spec)
         self.free = groups  # group slots free in the stream
+        self.serials = 0  # groups admitted so far (the stream numbers them in the same order)
         self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
-        self.order: list[tuple[int, int]] = []  # (step, prompt index) of every admitted group, by serial
+        self.in_stream: dict[int, tuple[int, int]] = {}  # serial -> (step, prompt index) of a group in the stream
         self.busy_s = 0.0  # seconds decoding while the trainer trained (since the last `batch`)
 
     def _params(self):
@@ -146,7 +147,8 @@ class StreamingGenerator:
         accepted = np.asarray(jax.device_get(accepted))
         if not np.array_equal(accepted, uids >= 0):  # the host's count of free slots is the stream's
             raise RuntimeError(f"stream admitted {accepted.sum()} of {k} prompts into {self.free} free slots")
-        self.order.extend((drawn.step, i) for i in range(first, first + k))
+        self.in_stream.update({self.serials + j: (drawn.step, first + j) for j in range(k)})
+        self.serials += k
         drawn.admitted += k
         self.free -= k
 
@@ -162,7 +164,7 @@ class StreamingGenerator:
         out = taken.output
         G = self.group
         for k, serial in enumerate(taken.serials):
-            step, i = self.order[int(serial)]
+            step, i = self.in_stream.pop(int(serial))
             rows = slice(k * G, (k + 1) * G)
             values = {"tokens": out.tokens[rows], "prompt_mask": out.prompt_mask[rows],
                       "response_tokens": out.response_tokens[rows], "response_mask": out.response_mask[rows],
