@@ -429,7 +429,7 @@ class Executor:
         outer, self._ops = self._ops, []
         try:
             self._run_phase([n for n in self.graph.order() if n.name not in self._training
-                             and not set(n.outputs) <= set(feed)], values)
+                             and not (n.outputs and set(n.outputs) <= set(feed))], values)
             return values, self._ops
         finally:
             self._ops = outer
