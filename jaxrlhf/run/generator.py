@@ -33,6 +33,7 @@ from jaxrlhf.errors import RunError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import streaming
 from jaxrlhf.models.lengths import bucket_length
+from jaxrlhf.models.transformer import positions_from_mask
 
 GENERATE_CALL = "actor.generate"
 
@@ -195,7 +196,7 @@ class StreamingGenerator:
         versions = np.concatenate([g[1] for g in groups])
         prompt_mask = values.pop("prompt_mask")
         mask = np.concatenate([prompt_mask, values["response_mask"]], axis=1)
-        values.update(mask=mask, positions=np.maximum(np.cumsum(mask, axis=1, dtype=np.int32) - 1, 0))
+        values.update(mask=mask, positions=np.asarray(positions_from_mask(mask)))  # the training forward's rule
         feed.update({self.prefix + k: v for k, v in values.items()})
         metrics = self._metrics(step, versions, values["response_mask"])
         metrics.update({"time/generate_wait_s": waited, "time/generate_overlap_s": self.busy_s})
