@@ -31,7 +31,7 @@ PACKAGE = "jaxrlhf"
 # Top first. A module belongs to the first layer with a pattern that matches its dotted name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("jaxrlhf.train", "jaxrlhf.plan", "jaxrlhf.eval", "jaxrlhf.generate", "jaxrlhf.profile",
-                      "jaxrlhf.config_reference", "jaxrlhf")),
+                      "jaxrlhf.config_reference", "jaxrlhf.sandbox", "jaxrlhf")),
     ("run assembly", ("jaxrlhf.run", "jaxrlhf.run.*",
                       "jaxrlhf.checkpoint", "jaxrlhf.metrics", "jaxrlhf.errors", "jaxrlhf.distributed",
                       "jaxrlhf.testing", "jaxrlhf.testing.*")),
