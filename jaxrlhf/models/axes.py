@@ -48,19 +48,37 @@ def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def batch_ways() -> int:
-    """How many shards the batch axis of activations has under the current resolver (1 without one):
-    what a batch dimension created inside a traced call must be a multiple of."""
+def resolved(names: LogicalAxes) -> Any:
+    """The sharding the current resolver gives an activation with logical axes `names` (None without a
+    resolver)."""
     resolver = _resolver.get()
-    sharding = None if resolver is None else resolver((BATCH,))
+    return None if resolver is None else resolver(names)
+
+
+def _ways(name: str) -> int:
+    """How many shards the activation axis `name` has under the current resolver (1 without one)."""
+    sharding = resolved((name,))
     if sharding is None or not hasattr(sharding, "spec") or not sharding.spec:
         return 1
     names = sharding.spec[0]
     names = () if names is None else names if isinstance(names, tuple) else (names,)
     ways = 1
-    for name in names:
-        ways *= sharding.mesh.shape[name]
+    for n in names:
+        ways *= sharding.mesh.shape[n]
     return ways
+
+
+def batch_ways() -> int:
+    """How many shards the batch axis of activations has under the current resolver (1 without one):
+    what a batch dimension created inside a traced call must be a multiple of."""
+    return _ways(BATCH)
+
+
+def length_ways() -> int:
+    """How many devices the length axis of activations is split over under the current resolver (1
+    without one): the context-parallel degree. Above 1, attention without a KV cache runs as ring
+    attention (`context.ring_attention`), which finds the mesh and its axes through `resolved`."""
+    return _ways(LENGTH)
 
 
 def param_logical_axes(tree: Any) -> Any:

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models import lora, pipeline
+from jaxrlhf.models import context, lora, pipeline
 from jaxrlhf.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
@@ -334,6 +334,8 @@ class Attention(nnx.Module):
         v = self._project(x, "v")
         q = ax.constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         b, t = x.shape[:2]
+        if kv is None and ax.length_ways() > 1:  # the sequence split over devices: ring attention
+            return self._output(context.ring_attention(q, k, v, key_valid, segment_ids, cfg, local), b, t), None
         if kv is not None and pages is not None:  # paged: gather the rows' columns, the new tokens in place
             pool_k, pool_v, new_k, new_v = kv
             kv = (pool_k, pool_v, *(jax.lax.dynamic_update_index_in_dim(c, x.astype(c.dtype), layer, 0)
@@ -377,10 +379,14 @@ class Attention(nnx.Module):
             out = jnp.einsum("bkgs,bksh->bkgh", probs[:, :, :, 0], v)[:, None]
         else:
             out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
-        out = out.reshape(b, t, cfg.num_heads, cfg.dim_per_head)
+        return self._output(out, b, t), kv
+
+    def _output(self, out: Float[Array, "batch length *heads head_dim"], b: int, t: int):
+        """The output projection of the attended values (heads and head_dim flattened)."""
+        cfg = self.config
         o = self.o.value.astype(cfg.jnp_dtype)
         out = out.reshape(b, t, -1).astype(cfg.jnp_dtype)
-        return _adapted(self, "o", out, dense(out, o.reshape(-1, o.shape[-1])), cfg.jnp_dtype), kv
+        return _adapted(self, "o", out, dense(out, o.reshape(-1, o.shape[-1])), cfg.jnp_dtype)
 
 
 def _decode_scores(

@@ -1,10 +1,13 @@
 """Layouts become meshes; logical axis names become PartitionSpecs.
 
-A `Layout` (stage x data x fsdp x tensor) over a `DeviceGroup` is a
-`jax.sharding.Mesh` with axes ("stage", "data", "fsdp", "tensor"), tensor
-innermost so tensor-parallel peers are neighbouring devices (same host), stage
-outermost. The stage axis shards only the stacked decoder layers ("layers");
-everything else is replicated over it (see `jaxrlhf.models.pipeline`). Meshes are
+A `Layout` (stage x data x fsdp x context x tensor) over a `DeviceGroup` is a
+`jax.sharding.Mesh` with axes ("stage", "data", "fsdp", "context", "tensor"), tensor
+innermost so tensor-parallel peers are neighbouring devices (same host), context
+next (a ring's neighbours close), stage outermost. The stage axis shards only the
+stacked decoder layers ("layers"); everything else is replicated over it (see
+`jaxrlhf.models.pipeline`). The context axis shards only activations, along the
+sequence ("length"); parameters are replicated over it, as over data (see
+`jaxrlhf.models.context`). Meshes are
 always built with explicit `axis_types` (Auto: the compiler propagates
 shardings from parameters and `constrain` hints), because the defaults of
 `Mesh` and `jax.make_mesh` differ between JAX versions.
@@ -35,6 +38,7 @@ from jaxrlhf.models import axes as ax
 
 MeshAxes = tuple[str, ...]
 STAGE_AXIS = "stage"  # the mesh axis of pipeline stages
+CONTEXT_AXIS = "context"  # the mesh axis sequences are split over (context parallelism)
 RuleTable = Mapping[str, MeshAxes]
 
 
@@ -103,7 +107,7 @@ DEFAULT_RULES = AxisRules(
             ax.LAYERS: None,
             ax.STAGE: "stage",  # a pipeline's per-stage activations
             ax.BATCH: ("data", "fsdp"),
-            ax.LENGTH: None,
+            ax.LENGTH: "context",  # context parallelism: each device holds a block of every sequence
             ax.EMBED: None,
             ax.VOCAB: "tensor",
             ax.HEADS: "tensor",
@@ -118,15 +122,18 @@ DEFAULT_RULES = AxisRules(
 
 # ---- meshes ---------------------------------------------------------------------------
 def make_mesh(group: DeviceGroup, layout: Layout, devices: Sequence[Device] | None = None) -> Mesh:
-    """Mesh ("stage", "data", "fsdp", "tensor") over the group's devices, tensor innermost."""
+    """Mesh ("stage", "data", "fsdp", "context", "tensor") over the group's devices, tensor innermost; the
+    "context" axis only where the layout splits sequences (context > 1), so every other layout's mesh, and
+    the programs compiled on it, are what they were before context parallelism."""
     if layout.num_devices != group.size:
         raise PlanError(
             f"layout {layout} uses {layout.num_devices} devices but group {group.name!r} has {group.size}; "
-            f"make stage*data*fsdp*tensor = {group.size}"
+            f"make stage*data*fsdp*context*tensor = {group.size}"
         )
     devs = np.array(group_devices(group, devices), dtype=object)
-    shape = tuple(layout.axis_sizes[a] for a in MESH_AXES)
-    return Mesh(devs.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    names = tuple(a for a in MESH_AXES if a != CONTEXT_AXIS or layout.context > 1)
+    shape = tuple(layout.axis_sizes[a] for a in names)
+    return Mesh(devs.reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def _axis_sizes(mesh_or_layout: Mesh | Layout) -> Mapping[str, int]:

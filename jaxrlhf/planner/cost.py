@@ -47,7 +47,7 @@ import numpy as np
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key
-from jaxrlhf.planner.plan import DeviceGroup, Layout
+from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lengths import lognormal_lengths
 from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
@@ -350,7 +350,7 @@ def kv_bytes_per_token(cfg: ModelConfig) -> float:
 
 # ---- device geometry -------------------------------------------------------------------------
 
-AXES = ("stage", "data", "fsdp", "tensor")
+AXES = MESH_AXES  # every mesh axis, in the mesh's order
 
 
 @functools.lru_cache(maxsize=65536)

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from jaxrlhf.graph import CallGraph
     from jaxrlhf.models.config import ModelConfig
 
-MESH_AXES = ("stage", "data", "fsdp", "tensor")  # stage outermost: pipeline stages may span hosts
+# stage outermost (pipeline stages may span hosts), tensor innermost; context beside tensor, so a ring's
+# neighbours are near each other
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over (placement's default axis rules)
 
 
@@ -64,39 +66,45 @@ class DeviceGroup:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Mesh axis sizes over a group: pipeline stages x data parallel x FSDP x tensor parallel.
+    """Mesh axis sizes over a group: pipeline stages x data parallel x FSDP x context x tensor parallel.
 
-    `stage` splits the stacked decoder layers into consecutive pipeline stages (1 = no pipeline).
+    `stage` splits the stacked decoder layers into consecutive pipeline stages (1 = no pipeline);
+    `context` splits every sequence into consecutive blocks of tokens, one per device, attention then
+    running as ring attention (`models/context.py`; 1 = no context parallelism). Parameters are
+    replicated over `context`, as over `data`.
     """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     stage: int = 1
+    context: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.stage * self.data * self.fsdp * self.tensor
+        return self.stage * self.data * self.fsdp * self.context * self.tensor
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "context": self.context,
+                "tensor": self.tensor}
 
     @property
     def serialised(self) -> dict[str, int]:
-        """Axis sizes as plan files write them: `stage` only when pipelined."""
-        return {a: n for a, n in self.axis_sizes.items() if a != "stage" or n > 1}
+        """Axis sizes as plan files write them: `stage` only when pipelined, `context` only when > 1."""
+        return {a: n for a, n in self.axis_sizes.items() if a not in ("stage", "context") or n > 1}
 
     def __str__(self) -> str:
-        return f"d{self.data}f{self.fsdp}t{self.tensor}" + (f"p{self.stage}" if self.stage > 1 else "")
+        return (f"d{self.data}f{self.fsdp}t{self.tensor}" + (f"p{self.stage}" if self.stage > 1 else "")
+                + (f"c{self.context}" if self.context > 1 else ""))
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """The layout `str(layout)` wrote ("d4f1t2", "d1f2t1p2")."""
-        m = re.fullmatch(r"d(\d+)f(\d+)t(\d+)(?:p(\d+))?", text)
+        """The layout `str(layout)` wrote ("d4f1t2", "d1f2t1p2", "d2f1t1c4")."""
+        m = re.fullmatch(r"d(\d+)f(\d+)t(\d+)(?:p(\d+))?(?:c(\d+))?", text)
         if not m:
-            raise ValueError(f"layout {text!r} is not of the form d<data>f<fsdp>t<tensor>[p<stages>]")
-        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 1))
+            raise ValueError(f"layout {text!r} is not of the form d<data>f<fsdp>t<tensor>[p<stages>][c<context>]")
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 1), int(m[5] or 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +247,7 @@ class ExecutionPlan:
             g = self.groups.get(p.group)
             span = f"{g.start}-{g.stop - 1}" if g else "?"
             stages = f" x {p.layout.stage}" if p.layout.stage > 1 else ""
+            stages += f" x context {p.layout.context}" if p.layout.context > 1 else ""
             rows.append((c, p.group, span, f"{p.layout.data} x {p.layout.fsdp} x {p.layout.tensor}{stages}"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"strategy: {self.strategy} on {self.num_devices} devices"]
@@ -327,11 +336,26 @@ def layout_misfit(
     batch_size: int | None = None,
     batch_axes: Sequence[str] = BATCH_AXES,
     kind: str | None = None,
+    seq_len: int | None = None,
 ) -> str | None:
-    """Why `layout` cannot run `config` at `batch_size` in a call of `kind`, or None when it fits."""
+    """Why `layout` cannot run `config` at `batch_size` (and sequences of `seq_len` tokens) in a call of
+    `kind`, or None when it fits."""
     for a, size in layout.axis_sizes.items():
         if size < 1:
             return f"mesh axis {a}={size}; every axis needs size >= 1"
+    if layout.context > 1:
+        if kind == "generate":
+            return (f"layout {layout}: generation (prefill and decode with a KV cache) is never context-parallel "
+                    f"but the layout has context={layout.context}; use context=1 "
+                    f"(e.g. data={layout.data * layout.context}) for the generate call")
+        if layout.stage > 1:
+            return (f"layout {layout}: context parallelism is not pipelined; use stage=1 or context=1 "
+                    f"(e.g. {Layout(layout.data, layout.fsdp, layout.tensor, 1, layout.context * layout.stage)})")
+        if seq_len is not None and seq_len % layout.context:
+            ok = [c for c in range(layout.context, 0, -1) if seq_len % c == 0]
+            return (f"layout {layout}: context={layout.context} does not divide the sequence length {seq_len}; "
+                    f"use context={ok[0]} (degrees that divide it: {sorted(ok)}) or pad sequences to a "
+                    f"multiple of {layout.context} ({-(-seq_len // layout.context) * layout.context} tokens)")
     if layout.stage > 1 and kind == "generate":
         return (f"generation is never pipelined but the layout has stage={layout.stage}; "
                 f"use stage=1 (e.g. data={layout.data * layout.stage}) for the generate call")
@@ -391,6 +415,7 @@ def validate(
     batch_size: int | None = None,
     devices_per_host: int | None = None,
     batch_axes: Sequence[str] = BATCH_AXES,
+    seq_len: int | None = None,
 ) -> None:
     """Raise PlanError naming the first problem that would stop `plan` from running.
 
@@ -398,7 +423,7 @@ def validate(
     the plan's devices, respecting hosts); every call of `graph` placed and no
     unknown call; each placement's group exists and its layout uses exactly the
     group's devices; the layout divides the model (`models`: role -> config)
-    and the batch; shadow roles and off-policy generation, which must not share
+    and the batch (and a context-parallel layout the sequence length `seq_len`); shadow roles and off-policy generation, which must not share
     devices with any train call because the two run at the same time.
     """
 
@@ -438,8 +463,9 @@ def validate(
         if p.layout.num_devices != g.size:
             raise PlanError(
                 f"call {call!r}: layout stage={p.layout.stage} x data={p.layout.data} x fsdp={p.layout.fsdp} x "
-                f"tensor={p.layout.tensor} uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
-                f"make stage*data*fsdp*tensor = {g.size}"
+                + (f"context={p.layout.context} x " if p.layout.context > 1 else "")
+                + f"tensor={p.layout.tensor} uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
+                f"make stage*data*fsdp*{'context*' if p.layout.context > 1 else ''}tensor = {g.size}"
             )
         role = graph[call].role
         cfg = None
@@ -447,7 +473,7 @@ def validate(
             if role not in models:
                 raise PlanError(f"no model config for role {role!r} (call {call!r}); given: {sorted(models)}")
             cfg = models[role]
-        reason = layout_misfit(p.layout, cfg, batch_size, batch_axes, kind=graph[call].kind)
+        reason = layout_misfit(p.layout, cfg, batch_size, batch_axes, kind=graph[call].kind, seq_len=seq_len)
         if reason:
             raise PlanError(f"call {call!r} on group {p.group!r} (role {role!r}): {reason}")
 

@@ -157,7 +157,8 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
                           offpolicy=cfg.staleness_budget > 0 and cfg.plan.strategy == "disaggregated",
                           workload=workload, hardware=hw, check=False)
     try:  # once, before the memory model reads its groups (offloading changes no placement)
-        validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host)
+        validate_plan(plan, graph, models, devices=num_devices, batch_size=batch, devices_per_host=devices_per_host,
+                      seq_len=workload.seq_len)
     except PlanError as e:
         raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
     plan = with_offload(cfg, algorithm, plan, models, hw, graph)

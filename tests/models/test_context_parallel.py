@@ -1,0 +1,201 @@
+"""Context parallelism: ring attention (`models/context.py`) against the model's dense attention, the
+whole model's logits and gradients through a placed jit with a context degree, and the `context` axis of
+layouts, plan files and plan validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models import context
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.transformer import build_model, positions_from_mask
+from jaxrlhf.placement.calls import CallCache
+from jaxrlhf.placement.layout import activation_resolver, make_mesh
+from jaxrlhf.planner.plan import (
+    DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate,
+)
+from jaxrlhf.testing.graphs import ppo_graph
+
+# GQA (4 query heads over 2 kv heads), local (sliding window 5) and global layers alternating in one
+# scanned body (the layer's kind a traced flag), Gemma's score scale and attention soft-cap, q/k norms
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    sliding_window=5, sliding_window_pattern=2, attn_logit_softcap=20.0, query_pre_attn_scalar=16.0,
+    qk_norm=True, max_position_embeddings=64,
+)
+B, T = 4, 16
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 64, size=(B, T), dtype=np.int32)
+    mask = np.ones((B, T), bool)
+    mask[1, :3] = False  # left padding
+    mask[2, -4:] = False  # right padding
+    # packed rows: two sequences in row 0 (the boundary inside a device's block for every degree), three in
+    # row 3 (one boundary on a block edge)
+    segments = np.zeros((B, T), np.int32)
+    segments[0, 7:] = 1
+    segments[3, 4:] = 1
+    segments[3, 12:] = 2
+    positions = np.array(positions_from_mask(jnp.asarray(mask)))
+    for r in (0, 3):  # positions restart in every packed sequence
+        for s in np.unique(segments[r]):
+            cols = segments[r] == s
+            positions[r, cols] = np.arange(cols.sum())
+    return tokens, positions, mask, segments
+
+
+def _loss_and_grad(graphdef):
+    def run(params, tokens, positions, mask, segments):
+        def loss(p):
+            logits, _ = nnx.merge(graphdef, p)(tokens, positions, mask, segment_ids=segments)
+            return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2) / 1000.0, logits
+
+        (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return logits, grads
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, params = nnx.split(build_model(CFG, seed=0))
+    batch = _batch()
+    logits, grads = jax.jit(_loss_and_grad(graphdef))(params, *batch)  # dense attention, one device
+    return graphdef, params, batch, np.asarray(logits), [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
+
+
+# 2, 4 and 8 devices in the ring: beside data and tensor parallelism (heads split too), beside FSDP, alone
+LAYOUTS = [Layout(data=2, tensor=2, context=2), Layout(fsdp=2, context=4), Layout(context=8)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_model_logits_and_gradients_match_dense_attention(model, layout):
+    graphdef, params, batch, want_logits, want_grads = model
+    plan = ExecutionPlan("test", 8, {"g": DeviceGroup("g", 0, layout.num_devices)},
+                         {"actor.train": Placement("g", layout)})
+    cache = CallCache(plan)
+    placed = cache.placed("actor.train")
+    assert placed.mesh.shape["context"] == layout.context
+    ps, bs = placed.param_shardings(params), placed.batch_sharding(2)
+    fn = cache.function("actor.train", _loss_and_grad(graphdef), in_shardings=(ps, bs, bs, bs, bs),
+                                  out_shardings=None)
+    logits, grads = fn(jax.device_put(params, ps), *(jax.device_put(x, bs) for x in batch))
+    # activations are split along the sequence: the logits come back in blocks of T / context tokens
+    assert len(logits.sharding.device_set) == layout.num_devices
+    assert logits.sharding.shard_shape(logits.shape)[1] == T // layout.context
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=2e-6, rtol=0)
+    got = [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
+    assert len(got) == len(want_grads)
+    scale = max(np.abs(g).max() for g in want_grads)
+    for g, w in zip(got, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-6 * scale, rtol=0)
+
+
+def _dense(q, k, v, valid, window, cap, scale):
+    """Reference attention written out: every query over every key of its row, [B, T, heads, D]."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    k, v = jnp.repeat(k, h // kvh, axis=2), jnp.repeat(v, h // kvh, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    s = cap * jnp.tanh(s / cap)
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    allowed = (j <= i) & (i - j < window) & valid[:, None, None, :]
+    allowed |= i == j
+    p = jax.nn.softmax(jnp.where(allowed, s, -1e30), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def test_ring_attention_and_its_backward_against_written_out_attention():
+    """Every layer local (the window a Python constant), no segments, 1 kv head for 4 query heads: the
+    ring's forward and its custom backward (a second ring) against autodiff of plain attention."""
+    cfg = CFG.replace(sliding_window_pattern=None, num_kv_heads=1, query_pre_attn_scalar=None)
+    rng = np.random.default_rng(1)
+    t = 24
+    q = jnp.asarray(rng.normal(size=(2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, t, 1, 8)), jnp.float32) for _ in range(2))
+    valid = jnp.ones((2, t), bool).at[0, :5].set(False)
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    mesh = make_mesh(DeviceGroup("g", 0, 4), Layout(context=4))
+
+    def ring(q, k, v):
+        with ax.activation_sharding(activation_resolver(mesh)):
+            assert ax.length_ways() == 4
+            return context.ring_attention(q, k, v, valid, None, cfg, True)
+
+    def dense(q, k, v):
+        return _dense(q, k, v, valid, cfg.sliding_window, cfg.attn_logit_softcap, cfg.dim_per_head ** -0.5)
+
+    def out_and_grads(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(cot))
+
+    got = jax.jit(lambda: out_and_grads(ring))()
+    want = jax.jit(lambda: out_and_grads(dense))()
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=0, err_msg=name)
+    assert got[0].sharding.spec[1] == "context"
+
+
+def test_no_resolver_or_context_one_keeps_dense_attention():
+    assert ax.length_ways() == 1
+    mesh = make_mesh(DeviceGroup("g", 0, 4), Layout(data=4))
+    assert "context" not in mesh.shape  # a layout without context parallelism builds the mesh it always did
+    with ax.activation_sharding(activation_resolver(mesh)):
+        assert ax.length_ways() == 1 and ax.batch_ways() == 4
+    mesh = make_mesh(DeviceGroup("g", 0, 8), Layout(data=2, context=4))
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 1, "context": 4, "tensor": 1}
+    assert [d.id for d in mesh.devices[0, 1, 0, :, 0]] == [4, 5, 6, 7]  # a ring's devices are neighbours
+    with ax.activation_sharding(activation_resolver(mesh)):
+        assert ax.length_ways() == 4 and ax.batch_ways() == 2
+
+
+def test_layout_string_parse_and_plan_file_round_trip():
+    lay = Layout(data=2, tensor=2, context=2)
+    assert lay.num_devices == 8
+    assert str(lay) == "d2f1t2c2" and Layout.parse("d2f1t2c2") == lay
+    assert str(Layout(data=2)) == "d2f1t1" and Layout.parse("d2f1t1") == Layout(data=2)  # c1 never written
+    assert Layout.parse(str(Layout(fsdp=2, stage=2, context=2))) == Layout(fsdp=2, stage=2, context=2)
+    with pytest.raises(ValueError, match="c<context>"):
+        Layout.parse("d2f1t1x2")
+    assert lay.serialised == {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}
+    assert "context" not in Layout(data=8).serialised  # plan files without context parallelism unchanged
+    plan = ExecutionPlan("custom", 8, {"g": DeviceGroup("g", 0, 8)},
+                         {"actor.train": Placement("g", lay), "actor.inference": Placement("g", Layout(data=8))})
+    text = plan.to_yaml()
+    assert "context: 2" in text and text.count("context") == 1
+    back = ExecutionPlan.from_yaml(text)
+    assert back.calls == plan.calls
+    assert "x context 2" in back.table()
+
+
+def test_context_degree_that_does_not_divide_the_sequence_is_a_clear_error():
+    lay = Layout(data=2, context=4)
+    reason = layout_misfit(lay, seq_len=30)
+    assert "d2f1t1c4" in reason and "context=4 does not divide the sequence length 30" in reason
+    assert "use context=3" in reason and "32 tokens" in reason
+    assert layout_misfit(lay, seq_len=32) is None
+    # generation (a KV cache) and pipelines are never context-parallel
+    assert "generation" in layout_misfit(lay, kind="generate") and "data=8" in layout_misfit(lay, kind="generate")
+    assert "not pipelined" in layout_misfit(Layout(context=2, stage=2))
+    graph = ppo_graph()
+    home = {c.name: Placement("g", Layout(data=8)) for c in graph.calls}
+    plan = ExecutionPlan("custom", 8, {"g": DeviceGroup("g", 0, 8)}, {**home, "actor.train": Placement("g", lay)})
+    with pytest.raises(PlanError, match=r"actor.train.*d2f1t1c4.*does not divide the sequence length 30"):
+        validate(plan, graph, batch_size=8, seq_len=30)
+    validate(plan, graph, batch_size=8, seq_len=32)
+    bad = dict(home, **{"actor.generate": Placement("g", lay)})
+    with pytest.raises(PlanError, match="never context-parallel"):
+        validate(ExecutionPlan("custom", 8, {"g": DeviceGroup("g", 0, 8)}, bad), graph, batch_size=8)
+    # at run time (a padded length the plan did not know): the ring names the degree and lengths that fit
+    mesh = make_mesh(DeviceGroup("g", 0, 4), Layout(context=4))
+    q = jax.ShapeDtypeStruct((2, 30, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 30, 2, 8), jnp.float32)
+    with ax.activation_sharding(activation_resolver(mesh)):
+        with pytest.raises(ValueError, match=r"over 4 devices .* sequence length 30: pad .* \(e.g. 32\)"):
+            jax.eval_shape(lambda q, k, v: context.ring_attention(q, k, v, jnp.ones((2, 30), bool), None, CFG,
+                                                                  False), q, kv, kv)
