@@ -299,11 +299,31 @@ class RolloutConfig(AlgorithmConfig):
     # > 0: the generator runs up to eta batches ahead on its own devices (plan.strategy disaggregated or auto),
     # or, with generation.partial_rollout, the stream admits prompts up to eta batches ahead on any plan
     max_staleness: Int = _field(0, check=non_negative)
+    # train and inference calls run packed rows: each sequence's real tokens back to back, no padding
+    # (docs/placement.md#packed-calls-and-token-budgets); the math is the unpacked one
+    pack_sequences: Bool = False
+    # with pack_sequences: real tokens per micro-batch (prompt + response; the micro-batches of one update
+    # balanced under it); null = one micro-batch per update
+    max_tokens_per_micro_batch: Int | None = _field(None, check=positive)
 
     def __post_init__(self) -> None:
         # a null upper clip is the lower one, resolved here: the config holds the value the loss uses
         if self.clip_eps_high is None:
             object.__setattr__(self, "clip_eps_high", self.clip_eps)
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        yield from super().problems(config, algorithm)
+        budget = self.max_tokens_per_micro_batch
+        longest = config.data.max_prompt_len + config.generation.max_new_tokens
+        if budget is not None and not self.pack_sequences:
+            yield ("algorithm.max_tokens_per_micro_batch sizes packed micro-batches: set algorithm.pack_sequences=true "
+                   "(or algorithm.max_tokens_per_micro_batch=null; algorithm.micro_batch_size counts rows)")
+        if self.pack_sequences and self.micro_batch_size is not None:
+            yield ("algorithm.pack_sequences sizes micro-batches in tokens: use algorithm.max_tokens_per_micro_batch "
+                   "instead of algorithm.micro_batch_size (set it to null)")
+        if budget is not None and budget < longest:
+            yield (f"algorithm.max_tokens_per_micro_batch={budget} is below the longest sequence a rollout may hold, "
+                   f"data.max_prompt_len + generation.max_new_tokens = {longest}: set it to at least {longest}")
 
 
 @_no_extra_keys

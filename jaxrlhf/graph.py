@@ -74,11 +74,16 @@ class CallSpec:
 
 @dataclasses.dataclass(frozen=True)
 class HostStep:
-    """Host-side logic between calls; the algorithm supplies the function under the same name."""
+    """Host-side logic between calls; the algorithm supplies the function under the same name.
+
+    `shards_of` names calls whose batch split the step lays its outputs out for (a packed batch comes in
+    whole blocks per data-parallel shard): the executor passes `shards={call: ways}`, the number of
+    shards each call's batch is split into under the plan it runs."""
 
     name: str
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    shards_of: tuple[str, ...] = ()
 
 
 Node = Union[CallSpec, HostStep]

@@ -48,9 +48,11 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def aggregate(
-    loss_per_token: TokenArray, mask: Mask, agg: str = "token-mean", norm_len: int | None = None
+    loss_per_token: TokenArray, mask: Mask, agg: str = "token-mean", norm_len: int | None = None,
+    rows: Float[Array, ""] | None = None,
 ) -> Float[Array, ""]:
-    """Reduce a per-token loss to a scalar over the masked-in tokens (see module docstring)."""
+    """Reduce a per-token loss to a scalar over the masked-in tokens (see module docstring). `rows`: the
+    rows the constant normaliser counts (a packed micro-batch's filled slots; None: every row)."""
     if agg == "token-mean":
         return masked_mean(loss_per_token, mask)
     if agg == "seq-mean-token-mean":
@@ -58,20 +60,21 @@ def aggregate(
         return jnp.sum(masked_mean(loss_per_token, mask, axis=-1)) / jnp.maximum(jnp.sum(has_tokens), 1.0)
     if agg == "seq-mean-token-sum-norm":  # sum / (rows * L_max), as the Dr. GRPO code and TRL's dr_grpo
         length = norm_len if norm_len is not None else loss_per_token.shape[-1]
-        return jnp.sum(masked_sum(loss_per_token, mask, axis=-1)) / (loss_per_token.shape[0] * length)
+        count = loss_per_token.shape[0] if rows is None else rows
+        return jnp.sum(masked_sum(loss_per_token, mask, axis=-1)) / (count * length)
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
 
 
-def aggregation_weight(mask: Mask, agg: str = "token-mean") -> Float[Array, ""]:
+def aggregation_weight(mask: Mask, agg: str = "token-mean", rows: Float[Array, ""] | None = None) -> Float[Array, ""]:
     """The share of a micro-batch in `aggregate`'s normaliser: tokens for a token mean, sequences
-    with tokens for a sequence mean, rows for the Dr. GRPO constant normaliser."""
+    with tokens for a sequence mean, rows (`rows` when given) for the Dr. GRPO constant normaliser."""
     m = jnp.asarray(mask).astype(jnp.float32)
     if agg == "token-mean":
         return jnp.sum(m)
     if agg == "seq-mean-token-mean":
         return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
     if agg == "seq-mean-token-sum-norm":
-        return jnp.asarray(m.shape[0], jnp.float32)
+        return jnp.asarray(m.shape[0] if rows is None else rows, jnp.float32)
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
 
 
@@ -134,13 +137,14 @@ def _clipped_surrogate(
 
 
 def _entropy_term(
-    entropy: TokenArray | None, mask: Mask, agg: str, coef: float, stats: Stats, norm_len: int | None = None
+    entropy: TokenArray | None, mask: Mask, agg: str, coef: float, stats: Stats, norm_len: int | None = None,
+    rows: Float[Array, ""] | None = None,
 ) -> Float[Array, ""]:
     if entropy is None:
         if coef:
             raise ValueError("entropy_coef is set but no entropy was given")
         return jnp.zeros((), jnp.float32)
-    mean_entropy = aggregate(entropy, mask, agg, norm_len)
+    mean_entropy = aggregate(entropy, mask, agg, norm_len, rows)
     stats["entropy"] = masked_mean(entropy, mask)
     return -coef * mean_entropy
 
@@ -161,6 +165,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     norm_len: int | None = None,
     token_weights: TokenArray | None = None,
+    rows: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """Clipped PPO surrogate (Schulman et al. 2017), eps 0.2.
 
@@ -174,8 +179,8 @@ def ppo_policy_loss(
     loss_tok, stats = _clipped_surrogate(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, dual_clip)
     if token_weights is not None:
         loss_tok = loss_tok * token_weights
-    loss = aggregate(loss_tok, mask, agg, norm_len)
-    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
+    loss = aggregate(loss_tok, mask, agg, norm_len, rows)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len, rows)
     stats["loss/policy"] = loss
     return loss, jax.lax.stop_gradient(stats)
 
@@ -197,6 +202,7 @@ def grpo_policy_loss(
     agg: str = "seq-mean-token-mean",
     norm_len: int | None = None,
     token_weights: TokenArray | None = None,
+    rows: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """GRPO loss (Shao et al. 2024): the clipped surrogate plus an optional KL-to-reference term.
 
@@ -212,8 +218,8 @@ def grpo_policy_loss(
     kl = _kl_loss_term(logp, ref_logp, mask, kl_coef, kl_kind, stats, "grpo")
     if kl is not None:
         loss_tok = loss_tok + kl
-    loss = aggregate(loss_tok, mask, agg, norm_len)
-    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len)
+    loss = aggregate(loss_tok, mask, agg, norm_len, rows)
+    loss = loss + _entropy_term(entropy, mask, agg, entropy_coef, stats, norm_len, rows)
     stats["loss/policy"] = loss
     return loss, jax.lax.stop_gradient(stats)
 
@@ -248,6 +254,7 @@ def gspo_policy_loss(
     agg: str = "seq-mean-token-mean",
     norm_len: int | None = None,
     token_weights: TokenArray | None = None,
+    rows: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], Stats]:
     """GSPO loss (Zheng et al. 2025): one importance ratio and one clip decision per sequence.
 
@@ -263,6 +270,7 @@ def gspo_policy_loss(
     each token's weight scales its own gradient: the per-token losses times the weights, averaged
     per sequence.
     """
+    del rows  # a sequence mean counts the rows with tokens: empty packed slots have none
     if agg != "seq-mean-token-mean":
         raise ValueError(f"gspo averages per sequence; loss aggregation {agg!r} does not apply")
     high = clip_eps if clip_eps_high is None else clip_eps_high

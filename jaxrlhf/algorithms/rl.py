@@ -77,6 +77,28 @@ class RolloutAlgorithm(Algorithm):
         return "pool_" if self.dynamic_sampling else self.uncut_prefix
 
     @property
+    def packs(self) -> bool:
+        """Train and inference calls run packed rows (`algorithm.pack_sequences`, `algorithms.packing`)."""
+        return self.cfg.algorithm.pack_sequences
+
+    @property
+    def packings(self) -> dict[str, tuple[str, ...]]:
+        """With packing: each packing the `pack_sequences` host step makes, and the calls that read it
+        (the inference calls share one; each train call has its own, for its own minibatches)."""
+        if not self.packs:
+            return {}
+        inference = [c for c, present in (
+            ("actor.inference", self.corrects), ("ref.inference", self.uses_ref),
+            ("critic.inference", self.uses_critic),
+            ("reward.inference", bool(self.cfg.rewards.model) and not self.greedy_baseline),
+        ) if present]
+        out = {"packed_inference": tuple(inference)} if inference else {}
+        out["packed_actor"] = ("actor.train",)
+        if self.uses_critic:
+            out["packed_critic"] = ("critic.train",)
+        return out
+
+    @property
     def pool_factor(self) -> int:
         """Prompts generated per prompt trained on."""
         return self.cfg.algorithm.dynamic_sampling_factor if self.dynamic_sampling else 1
@@ -190,32 +212,43 @@ class RolloutAlgorithm(Algorithm):
                                  (*(full + v for v in GENERATED), "rule_scores", "rule_components", "sampling_stats")))
         if full:  # the batch cut to its longest response: every later call skips the padding past it
             host.insert(0, HostStep("trim_responses", tuple(full + v for v in GENERATED), GENERATED))
+        packings = self.packings
+        # what an inference call reads of the sequences: the packed rows, or the padded batch
+        sequences = ("packed_inference",) if "packed_inference" in packings else SEQUENCE
         if self.cfg.rewards.model:
             outs = tuple(f"{p}model_scores" for p in prefixes)
-            calls.append(CallSpec("reward.inference", "reward", "inference", "reward",
-                                  inputs=tuple(f"{p}{v}" for p in prefixes for v in SEQUENCE), outputs=outs,
+            scored = (("packed_inference", "ended_with_eos") if "reward.inference" in packings.get("packed_inference", ())
+                      else tuple(f"{p}{v}" for p in prefixes for v in SEQUENCE))
+            calls.append(CallSpec("reward.inference", "reward", "inference", "reward", inputs=scored, outputs=outs,
                                   seqs_per_row=len(prefixes)))
             train_in += outs
         if self.greedy_baseline:
             train_in.append("greedy_ended_with_eos")
         if self.corrects:  # pi_old: the trainer's log-probs of the rollout before this step's update
-            calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*SEQUENCE, *RESPONSE),
+            calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*sequences, *RESPONSE),
                                   outputs=("old_logp",), fresh_weights=True))
             train_in.append("old_logp")
         if self.uses_ref:
-            calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*SEQUENCE, *RESPONSE),
+            calls.append(CallSpec("ref.inference", "ref", "inference", inputs=(*sequences, *RESPONSE),
                                   outputs=("ref_logp",)))
             train_in.append("ref_logp")
         state = ["kl_coef"]
         if self.uses_critic:
             calls.append(CallSpec("critic.inference", "critic", "inference", "value",
-                                  inputs=(*SEQUENCE, "response_mask"), outputs=("values",)))
+                                  inputs=(*sequences, "response_mask"), outputs=("values",)))
             train_in += ["values", "value_moments"]
             state.append("value_moments")
+        if packings:  # the train calls read their own packings instead of the padded sequences
+            train_in = [v for v in train_in if v not in SEQUENCE] + ["packed_actor"]
+            rngs = ("rng_actor", "rng_critic") if self.uses_critic else ("rng_actor",)
+            host.append(HostStep("pack_sequences", (*SEQUENCE, "response_mask", *rngs),
+                                 (*packings, "packing_stats"),
+                                 shards_of=tuple(c for calls_of in packings.values() for c in calls_of)))
         calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),
                               outputs=("actor_stats", "advantages")))
         if self.uses_critic:
-            critic_in = tuple(v for v in train_in if v not in ("rng_actor", "old_logp")) + ("rng_critic",)
+            critic_in = tuple({"packed_actor": "packed_critic"}.get(v, v) for v in train_in
+                              if v not in ("rng_actor", "old_logp")) + ("rng_critic",)
             calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
                                   outputs=("critic_stats", "value_moments")))
         if self.uses_ref:

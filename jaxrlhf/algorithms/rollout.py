@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -50,11 +51,12 @@ from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
-from jaxrlhf.algorithms.rl import GENERATED, SEQUENCE
+from jaxrlhf.algorithms.rl import GENERATED, RESPONSE, SEQUENCE
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
-from jaxrlhf.algorithms.update import loss_aux, map_microbatches, minibatch_updates
+from jaxrlhf.algorithms.packing import pack_batch
+from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
@@ -105,11 +107,23 @@ def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
     return x[:, prompt_len - 1 : -1]
 
 
+def packed_output(model: nnx.Module, batch: dict[str, Any], at: str = "read") -> jax.Array:
+    """A model's outputs on a packed micro-batch (`update.packed_micro_batch`), read at the positions
+    `at` names ("read": those that predict each response token, [slots, N, ...]; "last": each
+    sequence's last token, [slots, ...])."""
+    pk = batch["packed"]
+    out = model(pk["tokens"], pk["positions"], pk["segments"] > 0, segment_ids=pk["segments"], read_at=pk[at])
+    return out[0] if isinstance(out, tuple) else out
+
+
 def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "batch new vocab"]:
     """The logits that predict the response tokens, computed for those positions only (the prompt's
-    full-vocabulary logits are never built)."""
+    full-vocabulary logits are never built); from packed rows when the batch is packed."""
+    if "packed" in batch:
+        return packed_output(model, batch)
     logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
     return logits[:, :-1]
+
 
 
 # ---------------------------------------------------------------- generate and inference calls
@@ -150,12 +164,15 @@ def policy_logprobs(
     """Log-probs of the response under a policy, same logits processing as sampling, named `output`: the
     reference model's (`ref_logp`), or the actor's before its update (`old_logp`, a rollout correction's)."""
     model = nnx.merge(graphdef, params)
-    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+    packed = inputs.get("packed_inference")
+    p = 0 if packed is not None else inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
 
     def one(b):
         logp = token_logprobs(response_logits(model, b, p), b["response_tokens"], sampling)
         return {output: jnp.where(b["response_mask"], logp, 0.0)}
 
+    if packed is not None:
+        return map_packed(one, {k: inputs[k] for k in RESPONSE}, packed)
     return map_microbatches(one, inputs, micro_batch)
 
 
@@ -165,14 +182,19 @@ def critic_values(
     """V(s_t) for every response token (0 on padding). GAE does not bootstrap past the last token (see
     `advantages.gae`), so the output there is not read."""
     model = nnx.merge(graphdef, params)
+    packed = inputs.get("packed_inference")
 
     def one(b):
-        tokens, response_mask = b["tokens"], b["response_mask"]
+        response_mask = b["response_mask"]
+        if packed is not None:
+            return {"values": jnp.where(response_mask, packed_output(model, b), 0.0)}
+        tokens = b["tokens"]
         v = model(tokens, b["positions"], b["mask"])
-        n = response_mask.shape[1]
-        p = tokens.shape[1] - n
+        p = tokens.shape[1] - response_mask.shape[1]
         return {"values": jnp.where(response_mask, _response_slice(v, p), 0.0)}
 
+    if packed is not None:
+        return map_packed(one, {"response_mask": inputs["response_mask"]}, packed)
     return map_microbatches(one, inputs, micro_batch)
 
 
@@ -182,6 +204,10 @@ def reward_scores(
 ) -> dict[str, Float[Array, "batch"]]:
     """Reward-model score of each sequence (read at its last real token), for every prefix's sequences."""
     model = nnx.merge(graphdef, params)
+    packed = inputs.get("packed_inference")
+    if packed is not None:  # one batch (no greedy baseline's): read at each sequence's last token
+        rows = {"ended_with_eos": inputs["ended_with_eos"]}
+        return map_packed(lambda b: {"model_scores": packed_output(model, b, "last")}, rows, packed)
 
     def one(b):
         return {f"{p}model_scores": model(b[f"{p}tokens"], b[f"{p}positions"], b[f"{p}mask"]) for p in prefixes}
@@ -258,7 +284,8 @@ def actor_train(
     kl_coef = inputs["kl_coef"].astype(jnp.float32)
     adv, _, kl, scores = rollout_advantages(inputs, s, kl_coef, inputs.get("value_moments"))
     loss_impl = get_loss(s.loss)
-    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+    packed = inputs.get("packed_actor")
+    p = 0 if packed is not None else inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
     loss_kwargs: dict[str, Any] = {"clip_eps": s.clip_eps, "clip_eps_high": s.clip_eps_high,
                                    "entropy_coef": s.entropy_coef, "agg": s.loss_agg, "norm_len": s.max_new_tokens}
     if s.kl_in_loss:
@@ -271,9 +298,11 @@ def actor_train(
         ent = entropy(logits, s.sampling)
         mask = mb.get("loss_mask", mb["response_mask"])  # a correction's mask: no sequences it dropped
         weights = {"token_weights": mb["is_weight"]} if "is_weight" in mb else {}
+        # a packed micro-batch's empty slots are no rows (Dr. GRPO's normaliser counts rows)
+        rows = jnp.sum(mb["row_valid"].astype(jnp.float32)) if "row_valid" in mb else None
         loss, stats = loss_impl(
             logp, mb["old_logp"], mb["adv"], mask, ref_logp=mb.get("ref_logp"), entropy=ent,
-            **loss_kwargs, **weights,
+            **loss_kwargs, **weights, rows=rows,
         )
         if "entropy" not in stats:
             stats["entropy"] = masked_mean(jax.lax.stop_gradient(ent), mask)
@@ -282,15 +311,16 @@ def actor_train(
             if s.ratio_early_stop is not None
             else jnp.array(False)
         )
-        weight = aggregation_weight(mask, s.loss_agg)
+        weight = aggregation_weight(mask, s.loss_agg, rows)
         tokens = aggregation_weight(mask)
         return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
 
     data = {
-        "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
         "response_tokens": inputs["response_tokens"], "response_mask": inputs["response_mask"],
         "old_logp": inputs["behaviour_logp"], "adv": adv,
     }
+    if packed is None:
+        data.update(tokens=inputs["tokens"], mask=inputs["mask"], positions=inputs["positions"])
     correction_stats: dict[str, Any] = {}
     if correction.active:
         weights, loss_mask, correction_stats = correction_weights(
@@ -302,7 +332,7 @@ def actor_train(
         data["ref_logp"] = inputs["ref_logp"]
     params, opt_state, stats = minibatch_updates(
         loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"], minibatches=s.minibatches,
-        epochs=s.epochs, micro_batch=s.micro_batch, early_stop=s.ratio_early_stop is not None,
+        epochs=s.epochs, micro_batch=s.micro_batch, early_stop=s.ratio_early_stop is not None, packed=packed,
     )
     mask = inputs["response_mask"].astype(jnp.float32)
     stats["kl/mean"] = jnp.mean(jnp.sum(kl * mask, axis=1))  # per-sequence KL, averaged
@@ -329,22 +359,24 @@ def critic_train(
     if s.normalize_values:
         moments = moments.update(returns, mask)
         returns = moments.normalize(returns)
-    p = inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
+    packed = inputs.get("packed_critic")
 
     def loss_fn(params, mb):
-        v = nnx.merge(graphdef, params)(mb["tokens"], mb["positions"], mb["mask"])
-        loss, stats = value_loss(
-            _response_slice(v, p), mb["old_values"], mb["returns"], mb["response_mask"], clip_eps=s.value_clip_eps
-        )
+        model = nnx.merge(graphdef, params)
+        if packed is not None:
+            v = packed_output(model, mb)
+        else:
+            p = mb["tokens"].shape[1] - mb["response_mask"].shape[1]
+            v = _response_slice(model(mb["tokens"], mb["positions"], mb["mask"]), p)
+        loss, stats = value_loss(v, mb["old_values"], mb["returns"], mb["response_mask"], clip_eps=s.value_clip_eps)
         return loss, loss_aux(stats, aggregation_weight(mb["response_mask"]))
 
-    data = {
-        "tokens": inputs["tokens"], "mask": inputs["mask"], "positions": inputs["positions"],
-        "response_mask": inputs["response_mask"], "old_values": inputs["values"], "returns": returns,
-    }
+    data = {"response_mask": inputs["response_mask"], "old_values": inputs["values"], "returns": returns}
+    if packed is None:
+        data.update(tokens=inputs["tokens"], mask=inputs["mask"], positions=inputs["positions"])
     params, opt_state, stats = minibatch_updates(
         loss_fn, optimizer, params, opt_state, data, inputs["rng_critic"], minibatches=s.minibatches,
-        epochs=s.epochs, micro_batch=s.micro_batch,
+        epochs=s.epochs, micro_batch=s.micro_batch, packed=packed,
     )
     stats = {f"critic/{k}" if not k.startswith(("loss/", "value/")) else k: v for k, v in stats.items()}
     stats["returns/mean"] = masked_mean(returns, mask)
@@ -533,6 +565,8 @@ class RolloutRuntime:
 
             steps["trim_responses"] = trim
         alg = self.cfg.algorithm
+        if self.packings:
+            steps["pack_sequences"] = self._pack_sequences
         if self.uses_ref:
             def kl_control(kl_coef, actor_stats):
                 if alg.kl_target is None:
@@ -543,6 +577,30 @@ class RolloutRuntime:
 
             steps["kl_control"] = kl_control
         return steps
+
+    def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None):
+        """The host step `pack_sequences`: the batch packed for each call that reads it (`algorithms.packing`):
+        the inference calls' packing over the whole batch, each train call's over the minibatches its key
+        draws (`update.minibatch_indices`, as the unpacked call draws them in its program)."""
+        alg = self.cfg.algorithm
+        mask = np.asarray(mask)
+        rows, width = mask.shape[0], np.asarray(response_mask).shape[1]
+        keys = {"packed_actor": rng_actor, "packed_critic": rng_critic}
+        out: dict[str, Any] = {}
+        stats: dict[str, np.float32] = {}
+        for name, readers in self.packings.items():
+            if name in keys:
+                updates = np.asarray(minibatch_indices(keys[name], rows, alg.minibatches, alg.epochs))
+            else:
+                updates = np.arange(rows)[None]
+            out[name], packed = pack_batch(mask, tokens, positions, width, updates,
+                                           shards=math.lcm(*(shards[c] for c in readers)),
+                                           budget=alg.max_tokens_per_micro_batch)
+            short = name.removeprefix("packed_")
+            stats.update({k: np.float32(v) for k, v in packed.metrics(f"packing/{short}").items()})
+            stats[f"packing/{short}/micro_batches"] = np.float32(out[name]["slots"].shape[2])
+        out["packing_stats"] = stats
+        return out
 
     def initial_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kl_coef": np.float32(self.cfg.algorithm.kl_coef)}
@@ -571,7 +629,7 @@ class RolloutRuntime:
 
     def metric_values(self) -> tuple[str, ...]:
         return ("actor_stats", "critic_stats", "response_mask", "ended_with_eos", "mask", "rule_scores",
-                "rule_components", "model_scores", "greedy_rule_scores", "sampling_stats")
+                "rule_components", "model_scores", "greedy_rule_scores", "sampling_stats", "packing_stats")
 
     def metrics(self, result: Any) -> dict[str, float]:
         v = result.values
@@ -592,8 +650,9 @@ class RolloutRuntime:
             out["reward/model_mean"] = float(np.mean(jax.device_get(v["model_scores"])))
         if "greedy_rule_scores" in v:
             out["reward/greedy_rule_mean"] = float(np.mean(v["greedy_rule_scores"]))
-        if "sampling_stats" in v:
-            out.update({k: float(x) for k, x in v["sampling_stats"].items()})
+        for stats_of in ("sampling_stats", "packing_stats"):
+            if stats_of in v:
+                out.update({k: float(x) for k, x in v[stats_of].items()})
         return out
 
     def evaluate(self, executor: Any) -> dict[str, float]:

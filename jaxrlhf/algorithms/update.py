@@ -127,6 +127,59 @@ def map_microbatches(fn: Callable[[Any], Any], batch: Any, micro_batch: int | No
     return merge_microbatches(out)
 
 
+# ---------------------------------------------------------------- packed batches (`algorithms.packing`)
+
+
+def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Array | None) -> Any:
+    """Micro-batch `k` of one update's packing (arrays [s, K, ...]; `k` None: all K merged into one,
+    as a pipelined call runs them): the packed rows ([s * R, T]) and positions to read under
+    "packed", and `data`'s per-sequence arrays gathered for its slots ([s * M, ...]; an empty slot gets
+    zeros, so its masks are False), with `row_valid` marking the slots that hold a sequence."""
+    s = packed["slots"].shape[0]
+    if k is None:  # [s, K, R, T] -> [s, K * R, T]; a slot's flat index moves by its micro-batch's rows
+        kk, r, t = packed["tokens"].shape[1:4]
+        offset = (jnp.arange(kk) * r * t).astype(jnp.int32)
+        part = {name: x.reshape(s, -1, *x.shape[3:]) for name, x in packed.items() if name in ("tokens", "positions", "segments")}
+        part["read"] = (packed["read"] + offset[None, :, None, None]).reshape(s, -1, packed["read"].shape[-1])
+        part["last"] = (packed["last"] + offset[None, :, None]).reshape(s, -1)
+        part["slots"] = packed["slots"].reshape(s, -1)
+    else:
+        part = {name: x[:, k] for name, x in packed.items()}
+    rows = _rows(data)
+    slots = part["slots"].reshape(-1)
+    gathered = jax.tree_util.tree_map(
+        lambda x: jnp.take(x, slots, axis=0, mode="fill", fill_value=0) if jnp.ndim(x) else x, data)
+    flat = lambda name: part[name].reshape(-1, part[name].shape[-1])  # noqa: E731
+    gathered["packed"] = {"tokens": flat("tokens"), "positions": flat("positions"), "segments": flat("segments"),
+                          "read": part["read"], "last": part["last"]}
+    gathered["row_valid"] = slots < rows
+    return gathered
+
+
+def map_packed(fn: Callable[[Any], Any], data: Any, packed: dict[str, jax.Array]) -> Any:
+    """`fn(micro_batch)` over the micro-batches of a one-update packing (`packed_micro_batch`), its
+    per-slot outputs scattered back to `data`'s rows (batch-major, in the original order)."""
+    rows = _rows(data)
+    one = jax.tree_util.tree_map(lambda x: x[:, 0], packed)
+    kk = one["slots"].shape[1]
+    if pipeline.is_pipelined():  # one forward over every micro-batch, the pipeline's schedule splits it
+        with pipeline.microbatches(kk):
+            out = fn(packed_micro_batch(data, one, None))
+        slots = one["slots"].reshape(-1)
+    else:
+        def body(carry, k):
+            return carry, fn(packed_micro_batch(data, one, k))
+
+        _, out = jax.lax.scan(body, None, jnp.arange(kk))  # [K, s * M, ...]
+        out = jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), out)
+        slots = jnp.moveaxis(one["slots"], 1, 0).reshape(-1)
+
+    def scatter(x):
+        return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[slots].set(x, mode="drop")
+
+    return jax.tree_util.tree_map(scatter, out)
+
+
 def _combine_stats(stats: dict[str, jax.Array], loss_weights: jax.Array, stats_weights: jax.Array) -> dict:
     """Micro-batch stats -> minibatch stats: weighted means (see `loss_aux`), maxima for `.../max`."""
 
@@ -139,23 +192,33 @@ def _combine_stats(stats: dict[str, jax.Array], loss_weights: jax.Array, stats_w
     return {k: combine(k, v) for k, v in stats.items()}
 
 
-def accumulated_grad(loss_fn: LossFn, params: Any, batch: Any, micro_batch: int | None) -> tuple[Any, ...]:
-    """(loss, stats, stop, gradient, statistics weight) of `batch`, accumulated over micro-batches in fp32."""
-    k = num_microbatches(_rows(batch), micro_batch)
+def accumulated_grad(
+    loss_fn: LossFn, params: Any, batch: Any, micro_batch: int | None, packed: dict[str, jax.Array] | None = None,
+) -> tuple[Any, ...]:
+    """(loss, stats, stop, gradient, statistics weight) of `batch`, accumulated over micro-batches in fp32:
+    strided micro-batches of `micro_batch` rows, or with `packed` (one update's packing, arrays
+    [s, K, ...]) its K packed micro-batches (`packed_micro_batch`)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    k = num_microbatches(_rows(batch), micro_batch) if packed is None else packed["slots"].shape[1]
     if k == 1 or pipeline.is_pipelined():  # a pipeline splits the micro-batches inside the forward
         with pipeline.microbatches(k):
-            (loss, aux), grads = grad_fn(params, batch)
+            whole = batch if packed is None else packed_micro_batch(batch, packed, None)
+            (loss, aux), grads = grad_fn(params, whole)
         return loss, aux["stats"], aux["stop"], grads, aux["stats_weight"]
 
     def one(acc, micro):
+        if packed is not None:  # the scan runs over micro-batch numbers
+            micro = packed_micro_batch(batch, packed, micro)
         (loss, aux), grads = grad_fn(params, micro)
         w = aux["weight"]
         acc = jax.tree_util.tree_map(lambda a, g: a + w * g.astype(jnp.float32), acc, grads)
         return acc, (loss, aux["stats"], aux["stop"], w, aux["stats_weight"])
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    acc, (losses, stats, stops, weights, stats_weights) = _scan_microbatches(one, zeros, batch, k)
+    if packed is None:
+        acc, (losses, stats, stops, weights, stats_weights) = _scan_microbatches(one, zeros, batch, k)
+    else:
+        acc, (losses, stats, stops, weights, stats_weights) = jax.lax.scan(one, zeros, jnp.arange(k))
     total = jnp.maximum(jnp.sum(weights), 1e-30)
     grads = jax.tree_util.tree_map(lambda a, p: (a / total).astype(p.dtype), acc, params)
     stats = _combine_stats(stats, weights, stats_weights)
@@ -174,10 +237,14 @@ def minibatch_updates(
     epochs: int = 1,
     micro_batch: int | None = None,
     early_stop: bool = False,
+    packed: dict[str, jax.Array] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Run the updates; stats are averaged over updates except the skip counters (summed).
 
-    With `early_stop` the stop flag a loss returns skips that update and every later one.
+    With `early_stop` the stop flag a loss returns skips that update and every later one. With
+    `packed` (`algorithms.packing`, arrays [s, U, K, ...]) update u trains on the sequences its
+    packing holds, in its packed micro-batches; the host drew those rows with `minibatch_indices`
+    from the same key, so the updates see the same minibatches as unpacked ones.
     """
     params, frozen = split_trainable(optimizer, params)  # LoRA: differentiate and update the adapters only
     if frozen is not None:
@@ -186,11 +253,20 @@ def minibatch_updates(
     batch = _rows(data)
     if batch % minibatches:
         raise ValueError(f"batch of {batch} rows does not split into {minibatches} minibatches")
-    idx = minibatch_indices(rng, batch, minibatches, epochs)
+    if packed is None:
+        steps = minibatch_indices(rng, batch, minibatches, epochs)
+    else:
+        steps = jnp.arange(packed["slots"].shape[1])
+        if steps.shape[0] != epochs * minibatches:
+            raise ValueError(f"the packing holds {steps.shape[0]} updates; the call runs {epochs * minibatches}")
 
     def one(carry, rows):
         params, opt_state, stopped = carry
-        loss, stats, stop, grads, weight = accumulated_grad(loss_fn, params, take_rows(data, rows), micro_batch)
+        if packed is None:
+            loss, stats, stop, grads, weight = accumulated_grad(loss_fn, params, take_rows(data, rows), micro_batch)
+        else:  # `rows` is the update's number
+            update = jax.tree_util.tree_map(lambda x: x[:, rows], packed)
+            loss, stats, stop, grads, weight = accumulated_grad(loss_fn, params, data, None, update)
         if early_stop:
             stopped = stopped | stop
         empty = weight <= 0
@@ -204,6 +280,6 @@ def minibatch_updates(
         stats["skipped_empty"] = empty.astype(jnp.float32)
         return (params, opt_state, stopped), stats
 
-    (params, opt_state, _), stats = jax.lax.scan(one, (params, opt_state, jnp.array(False)), idx)
+    (params, opt_state, _), stats = jax.lax.scan(one, (params, opt_state, jnp.array(False)), steps)
     stats = {k: (jnp.sum(v) if k in SUMMED_STATS else jnp.mean(v)) for k, v in stats.items()}
     return join_trainable(params, frozen), opt_state, stats

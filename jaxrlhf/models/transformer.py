@@ -663,6 +663,20 @@ def split_layers(model: nnx.Module) -> list[nnx.State]:
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(trunk.config.num_layers)]
 
 
+def read_positions(
+    h: Float[Array, "rows length embed"], at: Int[Array, "shards slots *n"]
+) -> Float[Array, "shards_slots *n embed"]:
+    """The hidden states at flat positions `at` (row * length + column), each shard reading its own
+    block of rows: `h`'s rows are `shards` consecutive blocks (a packed batch, split over the data axes
+    block by block), and `at[j]` indexes block j only, so the gather stays on the shard's devices.
+    Returns [shards * slots, *n, embed]."""
+    shards, d = at.shape[0], h.shape[-1]
+    blocks = h.reshape(shards, -1, d)
+    flat = at.reshape(shards, -1)
+    out = jnp.take_along_axis(blocks, flat[..., None], axis=1)
+    return out.reshape(shards * at.shape[1], *at.shape[2:], d)
+
+
 class CausalLM(nnx.Module):
     """Actor / reference model: trunk + LM head (tied to the embedding or not)."""
 
@@ -684,12 +698,14 @@ class CausalLM(nnx.Module):
         segment_ids: Int[Array, "batch length"] | None = None,
         logits_from: int = 0,
         layers_split: Sequence[nnx.State] | None = None,
+        read_at: Int[Array, "shards slots n"] | None = None,
     ) -> tuple[Float[Array, "batch out vocab"], KVCache | PagedKVCache | None]:
         """Logits of positions `logits_from`.. (static; -1 = the last only): the full-vocabulary
         logits are the largest activation, so callers that need a suffix never build the rest.
-        `layers_split`: see `Transformer.__call__`."""
+        `read_at` (packed rows): logits at those positions only, [shards * slots, n, vocab]
+        (`read_positions`). `layers_split`: see `Transformer.__call__`."""
         h, cache = self.model(tokens, positions, mask, cache, segment_ids, layers_split)
-        h = h[:, logits_from:]
+        h = h[:, logits_from:] if read_at is None else read_positions(h, read_at)
         dt = self.config.jnp_dtype
         if self.config.tie_word_embeddings:
             w = self.model.embed.value.astype(dt).T
@@ -713,9 +729,15 @@ class ValueModel(nnx.Module):
         tokens: Int[Array, "batch length"],
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
+        segment_ids: Int[Array, "batch length"] | None = None,
+        read_at: Int[Array, "shards slots n"] | None = None,
     ) -> Float[Array, "batch length"]:
-        h, _ = self.model(tokens, positions, mask)
-        v = jnp.einsum("btd,d->bt", h.astype(jnp.float32), self.value_head.value.astype(jnp.float32))
+        """Values of every position, or with `read_at` (packed rows) of those positions only,
+        [shards * slots, n] (`read_positions`)."""
+        h, _ = self.model(tokens, positions, mask, segment_ids=segment_ids)
+        if read_at is not None:
+            h = read_positions(h, read_at)
+        v = jnp.einsum("b...d,d->b...", h.astype(jnp.float32), self.value_head.value.astype(jnp.float32))
         return v + self.value_bias.value.astype(jnp.float32)
 
 
@@ -741,9 +763,16 @@ class RewardModel(nnx.Module):
         tokens: Int[Array, "batch length"],
         positions: Int[Array, "batch length"],
         mask: Bool[Array, "batch length"],
+        segment_ids: Int[Array, "batch length"] | None = None,
+        read_at: Int[Array, "shards slots"] | None = None,
     ) -> Float[Array, "batch"]:
-        h, _ = self.model(tokens, positions, mask)
-        last = jnp.take_along_axis(h, last_token_index(mask)[:, None, None], axis=1)[:, 0]
+        """Each row's score at its last real token, or with `read_at` (packed rows: each sequence's last
+        token) one per position given, [shards * slots] (`read_positions`)."""
+        h, _ = self.model(tokens, positions, mask, segment_ids=segment_ids)
+        if read_at is not None:
+            last = read_positions(h, read_at)
+        else:
+            last = jnp.take_along_axis(h, last_token_index(mask)[:, None, None], axis=1)[:, 0]
         return last.astype(jnp.float32) @ self.score_head.value.astype(jnp.float32)
 
 

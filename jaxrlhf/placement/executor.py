@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,6 +49,7 @@ from flax import nnx
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep, Node
 from jaxrlhf.placement.calls import CallCache, Placed, PlacedFunction
+from jaxrlhf.placement.layout import batch_axes
 from jaxrlhf.placement.timeline import Op, StepTimes, Timeline, breakdown, device_ids
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 from jaxrlhf.transfer.host import host_get
@@ -361,9 +363,18 @@ class Executor:
         return self._checked(spec, out)
 
     def run_host(self, step: HostStep, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """A host step gets host values: device arrays are gathered (the same on every process)."""
+        """A host step gets host values: device arrays are gathered (the same on every process); one that
+        names calls in `shards_of` also gets how many shards each call's batch is split into."""
         with self.timeline.host(step.name, self._ops):
-            return self._checked(step, self.host_steps[step.name](**host_get(dict(inputs))))
+            kwargs = host_get(dict(inputs))
+            if step.shards_of:
+                kwargs["shards"] = {call: self.batch_shards(call) for call in step.shards_of}
+            return self._checked(step, self.host_steps[step.name](**kwargs))
+
+    def batch_shards(self, call: str) -> int:
+        """How many shards `call`'s batch is split into on its placement (its data x fsdp ways)."""
+        mesh = self.placed(call).mesh
+        return math.prod(mesh.shape[a] for a in batch_axes(self.cache.rules))
 
     @staticmethod
     def _checked(node: Node, out: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,177 @@
+"""Packed rollout batches: the host step that lays a batch's sequences back to back in rows.
+
+A rollout batch is [B, L]: a left-padded prompt followed by a right-padded response, every row as wide
+as the longest. With long-tailed response lengths most of it is padding that the train and inference
+calls would compute only to mask out. Packing (`algorithm.pack_sequences`) lays each sequence's real
+tokens back to back in rows of T tokens, numbered by segment ids (the attention never crosses a
+segment, `models.transformer`), with the positions the sequence had, so every token sees exactly the
+keys and rotary angles it saw unpacked.
+
+Only the model forward is packed. The per-token math (advantages, ratios, KL, entropy, the loss and its
+aggregation) runs on the unpacked [slots, N] grid of each micro-batch's sequences: the model reads its
+hidden states at the positions that predict (or value) each response token (`read`, or `last` for a
+reward model's score) and everything after that is the unpacked code on the same numbers. So packed and
+unpacked calls agree up to float summation order, by construction.
+
+Layout of one packing (`pack_batch`), every array with the shard axis first so the executor's batch
+split gives each data-parallel shard whole micro-batch blocks (`s` shards, `U` updates, `K` micro-batches
+per update, `R` rows and `M` sequence slots per shard and micro-batch, `N` response columns):
+
+    tokens, positions, segments   [s, U, K, R, T]   segments: 1, 2, ... per sequence, 0 = padding
+    slots                         [s, U, K, M]      the batch row of each slot; B = an empty slot
+    read                          [s, U, K, M, N]   flat index (row * T + column) in its shard's block
+                                                    of the position whose output predicts response
+                                                    token n (0 where there is none)
+    last                          [s, U, K, M]      flat index of the sequence's last real token
+
+Updates are the train call's minibatches of every epoch (the same rows `update.minibatch_indices`
+draws, so a packed run trains on the same minibatches as an unpacked one); an inference call has one.
+Micro-batches hold at most `budget` real tokens (`algorithm.max_tokens_per_micro_batch`); sequences
+are spread over micro-batches (as many as the budget needs, rounded up to `size_bucket`), then
+shards, then rows, longest first onto the least loaded (balanced: no shard waits long on another).
+Shapes come from small fixed sets (T: a power of two; K, R and M: `size_bucket`'s 2^a and 3 x 2^a),
+so a call compiles at most one program per combination of those values that a run meets: with
+sequences of at most S tokens and B rows, T takes at most log2(S) values and K, R and M at most
+2 log2(B) each; in practice a run meets a handful (docs/benchmarks.md counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxrlhf.models.lengths import bucket_length
+
+PACKED_FIELDS = ("tokens", "positions", "segments", "slots", "read", "last")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStats:
+    """What packing saved, for metrics: the real tokens of every update, the tokens the packed rows hold,
+    and the tokens the same updates hold unpacked."""
+
+    real_tokens: int
+    packed_tokens: int
+    padded_tokens: int  # the unpacked batch's B x L
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}/fill": self.real_tokens / max(self.packed_tokens, 1),
+                f"{prefix}/padded_fill": self.real_tokens / max(self.padded_tokens, 1)}
+
+
+def size_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^a and 3 x 2^a) that holds `n`: counts of
+    micro-batches, rows and slots come from this set, so a run compiles few shapes, and padding to it
+    wastes at most a third (a power of two alone would waste up to half)."""
+    n = max(int(n), 1)
+    power = bucket_length(n, 1)
+    return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
+
+
+def _spread(weights: np.ndarray, items: Sequence[int], bins: int) -> list[list[int]]:
+    """`items` over `bins`, longest first onto the lightest bin (deterministic: ties go to the lowest bin)."""
+    loads = np.zeros(bins, np.int64)
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in sorted(items, key=lambda i: (-int(weights[i]), i)):
+        b = int(np.argmin(loads))
+        out[b].append(i)
+        loads[b] += weights[i]
+    return out
+
+
+def _rows(lengths: np.ndarray, items: Sequence[int], width: int) -> list[list[int]]:
+    """First-fit decreasing of `items` into rows of `width` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(items, key=lambda i: (-int(lengths[i]), i)):
+        for r, room in enumerate(free):
+            if room >= lengths[i]:
+                rows[r].append(i)
+                free[r] -= int(lengths[i])
+                break
+        else:
+            rows.append([i])
+            free.append(width - int(lengths[i]))
+    return rows
+
+
+def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None) -> list[list[int]]:
+    """`items` in the fewest balanced micro-batches of at most `budget` real tokens each (one without a
+    budget). A sequence longer than the budget is the config's error (`max_tokens_per_micro_batch`)."""
+    if budget is None or not len(items):
+        return [list(items)]
+    longest = int(max(lengths[i] for i in items))
+    if longest > budget:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch budget of {budget} tokens")
+    k = size_bucket(-(-int(sum(lengths[i] for i in items)) // budget))
+    while True:
+        bins = _spread(lengths, items, k)
+        if all(sum(int(lengths[i]) for i in b) <= budget for b in bins):
+            return bins
+        k = size_bucket(k + 1)
+
+
+def pack_batch(
+    mask: np.ndarray,
+    tokens: np.ndarray,
+    positions: np.ndarray,
+    response_width: int,
+    updates: np.ndarray,
+    *,
+    shards: int,
+    budget: int | None = None,
+    min_row: int = 16,
+) -> tuple[dict[str, np.ndarray], PackStats]:
+    """Pack the [B, L] batch (`mask` marks real tokens; the last `response_width` columns are the
+    response) for calls that run `updates` ([U, rows]: the batch rows of each update). See the module
+    docstring for the layout."""
+    mask = np.asarray(mask, bool)
+    tokens, positions = np.asarray(tokens), np.asarray(positions)
+    b, l = mask.shape
+    p = l - response_width  # padded prompt width: position p - 1 + n predicts response token n
+    lengths = mask.sum(axis=1).astype(np.int64)
+    width = bucket_length(max(int(lengths.max(initial=1)), min_row), 1)
+    plan = []  # per update, per micro-batch, per shard: rows of sequence indices
+    for rows in np.asarray(updates):
+        micro = micro_batches(lengths, [int(r) for r in rows], budget)
+        plan.append([[_rows(lengths, part, width) for part in _spread(lengths, mb, shards)] for mb in micro])
+    u = len(plan)
+    k = size_bucket(max(len(m) for m in plan))
+    r = size_bucket(max(len(rows) for m in plan for mb in m for rows in mb))
+    m_slots = size_bucket(max(sum(len(row) for row in rows) for m in plan for mb in m for rows in mb))
+    out = {
+        "tokens": np.zeros((shards, u, k, r, width), np.int32),
+        "positions": np.zeros((shards, u, k, r, width), np.int32),
+        "segments": np.zeros((shards, u, k, r, width), np.int32),
+        "slots": np.full((shards, u, k, m_slots), b, np.int32),
+        "read": np.zeros((shards, u, k, m_slots, response_width), np.int32),
+        "last": np.zeros((shards, u, k, m_slots), np.int32),
+    }
+    cols = np.arange(l)
+    for ui, update in enumerate(plan):
+        for ki, mb in enumerate(update):
+            for si, rows in enumerate(mb):
+                slot = 0
+                for ri, row in enumerate(rows):
+                    at = 0
+                    for seg, i in enumerate(row, start=1):
+                        real = cols[mask[i]]
+                        n = len(real)
+                        out["tokens"][si, ui, ki, ri, at:at + n] = tokens[i, real]
+                        out["positions"][si, ui, ki, ri, at:at + n] = positions[i, real]
+                        out["segments"][si, ui, ki, ri, at:at + n] = seg
+                        # where each padded column sits in the packed row (-1: padding)
+                        where = np.full(l, -1, np.int64)
+                        where[real] = ri * width + at + np.arange(n)
+                        src = where[p - 1 + np.arange(response_width)]
+                        out["read"][si, ui, ki, slot] = np.where(src >= 0, src, 0)
+                        out["last"][si, ui, ki, slot] = ri * width + at + n - 1
+                        out["slots"][si, ui, ki, slot] = i
+                        at += n
+                        slot += 1
+    updates = np.asarray(updates)
+    stats = PackStats(real_tokens=int(lengths[updates].sum()), packed_tokens=shards * u * k * r * width,
+                      padded_tokens=int(updates.size) * l)
+    return out, stats

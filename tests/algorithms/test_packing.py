@@ -1,0 +1,208 @@
+"""`algorithm.pack_sequences`: packed train and inference calls compute the unpacked math (the same
+updates, log-probs, values, scores and statistics), the host packer lays sequences out as documented
+and keeps its budget, and a packed run on another placement trains like an unpacked colocated one."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrlhf import config as cfglib
+from jaxrlhf import train
+from jaxrlhf.algorithms import build_algorithm, rollout
+from jaxrlhf.algorithms.packing import micro_batches, pack_batch, size_bucket
+from jaxrlhf.algorithms.stats import RunningMoments
+from jaxrlhf.algorithms.update import minibatch_indices
+from jaxrlhf.metrics import read_metrics
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.sampling import SamplingParams
+from jaxrlhf.models.transformer import build_model, positions_from_mask
+
+B, P, N = 8, 4, 8
+LENGTHS = np.array([5, 1, 3, 7, 2, 8, 6, 0])  # response tokens; the last row's response is empty
+
+
+def _batch():
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(3, 300, size=(B, P + N)).astype(np.int32)
+    mask = np.ones((B, P + N), bool)
+    mask[:3, 0] = False  # left padding in three prompts
+    mask[5, :2] = False
+    response_mask = np.arange(N)[None, :] < LENGTHS[:, None]
+    mask[:, P:] = response_mask
+    tokens = np.where(mask, tokens, 0)
+    return {
+        "tokens": tokens, "mask": mask, "positions": np.asarray(positions_from_mask(jnp.asarray(mask))),
+        "response_tokens": tokens[:, P:], "response_mask": response_mask,
+        "behaviour_logp": np.where(response_mask, -rng.uniform(1, 6, size=(B, N)), 0.0).astype(np.float32),
+        "ended_with_eos": rng.uniform(size=B) > 0.3,
+        "ref_logp": np.where(response_mask, -rng.uniform(1, 6, size=(B, N)), 0.0).astype(np.float32),
+        "values": np.where(response_mask, rng.normal(size=(B, N)), 0.0).astype(np.float32),
+        "rule_scores": rng.uniform(-1, 1, size=B).astype(np.float32),
+    }
+
+
+def test_size_buckets():
+    assert [size_bucket(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25)] == [1, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32]
+
+
+def test_a_packing_by_hand():
+    # three sequences of 3, 2 and 4 real tokens (prompt 2 + response 1, 2, 2), one shard, rows of 16
+    mask = np.array([[0, 1, 1, 1, 0],    # prompt 2 (one pad), response 1
+                     [0, 0, 1, 1, 0],    # prompt 1, response 1 ... and a second prompt pad
+                     [1, 1, 1, 1, 0]], bool)
+    tokens = np.arange(15, dtype=np.int32).reshape(3, 5) + 100
+    positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    out, stats = pack_batch(mask, tokens, positions, 2, np.arange(3)[None], shards=1)
+    # longest first into one row of 16: sequence 2 (4 tokens), then 0 (3), then 1 (2)
+    np.testing.assert_array_equal(out["tokens"][0, 0, 0, 0, :9], [110, 111, 112, 113, 101, 102, 103, 107, 108])
+    np.testing.assert_array_equal(out["segments"][0, 0, 0, 0, :10], [1, 1, 1, 1, 2, 2, 2, 3, 3, 0])
+    np.testing.assert_array_equal(out["positions"][0, 0, 0, 0, :9], [0, 1, 2, 3, 0, 1, 2, 0, 1])
+    np.testing.assert_array_equal(out["slots"][0, 0, 0], [2, 0, 1])
+    # padded prompt width 3: padded columns 2 and 3 predict response tokens 0 and 1
+    np.testing.assert_array_equal(out["read"][0, 0, 0], [[2, 3], [5, 6], [7, 8]])
+    np.testing.assert_array_equal(out["last"][0, 0, 0], [3, 6, 8])
+    assert (stats.real_tokens, stats.packed_tokens, stats.padded_tokens) == (9, 16, 15)
+
+
+def test_micro_batches_keep_the_budget_and_balance_the_shards():
+    rng = np.random.RandomState(1)
+    lengths = np.clip(np.rint(20 * np.exp(rng.normal(size=64))), 2, 150).astype(np.int64)
+    bins = micro_batches(lengths, range(64), 400)
+    assert sorted(i for b in bins for i in b) == list(range(64))
+    assert all(sum(lengths[i] for i in b) <= 400 for b in bins)
+    assert len(bins) == size_bucket(len(bins))
+    with pytest.raises(ValueError, match="exceeds the micro-batch budget"):
+        micro_batches(lengths, range(64), 100)
+    mask = np.arange(160)[None, :] < lengths[:, None]
+    tokens = np.ones((64, 160), np.int32)
+    out, _ = pack_batch(mask, tokens, np.zeros_like(tokens), 8, np.arange(64).reshape(2, 32), shards=4, budget=400)
+    assert out["tokens"].shape[:3] == (4, 2, out["tokens"].shape[2])
+    real = (out["segments"] > 0).sum(axis=(3, 4))  # [shards, updates, micro-batches]
+    assert real.sum(axis=0).max() <= 400
+    # shards of one micro-batch differ by at most one sequence's tokens (longest first onto the lightest)
+    assert (real.max(axis=0) - real.min(axis=0)).max() <= lengths.max()
+    filled = out["slots"] < 64
+    assert sorted(out["slots"][filled]) == list(range(64))  # each sequence once per epoch
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (nnx.split(build_model(preset("tiny"), seed=0)), nnx.split(build_model(preset("tiny"), "value", seed=1)),
+            nnx.split(build_model(preset("tiny"), "reward", seed=2)))
+
+
+def _close(a, b, **tol):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator, loss, agg, epochs", [
+    ("gae", "ppo", "token-mean", 2),
+    ("grpo", "grpo", "seq-mean-token-mean", 1),
+    ("grpo", "grpo", "seq-mean-token-sum-norm", 1),  # Dr. GRPO counts rows: empty slots must not count
+])
+def test_packed_calls_equal_unpacked(models, estimator, loss, agg, epochs):
+    (actor_def, actor), (critic_def, critic), (reward_def, reward) = models
+    batch = _batch()
+    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
+    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3), rng_critic=jax.random.key(4),
+                    value_moments=RunningMoments.create())
+    packed = {k: v for k, v in unpacked.items() if k not in ("tokens", "mask", "positions")}
+
+    def pack(key, shards):  # two data shards, a budget of 14 real tokens: several micro-batches per update
+        updates = np.arange(B)[None] if key is None else np.asarray(minibatch_indices(key, B, 2, epochs))
+        out, _ = pack_batch(batch["mask"], batch["tokens"], batch["positions"], N, updates, shards=shards, budget=14)
+        assert out["slots"].shape[2] > 1
+        return {k: jnp.asarray(v) for k, v in out.items()}
+
+    packed.update(packed_inference=pack(None, 2), packed_actor=pack(unpacked["rng_actor"], 2),
+                  packed_critic=pack(unpacked["rng_critic"], 4))
+    sampling = SamplingParams(temperature=0.7)
+    logp = [rollout.policy_logprobs(actor_def, sampling, None, actor, x)["ref_logp"] for x in (unpacked, packed)]
+    np.testing.assert_allclose(logp[1], logp[0], rtol=1e-5, atol=1e-5)
+    scores = [rollout.reward_scores(reward_def, ("",), None, reward, x)["model_scores"] for x in (unpacked, packed)]
+    np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5, atol=1e-5)
+
+    opt = optax.sgd(0.1)  # Adam would blow float-noise-sized gradients up to full-size steps
+    s = rollout.RLSettings(estimator=estimator, loss=loss, loss_agg=agg, group_size=2, minibatches=2, epochs=epochs,
+                           kl_in_reward=loss == "ppo", kl_in_loss=loss == "grpo",
+                           kl_estimator="k3" if loss == "grpo" else "k1", max_new_tokens=N, entropy_coef=0.01)
+    train_fn = jax.jit(functools.partial(rollout.actor_train, actor_def, opt, s))
+    (p_ref, _, o_ref), (p_got, _, o_got) = (train_fn(actor, opt.init(actor), x) for x in (unpacked, packed))
+    _close(p_got, p_ref, rtol=1e-5, atol=1e-6)
+    for key, value in o_ref["actor_stats"].items():
+        np.testing.assert_allclose(o_got["actor_stats"][key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+    if estimator == "gae":
+        values = [rollout.critic_values(critic_def, None, critic, x)["values"] for x in (unpacked, packed)]
+        np.testing.assert_allclose(values[1], values[0], rtol=1e-5, atol=1e-5)
+        critic_fn = jax.jit(functools.partial(rollout.critic_train, critic_def, opt, s))
+        (c_ref, _, co_ref), (c_got, _, co_got) = (critic_fn(critic, opt.init(critic), x) for x in (unpacked, packed))
+        _close(c_got, c_ref, rtol=1e-5, atol=1e-6)
+        _close(co_got, co_ref, rtol=2e-4, atol=1e-6)
+
+
+def _config(*overrides):
+    cfg = cfglib.load_config(None, ["model.actor.preset=tiny", "data.batch_size=4", "sft.steps=0", *overrides])
+    cfglib.validate(cfg)
+    return cfg
+
+
+def test_the_graph_routes_calls_through_their_packings():
+    graph = build_algorithm(_config("algorithm.name=ppo", "algorithm.pack_sequences=true",
+                                    "generation.max_new_tokens=16", "rewards.model=true",
+                                    "model.reward.init_from=actor")).graph()
+    step = graph.node("pack_sequences")
+    assert set(step.outputs) == {"packed_inference", "packed_actor", "packed_critic", "packing_stats"}
+    assert set(step.shards_of) == {"ref.inference", "critic.inference", "reward.inference", "actor.train",
+                                   "critic.train"}
+    for call in ("ref.inference", "critic.inference", "reward.inference", "actor.train", "critic.train"):
+        assert not {"tokens", "mask", "positions"} & set(graph[call].inputs), call
+    assert "packed_actor" in graph["actor.train"].inputs and "packed_critic" in graph["critic.train"].inputs
+    order = [n.name for n in graph.order()]
+    assert order.index("trim_responses") < order.index("pack_sequences") < order.index("ref.inference")
+    # ReMax scores its greedy baseline too: the reward call reads the padded batches, the others pack
+    remax = build_algorithm(_config("algorithm.name=remax", "algorithm.pack_sequences=true",
+                                    "rewards.model=true", "model.reward.init_from=actor")).graph()
+    assert "tokens" in remax["reward.inference"].inputs and "packed_inference" in remax["ref.inference"].inputs
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.max_tokens_per_micro_batch=512"], "set algorithm.pack_sequences=true"),
+    (["algorithm.pack_sequences=true", "algorithm.micro_batch_size=2"], "instead of algorithm.micro_batch_size"),
+    (["algorithm.pack_sequences=true", "algorithm.max_tokens_per_micro_batch=40", "data.max_prompt_len=32",
+      "generation.max_new_tokens=16"], "set it to at least 48"),
+])
+def test_a_budget_that_cannot_apply_is_one_clear_line(overrides, needle):
+    with pytest.raises(cfglib.ConfigError, match=needle):
+        _config(*overrides)
+
+
+@pytest.mark.slow
+def test_a_packed_run_on_another_placement_trains_like_an_unpacked_colocated_one(tmp_path):
+    """PPO with a critic and a reference: unpacked on the colocated plan vs packed with a token budget on
+    a reallocated one (train and inference calls on other data-parallel shards): the same metrics."""
+    base = ["model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0", "run.save_checkpoints=false",
+            "run.tensorboard=false", "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16",
+            "generation.max_new_tokens=12", "sft.steps=0", "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3",
+            "rewards.eos_only=false", 'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]',
+            "algorithm.name=ppo", "algorithm.minibatches=2", "algorithm.kl_coef=0.05"]
+    runs = {}
+    for name, extra in (("unpacked", ["plan.strategy=colocated"]),
+                        ("packed", ["plan.strategy=reallocated", "algorithm.pack_sequences=true",
+                                    "algorithm.max_tokens_per_micro_batch=32"])):
+        cfg = cfglib.load_config(None, [*base, *extra, f"run.output_dir={tmp_path / name}"])
+        train.run(cfg)
+        runs[name] = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+    for ref, got in zip(runs["unpacked"], runs["packed"]):
+        assert got["packing/actor/micro_batches"] > 1  # the budget split the updates
+        for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "advantages/mean", "loss/value",
+                    "returns/mean", "grad_norm"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
