@@ -10,6 +10,7 @@ import concurrent.futures
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -198,14 +199,65 @@ def test_the_battery_is_bounded_and_leaves_nothing_behind(battery):
 
 
 def test_writes_outside_the_folder_past_the_python_guard(battery):
-    """The kernel keeps a same-machine file unchanged only where the run has a uid of its own (the
-    parent is root); as a non-root user, a write through libc to the user's own file is NOT
-    stopped (docs/agentic.md), and this test says so instead of passing."""
+    """The kernel keeps a file outside the folder unchanged where the run has a read-only view of
+    the file system (user namespaces) or a uid of its own (the parent is root); without either, a
+    write through libc to the user's own file is NOT stopped (docs/agentic.md), and this test says
+    so instead of passing."""
     v = battery["verdicts"]["write_outside_ctypes"]
-    if not v.isolation["own_uid"]:
-        pytest.skip("not root: the sandbox cannot stop writes to files its user owns (documented)")
+    iso = v.isolation
+    if not (iso["own_uid"] or (iso["read_only_view"] and iso["view_locked"])):
+        pytest.skip("neither root nor user namespaces: the sandbox cannot stop writes to its user's files (documented)")
     assert battery["victim"].read_text() == "original"
     assert v.passed == 0 and "open refused" in v.stderr_tail, v
+
+
+NON_ROOT = """\
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+victim = sys.argv[2]
+code = ("import ctypes, os\\nlibc = ctypes.CDLL(None)\\n"
+        f"fd = libc.open({victim.encode()!r}, os.O_WRONLY | os.O_TRUNC)\\n"
+        "if fd >= 0:\\n    libc.write(fd, b'pwned', 5)\\n"
+        f"os.system('echo pwned > {victim}')\\n"
+        "open('mine.txt', 'w').write('x')\\n")
+tests = "assert fd < 0\\ndef test_mine():\\n    assert open('mine.txt').read() == 'x'\\n"
+v = sandbox.run_sandboxed(code, tests, sandbox.SandboxLimits(timeout_seconds=8))
+print(v.status, v.passed, v.isolation["own_uid"], v.isolation["read_only_view"], v.isolation["view_locked"])
+"""
+
+
+def test_as_a_user_the_read_only_view_keeps_the_users_own_files(tmp_path):
+    """The path a non-root trainer takes: the sandbox's parent runs as `nobody` and the victim is
+    nobody's own file, so only the read-only view of the file system can keep it unchanged."""
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root (to start a process as nobody) and /usr/bin/python3")
+    home = Path(tempfile.mkdtemp(prefix="sandbox-as-user-"))
+    try:
+        shutil.copy(Path(sandbox.__file__), home / "sandbox.py")  # the module is the standard library only
+        victim = home / "victim.txt"
+        victim.write_text("original")
+        (home / "probe.py").write_text(NON_ROOT)
+        for path in (home, victim, home / "sandbox.py", home / "probe.py"):
+            os.chown(path, 65534, 65534)
+
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+
+        out = subprocess.run(["/usr/bin/python3", "-I", str(home / "probe.py"), str(home), str(victim)],
+                             capture_output=True, text=True, timeout=60, preexec_fn=as_nobody,
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(home)}, cwd=str(home))
+        assert out.returncode == 0, out.stderr
+        status, passed, own_uid, view, locked = out.stdout.split()
+        assert own_uid == "False"
+        if view != "True":
+            pytest.skip("no user namespaces for nobody here: same-user writes are not stopped (documented)")
+        assert (status, passed, locked) == ("ok", "2", "True")  # the open refused, its own folder writable
+        assert victim.read_text() == "original"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_the_network_past_the_audit_hook(battery):

@@ -23,27 +23,32 @@ What each run gets (the `isolation` field of a `Verdict` says which of these wer
   files of root and of every other user, RLIMIT_NPROC binds (it does not bind root), it cannot
   signal or read the parent's process (/proc/PID/environ), and every process left behind with that
   uid is killed after the run;
-- when unprivileged user namespaces work (`unshare -Urnpf`; probed once per uid): an empty network
-  namespace (no interface but a down loopback: no network at all), a PID namespace (the sandbox
-  sees only its own processes in a fresh /proc, and when its first process ends the kernel kills
-  every process in it, also those that called setsid) and a mount namespace for that /proc;
-- always, inside the interpreter: an audit hook that refuses socket creation. This is a best
-  effort, NOT a security boundary: code that calls libc through ctypes, or runs another program,
-  gets past it. Without a network namespace the network is NOT blocked.
+- when unprivileged user namespaces work (`unshare -Urnpfm`; probed once per uid kind): an empty
+  network namespace (no interface but a down loopback: no network at all, also for code that gets
+  past Python), a PID namespace (the run sees only its own processes in a fresh /proc, cannot
+  signal anything outside, and when its first process ends the kernel kills every process in it,
+  also those that called setsid), and a mount namespace in which every mount is read-only except
+  the run's folder; the process that runs the program then enters a user namespace below that one,
+  so the kernel locks those mounts read-only (the program cannot remount them writable);
+- always, inside the interpreter: an audit hook that refuses socket creation and opening or
+  changing files outside the run's folder. This is a best effort, NOT a security boundary: code
+  that calls libc through ctypes, or runs another program, gets past it. It names the block in the
+  verdict (status "network" or "filesystem"); the kernel mechanisms above are what contain.
 
 What it does NOT protect against (read docs/agentic.md before pointing it at untrusted code):
 
-- as a non-root user, writes to any path the same user may write (an absolute path to the user's
-  own files succeeds; RLIMIT_FSIZE only bounds each file's size). Only the root path (own uid)
-  keeps writes inside the run's folder and world-writable places such as /tmp;
+- without user namespaces and as a non-root user: writes to any path the same user may write (an
+  absolute path to the user's own files succeeds; RLIMIT_FSIZE only bounds each file's size), the
+  network (only the audit hook refuses sockets), the parent's environment through
+  /proc/PID/environ of the user's other processes, and a process that leaves the session (setsid)
+  survives the process-group kill;
+- with a uid of its own but without user namespaces: writes to world-writable places (/tmp,
+  /dev/shm), bounded per file by RLIMIT_FSIZE, not in total;
 - as a non-root user, RLIMIT_NPROC counts every process and thread of the user, so the limit is set
   to the user's current count plus `max_processes` (racy when other work starts processes);
   concurrent runs as root each have their own uid and their own count;
-- without a PID namespace, a process that leaves the session (setsid) survives the process-group
-  kill as a non-root user (the root path kills the uid's processes);
 - reading world-readable files (the source tree, /etc), CPU and memory side channels, the kernel's
-  attack surface (no seccomp filter), disk space in world-writable places beyond RLIMIT_FSIZE per
-  file;
+  attack surface (no seccomp filter);
 - a hostile program forging its verdict: the tests run in the candidate's interpreter, and the
   harness reports each result with a per-run random token on a pipe of its own (so printing a fake
   verdict does nothing), but code that searches the interpreter's memory for that token can forge
@@ -99,6 +104,9 @@ class SandboxLimits:
 @dataclasses.dataclass
 class Verdict:
     """The outcome of one run: `passed` of `total` tests, and how the run ended.
+
+    isolation: which mechanisms were in force (`uid`, `own_uid`, `network_namespace`,
+    `pid_namespace`, `read_only_view` and `view_locked`, `nproc_limit`, `python`).
 
     status: "ok" (every test passed), "failed" (the tests ran, some failed), "timeout" (wall
     clock or CPU), "memory", "processes", "file_size", "network" (a limit or a block was hit:
@@ -200,6 +208,51 @@ def audit(event, args):
                 raise WriteBlocked(f"changing files outside the run's folder is blocked: {path!r}")
 
 
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+
+
+def _unescape(path):
+    return path.encode().decode("unicode_escape")  # mountinfo writes a space as \040
+
+
+def read_only_view():
+    """In the run's own user and mount namespaces: every mount read-only but the run's folder (a bind
+    mount of itself). Returns the mounts that could not be made read-only."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = HOME.encode()
+    if libc.mount(home, home, None, MS_BIND | MS_REC, None) != 0:
+        return ["bind of the run's folder: " + os.strerror(ctypes.get_errno())]
+    os.chdir(HOME)  # into the bind mount: the old working directory is the folder below it
+    failed = []
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f.read().splitlines()]
+    for fields in mounts:
+        point = _unescape(fields[4])
+        if point in (HOME, "/proc") or point.startswith((HOME + "/", "/proc/")):
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in fields[5].split(","):
+            flags |= MOUNT_FLAGS.get(option, 0)
+        if libc.mount(None, point.encode(), None, flags, None) != 0:
+            failed.append(f"{point}: {os.strerror(ctypes.get_errno())}")
+    return failed
+
+
+def lock_view():
+    """A user namespace below ours, with its own copy of the mounts: the kernel locks the read-only
+    mounts copied into a less privileged namespace, so the program cannot make them writable again."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare: " + os.strerror(ctypes.get_errno()))
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def limit_of(exc):
     if isinstance(exc, MemoryError):
         return "memory_bytes"
@@ -264,10 +317,20 @@ def run_tests():
     emit(event="done")
 
 
+VIEW = len(sys.argv) > 2 and sys.argv[2] == "namespaces" and os.getpid() == 1
+if VIEW:
+    try:
+        failed = read_only_view()
+    except Exception as exc:
+        failed = [repr(exc)]
+    emit(event="view", failed=failed)
 pid = os.fork()
 if pid == 0:
     code = 0
     try:
+        if VIEW:
+            lock_view()
+            emit(event="locked")
         run_tests()
     except BaseException:
         traceback.print_exc()
@@ -452,7 +515,7 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
     nproc = limits.max_processes if uid is not None else _user_task_count(os.getuid()) + limits.max_processes
     isolation = {"uid": uid if uid is not None else os.getuid(), "own_uid": uid is not None,
                  "network_namespace": namespaces, "pid_namespace": namespaces, "nproc_limit": nproc,
-                 "python": python}
+                 "python": python, "read_only_view": False, "view_locked": False}
     env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": os.path.join(folder, "tmp"), "LANG": "C.UTF-8"}
     cpu = max(1, int(limits.cpu_seconds + 0.999))
 
@@ -470,7 +533,7 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
     read_fd, write_fd = os.pipe()
     argv = [python, "-I", "-S", "harness.py", str(write_fd)]
     if namespaces:
-        argv = [*UNSHARE, *argv]
+        argv = [*UNSHARE, *argv, "namespaces"]
     token = secrets.token_hex(16)
     try:
         proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -574,6 +637,12 @@ def _verdict(names: list[str], records: bytes, token: str, stderr: bytes, killed
             done = True
         elif event == "exit" and exit_record is None:
             exit_record = rec
+        elif event == "view" and "read_only_view_failed" not in isolation:
+            failed = rec.get("failed")
+            isolation["read_only_view_failed"] = [str(f)[:200] for f in failed][:20] if isinstance(failed, list) else []
+            isolation["read_only_view"] = failed == []
+        elif event == "locked":
+            isolation["view_locked"] = True
     passed = sum(results.values())
     tail = stderr.decode("utf-8", "replace")[-_TAIL:]
     v = Verdict(passed, len(names), "failed", None, tail, time.monotonic() - start, failures, isolation)
