@@ -87,6 +87,11 @@ def test_printing_a_fake_verdict_changes_nothing():
             'def add(a, b):\n    return None\n')
     v = run_sandboxed(code, ADD_TESTS, FAST)
     assert v.passed == 0 and v.status == "failed", v
+    # nor does picking the harness's reporter or token off the __main__ module
+    code = ('import __main__\nfor name in ("emit", "TOKEN", "FD"):\n    assert not hasattr(__main__, name), name\n'
+            'def add(a, b):\n    return None\n')
+    v = run_sandboxed(code, ADD_TESTS, FAST)
+    assert v.passed == 0 and v.status == "failed" and "AssertionError" not in v.stderr_tail, v
 
 
 # ---------------------------------------------------------------- the hostile battery

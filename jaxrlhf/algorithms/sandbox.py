@@ -51,8 +51,9 @@ What it does NOT protect against (read docs/agentic.md before pointing it at unt
   attack surface (no seccomp filter);
 - a hostile program forging its verdict: the tests run in the candidate's interpreter, and the
   harness reports each result with a per-run random token on a pipe of its own (so printing a fake
-  verdict does nothing), but code that searches the interpreter's memory for that token can forge
-  results. A policy trained on this reward can learn to do that; read the stderr tails.
+  verdict does nothing) and keeps its reporter off the __main__ module, but code that walks its
+  callers' frames (sys._getframe, a traceback) or the garbage collector reaches the reporter and
+  can forge passes. A policy trained on this reward can learn to do that; read the stderr tails.
 """
 
 from __future__ import annotations
@@ -154,211 +155,218 @@ def tests_in(tests: str) -> list[str]:
 # that runs the tests and reports how it ended (in a PID namespace the supervisor is its init, which
 # the processes inside cannot kill).
 HARNESS = r'''
-import ast, errno, json, os, signal, sys, traceback
 
-FD = int(sys.argv[1])
-TOKEN = sys.stdin.readline().strip()
-_null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(_null, 0)
-os.close(_null)
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+def _harness():
+    import ast, errno, json, os, signal, sys, traceback
+
+    FD = int(sys.argv[1])
+    TOKEN = sys.stdin.readline().strip()
+    _null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(_null, 0)
+    os.close(_null)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def emit(**record):
-    record["token"] = TOKEN
-    data = (json.dumps(record) + "\n").encode()
-    try:
-        os.write(FD, data)
-    except OSError:
+    def emit(**record):
+        record["token"] = TOKEN
+        data = (json.dumps(record) + "\n").encode()
+        try:
+            os.write(FD, data)
+        except OSError:
+            pass
+
+
+    class NetworkBlocked(PermissionError):
         pass
 
 
-class NetworkBlocked(PermissionError):
-    pass
+    class WriteBlocked(PermissionError):
+        pass
 
 
-class WriteBlocked(PermissionError):
-    pass
+    HOME = os.path.realpath(os.getcwd())
+    WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    CHANGES = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
+               "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile")
 
 
-HOME = os.path.realpath(os.getcwd())
-WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-CHANGES = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
-           "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile")
+    def outside(path):
+        if isinstance(path, int):
+            return False
+        path = os.path.realpath(os.fsdecode(path))
+        return path != os.devnull and not (path == HOME or path.startswith(HOME + os.sep))
 
 
-def outside(path):
-    if isinstance(path, int):
-        return False
-    path = os.path.realpath(os.fsdecode(path))
-    return path != os.devnull and not (path == HOME or path.startswith(HOME + os.sep))
+    def audit(event, args):
+        if event == "socket.__new__":
+            raise NetworkBlocked("network access is blocked in the sandbox")
+        if event == "open" and args and not isinstance(args[0], int):
+            mode, flags = args[1], args[2]
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITES)
+            if writes and outside(args[0]):
+                raise WriteBlocked(f"writing outside the run's folder is blocked: {args[0]!r}")
+        elif event in CHANGES:
+            for path in args[:2]:
+                if isinstance(path, (str, bytes, os.PathLike)) and outside(path):
+                    raise WriteBlocked(f"changing files outside the run's folder is blocked: {path!r}")
 
 
-def audit(event, args):
-    if event == "socket.__new__":
-        raise NetworkBlocked("network access is blocked in the sandbox")
-    if event == "open" and args and not isinstance(args[0], int):
-        mode, flags = args[1], args[2]
-        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITES)
-        if writes and outside(args[0]):
-            raise WriteBlocked(f"writing outside the run's folder is blocked: {args[0]!r}")
-    elif event in CHANGES:
-        for path in args[:2]:
-            if isinstance(path, (str, bytes, os.PathLike)) and outside(path):
-                raise WriteBlocked(f"changing files outside the run's folder is blocked: {path!r}")
+    MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+    MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+    CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 
 
-MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
-MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
-CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+    def _unescape(path):
+        return path.encode().decode("unicode_escape")  # mountinfo writes a space as \040
 
 
-def _unescape(path):
-    return path.encode().decode("unicode_escape")  # mountinfo writes a space as \040
+    def read_only_view():
+        """In the run's own user and mount namespaces: every mount read-only but the run's folder (a bind
+        mount of itself). Returns the mounts that could not be made read-only."""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        home = HOME.encode()
+        if libc.mount(home, home, None, MS_BIND | MS_REC, None) != 0:
+            return ["bind of the run's folder: " + os.strerror(ctypes.get_errno())]
+        os.chdir(HOME)  # into the bind mount: the old working directory is the folder below it
+        failed = []
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f.read().splitlines()]
+        for fields in mounts:
+            point = _unescape(fields[4])
+            if point in (HOME, "/proc") or point.startswith((HOME + "/", "/proc/")):
+                continue
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+            for option in fields[5].split(","):
+                flags |= MOUNT_FLAGS.get(option, 0)
+            if libc.mount(None, point.encode(), None, flags, None) != 0:
+                failed.append(f"{point}: {os.strerror(ctypes.get_errno())}")
+        return failed
 
 
-def read_only_view():
-    """In the run's own user and mount namespaces: every mount read-only but the run's folder (a bind
-    mount of itself). Returns the mounts that could not be made read-only."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    home = HOME.encode()
-    if libc.mount(home, home, None, MS_BIND | MS_REC, None) != 0:
-        return ["bind of the run's folder: " + os.strerror(ctypes.get_errno())]
-    os.chdir(HOME)  # into the bind mount: the old working directory is the folder below it
-    failed = []
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f.read().splitlines()]
-    for fields in mounts:
-        point = _unescape(fields[4])
-        if point in (HOME, "/proc") or point.startswith((HOME + "/", "/proc/")):
-            continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for option in fields[5].split(","):
-            flags |= MOUNT_FLAGS.get(option, 0)
-        if libc.mount(None, point.encode(), None, flags, None) != 0:
-            failed.append(f"{point}: {os.strerror(ctypes.get_errno())}")
-    return failed
+    def lock_view():
+        """A user namespace below ours, with its own copy of the mounts: the kernel locks the read-only
+        mounts copied into a less privileged namespace, so the program cannot make them writable again."""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare: " + os.strerror(ctypes.get_errno()))
+        for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
 
 
-def lock_view():
-    """A user namespace below ours, with its own copy of the mounts: the kernel locks the read-only
-    mounts copied into a less privileged namespace, so the program cannot make them writable again."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare: " + os.strerror(ctypes.get_errno()))
-    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
-        with open(f"/proc/self/{name}", "w") as f:
-            f.write(text)
+    def limit_of(exc):
+        if isinstance(exc, MemoryError):
+            return "memory_bytes"
+        if isinstance(exc, NetworkBlocked):
+            return "network"
+        if isinstance(exc, WriteBlocked):
+            return "filesystem"
+        if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
+            return "max_processes"
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return "max_file_bytes"
+        return None
 
 
-def limit_of(exc):
-    if isinstance(exc, MemoryError):
-        return "memory_bytes"
-    if isinstance(exc, NetworkBlocked):
-        return "network"
-    if isinstance(exc, WriteBlocked):
-        return "filesystem"
-    if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
-        return "max_processes"
-    if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
-        return "max_file_bytes"
-    return None
+    def run_tests():
+        sys.addaudithook(audit)
+        with open("solution.py", encoding="utf-8") as f:
+            code = f.read()
+        with open("tests.py", encoding="utf-8") as f:
+            tests = f.read()
+        tree = ast.parse(tests, "tests.py")
+        ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        hits = []
 
+        def note(exc):
+            lim = limit_of(exc)
+            if lim and lim not in hits:
+                hits.append(lim)
+                emit(event="limit", limit=lim)
 
-def run_tests():
-    sys.addaudithook(audit)
-    with open("solution.py", encoding="utf-8") as f:
-        code = f.read()
-    with open("tests.py", encoding="utf-8") as f:
-        tests = f.read()
-    tree = ast.parse(tests, "tests.py")
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    hits = []
-
-    def note(exc):
-        lim = limit_of(exc)
-        if lim and lim not in hits:
-            hits.append(lim)
-            emit(event="limit", limit=lim)
-
-    try:
-        exec(compile(code, "solution.py", "exec"), ns)
-    except BaseException as exc:  # the candidate's own failure: its tests fail, they still run
-        note(exc)
-        emit(event="candidate_error", error=repr(exc)[:300])
-        traceback.print_exc()
-    functions = {}
-    for stmt in tree.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name.startswith("test_"):
-            functions[stmt.name] = None
-        name = f"assert@{stmt.lineno}" if isinstance(stmt, ast.Assert) else None
         try:
-            exec(compile(ast.Module([stmt], []), "tests.py", "exec"), ns)
-        except BaseException as exc:
+            exec(compile(code, "solution.py", "exec"), ns)
+        except BaseException as exc:  # the candidate's own failure: its tests fail, they still run
             note(exc)
-            if name:
+            emit(event="candidate_error", error=repr(exc)[:300])
+            traceback.print_exc()
+        functions = {}
+        for stmt in tree.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name.startswith("test_"):
+                functions[stmt.name] = None
+            name = f"assert@{stmt.lineno}" if isinstance(stmt, ast.Assert) else None
+            try:
+                exec(compile(ast.Module([stmt], []), "tests.py", "exec"), ns)
+            except BaseException as exc:
+                note(exc)
+                if name:
+                    emit(event="test", name=name, ok=False, error=repr(exc)[:300])
+                else:
+                    emit(event="setup_error", line=stmt.lineno, error=repr(exc)[:300])
+                    traceback.print_exc()
+            else:
+                if name:
+                    emit(event="test", name=name, ok=True)
+        for name in functions:
+            try:
+                ns[name]()
+            except BaseException as exc:
+                note(exc)
                 emit(event="test", name=name, ok=False, error=repr(exc)[:300])
             else:
-                emit(event="setup_error", line=stmt.lineno, error=repr(exc)[:300])
-                traceback.print_exc()
-        else:
-            if name:
                 emit(event="test", name=name, ok=True)
-    for name in functions:
-        try:
-            ns[name]()
-        except BaseException as exc:
-            note(exc)
-            emit(event="test", name=name, ok=False, error=repr(exc)[:300])
-        else:
-            emit(event="test", name=name, ok=True)
-    emit(event="done")
+        emit(event="done")
 
 
-VIEW = len(sys.argv) > 2 and sys.argv[2] == "namespaces" and os.getpid() == 1
-if VIEW:
-    try:
-        failed = read_only_view()
-    except Exception as exc:
-        failed = [repr(exc)]
-    emit(event="view", failed=failed)
-pid = os.fork()
-if pid == 0:
-    code = 0
-    try:
-        if VIEW:
-            lock_view()
-            emit(event="locked")
-        run_tests()
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-else:
-    while True:
+    VIEW = len(sys.argv) > 2 and sys.argv[2] == "namespaces" and os.getpid() == 1
+    if VIEW:
         try:
-            _, status, usage = os.wait4(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    emit(event="exit", code=os.waitstatus_to_exitcode(status), cpu=usage.ru_utime + usage.ru_stime)
-    if os.getpid() == 1:  # the init of a PID namespace: end and reap whatever the run left behind
+            failed = read_only_view()
+        except Exception as exc:
+            failed = [repr(exc)]
+        emit(event="view", failed=failed)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
         try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
+            if VIEW:
+                lock_view()
+                emit(event="locked")
+            run_tests()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    else:
         while True:
             try:
-                os.wait()
-            except ChildProcessError:
+                _, status, usage = os.wait4(pid, 0)
                 break
             except InterruptedError:
                 continue
+        emit(event="exit", code=os.waitstatus_to_exitcode(status), cpu=usage.ru_utime + usage.ru_stime)
+        if os.getpid() == 1:  # the init of a PID namespace: end and reap whatever the run left behind
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+            while True:
+                try:
+                    os.wait()
+                except ChildProcessError:
+                    break
+                except InterruptedError:
+                    continue
+
+
+# the harness's names live only inside _harness: the program cannot pick `emit` or the token off
+# the __main__ module (it runs in this interpreter; its frames and the gc still reach them)
+globals().pop("_harness")()
 '''
 
 
