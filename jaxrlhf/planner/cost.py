@@ -21,6 +21,14 @@ the layout's collectives and a per-kernel dispatch cost:
   block time is paid M + S - 1 times (bubble (S - 1) / (M + S - 1)); the
   backward repeats the schedule in reverse. Gradients are reduced over
   data / fsdp inside a stage; the replicated embedding and head over stages.
+- context parallelism (layout.context = c > 1, train and inference only):
+  each device holds T / c tokens of every sequence (per-device tokens divided
+  by c; a query still attends over all T keys), and ring attention
+  (`models/context.py`) passes each device's key/value block to its
+  neighbour c - 1 times per layer and forward (the backward passes the block
+  and its K/V gradients c times: twice the bytes), each pass overlapping the
+  attention over the block before it, so only what a pass takes beyond that
+  block's attention is paid (`context_comm`).
 - reallocation / shadow sync: the receiving devices' shard bytes over the
   link between the two groups (NVLink inside a host, the NICs across).
 
@@ -29,7 +37,7 @@ hosts a host's NICs are shared by its devices that send at once, and a ring
 pools the shares of its members on that host (`HardwareProfile.link_bandwidth`).
 - host offload / reload: shard bytes over the device <-> host link.
 
-Device order inside a group follows the mesh (stage, data, fsdp, tensor):
+Device order inside a group follows the mesh (stage, data, fsdp, context, tensor):
 tensor neighbours are adjacent devices, so tensor collectives stay inside a
 host whenever the tensor size fits in one, and stages are the outermost
 blocks, so stage boundaries are the ones that cross hosts.
@@ -50,6 +58,7 @@ from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lengths import lognormal_lengths
+from jaxrlhf.models.packing import PackedShape, packing_layout
 from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,6 +77,22 @@ def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray
     estimates prices its generate calls with the same lengths."""
     z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
     return lognormal_lengths(z, median, sigma, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_shape(wl: "Workload", kind: str, seqs_per_row: int, ways: int) -> PackedShape:
+    """`Workload.packed_shape`, once per workload, call kind and shard count (a search asks often)."""
+    rows = wl.batch_size * seqs_per_row
+    lengths = wl.response_lengths(rows) + wl.prompt_len
+    if kind == "train":
+        order = np.arange(rows).reshape(wl.minibatches, -1)
+        updates = np.concatenate([order] * wl.ppo_epochs)
+    else:
+        updates = np.arange(rows)[None]
+    shapes = [packing_layout(batch, updates, ways, wl.token_budget)[1] for batch in lengths]
+    mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
+    return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
+                       slots=mean("slots"), width=mean("width"))
 
 
 def _per_role(value: Any, role: str | None, default: Any) -> Any:
@@ -109,6 +134,9 @@ class Workload:
       with a staleness budget of at least 1): on any plan its pool is refilled with the next steps'
       prompts as rows end, so a batch costs its tokens over the pool, without the last round's tail
       (`decode_fractions`). Overlap with training still needs an off-policy plan.
+    - `packed`, `token_budget`: train and inference calls run packed rows (`algorithm.pack_sequences`),
+      micro-batches of at most `token_budget` real tokens (`algorithm.max_tokens_per_micro_batch`);
+      priced by the shapes the runtime's packer gives the drawn lengths (`packed_shape`).
     """
 
     batch_size: int = 512
@@ -131,6 +159,8 @@ class Workload:
     gen_len_median: int | None = None  # median response length; None = every response is gen_len long
     gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
     gen_stream: bool = False  # generation.partial_rollout (eta >= 1): the pool stays full across steps
+    packed: bool = False  # algorithm.pack_sequences
+    token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
 
     def __post_init__(self):
         if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
@@ -228,6 +258,13 @@ class Workload:
         if not self.lengths_vary:
             return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
         return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
+
+    def packed_shape(self, call: CallSpec, batch_ways: int) -> PackedShape:
+        """The packing a packed train or inference call runs, per shard (`models.packing`, the runtime's
+        packer): each drawn batch of lengths (prompt_len + response) packed for the call's updates (a
+        train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch),
+        averaged over the LENGTH_BATCHES draws (rounded up)."""
+        return _packed_shape(self, call.kind, call.seqs_per_row, batch_ways)
 
     def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
@@ -422,6 +459,7 @@ class _Ctx:
     def __init__(self, cfg: ModelConfig, head: str, layout: Layout, geo: Geometry, hw: HardwareProfile):
         self.cfg, self.head, self.layout, self.geo, self.hw = cfg, head, layout, geo, hw
         self.t = layout.tensor
+        self.c = layout.context
         self.stages = layout.stage
         self.shards = layout.fsdp * layout.tensor  # a parameter's shards inside a stage
         self.batch_ways = layout.data * layout.fsdp  # the batch's shards
@@ -453,7 +491,23 @@ class _Ctx:
             "overhead": runs * layers * OPS_PER_LAYER * hw.kernel_latency,
             "tp_bytes": 2 * (self.t - 1) / self.t * tp_bytes,
             "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * w,
+            **self._ring(tokens, keys, layers, runs),
         }
+
+    def _ring(self, tokens: float, keys: float, layers: float, runs: int) -> dict[str, float]:
+        """Ring attention under context parallelism (c > 1): in every layer of every run, c - 1 passes of
+        the device's key/value block (its `tokens` tokens' keys and values) to the next device of the ring,
+        each overlapping the attention of the local queries over the block before it (keys / c keys): the
+        seconds a pass takes beyond that attention are exposed."""
+        c, cfg = self.c, self.cfg
+        if c == 1:
+            return {"context_comm": 0.0, "context_bytes": 0.0}
+        kv_ways = max(min(self.t, cfg.num_kv_heads), 1)
+        block = tokens * 2 * cfg.num_kv_heads * cfg.dim_per_head / kv_ways * self.act_bytes
+        send = block / self.bw["context"] + self.hw.collective_latency
+        attend = attention_flops(cfg, tokens, keys / c) / cfg.num_layers / self.t / self.flops_s
+        passes = runs * layers * (c - 1)
+        return {"context_comm": passes * max(send - attend, 0.0), "context_bytes": passes * block}
 
     def _head(self, tokens: float, runs: int) -> dict[str, float]:
         """The embedding lookup and output head for `runs` passes of `tokens` tokens per device."""
@@ -462,7 +516,8 @@ class _Ctx:
         return {"flops": flops, "hbm": hbm, "tensor_comm": 0.0,
                 "fsdp_comm": _ring_gather(runs * self.w_rest, self.layout.fsdp, self.bw["fsdp"], self.hw, count=runs),
                 "overhead": runs * OPS_PER_LAYER * self.hw.kernel_latency,
-                "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest}
+                "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest,
+                "context_comm": 0.0, "context_bytes": 0.0}
 
     def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
         """One forward over `tokens_dev` tokens per device in `micro` micro-batches.
@@ -491,6 +546,8 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw = c.cfg, c.hw
     if c.stages > 1:
         raise ValueError(f"{call.name}: generation is never pipelined; layout {c.layout} has stage={c.stages}")
+    if c.c > 1:
+        raise ValueError(f"{call.name}: generation is never context-parallel; layout {c.layout} has context={c.c}")
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
     # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps.
@@ -517,13 +574,27 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     return _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
 
 
-def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
+def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, float, int]:
+    """(tokens, attention keys per token, sequences, micro-batches) of one forward of a train call's
+    update or of an inference call, per device: padded rows of prompt_len + gen_len, or packed rows
+    (`Workload.packed_shape`: every micro-batch's rows, padding in them included; each token attends
+    over its row's width, masked). Context parallelism splits each row's tokens over its c devices."""
     seqs = wl.call_seqs(call) / c.batch_ways
-    tokens = seqs * wl.seq_len
-    f = c.forward(tokens, wl.seq_len, seqs, wl.micro_batches(call))
+    if not wl.packed:
+        return seqs * wl.seq_len / c.c, wl.seq_len, seqs, wl.micro_batches(call)
+    shape = wl.packed_shape(call, c.batch_ways)
+    return shape.micro_batches * shape.rows * shape.width / c.c, shape.width, seqs, shape.micro_batches
+
+
+def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
+    tokens, keys, seqs, micro = forward_shape(c, wl, call)
+    f = c.forward(tokens, keys, seqs, micro)
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
-    return _finish(parts, f["flops"], f["hbm"], f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"])
+    if c.c > 1:
+        parts["context_comm"] = f["context_comm"]
+    return _finish(parts, f["flops"], f["hbm"],
+                   f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"] + f["context_bytes"])
 
 
 def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
@@ -537,15 +608,16 @@ def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None =
 def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw, lay = c.cfg, c.hw, c.layout
     steps = wl.minibatches * wl.ppo_epochs
-    seqs = wl.call_seqs(call) / c.batch_ways
-    tokens = seqs * wl.seq_len
-    micro = wl.micro_batches(call)
-    f = c.forward(tokens, wl.seq_len, seqs, micro)
+    tokens, keys, seqs, micro = forward_shape(c, wl, call)
+    f = c.forward(tokens, keys, seqs, micro)
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
     # forward, backward = 2 forwards (input and weight gradients), recomputed forward; under LoRA the
     # frozen base has no weight gradients, so the backward is about one forward (the adapters are tiny)
     passes = (2 if cfg.lora else 3) + recompute
     tp_passes = 2 + recompute  # forward, backward, recomputed forward all-reduce activations
+    # ring attention: the forward's and the recomputed forward's rings, and the backward's (each block with
+    # its key/value gradients: twice the bytes)
+    ring_passes = 3 + recompute
     # FSDP: gather weights for forward and backward, reduce-scatter gradients, per micro-batch run.
     fsdp = 3 * f["fsdp_comm"]
     pb = DTYPE_BYTES[cfg.param_dtype]
@@ -566,8 +638,11 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         "optimizer": opt_bytes / c.mem_bw + hw.kernel_latency * OPS_PER_LAYER,
         "overhead": passes * f["overhead"],
     }
+    if c.c > 1:
+        per_step["context_comm"] = ring_passes * f["context_comm"]
     parts = {k: v * steps for k, v in per_step.items()}
     comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
+                    + ring_passes * f["context_bytes"]
                     + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
@@ -653,7 +728,11 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
     stages side by side, or one after another where they share a host's cores (on 8 CPU devices
     that priced a 2-stage call 1.66 s against 1.77 s measured; the formulas, scaled, gave 0.55 s)."""
     key = model_key(cfg, call.head)
-    rows, micro = wl.call_seqs(call), wl.micro_batches(call)
+    rows, length, micro = wl.call_seqs(call), wl.seq_len, wl.micro_batches(call)
+    if wl.packed and call.kind != "generate":  # the packed rows of every micro-batch, as wide as they are
+        ways = layout.data * layout.fsdp
+        shape = wl.packed_shape(call, ways)
+        rows, length, micro = shape.micro_batches * shape.rows * ways, shape.width, shape.micro_batches
     stages = layout.stage
     if stages > 1:
         devices, layout = devices // stages, Layout(layout.data, layout.fsdp, layout.tensor)
@@ -663,9 +742,9 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
 
     def passes(t) -> float:
         if stages == 1:
-            return t.split_seconds(rows, wl.seq_len, micro)
+            return t.split_seconds(rows, length, micro)
         at_once = 1 if hw.shares_cores else stages
-        return (micro + stages - 1) * t.seconds(rows / micro, wl.seq_len) / at_once
+        return (micro + stages - 1) * t.seconds(rows / micro, length) / at_once
 
     if call.kind == "generate":
         pre, dec = table("prefill"), table("decode")

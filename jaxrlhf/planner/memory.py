@@ -103,7 +103,12 @@ def head_gather_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
 
 
 def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) -> dict[str, float]:
-    """Bytes one device needs on top of resident parameters while `call` runs."""
+    """Bytes one device needs on top of resident parameters while `call` runs.
+
+    Context parallelism (layout.context = c > 1, train and inference) divides every activation by c: a
+    device holds T / c tokens of each sequence, and ring attention scores its queries against one block
+    of T / c keys at a time (its backward recomputes them, keeping no score matrix), with a second
+    key/value block arriving beside the one it attends to."""
     head = call.head
     t = layout.tensor
     batch_ways = layout.data * layout.fsdp
@@ -120,11 +125,19 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(
             cfg, head, _logit_tokens(call, tok, wl), t, 1)
         return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered + head_gathered}
-    tok = _tokens_per_micro(call, seqs, wl.seq_len, wl)
+    micro = wl.micro_batches(call)
+    tok = _tokens_per_micro(call, seqs, wl.seq_len, wl) / layout.context
     logit_tok = _logit_tokens(call, tok, wl)
+    keys = wl.seq_len / layout.context  # the keys one score matrix holds: a ring's block
+    if wl.packed:  # a micro-batch's packed rows; logits only where they are read (each slot's response)
+        shape = wl.packed_shape(call, batch_ways)
+        micro, keys = shape.micro_batches, shape.width / layout.context
+        tok = shape.rows * shape.width / layout.context
+        logit_tok = shape.slots * wl.gen_len
+    ring = tok * _per_token_widths(cfg, t)[2] * ab if layout.context > 1 else 0.0  # the block arriving
     # Pipeline: the current micro-batch's activation and the one arriving from the previous stage.
     hand_off = 2 * tok * cfg.hidden_size * ab if layout.stage > 1 else 0.0
-    staged_micro = wl.micro_batches(call) if layout.stage > 1 else 1
+    staged_micro = micro if layout.stage > 1 else 1
     if layout.stage > 1:
         # The runtime pipelines inside one forward over the whole minibatch (models/pipeline.py):
         # the embedded input and the M + S - 1 collected outputs are whole-batch arrays on every
@@ -134,18 +147,18 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
         logit_tok *= m
     if call.kind == "inference":
-        act = layer_live_bytes(cfg, tok, wl.seq_len, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
-        out = {"activations": act + hand_off, "fsdp_buffers": gathered + head_gathered}
+        act = layer_live_bytes(cfg, tok, keys, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
+        out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
         if cfg.unrolls_layers and layout.stage == 1:
             # an unrolled layer loop slices every layer's weights out of the stack before the first
             # layer runs (`models.config.UNROLL_MAX_LAYERS`): one more copy of this device's layer shards
             out["layer_copies"] = layer_bytes * cfg.num_layers / (layout.fsdp * t)
         return out
-    layer = layer_saved_bytes(cfg, tok, wl.seq_len, t)
+    layer = layer_saved_bytes(cfg, tok, keys, t)
     # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
     # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined
     # keep only one micro-batch's, as gradient accumulation frees them after each).
-    kept = (wl.micro_batches(call) + layout.stage - 1) * cfg.num_layers / layout.stage if layout.stage > 1 \
+    kept = (micro + layout.stage - 1) * cfg.num_layers / layout.stage if layout.stage > 1 \
         else cfg.num_layers
     remat = wl.remat_for(call.role)
     if remat == "full":  # layer inputs kept, one layer recomputed at a time
@@ -154,11 +167,11 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         saved = kept * layer_matmul_bytes(cfg, tok, layout.tensor) + layer
     else:
         saved = kept * layer
-    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off
+    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off + ring
     grads = trained_shard_bytes(cfg, head, layout)  # under LoRA: the adapters' gradients only
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
-    if wl.micro_batches(call) > 1 and staged_micro == 1:
+    if micro > 1 and staged_micro == 1:
         # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
         out["gradient_accumulator"] = trained_shard_count(cfg, head, layout) * 4
     if not wl.donate:  # new params and optimizer state are written beside the old ones

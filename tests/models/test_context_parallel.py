@@ -2,6 +2,8 @@
 whole model's logits and gradients through a placed jit with a context degree, and the `context` axis of
 layouts, plan files and plan validation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +201,41 @@ def test_context_degree_that_does_not_divide_the_sequence_is_a_clear_error():
         with pytest.raises(ValueError, match=r"over 4 devices .* sequence length 30: pad .* \(e.g. 32\)"):
             jax.eval_shape(lambda q, k, v: context.ring_attention(q, k, v, jnp.ones((2, 30), bool), None, CFG,
                                                                   False), q, kv, kv)
+
+
+def test_cost_and_memory_models_price_the_context_axis():
+    from jaxrlhf.graph import CallSpec
+    from jaxrlhf.planner.cost import Workload, call_cost, kv_bytes_per_token
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.memory import working_set
+    from jaxrlhf.models.config import preset
+
+    cfg, hw = preset("llama2-7b"), get_profile("h100")
+    wl = Workload(batch_size=8, prompt_len=4096, gen_len=4096, minibatches=1)
+    inf, train = CallSpec("ref.inference", "ref", "inference"), CallSpec("actor.train", "actor", "train")
+
+    def cost(call, layout, hw=hw):
+        return call_cost(call, cfg, DeviceGroup("g", 0, layout.num_devices), layout, wl, hw)
+
+    for call in (inf, train):
+        one, ring = cost(call, Layout()), cost(call, Layout(context=4))
+        # per-device tokens divided by the degree: a quarter of the FLOPs (each query still sees all keys)
+        assert ring.flops == pytest.approx(one.flops / 4, rel=1e-9)
+        assert "context_comm" in ring.parts and "context_comm" not in one.parts
+        act = working_set(call, cfg, Layout(context=4), wl)["activations"]
+        assert act < working_set(call, cfg, Layout(), wl)["activations"] / 3.5
+    # per layer and forward: 3 passes of the device's K/V block (2048 tokens' keys and values)
+    block = wl.batch_size * wl.seq_len / 4 * kv_bytes_per_token(cfg) / cfg.num_layers
+    assert cost(inf, Layout(context=4)).collective_bytes == pytest.approx(3 * cfg.num_layers * block)
+    # train (full remat, the default): forward, recomputed forward and backward (twice the bytes)
+    assert wl.remat_for("actor") == "full"
+    steps = wl.minibatches * wl.ppo_epochs
+    assert cost(train, Layout(context=4)).collective_bytes == pytest.approx(steps * 4 * 3 * cfg.num_layers * block)
+    # a pass overlaps the attention over the block before it: on H100 links (180 GB/s as priced) a Llama-2
+    # block (32 kv heads) hides its pass from ~3300 tokens on (593 TFLOP/s / 180 GB/s), so 2048-token blocks
+    # expose part of it, 8192-token blocks none, unless the link is slow
+    assert cost(inf, Layout(context=4)).parts["context_comm"] > 0.0
+    wl = Workload(batch_size=2, prompt_len=16384, gen_len=16384, minibatches=1)
+    assert cost(inf, Layout(context=4)).parts["context_comm"] == 0.0
+    slow = dataclasses.replace(hw, name="slow", intra_host_bandwidth=hw.intra_host_bandwidth / 10)
+    assert cost(inf, Layout(context=4), slow).parts["context_comm"] > 0.0
