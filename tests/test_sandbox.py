@@ -280,6 +280,28 @@ def test_the_parents_environment_does_not_reach_the_run(battery):
     assert SECRET not in v.stderr_tail and "TMPDIR" in v.stderr_tail
 
 
+def test_without_namespaces_the_limits_and_guards_still_hold(monkeypatch, tmp_path):
+    """The path of a machine without user namespaces: no network, PID or mount namespace, only the
+    limits, the session kill, the own uid (as root) and the in-interpreter guard."""
+    monkeypatch.setattr(sandbox, "_unshare_works", lambda uid, python: False)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    cases = [
+        ("def add(a, b):\n    return a + b\n", ADD_TESTS),
+        (f"open({str(victim)!r}, 'a').write('pwned')\n", "assert True\n"),
+        ("import socket\nsocket.socket()\n", "assert True\n"),
+        ("import os\nwhile True:\n    os.fork()\n", "assert True\n"),
+    ]
+    limits = SandboxLimits(cpu_seconds=2, timeout_seconds=6, max_processes=8)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        verdicts = list(pool.map(lambda case: run_sandboxed(*case, limits), cases))
+    assert [(v.status, v.limit) for v in verdicts] == [
+        ("ok", None), ("filesystem", "filesystem"), ("network", "network"), ("processes", "max_processes")]
+    assert not any(v.isolation["network_namespace"] or v.isolation["read_only_view"] for v in verdicts)
+    assert victim.read_text() == "original"
+    assert _sandbox_processes() == []
+
+
 # ---------------------------------------------------------------- the sandboxed_python rule
 
 

@@ -62,6 +62,7 @@ import ast
 import dataclasses
 import json
 import os
+import resource
 import secrets
 import selectors
 import shutil
@@ -408,13 +409,9 @@ def _interpreter(limits: SandboxLimits, uid: int | None) -> str:
     return sys.executable
 
 
-def _drop_to(uid: int | None):
-    def preexec() -> None:
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-    return preexec
+def _as(uid: int | None) -> dict[str, Any]:
+    """Popen's arguments that start the child as `uid` (done in C between fork and exec)."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
 def _unshare_works(uid: int | None, python: str) -> bool:
@@ -425,7 +422,7 @@ def _unshare_works(uid: int | None, python: str) -> bool:
         if shutil.which("unshare"):
             try:
                 proc = subprocess.run([*UNSHARE, python, "-I", "-S", "-c", "pass"], env={"PATH": "/usr/bin:/bin"},
-                                      capture_output=True, timeout=20, preexec_fn=_drop_to(uid), cwd="/")
+                                      capture_output=True, timeout=20, cwd="/", **_as(uid))
                 ok = proc.returncode == 0
             except (OSError, subprocess.SubprocessError):
                 ok = False
@@ -447,18 +444,14 @@ def _user_task_count(uid: int) -> int:
     return count
 
 
-def _kill_uid(uid: int) -> None:
-    """Kill every process of `uid` (root path): a child that takes that uid and signals -1."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+def _kill_uid(uid: int, python: str) -> None:
+    """Kill every process of `uid` (root path): a process of that uid that signals -1."""
+    try:
+        subprocess.run([python, "-I", "-S", "-c", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+                        "except ProcessLookupError:\n    pass"], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                       capture_output=True, timeout=20, **_as(uid))
+    except (OSError, subprocess.SubprocessError):
+        pass
 
 
 def _rmtree(path: str) -> None:
@@ -481,7 +474,7 @@ def run_sandboxed(code: str, tests: str, limits: SandboxLimits | None = None) ->
     start = time.monotonic()
     try:
         names = tests_in(tests)
-    except SyntaxError as exc:
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte
         return Verdict(0, 0, "error", stderr_tail=f"the tests do not parse: {exc}")
     if not names:
         return Verdict(0, 0, "error", stderr_tail="the tests hold no assert statement and no test_* function")
@@ -495,12 +488,13 @@ def run_sandboxed(code: str, tests: str, limits: SandboxLimits | None = None) ->
             slot = free[0]
             _UIDS_IN_USE.add(slot)
     uid = SANDBOX_UID_BASE + slot if slot is not None else None
+    python = _interpreter(limits, uid)
     folder = tempfile.mkdtemp(prefix="jaxrlhf-sandbox-")
     try:
-        verdict = _run_in(folder, code, tests, names, limits, uid, start)
+        verdict = _run_in(folder, code, tests, names, limits, uid, python, start)
     finally:
         if uid is not None:
-            _kill_uid(uid)
+            _kill_uid(uid, python)
         _rmtree(folder)
         if slot is not None:
             with _UID_LOCK:
@@ -509,8 +503,7 @@ def run_sandboxed(code: str, tests: str, limits: SandboxLimits | None = None) ->
 
 
 def _run_in(folder: str, code: str, tests: str, names: list[str], limits: SandboxLimits, uid: int | None,
-            start: float) -> Verdict:
-    python = _interpreter(limits, uid)
+            python: str, start: float) -> Verdict:
     for name, text in (("solution.py", code), ("tests.py", tests), ("harness.py", HARNESS)):
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
@@ -527,16 +520,13 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
     env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": os.path.join(folder, "tmp"), "LANG": "C.UTF-8"}
     cpu = max(1, int(limits.cpu_seconds + 0.999))
 
-    def preexec() -> None:
-        import resource
-
+    def preexec() -> None:  # after the switch to `uid`; lowering limits needs no privilege
         os.umask(0o077)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        _drop_to(uid)()
 
     read_fd, write_fd = os.pipe()
     argv = [python, "-I", "-S", "harness.py", str(write_fd)]
@@ -545,7 +535,7 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
     token = secrets.token_hex(16)
     try:
         proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(write_fd,), preexec_fn=preexec,
+                                stderr=subprocess.PIPE, pass_fds=(write_fd,), preexec_fn=preexec, **_as(uid),
                                 start_new_session=True)
     except OSError as exc:
         os.close(read_fd)
