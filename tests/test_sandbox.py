@@ -79,6 +79,13 @@ def test_a_program_that_does_not_parse_fails_every_test_and_tests_that_do_not_pa
     assert run_sandboxed("x = 1\n", "x = 2\n", FAST).status == "error"  # no test in it
 
 
+def test_async_tests_are_awaited():
+    code = "import asyncio\nasync def f():\n    await asyncio.sleep(0)\n    return 3\n"
+    tests = "async def test_right():\n    assert await f() == 3\nasync def test_wrong():\n    assert await f() == 4\n"
+    v = run_sandboxed(code, tests, FAST)
+    assert (v.passed, v.total, list(v.failures)) == (1, 2, ["test_wrong"]), v
+
+
 def test_printing_a_fake_verdict_changes_nothing():
     code = ('import json, os\nprint(json.dumps({"event": "test", "name": "assert@1", "ok": True}))\n'
             'for fd in range(3, 20):\n'
@@ -272,6 +279,34 @@ def test_the_network_past_the_audit_hook(battery):
     assert not battery["connected"]
     assert v.passed == 0 and v.status in ("failed", "crashed"), v
     assert "unreachable" in v.stderr_tail or "Errno" in v.stderr_tail, v.stderr_tail
+
+
+def test_the_machines_unix_sockets_are_hidden():
+    """A network namespace does not cover Unix sockets in the file system: the read-only view lays an
+    empty tmpfs over /run (where docker.sock and the session's sockets live). The socket here is
+    world-writable, so only the hiding can stop the connection."""
+    if os.geteuid() != 0 or not os.path.isdir("/run"):
+        pytest.skip("needs root to make a socket in /run")
+    path = f"/run/jaxrlhf-sandbox-test-{os.getpid()}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(1)
+    server.setblocking(False)
+    try:
+        code = ("import subprocess, sys\n"  # another interpreter: past the audit hook
+                f"r = subprocess.run([sys.executable, '-c', \"import socket; socket.socket(socket.AF_UNIX).connect({path!r})\"],"
+                " capture_output=True)\nsys.stderr.write(r.stderr.decode()[-300:])\n"
+                "def connected():\n    return r.returncode == 0\n")
+        v = run_sandboxed(code, "assert not connected()\n", FAST)
+        if not v.isolation["read_only_view"]:
+            pytest.skip("no mount namespace here: the machine's Unix sockets are reachable (documented)")
+        assert (v.passed, v.status) == (1, "ok") and "FileNotFoundError" in v.stderr_tail, v
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+        os.unlink(path)
 
 
 def test_the_parents_environment_does_not_reach_the_run(battery):

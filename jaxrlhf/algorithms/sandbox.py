@@ -7,7 +7,7 @@ The tests are Python source: every top-level `assert` statement is one test, eve
 function `test_*` is one test (called with no arguments after the top level has run; the last
 definition of a name counts); other top-level statements (imports, helpers) run as setup. The
 tests run in the candidate's namespace, after the candidate's code, so they call its functions by
-name. A test passes when it raises nothing.
+name. A test passes when it raises nothing; an `async def test_*` is run with asyncio.
 
 What each run gets (the `isolation` field of a `Verdict` says which of these were in force):
 
@@ -28,10 +28,13 @@ What each run gets (the `isolation` field of a `Verdict` says which of these wer
   past Python), a PID namespace (the run sees only its own processes in a fresh /proc, cannot
   signal anything outside, and when its first process ends the kernel kills every process in it,
   also those that called setsid), and a mount namespace in which every mount is read-only except
-  the run's folder; the process that runs the program then enters a user namespace below that one,
-  so the kernel locks those mounts read-only (the program cannot remount them writable);
-- always, inside the interpreter: an audit hook that refuses socket creation and opening or
-  changing files outside the run's folder. This is a best effort, NOT a security boundary: code
+  the run's folder and an empty tmpfs hides /run, /var/run and /tmp/.X11-unix (the Unix sockets
+  of the machine's services and the user's session); the process that runs the program then
+  enters a user namespace below that one, so the kernel locks those mounts (the program cannot
+  remount them writable or unmount one);
+- always, inside the interpreter: an audit hook that refuses network sockets (a socketpair is
+  allowed, for asyncio), connect/bind/sendto on any socket, and opening or changing files outside
+  the run's folder. This is a best effort, NOT a security boundary: code
   that calls libc through ctypes, or runs another program, gets past it. It names the block in the
   verdict (status "network" or "filesystem"); the kernel mechanisms above are what contain.
 
@@ -44,6 +47,9 @@ What it does NOT protect against (read docs/agentic.md before pointing it at unt
   survives the process-group kill;
 - with a uid of its own but without user namespaces: writes to world-writable places (/tmp,
   /dev/shm), bounded per file by RLIMIT_FSIZE, not in total;
+- Unix sockets outside the hidden places that the run's uid may connect to (as a non-root
+  trainer: the user's own, e.g. in /tmp), also with namespaces: a read-only mount does not stop
+  a connect();
 - as a non-root user, RLIMIT_NPROC counts every process and thread of the user, so the limit is set
   to the user's current count plus `max_processes` (racy when other work starts processes);
   concurrent runs as root each have their own uid and their own count;
@@ -167,7 +173,6 @@ def _harness():
     os.close(_null)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
-
     def emit(**record):
         record["token"] = TOKEN
         data = (json.dumps(record) + "\n").encode()
@@ -176,20 +181,17 @@ def _harness():
         except OSError:
             pass
 
-
     class NetworkBlocked(PermissionError):
         pass
-
 
     class WriteBlocked(PermissionError):
         pass
 
-
+    socket_family_unix = 1  # AF_UNIX on Linux
     HOME = os.path.realpath(os.getcwd())
     WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
     CHANGES = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
                "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile")
-
 
     def outside(path):
         if isinstance(path, int):
@@ -197,9 +199,10 @@ def _harness():
         path = os.path.realpath(os.fsdecode(path))
         return path != os.devnull and not (path == HOME or path.startswith(HOME + os.sep))
 
-
     def audit(event, args):
-        if event == "socket.__new__":
+        if event == "socket.__new__" and args[1] != socket_family_unix:  # a socketpair (asyncio's) is local
+            raise NetworkBlocked("network access is blocked in the sandbox")
+        if event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"):
             raise NetworkBlocked("network access is blocked in the sandbox")
         if event == "open" and args and not isinstance(args[0], int):
             mode, flags = args[1], args[2]
@@ -211,15 +214,12 @@ def _harness():
                 if isinstance(path, (str, bytes, os.PathLike)) and outside(path):
                     raise WriteBlocked(f"changing files outside the run's folder is blocked: {path!r}")
 
-
     MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
     MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
     CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 
-
     def _unescape(path):
         return path.encode().decode("unicode_escape")  # mountinfo writes a space as \040
-
 
     def read_only_view():
         """In the run's own user and mount namespaces: every mount read-only but the run's folder (a bind
@@ -242,8 +242,13 @@ def _harness():
                 flags |= MOUNT_FLAGS.get(option, 0)
             if libc.mount(None, point.encode(), None, flags, None) != 0:
                 failed.append(f"{point}: {os.strerror(ctypes.get_errno())}")
+        # the Unix sockets of the machine's services and of the user's session live here (a network
+        # namespace does not cover sockets in the file system): an empty read-only tmpfs over them
+        for place in sorted({os.path.realpath(p) for p in ("/run", "/var/run", "/tmp/.X11-unix")}):
+            if os.path.isdir(place) and not (HOME == place or HOME.startswith(place + "/")):
+                if libc.mount(b"none", place.encode(), b"tmpfs", MS_RDONLY | 2 | 4 | 8, b"size=4k") != 0:
+                    failed.append(f"tmpfs over {place}: {os.strerror(ctypes.get_errno())}")
         return failed
-
 
     def lock_view():
         """A user namespace below ours, with its own copy of the mounts: the kernel locks the read-only
@@ -255,7 +260,6 @@ def _harness():
         for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-
 
     def limit_of(exc):
         if isinstance(exc, MemoryError):
@@ -269,7 +273,6 @@ def _harness():
         if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
             return "max_file_bytes"
         return None
-
 
     def run_tests():
         sys.addaudithook(audit)
@@ -312,14 +315,16 @@ def _harness():
                     emit(event="test", name=name, ok=True)
         for name in functions:
             try:
-                ns[name]()
+                result = ns[name]()
+                if type(result).__name__ == "coroutine":  # an async def test_*
+                    import asyncio
+                    asyncio.run(result)
             except BaseException as exc:
                 note(exc)
                 emit(event="test", name=name, ok=False, error=repr(exc)[:300])
             else:
                 emit(event="test", name=name, ok=True)
         emit(event="done")
-
 
     VIEW = len(sys.argv) > 2 and sys.argv[2] == "namespaces" and os.getpid() == 1
     if VIEW:
