@@ -365,6 +365,7 @@ def test_extract_program_takes_the_last_python_block_else_the_text():
     assert extract_program("a\n```python\nx = 1\n```\nb\n```python\nx = 2\n```\n") == "x = 2\n"
     assert extract_program("```py\ny = 3\n```") == "y = 3\n"
     assert extract_program("x = 1  # no fence") == "x = 1  # no fence"
+    assert extract_program("```python\nx = 1\n```\nthen\n```python\ndef f():\n    return") == "def f():\n    return"
 
 
 # ---------------------------------------------------------------- the remote rule

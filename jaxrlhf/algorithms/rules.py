@@ -155,16 +155,14 @@ def length_penalty(*, prompt: str, response: str, answer: str | None, max_chars:
 
 # ---------------------------------------------------------------- rules that run outside the step
 
-_PYTHON_BLOCK = re.compile(r"```(?:python|py|python3)[ \t]*\r?\n(.*?)```", re.DOTALL)
+_PYTHON_BLOCK = re.compile(r"```(?:python3|python|py)[ \t]*\r?\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 def extract_program(text: str) -> str:
-    """The last ```python fenced block of `text` (the final answer), else the whole text."""
+    """The last ```python fenced block of `text` (the final answer; one the response ends inside, cut
+    off by the token limit, runs to the end), else the whole text."""
     blocks = _PYTHON_BLOCK.findall(text)
     return blocks[-1] if blocks else text
-
-
-_BLOCKED = frozenset({"file_size", "output", "network", "filesystem"})
 
 
 def _sandbox_score(verdict: sandbox.Verdict, all_or_nothing: bool, failure: float) -> RuleScore:
