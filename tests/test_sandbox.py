@@ -137,18 +137,23 @@ def _hostile(tmp: Path, port: int) -> dict[str, tuple[str, str, SandboxLimits]]:
             "timeout=1)\"], capture_output=True)\n"
             "assert r.returncode == 0, r.stderr.decode()[-200:]\n", tests, FAST),
         # reads every environment it can reach; the tests check the parent's secret is not in it
+        # reads its own environment and every other process's it can reach; the tests check the
+        # parent's secret is in neither
         "reads_environment": (
-            "import os\n"
-            "def leak():\n"
-            "    seen = [repr(dict(os.environ))]\n"
+            "import os, sys\n"
+            "def own():\n"
+            "    return repr(dict(os.environ))\n"
+            "def others():\n"
+            "    seen = []\n"
             "    for pid in os.listdir('/proc'):\n"
             "        try:\n"
             "            seen.append(open(f'/proc/{pid}/environ', 'rb').read().decode('latin-1'))\n"
             "        except (OSError, ValueError):\n"
             "            pass\n"
             "    return '\\n'.join(seen)\n"
-            "import sys\nsys.stderr.write(leak()[-1500:])\n",
-            f"assert 'TMPDIR' in leak()\nassert {SECRET!r} not in leak()\n", FAST),
+            "sys.stderr.write(own() + others()[-1000:])\n",
+            f"assert 'TMPDIR' in own()\nassert {SECRET!r} not in own()\n"
+            f"def test_other_processes():\n    assert {SECRET!r} not in others()\n", FAST),
     }
 
 
@@ -165,6 +170,9 @@ def battery(tmp_path_factory):
     before = _sandbox_leftovers()
     mp = pytest.MonkeyPatch()
     mp.setenv("JAXRLHF_SANDBOX_TEST_SECRET", SECRET)
+    # a process started with the secret in its environment, as a trainer's is (/proc/PID/environ
+    # shows the environment a process started with, not what it set later)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ))
     cases = _hostile(tmp, listener.getsockname()[1])
     start = time.monotonic()
     try:
@@ -173,6 +181,8 @@ def battery(tmp_path_factory):
             verdicts = {name: f.result() for name, f in futures.items()}
     finally:
         mp.undo()
+        holder.kill()
+        holder.wait()
     seconds = time.monotonic() - start
     try:
         listener.accept()
@@ -311,8 +321,12 @@ def test_the_machines_unix_sockets_are_hidden():
 
 def test_the_parents_environment_does_not_reach_the_run(battery):
     v = battery["verdicts"]["reads_environment"]
-    assert (v.passed, v.total, v.status) == (2, 2, "ok"), v  # it saw its own environment, not the secret
-    assert SECRET not in v.stderr_tail and "TMPDIR" in v.stderr_tail
+    assert SECRET not in v.stderr_tail and "TMPDIR" in v.stderr_tail  # its own environment, minimal
+    if not (v.isolation["own_uid"] or v.isolation["pid_namespace"]):
+        # the same uid, the same /proc: another process's environment is readable (documented)
+        assert v.passed >= 2 and set(v.failures) <= {"test_other_processes"}, v
+        pytest.skip("neither root nor a PID namespace: the user's other processes' environments are readable")
+    assert (v.passed, v.total, v.status) == (3, 3, "ok"), v
 
 
 def test_without_namespaces_the_limits_and_guards_still_hold(monkeypatch, tmp_path):
