@@ -1,7 +1,7 @@
 """Run a Python program against tests in the reward sandbox and print the verdict as JSON.
 
     python -m jaxrlhf.sandbox --code FILE --tests FILE [--timeout S] [--cpu-seconds S]
-        [--memory-mb N] [--max-processes N] [--max-file-mb N] [--output-kb N] [--extract]
+        [--memory-mb N] [--max-processes N] [--max-file-mb N] [--output-kb N] [--folder-mb N] [--extract]
 
 The run is the one the `sandboxed_python` reward rule makes (`jaxrlhf.algorithms.sandbox`; what
 it contains and what it does not: docs/agentic.md). `--extract` takes the program from FILE's last
@@ -35,6 +35,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-processes", type=int, default=d.max_processes, help="processes and threads")
     p.add_argument("--max-file-mb", type=float, default=d.max_file_bytes / 2**20, help="largest file written")
     p.add_argument("--output-kb", type=float, default=d.output_bytes / 2**10, help="stdout + stderr cap")
+    p.add_argument("--folder-mb", type=float, default=d.folder_bytes / 2**20,
+                   help="the run's folder (a tmpfs of this size where mount namespaces work)")
     p.add_argument("--python", default=None, help="the interpreter (default: this one where the sandbox can run it)")
     p.add_argument("--extract", action="store_true", help="take the program from the last ```python block")
     return p.parse_args(argv)
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = SandboxLimits(cpu_seconds=args.cpu_seconds, memory_bytes=int(args.memory_mb * 2**20),
                                max_processes=args.max_processes, max_file_bytes=int(args.max_file_mb * 2**20),
                                timeout_seconds=args.timeout, output_bytes=int(args.output_kb * 2**10),
-                               python=args.python)
+                               folder_bytes=int(args.folder_mb * 2**20), python=args.python)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

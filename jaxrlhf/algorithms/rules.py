@@ -174,31 +174,32 @@ def _sandbox_score(verdict: sandbox.Verdict, all_or_nothing: bool, failure: floa
 
 
 def _sandbox_limits(timeout: float, cpu_seconds: float, memory_mb: float, max_processes: int, max_file_mb: float,
-                    output_kb: float) -> sandbox.SandboxLimits:
+                    output_kb: float, folder_mb: float) -> sandbox.SandboxLimits:
     return sandbox.SandboxLimits(cpu_seconds=cpu_seconds, memory_bytes=int(memory_mb * 2**20),
                                  max_processes=int(max_processes), max_file_bytes=int(max_file_mb * 2**20),
-                                 timeout_seconds=timeout, output_bytes=int(output_kb * 2**10))
+                                 timeout_seconds=timeout, output_bytes=int(output_kb * 2**10),
+                                 folder_bytes=int(folder_mb * 2**20))
 
 
 @register_reward("sandboxed_python")
 def sandboxed_python(
     *, prompt: str, response: str, answer: str | None, all_or_nothing: bool = False, failure: float = 0.0,
     timeout: float = 10.0, cpu_seconds: float = 5.0, memory_mb: float = 512, max_processes: int = 16,
-    max_file_mb: float = 16, output_kb: float = 1024, workers: int = 2,
+    max_file_mb: float = 16, output_kb: float = 1024, folder_mb: float = 64, workers: int = 2,
 ) -> float:
     """The fraction of the row's tests (its reference answer: asserts and test_* functions) that the
     response's program passes in a sandboxed subprocess (`jaxrlhf.algorithms.sandbox`).
 
     The program is the response's last ```python fenced block, else the whole response.
     `all_or_nothing=True` scores 1 only when every test passes. A run that hits a limit (time, CPU,
-    memory, processes, file size, output), is blocked (network, writes outside its folder),
+    memory, processes, file size, folder size, output), is blocked (network, writes outside its folder),
     crashes or cannot run scores `failure` instead, counted as `failure` and by kind. `workers`:
     the sandboxes a batch runs at once.
     """
     del prompt, workers
     if answer is None:
         raise ValueError("reward 'sandboxed_python' needs the tests as the reference answer (data.answer_key)")
-    limits = _sandbox_limits(timeout, cpu_seconds, memory_mb, max_processes, max_file_mb, output_kb)
+    limits = _sandbox_limits(timeout, cpu_seconds, memory_mb, max_processes, max_file_mb, output_kb, folder_mb)
     return _sandbox_score(sandbox.run_sandboxed(extract_program(response), answer, limits), all_or_nothing, failure)
 
 

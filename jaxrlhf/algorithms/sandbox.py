@@ -27,8 +27,9 @@ What each run gets (the `isolation` field of a `Verdict` says which of these wer
   network namespace (no interface but a down loopback: no network at all, also for code that gets
   past Python), a PID namespace (the run sees only its own processes in a fresh /proc, cannot
   signal anything outside, and when its first process ends the kernel kills every process in it,
-  also those that called setsid), and a mount namespace in which every mount is read-only except
-  the run's folder and an empty tmpfs hides /run, /var/run and /tmp/.X11-unix (the Unix sockets
+  also those that called setsid), and a mount namespace in which the run's folder is a tmpfs of
+  `folder_bytes` (nothing the program writes reaches the disk), every other mount is read-only,
+  and an empty tmpfs hides /run, /var/run and /tmp/.X11-unix (the Unix sockets
   of the machine's services and the user's session); the process that runs the program then
   enters a user namespace below that one, so the kernel locks those mounts (the program cannot
   remount them writable or unmount one);
@@ -45,8 +46,9 @@ What it does NOT protect against (read docs/agentic.md before pointing it at unt
   network (only the audit hook refuses sockets), the parent's environment through
   /proc/PID/environ of the user's other processes, and a process that leaves the session (setsid)
   survives the process-group kill;
-- with a uid of its own but without user namespaces: writes to world-writable places (/tmp,
-  /dev/shm), bounded per file by RLIMIT_FSIZE, not in total;
+- without user namespaces: the size of the run's folder (many files, each under RLIMIT_FSIZE,
+  can fill its disk until the run ends), and with a uid of its own writes to world-writable
+  places (/tmp, /dev/shm), bounded per file by RLIMIT_FSIZE, not in total;
 - Unix sockets outside the hidden places that the run's uid may connect to (as a non-root
   trainer: the user's own, e.g. in /tmp), also with namespaces: a read-only mount does not stop
   a connect();
@@ -81,8 +83,8 @@ import threading
 import time
 from typing import Any
 
-STATUSES = ("ok", "failed", "timeout", "memory", "processes", "file_size", "output", "network", "filesystem",
-            "crashed", "error")
+STATUSES = ("ok", "failed", "timeout", "memory", "processes", "file_size", "disk", "output", "network",
+            "filesystem", "crashed", "error")
 FAILURE_STATUSES = frozenset(STATUSES) - {"ok", "failed"}  # scored with a rule's failure value
 SANDBOX_UID_BASE = 1_879_000_000  # root path: the run in slot k has uid SANDBOX_UID_BASE + k
 SANDBOX_UID_SLOTS = 256
@@ -99,12 +101,14 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20  # RLIMIT_FSIZE: the largest file a process may write
     timeout_seconds: float = 10.0  # wall clock of the whole run; then the group is killed
     output_bytes: int = 1 << 20  # stdout + stderr; beyond it the run is killed (status "output")
+    folder_bytes: int = 64 << 20  # the run's folder: a tmpfs of this size where mount namespaces
+    #                               work (status "disk" when full); else a plain folder, no quota
     python: str | None = None  # the interpreter; None = this one, or /usr/bin/python3 when the
     #                            sandbox's uid cannot run this one (root path)
 
     def __post_init__(self) -> None:
         for name in ("cpu_seconds", "memory_bytes", "max_processes", "max_file_bytes", "timeout_seconds",
-                     "output_bytes"):
+                     "output_bytes", "folder_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -113,14 +117,15 @@ class SandboxLimits:
 class Verdict:
     """The outcome of one run: `passed` of `total` tests, and how the run ended.
 
-    isolation: which mechanisms were in force (`uid`, `own_uid`, `network_namespace`,
-    `pid_namespace`, `read_only_view` and `view_locked`, `nproc_limit`, `python`).
-
     status: "ok" (every test passed), "failed" (the tests ran, some failed), "timeout" (wall
-    clock or CPU), "memory", "processes", "file_size", "network" (a limit or a block was hit:
-    `limit` names the SandboxLimits field, or "network"), "output" (too much output), "crashed"
-    (the interpreter died before the tests finished), "error" (the run could not start, or the
-    tests do not parse).
+    clock or CPU), "memory", "processes", "file_size", "disk", "network", "filesystem" (a limit
+    or a block was hit: `limit` names the SandboxLimits field, or the block), "output" (too much
+    output), "crashed" (the interpreter died before the tests finished), "error" (the run could
+    not start, or the tests do not parse).
+
+    isolation: which mechanisms were in force (`uid`, `own_uid`, `network_namespace`,
+    `pid_namespace`, `read_only_view` and `view_locked`, `folder` ("tmpfs", "bind" or "plain"),
+    `nproc_limit`, `python`).
     """
 
     passed: int
@@ -221,15 +226,30 @@ def _harness():
     def _unescape(path):
         return path.encode().decode("unicode_escape")  # mountinfo writes a space as \040
 
-    def read_only_view():
-        """In the run's own user and mount namespaces: every mount read-only but the run's folder (a bind
-        mount of itself). Returns the mounts that could not be made read-only."""
+    def read_only_view(folder_bytes):
+        """In the run's own user and mount namespaces: the run's folder a tmpfs of `folder_bytes` (its
+        files copied in; else a bind mount of itself), every other mount read-only. Returns the
+        mounts that could not be made so, and how the folder is mounted."""
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         home = HOME.encode()
-        if libc.mount(home, home, None, MS_BIND | MS_REC, None) != 0:
-            return ["bind of the run's folder: " + os.strerror(ctypes.get_errno())]
-        os.chdir(HOME)  # into the bind mount: the old working directory is the folder below it
+        files = {}
+        for name in ("solution.py", "tests.py"):
+            with open(name, "rb") as f:
+                files[name] = f.read()
+        options = f"size={folder_bytes},mode=700".encode()
+        if libc.mount(b"tmpfs", home, b"tmpfs", 2 | 4, options) == 0:
+            folder = "tmpfs"
+            os.chdir(HOME)  # into the new mount: the old working directory is the folder below it
+            for name, data in files.items():
+                with open(name, "wb") as f:
+                    f.write(data)
+            os.mkdir("tmp")
+        elif libc.mount(home, home, None, MS_BIND | MS_REC, None) == 0:
+            folder = "bind"
+            os.chdir(HOME)
+        else:
+            return ["bind of the run's folder: " + os.strerror(ctypes.get_errno())], "none"
         failed = []
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split() for line in f.read().splitlines()]
@@ -248,7 +268,7 @@ def _harness():
             if os.path.isdir(place) and not (HOME == place or HOME.startswith(place + "/")):
                 if libc.mount(b"none", place.encode(), b"tmpfs", MS_RDONLY | 2 | 4 | 8, b"size=4k") != 0:
                     failed.append(f"tmpfs over {place}: {os.strerror(ctypes.get_errno())}")
-        return failed
+        return failed, folder
 
     def lock_view():
         """A user namespace below ours, with its own copy of the mounts: the kernel locks the read-only
@@ -272,6 +292,8 @@ def _harness():
             return "max_processes"
         if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
             return "max_file_bytes"
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return "folder_bytes"
         return None
 
     def run_tests():
@@ -326,13 +348,13 @@ def _harness():
                 emit(event="test", name=name, ok=True)
         emit(event="done")
 
-    VIEW = len(sys.argv) > 2 and sys.argv[2] == "namespaces" and os.getpid() == 1
+    VIEW = len(sys.argv) > 3 and sys.argv[3] == "namespaces" and os.getpid() == 1
     if VIEW:
         try:
-            failed = read_only_view()
+            failed, folder = read_only_view(int(sys.argv[2]))
         except Exception as exc:
-            failed = [repr(exc)]
-        emit(event="view", failed=failed)
+            failed, folder = [repr(exc)], "none"
+        emit(event="view", failed=failed, folder=folder)
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -521,7 +543,7 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
     nproc = limits.max_processes if uid is not None else _user_task_count(os.getuid()) + limits.max_processes
     isolation = {"uid": uid if uid is not None else os.getuid(), "own_uid": uid is not None,
                  "network_namespace": namespaces, "pid_namespace": namespaces, "nproc_limit": nproc,
-                 "python": python, "read_only_view": False, "view_locked": False}
+                 "python": python, "read_only_view": False, "view_locked": False, "folder": "plain"}
     env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": os.path.join(folder, "tmp"), "LANG": "C.UTF-8"}
     cpu = max(1, int(limits.cpu_seconds + 0.999))
 
@@ -534,7 +556,7 @@ def _run_in(folder: str, code: str, tests: str, names: list[str], limits: Sandbo
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
     read_fd, write_fd = os.pipe()
-    argv = [python, "-I", "-S", "harness.py", str(write_fd)]
+    argv = [python, "-I", "-S", "harness.py", str(write_fd), str(limits.folder_bytes)]
     if namespaces:
         argv = [*UNSHARE, *argv, "namespaces"]
     token = secrets.token_hex(16)
@@ -644,6 +666,7 @@ def _verdict(names: list[str], records: bytes, token: str, stderr: bytes, killed
             failed = rec.get("failed")
             isolation["read_only_view_failed"] = [str(f)[:200] for f in failed][:20] if isinstance(failed, list) else []
             isolation["read_only_view"] = failed == []
+            isolation["folder"] = str(rec.get("folder"))
         elif event == "locked":
             isolation["view_locked"] = True
     passed = sum(results.values())
@@ -661,7 +684,7 @@ def _verdict(names: list[str], records: bytes, token: str, stderr: bytes, killed
     elif hits:
         v.limit = hits[0]
         v.status = {"memory_bytes": "memory", "max_processes": "processes", "max_file_bytes": "file_size",
-                    "network": "network", "filesystem": "filesystem"}.get(hits[0], "crashed")
+                    "folder_bytes": "disk", "network": "network", "filesystem": "filesystem"}.get(hits[0], "crashed")
     elif not done:
         v.status = "crashed"
         if isinstance(code, int) and code < 0:
