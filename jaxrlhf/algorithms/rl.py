@@ -78,7 +78,7 @@ class RolloutAlgorithm(Algorithm):
 
     @property
     def packs(self) -> bool:
-        """Train and inference calls run packed rows (`algorithm.pack_sequences`, `algorithms.packing`)."""
+        """Train and inference calls run packed rows (`algorithm.pack_sequences`, `models.packing`)."""
         return self.cfg.algorithm.pack_sequences
 
     @property

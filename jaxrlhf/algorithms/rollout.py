@@ -55,7 +55,7 @@ from jaxrlhf.algorithms.rl import GENERATED, RESPONSE, SEQUENCE
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
-from jaxrlhf.algorithms.packing import pack_batch
+from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
@@ -534,8 +534,7 @@ class RolloutRuntime:
                 for p in prefixes:
                     tokens, mask = jax.device_get((responses[f"{p}response_tokens"], responses[f"{p}response_mask"]))
                     texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-                    parts = [rules.components(prompt=q, response=t, answer=a)
-                             for q, t, a in zip(prompts, texts, answers)]
+                    parts = rules.batch_components(prompts, texts, answers)  # a rule may score rows concurrently
                     out[f"{p}rule_scores"] = np.asarray([rules.combine(c) for c in parts], np.float32)
                     out[f"{p}rule_components"] = {n: np.asarray([c[n] for c in parts], np.float32)
                                                   for n in rules.names}
@@ -579,7 +578,7 @@ class RolloutRuntime:
         return steps
 
     def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None):
-        """The host step `pack_sequences`: the batch packed for each call that reads it (`algorithms.packing`):
+        """The host step `pack_sequences`: the batch packed for each call that reads it (`models.packing`):
         the inference calls' packing over the whole batch, each train call's over the minibatches its key
         draws (`update.minibatch_indices`, as the unpacked call draws them in its program)."""
         alg = self.cfg.algorithm
@@ -668,8 +667,7 @@ class RolloutRuntime:
         def scored(batch: Any, out: dict[str, Any]) -> list[dict[str, float]]:
             tokens, mask = jax.device_get((out["response_tokens"], out["response_mask"]))
             texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-            return [rules.components(prompt=q, response=t, answer=a)
-                    for q, t, a in zip(batch.prompts, texts, batch.answers)]
+            return rules.batch_components(batch.prompts, texts, batch.answers)
 
         totals: dict[str, float] = {}
         count = 0.0

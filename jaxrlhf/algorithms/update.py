@@ -127,7 +127,7 @@ def map_microbatches(fn: Callable[[Any], Any], batch: Any, micro_batch: int | No
     return merge_microbatches(out)
 
 
-# ---------------------------------------------------------------- packed batches (`algorithms.packing`)
+# ---------------------------------------------------------------- packed batches (`models.packing`)
 
 
 def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Array | None) -> Any:
@@ -242,7 +242,7 @@ def minibatch_updates(
     """Run the updates; stats are averaged over updates except the skip counters (summed).
 
     With `early_stop` the stop flag a loss returns skips that update and every later one. With
-    `packed` (`algorithms.packing`, arrays [s, U, K, ...]) update u trains on the sequences its
+    `packed` (`models.packing`, arrays [s, U, K, ...]) update u trains on the sequences its
     packing holds, in its packed micro-batches; the host drew those rows with `minibatch_indices`
     from the same key, so the updates see the same minibatches as unpacked ones.
     """

@@ -57,7 +57,7 @@ from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.lengths import lognormal_lengths
+from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.packing import PackedShape, packing_layout
 from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
 
@@ -89,7 +89,10 @@ def _packed_shape(wl: "Workload", kind: str, seqs_per_row: int, ways: int) -> Pa
         updates = np.concatenate([order] * wl.ppo_epochs)
     else:
         updates = np.arange(rows)[None]
-    shapes = [packing_layout(batch, updates, ways, wl.token_budget)[1] for batch in lengths]
+    # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`)
+    shapes = [packing_layout(batch, updates, ways, wl.prompt_len + response_width(int(batch.max()) - wl.prompt_len,
+                                                                                   wl.gen_len), wl.token_budget)[1]
+              for batch in lengths]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
     return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
                        slots=mean("slots"), width=mean("width"))

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
 from jaxrlhf.algorithms import build_algorithm, rollout
-from jaxrlhf.algorithms.packing import micro_batches, pack_batch, size_bucket
+from jaxrlhf.models.packing import micro_batches, pack_batch, size_bucket
 from jaxrlhf.algorithms.stats import RunningMoments
 from jaxrlhf.algorithms.update import minibatch_indices
 from jaxrlhf.metrics import read_metrics
@@ -53,22 +53,22 @@ def test_size_buckets():
 
 
 def test_a_packing_by_hand():
-    # three sequences of 3, 2 and 4 real tokens (prompt 2 + response 1, 2, 2), one shard, rows of 16
+    # three sequences of 3, 2 and 4 real tokens, one shard
     mask = np.array([[0, 1, 1, 1, 0],    # prompt 2 (one pad), response 1
                      [0, 0, 1, 1, 0],    # prompt 1, response 1 ... and a second prompt pad
                      [1, 1, 1, 1, 0]], bool)
     tokens = np.arange(15, dtype=np.int32).reshape(3, 5) + 100
     positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
     out, stats = pack_batch(mask, tokens, positions, 2, np.arange(3)[None], shards=1)
-    # longest first into one row of 16: sequence 2 (4 tokens), then 0 (3), then 1 (2)
-    np.testing.assert_array_equal(out["tokens"][0, 0, 0, 0, :9], [110, 111, 112, 113, 101, 102, 103, 107, 108])
-    np.testing.assert_array_equal(out["segments"][0, 0, 0, 0, :10], [1, 1, 1, 1, 2, 2, 2, 3, 3, 0])
-    np.testing.assert_array_equal(out["positions"][0, 0, 0, 0, :9], [0, 1, 2, 3, 0, 1, 2, 0, 1])
+    # rows as wide as the batch (5), longest first: sequence 2 (4 tokens) alone, then 0 (3) and 1 (2)
+    np.testing.assert_array_equal(out["tokens"][0, 0, 0], [[110, 111, 112, 113, 0], [101, 102, 103, 107, 108]])
+    np.testing.assert_array_equal(out["segments"][0, 0, 0], [[1, 1, 1, 1, 0], [1, 1, 1, 2, 2]])
+    np.testing.assert_array_equal(out["positions"][0, 0, 0], [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]])
     np.testing.assert_array_equal(out["slots"][0, 0, 0], [2, 0, 1])
-    # padded prompt width 3: padded columns 2 and 3 predict response tokens 0 and 1
-    np.testing.assert_array_equal(out["read"][0, 0, 0], [[2, 3], [5, 6], [7, 8]])
-    np.testing.assert_array_equal(out["last"][0, 0, 0], [3, 6, 8])
-    assert (stats.real_tokens, stats.packed_tokens, stats.padded_tokens) == (9, 16, 15)
+    # padded prompt width 3: padded columns 2 and 3 predict response tokens 0 and 1; flat = row * 5 + column
+    np.testing.assert_array_equal(out["read"][0, 0, 0], [[2, 3], [6, 7], [8, 9]])
+    np.testing.assert_array_equal(out["last"][0, 0, 0], [3, 7, 9])
+    assert (stats.real_tokens, stats.packed_tokens, stats.padded_tokens) == (9, 10, 15)
 
 
 def test_micro_batches_keep_the_budget_and_balance_the_shards():
@@ -206,3 +206,36 @@ def test_a_packed_run_on_another_placement_trains_like_an_unpacked_colocated_one
         for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "advantages/mean", "loss/value",
                     "returns/mean", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
+
+
+def test_the_planner_prices_the_packing_the_runtime_makes():
+    """`Workload.packed_shape` is the runtime packer's layout of the planner's drawn lengths, and a packed
+    call of a long-tailed batch is priced (time and memory) below its padded form."""
+    from jaxrlhf.graph import CallSpec
+    from jaxrlhf.placement.calibrate import calibrate  # noqa: F401  (the cpu profile below is the stock one)
+    from jaxrlhf.planner.cost import LENGTH_BATCHES, Workload, call_cost
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.memory import working_set
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    wl = Workload(batch_size=64, prompt_len=16, gen_len=512, minibatches=4, gen_len_median=64, gen_len_sigma=1.0,
+                  remat="none")
+    packed = Workload(**{**wl.__dict__, "packed": True, "token_budget": 2048})
+    train, infer = CallSpec("actor.train", "actor", "train"), CallSpec("ref.inference", "ref", "inference")
+    lengths = wl.response_lengths(64) + 16
+    updates = np.arange(64).reshape(4, 16)
+    runtime = [pack_batch(np.arange(16 + 512)[None, :] < n[:, None], np.ones((64, 528), np.int32),
+                          np.zeros((64, 528), np.int32), 512, updates, shards=2, budget=2048)[0]["tokens"].shape
+               for n in lengths]
+    shape = packed.packed_shape(train, 2)
+    assert len(runtime) == LENGTH_BATCHES
+    assert (shape.updates, shape.micro_batches, shape.rows, shape.width) == tuple(
+        int(np.ceil(np.mean([s[i] for s in runtime]))) for i in (1, 2, 3, 4))
+    hw, cfg = get_profile("cpu"), preset("small")
+    group, layout = DeviceGroup("all", 0, 2), Layout(data=2)
+    for call in (train, infer):
+        cheaper = call_cost(call, cfg, group, layout, packed, hw).seconds / call_cost(call, cfg, group, layout, wl,
+                                                                                     hw).seconds
+        assert cheaper < 0.6, (call.name, cheaper)
+        assert working_set(call, cfg, layout, packed)["activations"] < working_set(call, cfg, layout,
+                                                                                   wl)["activations"] / 2

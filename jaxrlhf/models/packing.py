@@ -29,10 +29,10 @@ draws, so a packed run trains on the same minibatches as an unpacked one); an in
 Micro-batches hold at most `budget` real tokens (`algorithm.max_tokens_per_micro_batch`); sequences
 are spread over micro-batches (as many as the budget needs, rounded up to `size_bucket`), then
 shards, then rows, longest first onto the least loaded (balanced: no shard waits long on another).
-Shapes come from small fixed sets (T: a power of two; K, R and M: `size_bucket`'s 2^a and 3 x 2^a),
-so a call compiles at most one program per combination of those values that a run meets: with
-sequences of at most S tokens and B rows, T takes at most log2(S) values and K, R and M at most
-2 log2(B) each; in practice a run meets a handful (docs/benchmarks.md counts them).
+Rows are as wide as the padded batch (T = L: the prompt width plus the trimmed response width,
+`lengths.response_widths`: at most 4 values), and K, R and M come from `size_bucket`'s 2^a and
+3 x 2^a, so a call compiles at most one program per combination of those values that a run meets:
+with B rows, K, R and M take at most 2 log2(B) values each; in practice a run meets a handful.
 """
 
 from __future__ import annotations
@@ -113,6 +113,45 @@ def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None)
         k = size_bucket(k + 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedShape:
+    """The shapes of one packing: `updates` x `micro_batches`, each with `rows` rows of `width` tokens
+    and `slots` sequence slots per shard. The planner prices a packed call with it (`planner.cost`)."""
+
+    updates: int
+    micro_batches: int
+    rows: int
+    slots: int
+    width: int
+
+    @property
+    def tokens_per_shard(self) -> int:
+        """Tokens one shard's forwards run over, padding included, in all updates."""
+        return self.updates * self.micro_batches * self.rows * self.width
+
+
+def packing_layout(
+    lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None,
+) -> tuple[list[list[list[list[list[int]]]]], PackedShape]:
+    """Where each sequence goes (per update, micro-batch, shard and row: sequence indices) for sequences
+    of `lengths` real tokens trained in `updates` ([U, rows]) in rows of `width` tokens, and the
+    packing's shapes."""
+    if int(np.max(lengths, initial=0)) > width:
+        raise ValueError(f"a sequence of {int(np.max(lengths))} tokens does not fit a row of {width}")
+    plan = []
+    for rows in np.asarray(updates):
+        micro = micro_batches(lengths, [int(r) for r in rows], budget)
+        plan.append([[_rows(lengths, part, width) for part in _spread(lengths, mb, shards)] for mb in micro])
+    shape = PackedShape(
+        updates=len(plan),
+        micro_batches=size_bucket(max(len(m) for m in plan)),
+        rows=size_bucket(max(len(rows) for m in plan for mb in m for rows in mb)),
+        slots=size_bucket(max(sum(len(row) for row in rows) for m in plan for mb in m for rows in mb)),
+        width=width,
+    )
+    return plan, shape
+
+
 def pack_batch(
     mask: np.ndarray,
     tokens: np.ndarray,
@@ -122,25 +161,18 @@ def pack_batch(
     *,
     shards: int,
     budget: int | None = None,
-    min_row: int = 16,
 ) -> tuple[dict[str, np.ndarray], PackStats]:
     """Pack the [B, L] batch (`mask` marks real tokens; the last `response_width` columns are the
-    response) for calls that run `updates` ([U, rows]: the batch rows of each update). See the module
-    docstring for the layout."""
+    response) for calls that run `updates` ([U, rows]: the batch rows of each update), in rows as wide
+    as the batch (L: the longest sequence fits, and a row attends over no more keys than an unpacked
+    row would). See the module docstring for the layout."""
     mask = np.asarray(mask, bool)
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, l = mask.shape
     p = l - response_width  # padded prompt width: position p - 1 + n predicts response token n
     lengths = mask.sum(axis=1).astype(np.int64)
-    width = bucket_length(max(int(lengths.max(initial=1)), min_row), 1)
-    plan = []  # per update, per micro-batch, per shard: rows of sequence indices
-    for rows in np.asarray(updates):
-        micro = micro_batches(lengths, [int(r) for r in rows], budget)
-        plan.append([[_rows(lengths, part, width) for part in _spread(lengths, mb, shards)] for mb in micro])
-    u = len(plan)
-    k = size_bucket(max(len(m) for m in plan))
-    r = size_bucket(max(len(rows) for m in plan for mb in m for rows in mb))
-    m_slots = size_bucket(max(sum(len(row) for row in rows) for m in plan for mb in m for rows in mb))
+    plan, shape = packing_layout(lengths, updates, shards, l, budget)
+    u, k, r, m_slots, width = shape.updates, shape.micro_batches, shape.rows, shape.slots, shape.width
     out = {
         "tokens": np.zeros((shards, u, k, r, width), np.int32),
         "positions": np.zeros((shards, u, k, r, width), np.int32),
