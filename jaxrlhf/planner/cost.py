@@ -80,19 +80,18 @@ def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_shape(wl: "Workload", kind: str, seqs_per_row: int, ways: int) -> PackedShape:
-    """`Workload.packed_shape`, once per workload, call kind and shard count (a search asks often)."""
-    rows = wl.batch_size * seqs_per_row
-    lengths = wl.response_lengths(rows) + wl.prompt_len
-    if kind == "train":
-        order = np.arange(rows).reshape(wl.minibatches, -1)
-        updates = np.concatenate([order] * wl.ppo_epochs)
-    else:
-        updates = np.arange(rows)[None]
+def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, sigma: float, updates: int,
+                  epochs: int, ways: int, budget: int | None) -> PackedShape:
+    """`Workload.packed_shape`, once per shape question (a search asks often): `rows` sequences in
+    `updates` equal parts per epoch (1: an inference call)."""
+    wl = Workload(batch_size=rows, prompt_len=prompt_len, gen_len=gen_len, minibatches=updates,
+                  gen_len_median=median, gen_len_sigma=sigma)
+    lengths = wl.response_lengths(rows) + prompt_len
+    order = np.arange(rows).reshape(updates, -1)
+    parts = np.concatenate([order] * epochs)
     # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`)
-    shapes = [packing_layout(batch, updates, ways, wl.prompt_len + response_width(int(batch.max()) - wl.prompt_len,
-                                                                                   wl.gen_len), wl.token_budget)[1]
-              for batch in lengths]
+    shapes = [packing_layout(batch, parts, ways, prompt_len + response_width(int(batch.max()) - prompt_len, gen_len),
+                             budget)[1] for batch in lengths]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
     return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
                        slots=mean("slots"), width=mean("width"))
@@ -267,7 +266,10 @@ class Workload:
         packer): each drawn batch of lengths (prompt_len + response) packed for the call's updates (a
         train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch),
         averaged over the LENGTH_BATCHES draws (rounded up)."""
-        return _packed_shape(self, call.kind, call.seqs_per_row, batch_ways)
+        train = call.kind == "train"
+        return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
+                             self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
+                             batch_ways, self.token_budget)
 
     def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the

@@ -239,3 +239,49 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
         assert cheaper < 0.6, (call.name, cheaper)
         assert working_set(call, cfg, layout, packed)["activations"] < working_set(call, cfg, layout,
                                                                                    wl)["activations"] / 2
+
+
+@pytest.mark.slow
+def test_packed_calls_under_a_pipeline_equal_unpacked_ones(models):
+    """A 2-stage placement (data 2 x fsdp 2 per stage, 8 devices) runs a packed update's micro-batches as
+    the pipeline's (one forward, `update.packed_micro_batch(k=None)`): the same update and log-probs."""
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+
+    (actor_def, actor), _, _ = models
+    batch = _batch()
+    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
+    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3))
+    s = rollout.RLSettings(estimator="grpo", loss="grpo", group_size=2, minibatches=2, max_new_tokens=N,
+                           kl_in_reward=False, kl_in_loss=True, kl_estimator="k3")
+    opt = optax.sgd(0.1)
+    train_fn = functools.partial(rollout.actor_train, actor_def, opt, s)
+    want_params, _, want = jax.jit(train_fn)(actor, opt.init(actor), unpacked)
+    want_logp = rollout.policy_logprobs(actor_def, SamplingParams(), None, actor, unpacked)["ref_logp"]
+
+    updates = np.asarray(minibatch_indices(unpacked["rng_actor"], B, 2, 1))
+    packed = {k: v for k, v in batch.items() if k not in ("tokens", "mask", "positions")}
+    packed.update(kl_coef=np.float32(0.05),
+                  packed_actor=pack_batch(batch["mask"], batch["tokens"], batch["positions"], N, updates, shards=4,
+                                          budget=14)[0],
+                  packed_inference=pack_batch(batch["mask"], batch["tokens"], batch["positions"], N,
+                                              np.arange(B)[None], shards=4, budget=14)[0])
+    layout = Layout(stage=2, data=2, fsdp=2)
+    for call, fn in (("actor.train", train_fn),
+                     ("ref.inference", functools.partial(rollout.policy_logprobs, actor_def, SamplingParams(), None))):
+        plan = ExecutionPlan("t", 8, {"all": DeviceGroup("all", 0, 8)}, {call: Placement("all", layout)})
+        placed = CallCache(plan).placed(call)
+        assert placed.stages == 2
+        params = jax.device_put(actor, placed.param_shardings(actor))
+        args = {k: jax.tree_util.tree_map(lambda x: jax.device_put(
+            x, placed.batch_sharding(np.ndim(x)) if np.ndim(x) else placed.replicated()), v) for k, v in packed.items()}
+        jitted = CallCache(plan).function(call, fn, in_shardings=None, out_shardings=None)
+        if call == "actor.train":
+            args["rng_actor"] = jax.device_put(unpacked["rng_actor"], placed.replicated())
+            state = jax.jit(opt.init, out_shardings=placed.opt_state_shardings(opt, params))(params)
+            got_params, _, got = jitted(params, state, args)
+            _close(got_params, want_params, rtol=1e-5, atol=2e-6)
+            for key in ("loss/policy", "entropy", "clipfrac", "grad_norm", "kl/loss"):
+                np.testing.assert_allclose(got["actor_stats"][key], want["actor_stats"][key], rtol=2e-4, atol=1e-6)
+        else:
+            np.testing.assert_allclose(np.asarray(jitted(params, args)["ref_logp"]), want_logp, rtol=1e-5, atol=1e-5)
