@@ -242,7 +242,7 @@ class ExecutionPlan:
 
     # ---- display -----------------------------------------------------------------
     def table(self) -> str:
-        rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages])")]
+        rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages] [x context])")]
         for c, p in self.calls.items():
             g = self.groups.get(p.group)
             span = f"{g.start}-{g.stop - 1}" if g else "?"
