@@ -154,7 +154,8 @@ def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g} s"
 
 
-def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: SearchResult | None = None) -> str:
+def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: SearchResult | None = None,
+                run_setup: Any = None) -> str:
     best = res.best
     lines = [best.plan.table(), "", "per call:"]
     rows = [("call", "time", "from", "move", "memory/device")]
@@ -167,6 +168,8 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     if best.memory.offloaded:
         lines.append(f"  offloaded to host between calls: {', '.join(best.memory.offloaded)}")
+    if run_setup is not None:
+        lines += context_lines(res, run_setup)
     lines += ["", f"step estimate ({devices} x {hardware}):"]
     for name, p in res.presets.items():
         if isinstance(p, str):
@@ -180,6 +183,40 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
     lines.append(f"search: {res.seconds:.1f} s, {res.evaluations} plans evaluated"
                  + (" (time budget hit)" if res.budget_hit else ""))
     return "\n".join(lines)
+
+
+def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
+    """Why each call the plan splits over a context axis does so: the memory of the same call with the
+    context devices on the data axis instead (one device holding whole sequences), against the usable
+    memory (`planner.memory.working_set` plus the role's parameter shard), and where that fits, both
+    layouts' estimated times."""
+    from jaxrlhf.planner.memory import params_per_device, working_set
+    from jaxrlhf.planner.plan import Layout
+
+    plan, wl, hw = res.best.plan, run_setup.algorithm.workload(), run_setup.hardware
+    lines = []
+    for name, placement in plan.calls.items():
+        lay = placement.layout
+        if lay.context == 1:
+            continue
+        call = run_setup.graph[name]
+        cfg = run_setup.models[call.role]
+        whole = Layout(lay.data * lay.context, lay.fsdp, lay.tensor, lay.stage)
+        need = {layout: sum(working_set(call, cfg, layout, wl).values()) + params_per_device(cfg, call.head, layout)
+                for layout in (lay, whole)}
+        if need[whole] > hw.usable_memory:
+            verdict = "does not fit"
+        else:
+            from jaxrlhf.planner.cost import call_cost
+
+            group = plan.groups[placement.group]
+            t = {layout: call_cost(call, cfg, group, layout, wl, hw).seconds for layout in (lay, whole)}
+            verdict = f"fits; estimated {t[whole]:.3g} s there against {t[lay]:.3g} s with the context axis"
+        lines.append(f"  {name}: its {wl.seq_len}-token sequences over {lay.context} devices (context "
+                     f"{lay.context}) need {need[lay] / GiB:.1f} GiB per device; whole on one device "
+                     f"({whole}) they need {need[whole] / GiB:.1f} GiB of {hw.usable_memory / GiB:.1f} usable: "
+                     f"{verdict}")
+    return ["", "context parallelism:", *lines] if lines else []
 
 
 def async_line(res: SearchResult) -> str:
@@ -323,7 +360,7 @@ def _main(argv: Sequence[str]) -> int:
         print(json.dumps(report_json(res, cfg.algorithm.name, unstreamed) | {"out": out}))
     else:
         print(f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}")
-        print(report_text(res, devices, hw.name, unstreamed))
+        print(report_text(res, devices, hw.name, unstreamed, run_setup))
         print(f"wrote {os.path.join(out, 'plan.yaml')} and {os.path.join(out, 'timeline.png')}")
     return 0
 

@@ -330,6 +330,13 @@ def valid_group_sizes(num_devices: int, devices_per_host: int | None = None) -> 
 
 
 # ---- fit checks -----------------------------------------------------------------------
+# Context parallelism is weighed (the search's layouts, the heuristic preset's ladder) for sequences of
+# at least this many tokens: below it a sequence's activations are small beside the weights, and a data
+# or FSDP axis gives the same speed-up without a ring's K/V traffic, so the extra layouts would only
+# slow the search down.
+CONTEXT_MIN_TOKENS = 8192
+
+
 def layout_misfit(
     layout: Layout,
     config: "ModelConfig | None" = None,

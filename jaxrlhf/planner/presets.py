@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.planner.plan import host_rule_violation, valid_group_sizes
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate
+from jaxrlhf.planner.plan import (
+    CONTEXT_MIN_TOKENS, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate,
+)
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.registry import Registry
 
@@ -305,9 +307,12 @@ def _heuristic_tensor(cfg: ModelConfig, head: str, n: int, dph: int) -> int:
     return 1
 
 
-def _heuristic_ladder(cfg: ModelConfig, n: int, t: int, dph: int, batches: list[int | None]) -> list[Layout]:
+def _heuristic_ladder(cfg: ModelConfig, n: int, t: int, dph: int, batches: list[int | None],
+                      seq_len: int | None = None) -> list[Layout]:
     """A role's layouts from least to most memory-saving, Megatron practice: tensor inside a node,
-    then pipeline stages across nodes (2, 4, ... up to one stage per node), then FSDP on top."""
+    then pipeline stages across nodes (2, 4, ... up to one stage per node), then FSDP on top; for
+    sequences long enough that the search weighs context parallelism (`plan.CONTEXT_MIN_TOKENS`),
+    then context parallelism over 2, 4, ... of the devices outside the node (Megatron's `--cp`), unstaged."""
     rest = n // t
     hosts = max(n // dph, 1)
     stages = [s for s in range(1, rest + 1) if rest % s == 0 and cfg.num_layers % s == 0 and (s == 1 or s <= hosts)]
@@ -315,7 +320,10 @@ def _heuristic_ladder(cfg: ModelConfig, n: int, t: int, dph: int, batches: list[
     ladder = [Layout(data=rest // s, tensor=t, stage=s) for s in stages]
     ladder += [Layout(data=rest // top // f, fsdp=f, tensor=t, stage=top) for f in range(2, rest // top + 1)
                if (rest // top) % f == 0 and cfg.hidden_size % f == 0]
-    return [lay for lay in ladder if all(layout_misfit(lay, cfg, b) is None for b in batches)]
+    if seq_len is not None and seq_len >= CONTEXT_MIN_TOKENS:
+        ladder += [Layout(data=rest // c, tensor=t, context=c) for c in range(2, rest + 1)
+                   if rest % c == 0 and seq_len % c == 0]
+    return [lay for lay in ladder if all(layout_misfit(lay, cfg, b, seq_len=seq_len) is None for b in batches)]
 
 
 @register_strategy("heuristic")
@@ -343,7 +351,8 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
         cfg, head = models[r], graph.head(r)
         kinds = {c.kind for c in graph.calls if c.role == r}
         batches = [workload.call_batch(k) for k in kinds] if workload else [batch_size]
-        ladders[r] = _heuristic_ladder(cfg, n, _heuristic_tensor(cfg, head, n, dph), dph, batches)
+        ladders[r] = _heuristic_ladder(cfg, n, _heuristic_tensor(cfg, head, n, dph), dph, batches,
+                                       workload.seq_len if workload else None)
         if not ladders[r]:
             raise PlanError(f"heuristic: no layout of {n} devices fits role {r!r} and its batch {batches}; "
                             "try another device count or batch size")
@@ -354,7 +363,7 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
         for c in graph.calls:
             lay = ladders[c.role][rung[c.role]]
             if c.kind == "generate":
-                lay = Layout(data=lay.data * lay.stage * lay.fsdp, tensor=lay.tensor)
+                lay = Layout(data=lay.data * lay.stage * lay.fsdp * lay.context, tensor=lay.tensor)
                 if layout_misfit(lay, models[c.role], workload.batch_size if workload else batch_size):
                     lay = _require(generation_layout(models[c.role], n, batch_size, dph), "heuristic",
                                    f"call {c.name!r}", models[c.role], n, batch_size)

@@ -48,7 +48,9 @@ from jaxrlhf.planner import presets
 from jaxrlhf.planner.cost import CostCache, Workload, optimizer_bytes_per_param, shard_bytes, trained_shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of
+from jaxrlhf.planner.plan import (
+    CONTEXT_MIN_TOKENS, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of,
+)
 from jaxrlhf.planner.simulator import MIN_STEPS, PlanEstimate, estimate_plan
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
@@ -74,9 +76,19 @@ def candidate_groups(num_devices: int, devices_per_host: int) -> list[tuple[int,
     return sorted(set(out), key=lambda g: (g[1], g[0]))
 
 
+def context_degrees(call: CallSpec, wl: Workload, rest: int) -> list[int]:
+    """Context degrees `call` may split its sequences over within `rest` devices: 1, and for train and
+    inference calls on sequences of CONTEXT_MIN_TOKENS or more every divisor of `rest` that divides the
+    sequence length (`planner.plan.layout_misfit`'s rule)."""
+    if call.kind == "generate" or wl.seq_len < CONTEXT_MIN_TOKENS:
+        return [1]
+    return [c for c in _divisors(rest) if wl.seq_len % c == 0]
+
+
 def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max_tensor: int) -> list[Layout]:
     """Layouts of `size` devices under which `call` can run with model `cfg`, tensor parallelism at most
-    `max_tensor` ways (`HardwareProfile.max_tensor`: the devices of one host)."""
+    `max_tensor` ways (`HardwareProfile.max_tensor`: the devices of one host), context parallelism for
+    long sequences (`context_degrees`; never with pipeline stages)."""
     batch = wl.call_batch(call.kind)
     out = []
     stages = [1] if call.kind == "generate" else [s for s in _divisors(size) if cfg.num_layers % s == 0]
@@ -88,14 +100,15 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max
         for p in stages:
             if (size // t) % p:
                 continue
-            rest = size // t // p
-            for f in _divisors(rest):
-                d = rest // f
-                if batch % (d * f) or cfg.hidden_size % f:
-                    continue
-                if call.kind == "generate" and f > 1:
-                    continue
-                out.append(Layout(d, f, t, p))
+            for c in context_degrees(call, wl, size // t // p) if p == 1 else [1]:
+                rest = size // t // p // c
+                for f in _divisors(rest):
+                    d = rest // f
+                    if batch % (d * f) or cfg.hidden_size % f:
+                        continue
+                    if call.kind == "generate" and f > 1:
+                        continue
+                    out.append(Layout(d, f, t, p, c))
     return out
 
 
