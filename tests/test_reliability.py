@@ -419,9 +419,11 @@ def test_a_run_whose_updates_are_all_skipped_stops_and_exports_nothing(tmp_path)
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigint_saves_the_step_reached_and_resumes(tmp_path):
+    # The in-process runs' config on their 8 CPU devices: the CLI run's programs are the `reference`
+    # fixture's, loaded from the test run's compilation cache (compiling is most of a tiny run's time)
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
-           f"run.output_dir={out}", "run.checkpoint_every=0", compile_cache.override()]
+    cmd = [sys.executable, "-m", "jaxrlhf.train", *BASE, "run.platform=cpu", "run.devices=8", f"run.output_dir={out}",
+           "run.checkpoint_every=0", compile_cache.override()]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*cmd, "run.steps=200"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
