@@ -261,6 +261,20 @@ class AlgorithmConfig:
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+def packing_problems(alg: Any, longest: int, what: str) -> Iterator[str]:
+    """The rules of `algorithm.pack_sequences` and `algorithm.max_tokens_per_micro_batch` (RL algorithms
+    and DPO): the budget needs packing, replaces the row micro-batch size, and holds `longest` tokens."""
+    budget = alg.max_tokens_per_micro_batch
+    if budget is not None and not alg.pack_sequences:
+        yield ("algorithm.max_tokens_per_micro_batch sizes packed micro-batches: set algorithm.pack_sequences=true "
+               "(or algorithm.max_tokens_per_micro_batch=null; algorithm.micro_batch_size counts rows)")
+    if alg.pack_sequences and alg.micro_batch_size is not None:
+        yield ("algorithm.pack_sequences sizes micro-batches in tokens: use algorithm.max_tokens_per_micro_batch "
+               "instead of algorithm.micro_batch_size (set it to null)")
+    if budget is not None and budget < longest:
+        yield f"algorithm.max_tokens_per_micro_batch={budget} is below {what} = {longest}: set it to at least {longest}"
+
+
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(AlgorithmConfig):
@@ -313,17 +327,9 @@ class RolloutConfig(AlgorithmConfig):
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
         yield from super().problems(config, algorithm)
-        budget = self.max_tokens_per_micro_batch
-        longest = config.data.max_prompt_len + config.generation.max_new_tokens
-        if budget is not None and not self.pack_sequences:
-            yield ("algorithm.max_tokens_per_micro_batch sizes packed micro-batches: set algorithm.pack_sequences=true "
-                   "(or algorithm.max_tokens_per_micro_batch=null; algorithm.micro_batch_size counts rows)")
-        if self.pack_sequences and self.micro_batch_size is not None:
-            yield ("algorithm.pack_sequences sizes micro-batches in tokens: use algorithm.max_tokens_per_micro_batch "
-                   "instead of algorithm.micro_batch_size (set it to null)")
-        if budget is not None and budget < longest:
-            yield (f"algorithm.max_tokens_per_micro_batch={budget} is below the longest sequence a rollout may hold, "
-                   f"data.max_prompt_len + generation.max_new_tokens = {longest}: set it to at least {longest}")
+        yield from packing_problems(self, config.data.max_prompt_len + config.generation.max_new_tokens,
+                                    "the longest sequence a rollout may hold, data.max_prompt_len + "
+                                    "generation.max_new_tokens")
 
 
 @_no_extra_keys
@@ -403,6 +409,16 @@ class DPOConfig(AlgorithmConfig):
     # conservative DPO (cDPO): the share of pairs taken as mislabelled
     dpo_label_smoothing: Float = _field(0.0, check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)")
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid = DPO, ipo = IPO
+    # both calls run packed rows, each pair's two sequences back to back with others' (docs/placement.md)
+    pack_sequences: Bool = False
+    # with pack_sequences: real tokens (both sequences of every pair) per micro-batch; null = one micro-batch
+    max_tokens_per_micro_batch: Int | None = _field(None, check=positive)
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        yield from super().problems(config, algorithm)
+        longest = config.data.max_seq_len or config.data.max_prompt_len + config.generation.max_new_tokens
+        yield from packing_problems(self, 2 * longest, "a pair of the longest sequences, 2 x data.max_seq_len "
+                                                       "(or data.max_prompt_len + generation.max_new_tokens)")
 
 
 # Which keys each algorithm reads, and their defaults: `algorithm.name` picks the class the section is

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxrlhf.algorithms.base import Algorithm, RoleSpec, register_algorithm
-from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 
 # a batch row is one (chosen, rejected) pair, both left-padded to one length (see jaxrlhf.algorithms.pairs)
 PAIR = ("chosen_tokens", "chosen_mask", "chosen_loss_mask", "rejected_tokens", "rejected_mask", "rejected_loss_mask")
@@ -75,11 +75,20 @@ class DPO(Algorithm):
             "ref": RoleSpec("lm", False, "DPO measures the policy against the reference"),
         }
 
+    @property
+    def packs(self) -> bool:
+        """Both calls run packed rows (`algorithm.pack_sequences`; `jaxrlhf.algorithms.dpo`)."""
+        return self.cfg.algorithm.pack_sequences
+
     def graph(self) -> CallGraph:
+        packed = ("packed_pairs",) if self.packs else ()
         calls = (
-            CallSpec("ref.inference", "ref", "inference", inputs=PAIR, outputs=REF, seqs_per_row=2,
+            CallSpec("ref.inference", "ref", "inference", inputs=(*PAIR, *packed), outputs=REF, seqs_per_row=2,
                      logit_positions="all"),
-            CallSpec("actor.train", "actor", "train", inputs=(*PAIR, *REF, "rng_actor"), outputs=("actor_stats",),
-                     seqs_per_row=2, logit_positions="all"),
+            CallSpec("actor.train", "actor", "train", inputs=(*PAIR, *REF, "rng_actor", *packed),
+                     outputs=("actor_stats",), seqs_per_row=2, logit_positions="all"),
         )
-        return CallGraph(calls, feed=(*PAIR, "rng_actor"))
+        host = (HostStep("pack_pairs", ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask"),
+                         ("packed_pairs", "packing_stats"), shards_of=("ref.inference", "actor.train")),) \
+            if self.packs else ()
+        return CallGraph(calls, host, feed=(*PAIR, "rng_actor"))

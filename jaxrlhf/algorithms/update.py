@@ -144,14 +144,14 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
         part["last"] = (packed["last"] + offset[None, :, None]).reshape(s, -1)
         part["slots"] = packed["slots"].reshape(s, -1)
     else:
-        part = {name: x[:, k] for name, x in packed.items()}
+        part = {name: jnp.asarray(x)[:, k] for name, x in packed.items()}
     rows = _rows(data)
     slots = part["slots"].reshape(-1)
     gathered = jax.tree_util.tree_map(
         lambda x: jnp.take(x, slots, axis=0, mode="fill", fill_value=0) if jnp.ndim(x) else x, data)
     flat = lambda name: part[name].reshape(-1, part[name].shape[-1])  # noqa: E731
     gathered["packed"] = {"tokens": flat("tokens"), "positions": flat("positions"), "segments": flat("segments"),
-                          "read": part["read"], "last": part["last"]}
+                          "read": part["read"], "last": part["last"], "slots": slots}
     gathered["row_valid"] = slots < rows
     return gathered
 

@@ -97,19 +97,23 @@ def _rows(lengths: np.ndarray, items: Sequence[int], width: int) -> list[list[in
     return rows
 
 
-def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None) -> list[list[int]]:
+def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None, group: int = 1) -> list[list[int]]:
     """`items` in the fewest balanced micro-batches of at most `budget` real tokens each (one without a
-    budget). A sequence longer than the budget is the config's error (`max_tokens_per_micro_batch`)."""
+    budget), every `group` consecutive items kept in one micro-batch (a preference pair's two sequences,
+    whose loss needs both). A group longer than the budget is the config's error
+    (`max_tokens_per_micro_batch`)."""
     if budget is None or not len(items):
         return [list(items)]
-    longest = int(max(lengths[i] for i in items))
-    if longest > budget:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch budget of {budget} tokens")
-    k = size_bucket(-(-int(sum(lengths[i] for i in items)) // budget))
+    groups = [list(items[j:j + group]) for j in range(0, len(items), group)]
+    weights = np.asarray([sum(int(lengths[i]) for i in g) for g in groups])
+    if int(weights.max()) > budget:
+        what = "sequence" if group == 1 else f"group of {group} sequences"
+        raise ValueError(f"a {what} of {int(weights.max())} tokens exceeds the micro-batch budget of {budget} tokens")
+    k = size_bucket(-(-int(weights.sum()) // budget))
     while True:
-        bins = _spread(lengths, items, k)
-        if all(sum(int(lengths[i]) for i in b) <= budget for b in bins):
-            return bins
+        bins = _spread(weights, range(len(groups)), k)
+        if all(sum(int(weights[g]) for g in b) <= budget for b in bins):
+            return [[i for g in sorted(b) for i in groups[g]] for b in bins]
         k = size_bucket(k + 1)
 
 
@@ -131,16 +135,16 @@ class PackedShape:
 
 
 def packing_layout(
-    lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None,
+    lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None, group: int = 1,
 ) -> tuple[list[list[list[list[list[int]]]]], PackedShape]:
     """Where each sequence goes (per update, micro-batch, shard and row: sequence indices) for sequences
-    of `lengths` real tokens trained in `updates` ([U, rows]) in rows of `width` tokens, and the
-    packing's shapes."""
+    of `lengths` real tokens trained in `updates` ([U, rows]) in rows of `width` tokens, every `group`
+    consecutive rows of an update in one micro-batch, and the packing's shapes."""
     if int(np.max(lengths, initial=0)) > width:
         raise ValueError(f"a sequence of {int(np.max(lengths))} tokens does not fit a row of {width}")
     plan = []
     for rows in np.asarray(updates):
-        micro = micro_batches(lengths, [int(r) for r in rows], budget)
+        micro = micro_batches(lengths, [int(r) for r in rows], budget, group)
         plan.append([[_rows(lengths, part, width) for part in _spread(lengths, mb, shards)] for mb in micro])
     shape = PackedShape(
         updates=len(plan),
@@ -161,9 +165,11 @@ def pack_batch(
     *,
     shards: int,
     budget: int | None = None,
+    group: int = 1,
 ) -> tuple[dict[str, np.ndarray], PackStats]:
     """Pack the [B, L] batch (`mask` marks real tokens; the last `response_width` columns are the
-    response) for calls that run `updates` ([U, rows]: the batch rows of each update), in rows as wide
+    response) for calls that run `updates` ([U, rows]: the batch rows of each update; every `group`
+    consecutive rows in one micro-batch), in rows as wide
     as the batch (L: the longest sequence fits, and a row attends over no more keys than an unpacked
     row would). See the module docstring for the layout."""
     mask = np.asarray(mask, bool)
@@ -171,7 +177,7 @@ def pack_batch(
     b, l = mask.shape
     p = l - response_width  # padded prompt width: position p - 1 + n predicts response token n
     lengths = mask.sum(axis=1).astype(np.int64)
-    plan, shape = packing_layout(lengths, updates, shards, l, budget)
+    plan, shape = packing_layout(lengths, updates, shards, l, budget, group)
     u, k, r, m_slots, width = shape.updates, shape.micro_batches, shape.rows, shape.slots, shape.width
     out = {
         "tokens": np.zeros((shards, u, k, r, width), np.int32),

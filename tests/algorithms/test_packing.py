@@ -285,3 +285,41 @@ def test_packed_calls_under_a_pipeline_equal_unpacked_ones(models):
                 np.testing.assert_allclose(got["actor_stats"][key], want["actor_stats"][key], rtol=2e-4, atol=1e-6)
         else:
             np.testing.assert_allclose(np.asarray(jitted(params, args)["ref_logp"]), want_logp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_packed_dpo_equals_unpacked(models, kind):
+    """DPO and IPO: the reference's summed log-probs and one update from packed pairs (each pair kept in
+    one of several budgeted micro-batches, two shards) equal the padded pair batch's."""
+    from jaxrlhf.algorithms import dpo
+
+    (actor_def, actor), _, _ = models
+    rng = np.random.RandomState(3)
+    b, length = 6, 12
+    pairs = {}
+    for side in ("chosen", "rejected"):
+        real = rng.randint(5, length + 1, size=b)
+        mask = np.arange(length)[None, :] >= (length - real)[:, None]  # left-padded
+        loss_mask = mask & (np.arange(length)[None, :] >= length - rng.randint(1, 4, size=b)[:, None])
+        pairs.update({f"{side}_tokens": np.where(mask, rng.randint(3, 300, size=(b, length)), 0).astype(np.int32),
+                      f"{side}_mask": mask, f"{side}_loss_mask": loss_mask})
+    shards = {"ref.inference": 2, "actor.train": 2}
+    runtime = type("R", (), {"cfg": type("C", (), {"algorithm": type("A", (), {"max_tokens_per_micro_batch": 30})})})()
+    packed = dpo.DPORuntime._pack_pairs(runtime, pairs["chosen_tokens"], pairs["chosen_mask"],
+                                        pairs["rejected_tokens"], pairs["rejected_mask"], shards)
+    assert packed["packed_pairs"]["slots"].shape[2] > 1  # several micro-batches
+    unpacked = {k: jnp.asarray(v) for k, v in pairs.items()}
+    ref = [dpo.ref_pair_logprobs(actor_def, None, actor, unpacked),
+           dpo.packed_pair_logprobs(actor_def, actor, {**unpacked, "packed_pairs": packed["packed_pairs"]})]
+    for name in ("ref_chosen_logp", "ref_rejected_logp"):
+        np.testing.assert_allclose(ref[1][name], ref[0][name], rtol=1e-5, atol=1e-4)
+    opt = optax.sgd(0.1)
+    train = jax.jit(functools.partial(dpo.dpo_train, actor_def, opt, 0.1, 0.0, kind, None))
+    inputs = {**unpacked, "ref_chosen_logp": ref[0]["ref_chosen_logp"] - 0.3,
+              "ref_rejected_logp": ref[0]["ref_rejected_logp"] + 0.2, "rng_actor": jax.random.key(0)}
+    (p_ref, _, o_ref), (p_got, _, o_got) = (
+        train(actor, opt.init(actor), x) for x in (inputs, {**inputs, "packed_pairs": packed["packed_pairs"]}))
+    _close(p_got, p_ref, rtol=1e-5, atol=1e-6)
+    for key, value in o_ref["actor_stats"].items():
+        np.testing.assert_allclose(o_got["actor_stats"][key], value, rtol=2e-4, atol=1e-6, err_msg=key)
