@@ -28,7 +28,9 @@ the layout's collectives and a per-kernel dispatch cost:
   neighbour c - 1 times per layer and forward (the backward passes the block
   and its K/V gradients c times: twice the bytes), each pass overlapping the
   attention over the block before it, so only what a pass takes beyond that
-  block's attention is paid (`context_comm`).
+  block's attention is paid (`context_comm`); where 2c divides T the zig-zag
+  order's trades (half of q, k, v before the ring, half of the output after,
+  once per forward and once more in the backward) are paid in full.
 - reallocation / shadow sync: the receiving devices' shard bytes over the
   link between the two groups (NVLink inside a host, the NICs across).
 
@@ -506,13 +508,20 @@ class _Ctx:
         seconds a pass takes beyond that attention are exposed."""
         c, cfg = self.c, self.cfg
         if c == 1:
-            return {"context_comm": 0.0, "context_bytes": 0.0}
+            return {"context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0}
         kv_ways = max(min(self.t, cfg.num_kv_heads), 1)
         block = tokens * 2 * cfg.num_kv_heads * cfg.dim_per_head / kv_ways * self.act_bytes
         send = block / self.bw["context"] + self.hw.collective_latency
         attend = attention_flops(cfg, tokens, keys / c) / cfg.num_layers / self.t / self.flops_s
         passes = runs * layers * (c - 1)
-        return {"context_comm": passes * max(send - attend, 0.0), "context_bytes": passes * block}
+        # zig-zag order (models/context.py) where 2c divides the sequence: per layer, half of the block's
+        # q, k, v traded before the ring and half of its output after (8 permutes), not overlapped
+        trade = 0.0
+        if keys % (2 * c) == 0:
+            trade = tokens * (cfg.num_heads / self.t + cfg.num_kv_heads / kv_ways) * cfg.dim_per_head * self.act_bytes
+        trade_s = runs * layers * (trade / self.bw["context"] + 8 * self.hw.collective_latency) if trade else 0.0
+        return {"context_comm": passes * max(send - attend, 0.0), "context_bytes": passes * block,
+                "trade_comm": trade_s, "trade_bytes": runs * layers * trade}
 
     def _head(self, tokens: float, runs: int) -> dict[str, float]:
         """The embedding lookup and output head for `runs` passes of `tokens` tokens per device."""
@@ -522,7 +531,7 @@ class _Ctx:
                 "fsdp_comm": _ring_gather(runs * self.w_rest, self.layout.fsdp, self.bw["fsdp"], self.hw, count=runs),
                 "overhead": runs * OPS_PER_LAYER * self.hw.kernel_latency,
                 "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest,
-                "context_comm": 0.0, "context_bytes": 0.0}
+                "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0}
 
     def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
         """One forward over `tokens_dev` tokens per device in `micro` micro-batches.
@@ -597,9 +606,9 @@ def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
     if c.c > 1:
-        parts["context_comm"] = f["context_comm"]
+        parts["context_comm"] = f["context_comm"] + f["trade_comm"]
     return _finish(parts, f["flops"], f["hbm"],
-                   f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"] + f["context_bytes"])
+                   f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"] + f["context_bytes"] + f["trade_bytes"])
 
 
 def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
@@ -644,10 +653,11 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         "overhead": passes * f["overhead"],
     }
     if c.c > 1:
-        per_step["context_comm"] = ring_passes * f["context_comm"]
+        # the zig-zag trades once per forward (and recomputed forward) and once, transposed, in the backward
+        per_step["context_comm"] = ring_passes * f["context_comm"] + tp_passes * f["trade_comm"]
     parts = {k: v * steps for k, v in per_step.items()}
     comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
-                    + ring_passes * f["context_bytes"]
+                    + ring_passes * f["context_bytes"] + tp_passes * f["trade_bytes"]
                     + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)

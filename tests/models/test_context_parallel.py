@@ -226,18 +226,32 @@ def test_cost_and_memory_models_price_the_context_axis():
         assert "context_comm" in ring.parts and "context_comm" not in one.parts
         act = working_set(call, cfg, Layout(context=4), wl)["activations"]
         assert act < working_set(call, cfg, Layout(), wl)["activations"] / 3.5
-    # per layer and forward: 3 passes of the device's K/V block (2048 tokens' keys and values)
+    # per layer and forward: 3 passes of the device's K/V block (2048 tokens' keys and values), and the
+    # zig-zag trades (8 | 8192): half of q, k, v and the output, for Llama-2 (kv_heads = heads) one block
     block = wl.batch_size * wl.seq_len / 4 * kv_bytes_per_token(cfg) / cfg.num_layers
-    assert cost(inf, Layout(context=4)).collective_bytes == pytest.approx(3 * cfg.num_layers * block)
-    # train (full remat, the default): forward, recomputed forward and backward (twice the bytes)
+    assert cost(inf, Layout(context=4)).collective_bytes == pytest.approx((3 + 1) * cfg.num_layers * block)
+    # train (full remat, the default): forward, recomputed forward and backward (the ring twice the bytes)
     assert wl.remat_for("actor") == "full"
     steps = wl.minibatches * wl.ppo_epochs
-    assert cost(train, Layout(context=4)).collective_bytes == pytest.approx(steps * 4 * 3 * cfg.num_layers * block)
+    assert cost(train, Layout(context=4)).collective_bytes == pytest.approx(
+        steps * (4 * 3 + 3 * 1) * cfg.num_layers * block)
+    # contiguous order where 2c does not divide the sequence: the ring alone
+    odd = dataclasses.replace(wl, gen_len=4092)
+    assert call_cost(inf, cfg, DeviceGroup("g", 0, 4), Layout(context=4), odd, hw).collective_bytes == \
+        pytest.approx(3 * cfg.num_layers * block * odd.seq_len / wl.seq_len)
     # a pass overlaps the attention over the block before it: on H100 links (180 GB/s as priced) a Llama-2
     # block (32 kv heads) hides its pass from ~3300 tokens on (593 TFLOP/s / 180 GB/s), so 2048-token blocks
     # expose part of it, 8192-token blocks none, unless the link is slow
+    # (a length 2c does not divide: contiguous order, no zig-zag trades)
+    wl = Workload(batch_size=8, prompt_len=4096, gen_len=4092, minibatches=1)
     assert cost(inf, Layout(context=4)).parts["context_comm"] > 0.0
-    wl = Workload(batch_size=2, prompt_len=16384, gen_len=16384, minibatches=1)
+    wl = Workload(batch_size=2, prompt_len=16384, gen_len=16380, minibatches=1)
     assert cost(inf, Layout(context=4)).parts["context_comm"] == 0.0
     slow = dataclasses.replace(hw, name="slow", intra_host_bandwidth=hw.intra_host_bandwidth / 10)
     assert cost(inf, Layout(context=4), slow).parts["context_comm"] > 0.0
+    # in zig-zag order the trades are exposed: all that is left of the ring's time once it is hidden
+    wl = Workload(batch_size=2, prompt_len=16384, gen_len=16384, minibatches=1)
+    trade = wl.batch_size * wl.seq_len / 4 * 2 * cfg.num_heads * cfg.dim_per_head * 2  # q/k/v + out halves, bf16
+    bw = hw.link_bandwidth(False, 4, 4)
+    assert cost(inf, Layout(context=4)).parts["context_comm"] == pytest.approx(
+        cfg.num_layers * (trade / bw + 8 * hw.collective_latency))
