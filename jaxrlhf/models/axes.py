@@ -18,6 +18,10 @@ from flax import nnx
 
 # Parameter axes.
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+# The experts of a mixture-of-experts MLP (`moe.py`): its stacked expert weights [expert, embed, mlp] and
+# router [embed, expert]. No placement rule maps it yet, so expert weights are replicated along it
+# (expert parallelism would map it to a mesh axis).
+EXPERT = "expert"
 # The leading axis of the stacked decoder-layer parameters and KV cache (the axis the layer scan runs over).
 LAYERS = "layers"
 # Activation axes. STAGE is the leading axis of a pipeline's per-stage activations (see `pipeline.py`).

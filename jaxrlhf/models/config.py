@@ -13,7 +13,13 @@ from typing import Any
 
 from jaxrlhf.registry import Registry
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+# How a mixture-of-experts router turns its logits into the k experts' weights (`ModelConfig.router_order`):
+# "softmax_then_topk": a softmax over every expert, the k largest probabilities kept (renormalised to sum
+# to 1 with `norm_topk_prob`; transformers' Qwen3-MoE and Mixtral); "topk_then_softmax": the k largest
+# logits, a softmax over those k (Mistral's reference Mixtral code; in exact arithmetic the same weights as
+# "softmax_then_topk" with norm_topk_prob, so norm_topk_prob must be left false).
+ROUTER_ORDERS = ("softmax_then_topk", "topk_then_softmax")
 # The MLP's gate activations: ours -> the name HF configs give it (`hidden_act` / `hidden_activation`).
 MLP_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
@@ -121,6 +127,18 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     # The output logits squashed the same way (Gemma 2: 30); None: not.
     final_logit_softcap: float | None = None
+    # Mixture of experts (models/moe.py; docs/models.md): 0 = a dense MLP in every layer; otherwise every
+    # layer's MLP is `num_experts` gated experts of width `moe_intermediate_size` (None: intermediate_size;
+    # Qwen3-MoE keeps intermediate_size for the dense layers it does not use), each token through the
+    # `num_experts_per_tok` experts its router picks (`router_order`, `norm_topk_prob`), none dropped.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    router_order: str = "softmax_then_topk"
+    norm_topk_prob: bool = False  # the k picked probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE: per config)
+    # Weight of the load-balancing loss (`moe.load_balancing_loss`) where a training loss adds it (HF's
+    # `router_aux_loss_coef`, kept so that a checkpoint round trip writes it back).
+    router_aux_loss_coef: float = 0.001
     architecture: str = "llama"
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
@@ -166,6 +184,36 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model.{name}={value!r} must be positive (or None)")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: all at their dense values, or a consistent sparse MLP."""
+        for name in ("num_experts", "num_experts_per_tok"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model.{name}={value!r} must be a non-negative integer")
+        if self.router_order not in ROUTER_ORDERS:
+            raise ValueError(f"model.router_order={self.router_order!r}: choose one of {list(ROUTER_ORDERS)}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"model.router_aux_loss_coef={self.router_aux_loss_coef!r} must be >= 0")
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.moe_intermediate_size is not None:
+                raise ValueError(
+                    f"model.num_experts_per_tok={self.num_experts_per_tok!r} / moe_intermediate_size="
+                    f"{self.moe_intermediate_size!r} need experts: set num_experts (0 = a dense MLP)")
+            return
+        k, e = self.num_experts_per_tok, self.num_experts
+        if not 1 <= k <= e:
+            raise ValueError(f"model.num_experts_per_tok={k!r} must be between 1 and num_experts={e}")
+        f = self.moe_intermediate_size
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
+            raise ValueError(f"model.moe_intermediate_size={f!r} must be a positive integer (or None)")
+        if self.router_order == "topk_then_softmax" and self.norm_topk_prob:
+            raise ValueError("model.norm_topk_prob: a softmax over the top-k logits already sums to 1; "
+                             "set norm_topk_prob=false with router_order='topk_then_softmax'")
+        if self.lora is not None and self.lora.targets_of("mlp"):
+            raise ValueError(f"model.lora.targets {list(self.lora.targets)}: LoRA on the MLP projections of "
+                             "a mixture of experts is not supported; target the attention projections")
 
     def _normalize_eos(self) -> None:
         """Accept HF's list form (`eos_token_id: [a, b]`, e.g. from overrides); keep one canonical form:
@@ -198,6 +246,11 @@ class ModelConfig:
             return self
         limit = UNROLL_MAX_LAYERS.get(platform, UNROLL_MAX_LAYERS["cpu"])
         return self.replace(unroll_layers=self.num_layers <= limit)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of each expert's MLP (`moe_intermediate_size`, else `intermediate_size`)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def dim_per_head(self) -> int:
@@ -245,7 +298,10 @@ class ModelConfig:
             attn += h * hd + 2 * kv * hd
         if self.qk_norm:
             attn += 2 * hd
-        layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+        mlp = 3 * d * f
+        if self.num_experts:  # the router and every expert (all held, whichever a token uses)
+            mlp = d * self.num_experts + self.num_experts * 3 * d * self.expert_intermediate_size
+        layer = attn + mlp + (4 if self.post_norms else 2) * d
         total = self.vocab_size * d + self.num_layers * layer + d
         if with_lm_head and not self.tie_word_embeddings:
             total += d * self.vocab_size
@@ -290,6 +346,20 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         norm_offset=1.0, scale_embeddings=True, post_norms=True, mlp_activation="gelu_tanh",
         query_pre_attn_scalar=24, tie_word_embeddings=True, architecture="gemma3", bos_token_id=2,
         eos_token_id=1, pad_token_id=0,
+    ),
+    # Test sizes of the mixtures of experts: Qwen3-MoE's router without renormalisation (transformers'
+    # default; the published sizes renormalise) and Mixtral's softmax over the top-k logits, so that the parity
+    # tests reach both routings. An expert narrower than the dense MLP, as in Qwen3-MoE.
+    "tiny-qwen3-moe": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    "tiny-mixtral": ModelConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=512, rope_theta=1e6, architecture="mixtral",
+        num_experts=4, num_experts_per_tok=2, router_order="topk_then_softmax", router_aux_loss_coef=0.02,
     ),
     "small": ModelConfig(  # quickstart-scale actor (~3M parameters)
         vocab_size=384, hidden_size=256, intermediate_size=688, num_layers=4,
@@ -372,6 +442,21 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3",
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
         extra_eos_token_ids=(151643,), pad_token_id=None,
+    ),
+    # 30.5B parameters, 3.3B active: 48 layers of 128 experts (width 768), 8 per token, renormalised; no
+    # shared expert, every layer sparse (intermediate_size is that of the dense layers it has none of).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3_moe",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, pad_token_id=None,
+    ),
+    "mixtral-8x7b": ModelConfig(  # 46.7B parameters, 12.9B active: 8 experts of width 14336, 2 per token
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, max_position_embeddings=32768, rope_theta=1e6, architecture="mixtral",
+        num_experts=8, num_experts_per_tok=2, router_order="topk_then_softmax", router_aux_loss_coef=0.02,
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=None,
     ),
     "gemma2-2b": ModelConfig(
         vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,

@@ -53,6 +53,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 1B and 270M; the larger ones through MULTIMODAL_TEXT
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 # Multimodal checkpoints whose text model we load (its config in `text_config`, its tensors under a prefix;
@@ -78,10 +80,21 @@ HF_REWARD_ARCHITECTURES: dict[str, str] = {
 FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
     "qwen2": dict(attention_bias=True),
     "qwen3": dict(qk_norm=True),
+    "qwen3_moe": dict(qk_norm=True),
     "gemma2": dict(norm_offset=1.0, scale_embeddings=True, post_norms=True),
     "gemma3": dict(qk_norm=True, norm_offset=1.0, scale_embeddings=True, post_norms=True),
 }
 _GEMMA = ("gemma2", "gemma3")
+# Mixtures of experts: the config.json key of the expert count, and the tensor names of one layer's sparse
+# MLP (under model.layers.{i}.): its router, and expert j's gate / up / down projections.
+_MOE = ("qwen3_moe", "mixtral")
+_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+_MOE_TENSORS = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                  "mlp.experts.{j}.down_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
+                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
+}
 # Gemma's layer kinds when config.json has no `layer_types`: every P-th layer global.
 _DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}
 _HF_REWARD_CLASS = {arch: cls for cls, arch in HF_REWARD_ARCHITECTURES.items()}
@@ -196,7 +209,7 @@ def _gemma_layers_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where:
 
 def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, where: str) -> int | None:
     """Mistral: `sliding_window` as is. Qwen2/3: only if every layer slides (or none does)."""
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         return hf.get("sliding_window")
     if arch == "llama" or not hf.get("use_sliding_window", False) or hf.get("sliding_window") is None:
         return None
@@ -210,6 +223,50 @@ def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, wher
     raise CheckpointError(
         f"{where}: {arch} with sliding window on only some layers (layer_types={layer_types}) is not supported"
     )
+
+
+# transformers' defaults for the mixture-of-experts keys a config.json leaves out.
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+}
+
+
+def _experts_from_hf(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig ({} for a dense family). Refused: what our sparse MLP
+    does not compute (dense MLP layers among the sparse ones, shared experts, router jitter)."""
+    if arch not in _MOE:
+        return {}
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if hf.get(key):
+            raise CheckpointError(f"{where}: {key}={hf[key]!r} is not supported (no shared experts)")
+    defaults = _MOE_DEFAULTS[arch]
+    key = _EXPERTS_KEY[arch]
+    other = "num_local_experts" if key == "num_experts" else "num_experts"  # transformers reads either
+    experts = hf.get(key, hf.get(other, defaults[key]))
+    k = hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    for name, value in ((key, experts), ("num_experts_per_tok", k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{where}: {name}={value!r} must be a positive integer")
+    if k > experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok={k} must be at most {key}={experts}")
+    fields: dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=k, router_aux_loss_coef=float(
+        hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])))
+    if arch == "mixtral":
+        jitter = hf.get("router_jitter_noise") or 0.0
+        if float(jitter) != 0.0:
+            raise CheckpointError(f"{where}: router_jitter_noise={jitter!r} is not supported (only 0.0)")
+        return fields | dict(router_order="topk_then_softmax")
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise CheckpointError(f"{where}: decoder_sparse_step={step!r} is not supported: every layer must be sparse (1)")
+    if hf.get("mlp_only_layers"):
+        raise CheckpointError(f"{where}: mlp_only_layers={hf['mlp_only_layers']!r} is not supported (dense MLP "
+                              "layers among the sparse ones); every layer must be sparse ([])")
+    return fields | dict(moe_intermediate_size=int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])),
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
+                         router_order="softmax_then_topk")
 
 
 def _optional_float(value: Any) -> float | None:
@@ -303,6 +360,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str | os.PathLike = CONFIG_FIL
             )
         else:
             family = dict(sliding_window=_sliding_window_from_hf(hf, arch, layers, where))
+        family.update(_experts_from_hf(hf, arch, where))
         return ModelConfig(
             **FAMILY_SWITCHES.get(arch, {}),
             **family,
@@ -398,7 +456,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     hf["rope_parameters"] = rope_parameters
     if arch == "llama":
         hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif arch == "mistral":
+    elif arch in ("mistral", "mixtral"):
         hf["sliding_window"] = config.sliding_window
     elif arch in _GEMMA:
         del hf["hidden_act"]
@@ -421,6 +479,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         sliding = config.sliding_window is not None
         hf.update(use_sliding_window=sliding, sliding_window=config.sliding_window, max_window_layers=0)
         hf["layer_types"] = ["sliding_attention" if sliding else "full_attention"] * config.num_layers
+    if arch in _MOE:
+        hf.update({_EXPERTS_KEY[arch]: config.num_experts}, num_experts_per_tok=config.num_experts_per_tok,
+                  router_aux_loss_coef=config.router_aux_loss_coef, output_router_logits=False)
+        if arch == "qwen3_moe":
+            hf.update(moe_intermediate_size=config.expert_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                      decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+        else:
+            hf.update(router_jitter_noise=0.0)
     return hf
 
 
@@ -451,6 +517,19 @@ def _check_family(config: ModelConfig) -> None:
             raise ValueError(f"{arch} checkpoints have no {name} (this model has {getattr(config, name)!r})")
     if arch in _GEMMA and config.rope_scaling is not None:
         raise ValueError(f"{arch}: rope_scaling is not supported")
+    if arch not in _MOE:
+        if config.num_experts:
+            raise ValueError(f"{arch} checkpoints have no experts (this model has num_experts={config.num_experts}); "
+                             f"use one of {list(_MOE)}")
+        return
+    if not config.num_experts:
+        raise ValueError(f"{arch} checkpoints have experts; this model has num_experts=0")
+    order = "softmax_then_topk" if arch == "qwen3_moe" else "topk_then_softmax"
+    if config.router_order != order:
+        raise ValueError(f"{arch} checkpoints route with router_order={order!r}; this model has {config.router_order!r}")
+    if arch == "mixtral" and config.moe_intermediate_size not in (None, config.intermediate_size):
+        raise ValueError(f"mixtral checkpoints have one MLP width (intermediate_size={config.intermediate_size}); "
+                         f"this model has moe_intermediate_size={config.moe_intermediate_size}")
 
 
 # ---------------------------------------------------------------- tensor layout
@@ -461,7 +540,9 @@ class _TensorSpec:
     """One HF tensor: the NNX parameter it belongs to, its HF key and shape, the two layout conversions.
 
     Decoder-layer parameters are stacked along a leading layers axis, so one NNX
-    parameter holds `num_layers` HF tensors; `layer` says which slice this is.
+    parameter holds `num_layers` HF tensors; `layer` says which slice this is. A
+    mixture of experts' weights are stacked once more, [layers, expert, ...]: `expert`
+    says which expert's slice of the layer's (HF stores one tensor per expert).
     """
 
     path: tuple[str | int, ...]
@@ -470,6 +551,12 @@ class _TensorSpec:
     to_hf: Callable[[np.ndarray], np.ndarray]
     from_hf: Callable[[np.ndarray], np.ndarray]
     layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Where this tensor sits in its (stacked) parameter: () for an unstacked one."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -496,7 +583,7 @@ def _norm(path, key, size: int) -> _TensorSpec:
 
 
 def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    d, v = config.hidden_size, config.vocab_size
     h, kv, hd = config.num_heads, config.num_kv_heads, config.dim_per_head
     specs = [
         _TensorSpec(("model", "embed"), "model.embed_tokens.weight", (v, d), _same, _same),
@@ -510,9 +597,7 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
             _linear(p + ("attn", "k"), k + "self_attn.k_proj.weight", (d, kv, hd), 1),
             _linear(p + ("attn", "v"), k + "self_attn.v_proj.weight", (d, kv, hd), 1),
             _linear(p + ("attn", "o"), k + "self_attn.o_proj.weight", (h, hd, d), 2),
-            _linear(p + ("mlp", "gate"), k + "mlp.gate_proj.weight", (d, f), 1),
-            _linear(p + ("mlp", "up"), k + "mlp.up_proj.weight", (d, f), 1),
-            _linear(p + ("mlp", "down"), k + "mlp.down_proj.weight", (f, d), 1),
+            *_mlp_specs(config, p, k),
             _TensorSpec(p + ("input_norm", "weight"), k + "input_layernorm.weight", (d,), _same, _same),
             _TensorSpec(p + ("post_attn_norm", "weight"), k + "post_attention_layernorm.weight", (d,), _same, _same),
         ]
@@ -534,6 +619,29 @@ def _trunk_specs(config: ModelConfig) -> list[_TensorSpec]:
                 _flat(p + ("attn", "v_bias"), k + "self_attn.v_proj.bias", (kv, hd)),
             ]
         specs += [dataclasses.replace(spec, layer=i) for spec in layer]
+    return specs
+
+
+def _mlp_specs(config: ModelConfig, p: tuple[str, ...], k: str) -> list[_TensorSpec]:
+    """One layer's MLP tensors: the dense gate / up / down projections, or a mixture of experts' router and
+    every expert's three (`_MOE_TENSORS`), each a slice of the stacked [expert, ...] weight."""
+    d = config.hidden_size
+    if not config.num_experts:
+        f = config.intermediate_size
+        return [
+            _linear(p + ("mlp", "gate"), k + "mlp.gate_proj.weight", (d, f), 1),
+            _linear(p + ("mlp", "up"), k + "mlp.up_proj.weight", (d, f), 1),
+            _linear(p + ("mlp", "down"), k + "mlp.down_proj.weight", (f, d), 1),
+        ]
+    f = config.expert_intermediate_size
+    router, gate, up, down = _MOE_TENSORS[config.architecture]
+    specs = [_linear(p + ("mlp", "router"), k + router, (d, config.num_experts), 1)]
+    for j in range(config.num_experts):
+        specs += [
+            dataclasses.replace(_linear(p + ("mlp", "gate"), k + gate.format(j=j), (d, f), 1), expert=j),
+            dataclasses.replace(_linear(p + ("mlp", "up"), k + up.format(j=j), (d, f), 1), expert=j),
+            dataclasses.replace(_linear(p + ("mlp", "down"), k + down.format(j=j), (f, d), 1), expert=j),
+        ]
     return specs
 
 
@@ -787,10 +895,10 @@ def load_hf_checkpoint(
             raise AssertionError(f"hf_io has no mapping for parameter {p}")  # model layout changed
         elif specs[0].layer is None:
             value = place(p, np.asarray(read(specs[0]), order="C"))
-        else:  # one HF tensor per layer, stacked along the leading layers axis
+        else:  # one HF tensor per layer (and expert), stacked along the leading layers (and expert) axes
             stacked = np.empty(struct.shape, target)
             for spec in specs:
-                stacked[spec.layer] = read(spec)
+                stacked[spec.index] = read(spec)
             value = place(p, stacked)
         leaves.append((p, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves)), config
@@ -875,7 +983,7 @@ def save_hf_checkpoint(
     for spec in _trunk_specs(config) + _head_layouts(config, head)[0]:
         if spec.path not in host:
             host[spec.path] = np.asarray(host_get(params[spec.path]))
-        value = host[spec.path] if spec.layer is None else host[spec.path][spec.layer]
+        value = host[spec.path][spec.index] if spec.index else host[spec.path]
         tensors[spec.key] = np.ascontiguousarray(spec.to_hf(value))
     if not is_main():
         return path

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models import context, lora, pipeline
+from jaxrlhf.models import context, lora, moe, pipeline
 from jaxrlhf.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
@@ -493,13 +493,16 @@ def _adapted(module: nnx.Module, name: str, x: jax.Array, y: jax.Array, dtype) -
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: `input_norm` before attention, `post_attn_norm` before the MLP (HF Llama's
     `post_attention_layernorm`); with `post_norms` also `attn_out_norm` / `mlp_out_norm` on each branch's
-    output before its residual add (Gemma's `post_attention_layernorm` / `post_feedforward_layernorm`)."""
+    output before its residual add (Gemma's `post_attention_layernorm` / `post_feedforward_layernorm`).
+    With `num_experts` the MLP is a mixture of experts (`moe.SparseMLP`). Returns (x, kv, router logits):
+    the router logits [batch, length, experts] of a sparse MLP, None for a dense one."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
         self.post_attn_norm = RMSNorm(config, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs)
+        self.sparse = config.num_experts > 0
+        self.mlp = moe.SparseMLP(config, rngs=rngs) if self.sparse else MLP(config, rngs=rngs)
         self.post_norms = config.post_norms
         if config.post_norms:
             self.attn_out_norm = RMSNorm(config, rngs=rngs)
@@ -511,10 +514,11 @@ class DecoderLayer(nnx.Module):
             h = self.attn_out_norm(h)
         x = x + h
         h = self.mlp(self.post_attn_norm(x))
+        h, router_logits = h if self.sparse else (h, None)
         if self.post_norms:
             h = self.mlp_out_norm(h)
         x = x + h
-        return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv
+        return ax.constrain(x, (ax.BATCH, ax.LENGTH, ax.EMBED)), kv, router_logits
 
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -621,23 +625,29 @@ class Transformer(nnx.Module):
         elif layers_split is not None:
             if len(layers_split) != cfg.num_layers:
                 raise ValueError(f"layers_split holds {len(layers_split)} layers; the model has {cfg.num_layers}")
+            routers = []
             for i, layer_state in enumerate(layers_split):
-                x, kv = nnx.merge(graphdef, layer_state)(
+                x, kv, router_logits = nnx.merge(graphdef, layer_state)(
                     x, ropes, key_valid, kv, i, offset, segment_ids, pages)
+                routers.append(router_logits)
+            if cfg.num_experts:
+                moe.record(jnp.stack(routers))
         else:
 
             def step(carry, xs):
                 x, kv = carry
                 layer_state, layer = xs
-                x, kv = nnx.merge(graphdef, layer_state)(
+                x, kv, router_logits = nnx.merge(graphdef, layer_state)(
                     x, ropes, key_valid, kv, layer, offset, segment_ids, pages
                 )
-                return (x, kv), None
+                return (x, kv), router_logits  # None for dense layers
 
             if remat:
                 step = jax.checkpoint(step, policy=_CHECKPOINT_POLICIES[self.remat], prevent_cse=False)
-            (x, kv), _ = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)),
-                                      unroll=cfg.unrolls_layers)
+            (x, kv), routers = jax.lax.scan(step, (x, kv), (layer_states, jnp.arange(cfg.num_layers)),
+                                            unroll=cfg.unrolls_layers)
+            if cfg.num_experts:  # every layer's router logits, for `moe.forward_with_router_logits`
+                moe.record(routers)
         x = self.final_norm(x)
         if cache is not None:
             new_kv = dict(new_k=kv[2], new_v=kv[3]) if pages is not None else {}

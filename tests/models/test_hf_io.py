@@ -426,7 +426,7 @@ def test_unsupported_architecture(broken):
         load_hf_checkpoint(broken)
     msg = str(e.value)
     assert str(broken / "config.json") in msg and "GPT2LMHeadModel" in msg
-    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in msg
+    assert "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM" in msg
 
 
 def test_wrong_shape(broken):

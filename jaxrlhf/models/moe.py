@@ -1,0 +1,191 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks k experts per token, their gated MLPs' outputs
+summed with the router's weights; the router logits for the load-balancing loss; that loss.
+
+Routing (`route`), per family (`ModelConfig.router_order`, `norm_topk_prob`): the router's logits
+(x @ W_router, accumulated in float32) go through a softmax over every expert and the k largest
+probabilities are kept, renormalised to sum to 1 where `norm_topk_prob` (transformers' Qwen3-MoE, whose
+published sizes renormalise, and Mixtral, which always does); or, "topk_then_softmax", the k largest logits
+go through a softmax of their own (Mistral's reference Mixtral code; the same weights in exact arithmetic).
+Ties between equal probabilities go to the lower expert index (`jax.lax.top_k`, as `torch.topk`).
+
+Dispatch: *dense*. Every token goes through every expert as one batched einsum over the stacked expert
+weights ([expert, embed, mlp]), and the experts' outputs are combined with one weight per (token, expert)
+that is the router's weight for the token's k picked experts and exactly 0 for the others (a one-hot
+combine). So each token's output is exactly the weighted sum over its k experts (an unpicked expert adds
+0 * a finite value), no token is ever dropped (no expert capacity, no capacity factor), and the program
+has static shapes and no gathers or sorts, which makes it simple to differentiate and to shard by the
+existing logical axes. Its cost is num_experts / k times the useful FLOPs and a [tokens, experts, mlp]
+intermediate: right for the tiny and small models this runs today; real-size MoE training wants a
+grouped (sorted, `jax.lax.ragged_dot`) dispatch and expert parallelism (the `expert` axis mapped to a
+mesh axis), which are not here yet (docs/models.md).
+
+Router statistics: `SparseMLP` returns its router logits beside its output; the trunk
+(`transformer.Transformer`) stacks them over layers and hands them to `record`, which keeps them only
+inside `forward_with_router_logits`: a plain forward returns what it always did, and dense models record
+nothing. `load_balancing_loss` is transformers' `load_balancing_loss_func` (Switch Transformer's
+num_experts * sum_i f_i * P_i over every layer's tokens, padding masked out); `router_statistics` gives
+the per-layer load fractions and mean router probabilities.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrlhf.models import axes as ax
+from jaxrlhf.models.config import ModelConfig
+
+_normal = jax.nn.initializers.normal(stddev=0.02)
+# The gate activations of `transformer.MLP`, which a sparse MLP's experts share (config.mlp_activation).
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def route(
+    logits: Float[Array, "*tokens experts"], k: int, order: str = "softmax_then_topk", normalize: bool = False
+) -> tuple[Float[Array, "*tokens k"], Int[Array, "*tokens k"]]:
+    """The k experts each token goes to and their float32 weights, from the router's logits (see the module
+    docstring for the two orders)."""
+    logits = logits.astype(jnp.float32)
+    if order == "topk_then_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts
+    if order != "softmax_then_topk":
+        raise ValueError(f"router order {order!r}: choose 'softmax_then_topk' or 'topk_then_softmax'")
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def combine_weights(
+    weights: Float[Array, "*tokens k"], experts: Int[Array, "*tokens k"], num_experts: int
+) -> Float[Array, "*tokens experts"]:
+    """Each token's weight for every expert: its router weight for the k it goes to, exactly 0 elsewhere."""
+    return jnp.einsum("...k,...ke->...e", weights, jax.nn.one_hot(experts, num_experts, dtype=weights.dtype))
+
+
+class SparseMLP(nnx.Module):
+    """`num_experts` gated MLPs (the activation of `config.mlp_activation`) and a linear router without
+    bias. Parameters: `router` [embed, expert], `gate` / `up` [expert, embed, mlp], `down` [expert, mlp,
+    embed] (HF's per-expert `gate_proj` / `up_proj` / `down_proj`, transposed and stacked)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.dtype = config.jnp_dtype
+        self.activation = config.mlp_activation
+        self.top_k = config.num_experts_per_tok
+        self.order = config.router_order
+        self.normalize = config.norm_topk_prob
+        e, d, f, pd = config.num_experts, config.hidden_size, config.expert_intermediate_size, config.jnp_param_dtype
+
+        def param(shape, names):
+            return nnx.Param(_normal(rngs.params(), shape, pd), logical_axes=names)
+
+        self.router = param((d, e), (ax.EMBED, ax.EXPERT))
+        self.gate = param((e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP))
+        self.up = param((e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP))
+        self.down = param((e, f, d), (ax.EXPERT, ax.MLP, ax.EMBED))
+
+    def __call__(
+        self, x: Float[Array, "batch length embed"]
+    ) -> tuple[Float[Array, "batch length embed"], Float[Array, "batch length experts"]]:
+        """The MLP's output and the router's float32 logits."""
+        dt = self.dtype
+        b, t, d = x.shape
+        xs = x.reshape(b * t, d)  # tokens flattened, as `transformer.dense` (a plain matmul's gradient on CPU)
+        logits = jnp.matmul(xs, self.router.value.astype(dt), preferred_element_type=jnp.float32)
+        weights, experts = route(logits, self.top_k, self.order, self.normalize)
+        combine = combine_weights(weights, experts, logits.shape[-1]).astype(dt)  # [tokens, experts]
+        g = jnp.einsum("nd,edf->nef", xs, self.gate.value.astype(dt))
+        u = jnp.einsum("nd,edf->nef", xs, self.up.value.astype(dt))
+        h = _ACTIVATIONS[self.activation](g) * u * combine[:, :, None]
+        h = ax.constrain(h.reshape(b, t, *h.shape[1:]), (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.MLP))
+        y = jnp.einsum("btef,efd->btd", h, self.down.value.astype(dt))
+        return y, logits.reshape(b, t, -1)
+
+
+# ---------------------------------------------------------------- router logits out of a forward
+
+_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_logits_sink", default=None)
+
+
+def record(router_logits: Float[Array, "layers batch length experts"]) -> None:
+    """Called by the trunk with every layer's router logits: kept only inside `forward_with_router_logits`."""
+    sink = _SINK.get()
+    if sink is not None:
+        sink.append(router_logits)
+
+
+def forward_with_router_logits(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array]:
+    """`model(*args, **kwargs)` (any head on a mixture-of-experts trunk) and its router logits, float32
+    [layers, batch, length, experts]. Call it where the model is called (inside the same jit or grad), as
+    the model itself. A pipelined forward (stages > 1) does not collect them (not supported yet)."""
+    sink: list = []
+    token = _SINK.set(sink)
+    try:
+        out = model(*args, **kwargs)
+    finally:
+        _SINK.reset(token)
+    if not sink:
+        raise ValueError("this forward recorded no router logits: the model has no experts (num_experts=0) "
+                         "or ran pipelined (router logits are not collected across pipeline stages)")
+    return out, sink[-1]
+
+
+# ---------------------------------------------------------------- the load-balancing loss
+
+
+def _assignments(
+    router_logits: Float[Array, "*lead tokens experts"], top_k: int
+) -> tuple[Float[Array, "*lead tokens experts"], Float[Array, "*lead tokens experts"]]:
+    """The softmax probabilities and how many of each token's top-k slots went to each expert (0 or 1)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, experts = jax.lax.top_k(probs, top_k)
+    return probs, jnp.sum(jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32), axis=-2)
+
+
+def _token_weights(router_logits: jax.Array, mask: Bool[Array, "batch length"] | None) -> jax.Array:
+    """1 for every real token, broadcast against [layers, batch, length, 1]; 0 for padding."""
+    if mask is None:
+        return jnp.ones(router_logits.shape[:-1] + (1,), jnp.float32)
+    m = jnp.asarray(mask, jnp.float32)[..., None]
+    return jnp.broadcast_to(m, router_logits.shape[:-1] + (1,))
+
+
+def load_balancing_loss(
+    router_logits: Float[Array, "layers batch length experts"], top_k: int,
+    mask: Bool[Array, "batch length"] | None = None,
+) -> Float[Array, ""]:
+    """Switch Transformer's auxiliary loss as transformers computes it (`load_balancing_loss_func`):
+    num_experts * sum_i f_i * P_i, where over every layer's real tokens f_i is the mean number of top-k
+    slots routed to expert i (the k experts of a softmax over all experts, whatever the family's router
+    order) and P_i the mean softmax probability of expert i. Minimal (top_k) when routing is uniform."""
+    probs, counts = _assignments(router_logits, top_k)
+    w = _token_weights(router_logits, mask)
+    total = jnp.sum(w)
+    f = jnp.sum(counts * w, axis=tuple(range(counts.ndim - 1))) / total
+    p = jnp.sum(probs * w, axis=tuple(range(probs.ndim - 1))) / total
+    return probs.shape[-1] * jnp.sum(f * p)
+
+
+def router_statistics(
+    router_logits: Float[Array, "layers batch length experts"], top_k: int,
+    mask: Bool[Array, "batch length"] | None = None,
+) -> dict[str, jax.Array]:
+    """Per layer over its real tokens: `load` [layers, experts], the fraction of the layer's token-to-expert
+    assignments each expert received (each row sums to 1; uniform is 1 / num_experts), and `probability`
+    [layers, experts], each expert's mean router probability."""
+    probs, counts = _assignments(router_logits, top_k)
+    w = _token_weights(router_logits, mask)
+    reduce = tuple(range(1, counts.ndim - 1))  # the token axes (batch, length) after the layer axis
+    tokens = jnp.sum(w, axis=reduce)
+    return {"load": jnp.sum(counts * w, axis=reduce) / (top_k * tokens),
+            "probability": jnp.sum(probs * w, axis=reduce) / tokens}

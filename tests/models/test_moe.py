@@ -1,0 +1,339 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral): parity with transformers on random tiny checkpoints transformers
+itself wrote (logits, router logits, the load-balancing loss, greedy generation), export round trips, the
+routing functions, gradients through the router, and one clear error per unsupported config or tensor."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.models import generation as gen
+from jaxrlhf.models import moe
+from jaxrlhf.models.config import PRESETS, LoraConfig, ModelConfig
+from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from jaxrlhf.models.sampling import GREEDY
+from jaxrlhf.models.transformer import positions_from_mask
+from jaxrlhf.testing.models import jax_logits, left_padded_batch, load_transformers_model, max_relative_error, torch_logits
+
+TOL = 1e-4  # as tests/models/test_parity.py and test_families.py
+LENGTH = 24
+FAMILIES = ["qwen3_moe", "mixtral"]
+PRESET = {"qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral"}
+PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2, 50], [2, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+N = 12
+
+
+def hf_config(config: ModelConfig):
+    """transformers' own config for one of our tiny MoE presets, built from its classes (not hf_io)."""
+    import transformers
+
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        num_experts_per_tok=config.num_experts_per_tok, router_aux_loss_coef=config.router_aux_loss_coef,
+    )
+    if config.architecture == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"], num_experts=config.num_experts,
+            moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob, **common)
+    return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], num_local_experts=config.num_experts,
+                                      **common)
+
+
+def hf_model(family: str, seed: int):
+    """A random float32 transformers model of the tiny preset, norms perturbed off their init and the router
+    scaled up so that routing is decisive (far from ties between experts)."""
+    import torch
+    import transformers
+
+    hf = hf_config(PRESETS[PRESET[family]])
+    torch.manual_seed(seed)
+    model = getattr(transformers, hf.architectures[0])._from_config(
+        hf, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(".gate.weight"):  # the router: logits ~0.1 at init, make them ~1
+                p.mul_(10.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for family in FAMILIES:
+        out[family] = root / family
+        hf_model(family, seed=1).save_pretrained(out[family], safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    """Per family: (our model, its config, transformers' model), all from the checkpoint transformers wrote."""
+    out = {}
+    for family, path in checkpoints.items():
+        model, config = load_hf_checkpoint(path)
+        out[family] = (model, config, load_transformers_model(path))
+    return out
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_checkpoint_config_is_the_preset(loaded):
+    """config.json as transformers writes it (Qwen3-MoE's `num_local_experts` alias included) gives the preset."""
+    for family, (_, config, _) in loaded.items():
+        assert config == PRESETS[PRESET[family]], family
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_config_round_trip(name):
+    assert config_from_hf(config_to_hf(PRESETS[name])) == PRESETS[name]
+
+
+def test_parameter_count_matches_transformers():
+    """`num_params` (what the planner's memory model reads) counts the router and every expert as transformers
+    does; the published sizes have their published totals."""
+    import transformers
+
+    for family in FAMILIES:
+        config = PRESETS[PRESET[family]]
+        hf = getattr(transformers, hf_config(config).architectures[0])(hf_config(config))
+        assert config.num_params() == sum(p.numel() for p in hf.parameters()), family
+    assert round(PRESETS["qwen3-30b-a3b"].num_params() / 1e9, 1) == 30.5
+    assert round(PRESETS["mixtral-8x7b"].num_params() / 1e9, 1) == 46.7
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 must be between 1 and num_experts=8"),
+    (dict(num_experts_per_tok=0), r"num_experts_per_tok=0 must be between 1 and num_experts=8"),
+    (dict(router_order="sigmoid"), r"router_order='sigmoid': choose one of"),
+    (dict(router_order="topk_then_softmax", norm_topk_prob=True), r"already sums to 1"),
+    (dict(num_experts=0), r"need experts: set num_experts"),
+    (dict(lora=LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "up_proj"))), r"LoRA on the MLP projections"),
+])
+def test_invalid_moe_config_is_one_clear_error(changes, message):
+    with pytest.raises(ValueError, match=message):
+        PRESETS["tiny-qwen3-moe"].replace(**changes)
+    PRESETS["tiny-qwen3-moe"].replace(lora=LoraConfig(rank=2, alpha=4.0))  # attention adapters are fine
+
+
+# ---------------------------------------------------------------- routing and the auxiliary loss
+
+
+def test_routing_orders():
+    """Top-k of the softmax renormalised equals a softmax over the top-k logits; the combine weights hold
+    exactly the k weights (0 elsewhere); without renormalisation the weights are the plain probabilities."""
+    logits = jax.random.normal(jax.random.key(0), (50, 8)) * 3
+    w1, e1 = moe.route(logits, 3, "softmax_then_topk", normalize=True)
+    w2, e2 = moe.route(logits, 3, "topk_then_softmax")
+    np.testing.assert_array_equal(e1, e2)
+    np.testing.assert_allclose(w1, w2, rtol=1e-6)
+    w3, e3 = moe.route(logits, 3, "softmax_then_topk")
+    np.testing.assert_allclose(w3, jnp.take_along_axis(jax.nn.softmax(logits), e3, -1), rtol=1e-6)
+    combine = np.asarray(moe.combine_weights(w1, e1, 8))
+    assert ((combine > 0).sum(-1) == 3).all()
+    np.testing.assert_allclose(combine.sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_matches_transformers(masked):
+    """Our loss from [layers, batch, length, experts] logits equals transformers' `load_balancing_loss_func` of
+    the same logits as its tuple of [batch * length, experts] per layer, with and without a padding mask."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (3, 2, 7, 6)) * 2, np.float32)
+    mask = np.ones((2, 7), bool)
+    if masked:
+        mask[0, :3] = mask[1, 5:] = False
+    ours = moe.load_balancing_loss(jnp.asarray(logits), 2, jnp.asarray(mask) if masked else None)
+    theirs = load_balancing_loss_func(tuple(torch.as_tensor(layer.reshape(14, 6)) for layer in logits), 6, 2,
+                                      torch.as_tensor(mask, dtype=torch.long) if masked else None)
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+    stats = moe.router_statistics(jnp.asarray(logits), 2, jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(stats["load"]).sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(stats["probability"]).sum(-1), 1.0, rtol=1e-6)
+    # perfectly balanced routing is the minimum, top_k; the loss has a gradient for the router's logits
+    assert abs(float(moe.load_balancing_loss(jnp.zeros((1, 1, 6, 6)).at[0, 0].set(jnp.eye(6) * 5), 1)) - 1.0) < 1e-6
+    assert np.abs(np.asarray(jax.grad(moe.load_balancing_loss)(jnp.asarray(logits), 2))).max() > 0
+
+
+# ---------------------------------------------------------------- parity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_router_logits_and_aux_loss_match_transformers(loaded, family):
+    """Left-padded batch: logits within TOL of transformers', every layer's router logits likewise (what the
+    forward exposes through `forward_with_router_logits`), and the model's auxiliary loss over real tokens
+    equal to the one transformers' forward returns (`output_router_logits`, attention_mask)."""
+    import torch
+
+    model, config, hf = loaded[family]
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5, 11))
+    ours = jax_logits(model, tokens, mask)
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = hf(input_ids=torch.as_tensor(tokens), attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                 position_ids=torch.as_tensor(positions), output_router_logits=True)
+    ref = out.logits.numpy()
+    assert max_relative_error(ours, ref, mask) <= TOL
+    m = jnp.asarray(mask)
+    (logits, _), router = moe.forward_with_router_logits(model, jnp.asarray(tokens), positions_from_mask(m), m)
+    np.testing.assert_array_equal(np.asarray(logits), ours)  # recording changes nothing
+    assert router.shape == (config.num_layers, *tokens.shape, config.num_experts)
+    theirs = np.stack([r.numpy().reshape(*tokens.shape, -1) for r in out.router_logits])
+    real = np.broadcast_to(mask[None, :, :, None], theirs.shape)
+    assert np.abs(np.asarray(router) - theirs)[real].max() <= TOL * np.abs(theirs).max()
+    aux = moe.load_balancing_loss(router, config.num_experts_per_tok, m)
+    np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
+    # every expert is used somewhere and routing is not uniform: the test sees real routing
+    load = np.asarray(moe.router_statistics(router, config.num_experts_per_tok, m)["load"])
+    assert (load > 0).all() and load.max() > 1.2 / config.num_experts
+
+
+@pytest.mark.slow
+def test_greedy_static_engine_equals_transformers_generate(loaded):
+    import torch
+
+    model, config, hf = loaded["qwen3_moe"]
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N,
+                                        eos_token_id=config.eos_token_id, pad_token_id=0)[0, len(prompt):].tolist())
+    out = gen.generate(model, PROMPTS, N, GREEDY, eos_id=config.eos_token_id, pad_id=0)
+    ours = [np.asarray(out.response_tokens[row, :int(out.lengths[row])]).tolist() for row in range(len(PROMPTS))]
+    assert ours == expected
+    assert all(len(set(row)) > 3 for row in expected)  # not a model that repeats one token
+
+
+def _params(model: nnx.Module) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip(loaded, checkpoints, tmp_path, family):
+    """import -> export: transformers' tensors written back bit for bit under their names, transformers loads
+    it with the same logits; import again: bitwise the same parameters and config."""
+    from safetensors.numpy import load_file
+
+    model, config, hf = loaded[family]
+    path = save_hf_checkpoint(model, config, tmp_path / "export")
+    theirs, ours = load_file(checkpoints[family] / "model.safetensors"), load_file(path / "model.safetensors")
+    assert theirs.keys() == ours.keys() and all(theirs[k].tobytes() == ours[k].tobytes() for k in theirs)
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5))
+    exported = load_transformers_model(path)
+    assert type(exported).__name__ == type(hf).__name__
+    np.testing.assert_array_equal(torch_logits(exported, tokens, mask), torch_logits(hf, tokens, mask))
+    again, config_again = load_hf_checkpoint(path)
+    assert config_again == config
+    a, b = _params(model), _params(again)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+def test_gradients_reach_router_and_experts():
+    """Cross-entropy plus the weighted auxiliary loss: finite gradients for the router and every expert's
+    weights, under jit (one layer: one compile of a small program)."""
+    from jaxrlhf.models.transformer import build_model
+
+    config = PRESETS["tiny-mixtral"].replace(num_layers=1)
+    graphdef, state = nnx.split(build_model(config, seed=3))
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 3, config.vocab_size)
+    mask = jnp.ones((2, 16), bool).at[1, :3].set(False)
+
+    def loss(state):
+        (logits, _), router = moe.forward_with_router_logits(nnx.merge(graphdef, state), tokens,
+                                                             positions_from_mask(mask), mask)
+        aux = moe.load_balancing_loss(router, config.num_experts_per_tok, mask)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), tokens[:, 1:, None], -1)[..., 0]
+        return -jnp.sum(logp * mask[:, 1:]) / jnp.sum(mask[:, 1:]) + config.router_aux_loss_coef * aux
+
+    grads = jax.jit(jax.grad(loss))(state)
+    mlp = grads["model"]["layers"]["mlp"]
+    for name in ("router", "gate", "up", "down"):
+        g = np.asarray(mlp[name].get_value())
+        assert np.isfinite(g).all(), name
+        # every expert got gradient (each is some token's pick): per [layer, expert]
+        per_expert = np.moveaxis(g, -1, 1) if name == "router" else g
+        assert (np.abs(per_expert).reshape(*per_expert.shape[:2], -1).max(-1) > 0).all(), name
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _hf(name: str, **changes) -> dict:
+    hf = config_to_hf(PRESETS[name])
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("tiny-qwen3-moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported"),
+    ("tiny-qwen3-moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported"),
+    ("tiny-qwen3-moe", {"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size=64 is not supported"),
+    ("tiny-qwen3-moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be at most num_experts=8"),
+    ("tiny-qwen3-moe", {"num_experts": 0}, r"num_experts=0 must be a positive integer"),
+    ("tiny-mixtral", {"router_jitter_noise": 0.01}, r"router_jitter_noise=0\.01 is not supported"),
+    ("tiny-mixtral", {"architectures": ["Qwen2MoeForCausalLM"]}, r"architectures=\['Qwen2MoeForCausalLM'\] is not"),
+])
+def test_unsupported_config_is_one_clear_error(name, changes, message):
+    with pytest.raises(CheckpointError, match=message) as err:
+        config_from_hf(_hf(name, **changes))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("tiny-qwen3", {"num_experts": 4, "num_experts_per_tok": 2}, r"qwen3 checkpoints have no experts"),
+    ("tiny-mixtral", {"router_order": "softmax_then_topk"}, r"mixtral checkpoints route with router_order"),
+    ("tiny-mixtral", {"moe_intermediate_size": 32}, r"mixtral checkpoints have one MLP width"),
+    ("tiny-qwen3-moe", {"qk_norm": False}, r"qwen3_moe checkpoints have qk_norm=True"),
+])
+def test_export_of_a_config_no_hf_class_holds_is_refused(name, changes, message):
+    with pytest.raises(ValueError, match=message):
+        config_to_hf(PRESETS[name].replace(**changes))
+
+
+def test_missing_or_fused_expert_tensor_is_one_clear_error(checkpoints, tmp_path):
+    """A checkpoint without one expert's tensor is one error naming that tensor and its shape."""
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoints["mixtral"]
+    tensors = load_file(src / "model.safetensors")
+    key = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    del tensors[key]
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}' is missing \(expected shape \[64, 64\]\)") as err:
+        load_hf_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
+    assert json.loads((src / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+
+
+def test_dense_models_record_no_router_logits():
+    from jaxrlhf.testing.models import random_model
+
+    model = random_model(PRESETS["tiny"])
+    mask = jnp.ones((1, 4), bool)
+    with pytest.raises(ValueError, match="recorded no router logits: the model has no experts"):  # traced only
+        jax.eval_shape(lambda t: moe.forward_with_router_logits(model, t, positions_from_mask(mask), mask),
+                       jnp.ones((1, 4), jnp.int32))
