@@ -132,8 +132,10 @@ def test_colocated_metrics_are_complete(colocated):
 
 
 def _train_cmd(out: str, steps: int, *extra: str) -> list[str]:
+    # the `colocated` fixture's config on its 8 CPU devices: the CLI runs load its programs from the test
+    # run's compilation cache instead of compiling (and planning) their own
     return [
-        sys.executable, "-m", "jaxrlhf.train", "--config", "configs/quickstart.yaml", *BASE,
+        sys.executable, "-m", "jaxrlhf.train", *BASE, "plan.strategy=colocated", "run.platform=cpu",
         f"run.steps={steps}", f"run.output_dir={out}", "run.checkpoint_every=1", "run.devices=8",
         compile_cache.override(), *extra,
     ]
