@@ -299,7 +299,8 @@ class Workload:
         static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies), plus
         the prefill's cache of one row per group it is copied from;
         continuous: the page pool (prefix pages + response pages, `models.slots.kv_columns`), carried in
-        and out, plus the prefill's dense prefix the pool is built from."""
+        and out, plus the prefill's dense prefix the pool is built from; a stream's pool holds the prompts
+        of staleness + 1 batches (`stream_columns`)."""
         rows = self.call_seqs(call)
         if rows % batch_ways:
             return 2 * rows / batch_ways * self.seq_len
@@ -308,7 +309,18 @@ class Workload:
             return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
         prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
                                   self.gen_pages, batch_ways)
-        return 2 * pool + prefix
+        return 2 * (self.stream_columns(call, batch_ways) or pool) + prefix
+
+    def stream_columns(self, call: CallSpec, batch_ways: int) -> float:
+        """KV-cache columns one device keeps between steps for a partial-rollout stream (`gen_stream`): its
+        page pool, whose group slots hold the prompts of staleness + 1 batches (`run.generator`), lives on
+        the generate call's devices for the whole run; 0 without a stream."""
+        rows = self.call_seqs(call)
+        if not self.gen_stream or self.gen_engine != "continuous" or rows % batch_ways:
+            return 0.0
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+                                  self.gen_pages, batch_ways)
+        return pool + prefix * self.staleness
 
 
 def matmul_params(cfg: ModelConfig, head: str) -> int:

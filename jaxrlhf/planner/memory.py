@@ -273,6 +273,21 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
                         arr[i] += params_per_device(cfg, head, lay)
         resident_by_role[role] = arr
 
+    # A partial-rollout stream keeps its page pool on the generate call's devices between steps
+    # (`Workload.stream_columns`): resident there during every other call, and part of (not added to)
+    # the generate call's own working set.
+    stream: dict[str, float] = {}
+    for c in calls:
+        lay = plan.calls[c.name].layout
+        cols = wl.stream_columns(c, lay.data * lay.fsdp) if c.kind == "generate" else 0.0
+        if cols:
+            cfg = models[c.role]
+            stream[c.name] = cols * kv_bytes_per_token(cfg) / max(min(lay.tensor, cfg.num_kv_heads), 1)
+            arr = [0.0] * segments
+            for i in span(c.name):
+                arr[i] += stream[c.name]
+            resident_by_role[f"stream:{c.name}"] = arr
+
     # Working sets per call; a call away from home without a shadow holds a temporary copy.
     work: dict[str, float] = {}
     for c in calls:
@@ -285,7 +300,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)
         if moved and (c.role not in plan.shadow_roles or c.role in views or c.fresh_weights):
             w += params_per_device(cfg, c.head, lay)
-        work[c.name] = w
+        work[c.name] = w - stream.get(c.name, 0.0)
 
     widths = np.diff(cuts)
 

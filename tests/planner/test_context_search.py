@@ -42,3 +42,4 @@ def test_a_32k_token_plan_splits_the_train_calls_sequences_and_says_why(tmp_path
     assert why, text
     assert int(why[1]) == plan.calls["actor.train"].layout.context
     assert float(why[2]) < float(why[4]) < float(why[3])
+
