@@ -17,8 +17,9 @@ template family (`TOOL_CALL_FORMATS`, a registry by family name):
   outside them. Qwen3's `<think>...</think>` reasoning is split off first (a call written while
   thinking is not a call).
 - Llama 3.1 JSON style (Llama 3.1 / 3.2 / 3.3): the whole message is `{"name": ..., "parameters":
-  {...}}` (also `"arguments"`), optionally after `<|python_tag|>`, several separated by `;`;
-  a message that does not start with `{` (or the tag) is plain content.
+  {...}}` (also `"arguments"`), optionally after `<|python_tag|>`, several separated by `;`, or after
+  the tag a built-in tool's `brave_search.call(query="...")`; a message that does not start with `{`
+  (or the tag) is plain content.
 
 The result is a value, never an exception: `ParsedToolCalls` (content, calls, reasoning), or
 `ToolCallError` listing every problem (bad JSON, a malformed call, an unknown tool, arguments that do
@@ -517,11 +518,37 @@ def _split_json_objects(text: str) -> list[str] | None:
     return [p.strip() for p in parts if p.strip()]
 
 
+_BUILTIN_CALL = re.compile(r"^([A-Za-z_]\w*)\.call\((.*)\)$", re.DOTALL)
+
+
+def _builtin_call(text: str, problems: list[ToolCallProblem]) -> tuple[bool, Any]:
+    """Llama 3.1's built-in tool call `brave_search.call(query="...")` as {"name", "parameters"} (keyword
+    arguments with literal values only)."""
+    import ast
+
+    match = _BUILTIN_CALL.match(text)
+    usage = ('after <|python_tag|> write a JSON call {"name": ..., "parameters": {...}} or a built-in tool call '
+             'name.call(key="value", ...)')
+    if match is None:
+        problems.append(ToolCallProblem("malformed", f"{usage}, got {_show(text)}", 0))
+        return False, None
+    try:
+        call = ast.parse(f"f({match.group(2)})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            raise ValueError("only keyword arguments")
+        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError, TypeError) as e:
+        problems.append(ToolCallProblem("malformed", f"{usage} (keyword arguments with literal values): {e}", 0))
+        return False, None
+    return True, {"name": match.group(1), "parameters": arguments}
+
+
 def parse_llama3_json(text: str, tools: Sequence[Any] | Mapping[str, dict] | None = None
                       ) -> "ParsedToolCalls | ToolCallError":
     """Llama 3.1's JSON tool calls: the whole message is `{"name": ..., "parameters": {...}}` (or
-    `"arguments"`), optionally after `<|python_tag|>`, several separated by `;`. A message that starts with
-    neither is plain content; one that starts with `{` is a call and must be one."""
+    `"arguments"`), optionally after `<|python_tag|>`, several separated by `;`; after the tag also a built-in
+    tool's `name.call(key="value", ...)`. A message that starts with neither `{` nor the tag is plain content;
+    one that does is a call and must be one."""
     table = _tool_table(tools)
     stripped = text.strip()
     tagged = stripped.startswith(_PYTHON_TAG)
@@ -531,6 +558,11 @@ def parse_llama3_json(text: str, tools: Sequence[Any] | Mapping[str, dict] | Non
         return ParsedToolCalls(stripped)
     problems: list[ToolCallProblem] = []
     raw = []
+    if tagged and not stripped.startswith("{"):  # a built-in tool: name.call(key="value", ...)
+        good, obj = _builtin_call(stripped, problems)
+        if good:
+            raw.append((0, obj))
+        return _result("", _check_calls(raw, table, ("parameters",), problems), problems, None)
     for index, part in enumerate(_split_json_objects(stripped) or [stripped]):
         good, obj = _decode(part, index, problems)
         if good:

@@ -709,6 +709,14 @@ def test_llama31_json_calls_are_parsed():
     assert parse_tool_calls(tagged, "llama3.2", TOOLS).calls == (ToolCall("multiply", {"x": 1, "y": 3}),
                                                                    ToolCall("get_weather", {"city": "a;b"}))
     assert parse_tool_calls("  It is 18 C.\n", "llama3.1", TOOLS) == ParsedToolCalls("It is 18 C.")
+    # a built-in tool's call, written back by the template as the model wrote it
+    builtin = '<|python_tag|>brave_search.call(query="Paris", count=3)'
+    parsed = parse_tool_calls(builtin, "llama3.1")
+    assert parsed.calls == (ToolCall("brave_search", {"query": "Paris", "count": 3}),)
+    ours = ChatTemplate(LLAMA31, {"bos_token": "<|begin_of_text|>"})
+    parsed = parse_tool_calls('<|python_tag|>brave_search.call(query="Paris")', "llama3.1")
+    assert ours.render([ASK, parsed.assistant_message()], builtin_tools=["brave_search"]).endswith(
+        '<|python_tag|>brave_search.call(query="Paris")<|eom_id|>')
 
 
 # (family, text, [(kind, call index or None, message part)])
@@ -747,8 +755,11 @@ MALFORMED = [
     ("qwen3", '<think>\nok\n</think>\n\n<tool_call>{"name": "get_weather", "arguments": {}</tool_call>',
      [("bad_json", 0, "not valid JSON")]),
     ("llama3.1", '{"name": "get_weather", "parameters": {"city": "Paris"}', [("bad_json", 0, "not valid JSON")]),
-    ("llama3.1", '<|python_tag|>brave_search.call(query="Paris")', [("bad_json", 0, "not valid JSON")]),
-    ("llama3.1", '<|python_tag|>', [("bad_json", 0, "not valid JSON")]),
+    ("llama3.1", '<|python_tag|>print(1 + 1)', [("malformed", 0, "after <|python_tag|> write a JSON call")]),
+    ("llama3.1", '<|python_tag|>brave_search.call("Paris")', [("malformed", 0, "keyword arguments with literal")]),
+    ("llama3.1", '<|python_tag|>brave_search.call(query=x)', [("malformed", 0, "keyword arguments with literal")]),
+    ("llama3.1", '<|python_tag|>brave_search.call(query="Paris")', [("unknown_tool", 0, "unknown tool 'brave_search'")]),
+    ("llama3.1", '<|python_tag|>', [("malformed", 0, "after <|python_tag|> write a JSON call")]),
     ("llama3.1", '{"answer": 18}', [("malformed", 0, 'no "name"')]),
     ("llama3.1", '{"name": "get_weather"}', [("malformed", 0, 'no "parameters"')]),
     ("llama3.1", '{"name": "weather", "parameters": {}}; {"name": "multiply", "parameters": {"x": 1}}',
