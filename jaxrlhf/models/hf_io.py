@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors`.
 
-Users start from pretrained Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 checkpoints
+Users start from pretrained Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 / Qwen3-MoE / Mixtral checkpoints
 (docs/models.md) and hand trained actors back to `transformers`, so both directions must be exact
 (float32 logits within 1e-4 relative, import -> export -> import bitwise).
 
@@ -526,7 +526,8 @@ def _check_family(config: ModelConfig) -> None:
         raise ValueError(f"{arch} checkpoints have experts; this model has num_experts=0")
     order = "softmax_then_topk" if arch == "qwen3_moe" else "topk_then_softmax"
     if config.router_order != order:
-        raise ValueError(f"{arch} checkpoints route with router_order={order!r}; this model has {config.router_order!r}")
+        raise ValueError(f"{arch} checkpoints route with router_order={order!r}; "
+                         f"this model has {config.router_order!r}")
     if arch == "mixtral" and config.moe_intermediate_size not in (None, config.intermediate_size):
         raise ValueError(f"mixtral checkpoints have one MLP width (intermediate_size={config.intermediate_size}); "
                          f"this model has moe_intermediate_size={config.moe_intermediate_size}")
