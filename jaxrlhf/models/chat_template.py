@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import sys
 from typing import Any, Mapping, Sequence
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -145,7 +146,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, tuple):
         return tuple(_plain(v) for v in value)
-    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "shape", None) == ():
+    numpy = sys.modules.get("numpy")  # a numpy value exists only where numpy is imported
+    if numpy is not None and isinstance(value, numpy.generic):
         return _plain(value.item())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}

@@ -11,6 +11,7 @@ import enum
 import json
 from typing import Any, Literal, Optional, Union
 
+import numpy as np
 import pytest
 
 from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
@@ -396,6 +397,29 @@ def search(query: str, tags: list[str], limit: Union[int, str] = 10, mode: Liter
     """
 
 
+def annotated(x: int, y: str = "q", *rest: float, **options: bool) -> list[int]:
+    """First line.
+    Second line of the summary.
+
+    Args:
+        x (int): The x: with a colon.
+            Continues here,
+            and here.
+
+        y (str, optional): Why (choices: ["p", "q"])
+        rest: More numbers.
+        options: Switches.
+
+    Returns:
+        list[int]: stuff
+            more stuff
+
+    Raises:
+        ValueError: if bad
+    """
+    return []
+
+
 class Custom:
     """A class with no JSON form."""
 
@@ -598,7 +622,8 @@ def test_documents_extra_variables_and_template_data(tmp_path):
     folder = _folder_with(tmp_path, files={"chat_template.jinja": template})
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = ChatTemplate.from_folder(folder)
-    messages = [{"role": "user", "content": Unit.CELSIUS.value, "meta": (1, object(), Unit.CELSIUS)}]
+    messages = [{"role": "user", "content": Unit.CELSIUS.value,
+                 "meta": (1, object(), Unit.CELSIUS, np.int64(3), np.bool_(False), np.zeros(2), np.array(1.5))}]
     kwargs = dict(documents=[{"title": "a", "text": "b"}], extra=("x", 1), eos_token="<eos>", tools=[multiply])
     assert ours.render(messages, **kwargs) == hf.apply_chat_template(messages, tokenize=False, **kwargs)
 
@@ -607,7 +632,7 @@ def test_documents_extra_variables_and_template_data(tmp_path):
 
 
 def test_function_schemas_equal_transformers():
-    for func in (get_weather, multiply, search, Calculator().add):
+    for func in (get_weather, multiply, search, annotated, Calculator().add, Calculator.add):
         ours, theirs = function_schema(func), get_json_schema(func)
         assert ours == theirs, func
         assert json.dumps(ours) == json.dumps(theirs)  # same key order: templates write them with tojson
