@@ -255,3 +255,36 @@ def test_cost_and_memory_models_price_the_context_axis():
     bw = hw.link_bandwidth(False, 4, 4)
     assert cost(inf, Layout(context=4)).parts["context_comm"] == pytest.approx(
         cfg.num_layers * (trade / bw + 8 * hw.collective_latency))
+
+
+@pytest.mark.slow
+def test_a_run_with_context_parallel_calls_trains_like_colocated(tmp_path):
+    """PPO (actor, critic, reference) for two steps: colocated against a plan that runs the train and
+    inference calls with a context axis (context 2 x data 2 x tensor 2; generation data 8), so every
+    call's parameters are reallocated between layouts with and without it: the same metrics, and packed
+    calls on top of it."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import train
+    from jaxrlhf.metrics import read_metrics
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+
+    base = ["model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0", "run.save_checkpoints=false",
+            "run.tensorboard=false", "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16",
+            "generation.max_new_tokens=16", "generation.trim_responses=false", "sft.steps=0",
+            "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3", "rewards.eos_only=false",
+            'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]', "algorithm.name=ppo",
+            "algorithm.minibatches=2", "algorithm.kl_coef=0.05"]
+    split = Layout(data=2, tensor=2, context=2)
+    calls = {"actor.generate": Layout(data=8), "ref.inference": split, "critic.inference": split,
+             "actor.train": split, "critic.train": split}
+    plan = ExecutionPlan("context", 8, {"all": DeviceGroup("all", 0, 8)},
+                         {c: Placement("all", lay) for c, lay in calls.items()})
+    plan.save(str(tmp_path / "plan.yaml"))
+    runs = {}
+    for name, extra in (("colocated", ["plan.strategy=colocated"]),
+                        ("context", [f"plan.file={tmp_path / 'plan.yaml'}", "algorithm.pack_sequences=true"])):
+        train.run(cfglib.load_config(None, [*base, *extra, f"run.output_dir={tmp_path / name}"]))
+        runs[name] = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+    for ref, got in zip(runs["colocated"], runs["context"]):
+        for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "advantages/mean", "loss/value"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
