@@ -494,8 +494,8 @@ def parse_hermes(text: str, tools: Sequence[Any] | Mapping[str, dict] | None = N
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def _split_json_objects(text: str) -> list[str] | None:
-    """`{...}; {...}` split at the top-level `;`s (None when the braces do not balance outside strings)."""
+def _split_json_objects(text: str) -> list[str]:
+    """`{...}; {...}` split at the `;`s outside brackets and strings (the pieces stripped, empty ones dropped)."""
     parts, depth, in_string, escape, start = [], 0, False, False, 0
     for i, ch in enumerate(text):
         if in_string:

@@ -588,7 +588,8 @@ def test_tool_use_template_is_picked_when_tools_are_given(tmp_path, layout):
     """A checkpoint naming several templates: "tool_use" when tools are given (an empty list too), else
     "default", as transformers picks; from tokenizer_config.json's list or additional_chat_templates/."""
     if layout == "config_list":
-        folder = _folder_with(tmp_path, [{"name": "default", "template": QWEN2}, {"name": "tool_use", "template": QWEN25}])
+        folder = _folder_with(tmp_path, [{"name": "default", "template": QWEN2},
+                                         {"name": "tool_use", "template": QWEN25}])
     else:
         folder = _folder_with(tmp_path, "ignored: files win {{ x", {
             "chat_template.jinja": QWEN2, "additional_chat_templates/tool_use.jinja": QWEN25})
@@ -665,7 +666,8 @@ def test_functions_that_cannot_be_described_raise_one_clear_error():
             x: A thing.
         """
 
-    cases = [(no_doc, "no docstring"), (no_hint, "'x' has no type hint"), (undescribed, "does not describe argument 'y'"),
+    cases = [(no_doc, "no docstring"), (no_hint, "'x' has no type hint"),
+             (undescribed, "does not describe argument 'y'"),
              (custom, "argument 'x'.*no JSON form")]
     for func, message in cases:
         with pytest.raises(Exception):
@@ -771,7 +773,8 @@ MALFORMED = [
      [("bad_arguments", 0, "unexpected argument 'country'")]),
     ("qwen2.5", '<tool_call>{"name": "search", "arguments": {"query": "q", "tags": ["a", 1], "point": [1, "x"], '
                 '"filters": 3}}</tool_call>',
-     [("bad_arguments", 0, "argument 'tags'[1] must be string"), ("bad_arguments", 0, "argument 'point'[1] must be number"),
+     [("bad_arguments", 0, "argument 'tags'[1] must be string"),
+      ("bad_arguments", 0, "argument 'point'[1] must be number"),
       ("bad_arguments", 0, "argument 'filters' must be object")]),
     ("qwen2.5", '<tool_call>{"name": "multiply", "arguments": {"x": 1, "y": 7}}</tool_call>\n'
                 '<tool_call>{"name": "multiply", "arguments": {"x": "1", "y": 1}}</tool_call>',
@@ -783,7 +786,8 @@ MALFORMED = [
     ("llama3.1", '<|python_tag|>print(1 + 1)', [("malformed", 0, "after <|python_tag|> write a JSON call")]),
     ("llama3.1", '<|python_tag|>brave_search.call("Paris")', [("malformed", 0, "keyword arguments with literal")]),
     ("llama3.1", '<|python_tag|>brave_search.call(query=x)', [("malformed", 0, "keyword arguments with literal")]),
-    ("llama3.1", '<|python_tag|>brave_search.call(query="Paris")', [("unknown_tool", 0, "unknown tool 'brave_search'")]),
+    ("llama3.1", '<|python_tag|>brave_search.call(query="Paris")',
+     [("unknown_tool", 0, "unknown tool 'brave_search'")]),
     ("llama3.1", '<|python_tag|>', [("malformed", 0, "after <|python_tag|> write a JSON call")]),
     ("llama3.1", '{"answer": 18}', [("malformed", 0, 'no "name"')]),
     ("llama3.1", '{"name": "get_weather"}', [("malformed", 0, 'no "parameters"')]),
