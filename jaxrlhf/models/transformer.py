@@ -582,6 +582,15 @@ class Transformer(nnx.Module):
         cfg = self.config
         if segment_ids is not None and cache is not None:
             raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
+        length = tokens.shape[1]
+        ways = ax.length_ways() if cache is None else 1
+        if ways > 1 and length % (2 * ways):
+            # context parallelism: a batch's length (its trimmed width) need not divide over the context
+            # devices; padding columns (masked: no real token attends to them) make it a multiple of 2c,
+            # which also lets the ring run in its balanced zig-zag order; the outputs are cut back
+            pad = ((0, 0), (0, -length % (2 * ways)))
+            tokens, positions, mask = jnp.pad(tokens, pad), jnp.pad(positions, pad), jnp.pad(mask, pad)
+            segment_ids = None if segment_ids is None else jnp.pad(segment_ids, pad)
         x = jnp.take(self.embed.value, tokens, axis=0)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
@@ -648,7 +657,7 @@ class Transformer(nnx.Module):
                                             unroll=cfg.unrolls_layers)
             if cfg.num_experts:  # every layer's router logits, for `moe.forward_with_router_logits`
                 moe.record(routers)
-        x = self.final_norm(x)
+        x = self.final_norm(x)[:, :length]
         if cache is not None:
             new_kv = dict(new_k=kv[2], new_v=kv[3]) if pages is not None else {}
             cache = cache.replace(k=kv[0], v=kv[1], valid=key_valid, index=cache.index + tokens.shape[1], **new_kv)

@@ -28,7 +28,7 @@ CFG = ModelConfig(
     sliding_window=5, sliding_window_pattern=2, attn_logit_softcap=20.0, query_pre_attn_scalar=16.0,
     qk_norm=True, max_position_embeddings=64,
 )
-B, T = 4, 24  # 2 x 2 and 2 x 4 divide T: zig-zag order; 2 x 8 does not: contiguous blocks
+B, T = 4, 24  # 2 x 2 and 2 x 4 divide T: zig-zag order as it is; 2 x 8 does not: the model pads to 32 first
 
 
 def _batch():
