@@ -236,6 +236,11 @@ class ChatTemplate:
             raise ChatTemplateError(f"{config_file}: chat_template must be a string, got {type(template).__name__}")
         return cls(template, special, str(config_file))
 
+    @property
+    def tool_source(self) -> str | None:
+        """The text of the template `render` uses when given tools (`tools.detect_tool_format` reads it)."""
+        return self.named.get("tool_use", self.source)
+
     def select(self, tools: Sequence[Any] | None = None) -> str:
         """The name of the template `render` uses: "tool_use" when tools are given (even none) and the
         checkpoint names one, else "default" (transformers' `get_chat_template`)."""

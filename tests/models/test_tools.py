@@ -596,6 +596,7 @@ def test_tool_use_template_is_picked_when_tools_are_given(tmp_path, layout):
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = ChatTemplate.from_folder(folder)
     assert ours.select(None) == "default" and ours.select([]) == "tool_use"
+    assert detect_tool_format(ours.source) is None and detect_tool_format(ours.tool_source) == "hermes"
     for tools in (None, [], [get_weather]):
         for messages in ([ASK], TOOL_TURNS[:3]):  # the default one fails on the call's missing content
             assert _same_outcome(hf, ours, messages, tools=tools) == (tools is None and len(messages) == 3)
