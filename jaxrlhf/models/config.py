@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxrlhf.registry import Registry
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral")
 # How a mixture-of-experts router turns its logits into the k experts' weights (`ModelConfig.router_order`):
 # "softmax_then_topk": a softmax over every expert, the k largest probabilities kept (renormalised to sum
 # to 1 with `norm_topk_prob`; transformers' Qwen3-MoE and Mixtral); "topk_then_softmax": the k largest
@@ -136,6 +136,9 @@ class ModelConfig:
     moe_intermediate_size: int | None = None
     router_order: str = "softmax_then_topk"
     norm_topk_prob: bool = False  # the k picked probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE: per config)
+    # A shared expert every token goes through beside its k, of this width, its output scaled by
+    # sigmoid(x @ shared_expert_gate) (Qwen2-MoE); None: none.
+    shared_expert_intermediate_size: int | None = None
     # Weight of the load-balancing loss (`moe.load_balancing_loss`) where a training loss adds it (HF's
     # `router_aux_loss_coef`, kept so that a checkpoint round trip writes it back).
     router_aux_loss_coef: float = 0.001
@@ -197,17 +200,20 @@ class ModelConfig:
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"model.router_aux_loss_coef={self.router_aux_loss_coef!r} must be >= 0")
         if self.num_experts == 0:
-            if self.num_experts_per_tok or self.moe_intermediate_size is not None:
+            if self.num_experts_per_tok or self.moe_intermediate_size is not None or \
+                    self.shared_expert_intermediate_size is not None:
                 raise ValueError(
                     f"model.num_experts_per_tok={self.num_experts_per_tok!r} / moe_intermediate_size="
-                    f"{self.moe_intermediate_size!r} need experts: set num_experts (0 = a dense MLP)")
+                    f"{self.moe_intermediate_size!r} / shared_expert_intermediate_size="
+                    f"{self.shared_expert_intermediate_size!r} need experts: set num_experts (0 = a dense MLP)")
             return
         k, e = self.num_experts_per_tok, self.num_experts
         if not 1 <= k <= e:
             raise ValueError(f"model.num_experts_per_tok={k!r} must be between 1 and num_experts={e}")
-        f = self.moe_intermediate_size
-        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
-            raise ValueError(f"model.moe_intermediate_size={f!r} must be a positive integer (or None)")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            f = getattr(self, name)
+            if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
+                raise ValueError(f"model.{name}={f!r} must be a positive integer (or None)")
         if self.router_order == "topk_then_softmax" and self.norm_topk_prob:
             raise ValueError("model.norm_topk_prob: a softmax over the top-k logits already sums to 1; "
                              "set norm_topk_prob=false with router_order='topk_then_softmax'")
@@ -301,6 +307,8 @@ class ModelConfig:
         mlp = 3 * d * f
         if self.num_experts:  # the router and every expert (all held, whichever a token uses)
             mlp = d * self.num_experts + self.num_experts * 3 * d * self.expert_intermediate_size
+            if self.shared_expert_intermediate_size:  # the shared expert and its gate
+                mlp += 3 * d * self.shared_expert_intermediate_size + d
         layer = attn + mlp + (4 if self.post_norms else 2) * d
         total = self.vocab_size * d + self.num_layers * layer + d
         if with_lm_head and not self.tie_word_embeddings:
@@ -355,6 +363,12 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1e6,
         rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32,
+    ),
+    "tiny-qwen2-moe": ModelConfig(  # Qwen2's q/k/v biases, a shared expert with its sigmoid gate
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6,
+        attention_bias=True, architecture="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64,
     ),
     "tiny-mixtral": ModelConfig(
         vocab_size=384, hidden_size=64, intermediate_size=64, num_layers=2,
@@ -451,6 +465,15 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3_moe",
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, pad_token_id=None,
+    ),
+    # Qwen2-MoE's published size, 14.3B parameters, 2.7B active: 60 routed experts (width 1408), 4 per token,
+    # not renormalised, and a shared expert of width 5632 (four experts' worth) with a sigmoid gate.
+    "qwen1.5-moe-a2.7b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_layers=24,
+        num_heads=16, num_kv_heads=16, max_position_embeddings=8192, rope_theta=1e6, rms_norm_eps=1e-6,
+        attention_bias=True, tie_word_embeddings=False, architecture="qwen2_moe", num_experts=60,
+        num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643, eos_token_id=151643, pad_token_id=None,
     ),
     "mixtral-8x7b": ModelConfig(  # 46.7B parameters, 12.9B active: 8 experts of width 14336, 2 per token
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,

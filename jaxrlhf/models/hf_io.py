@@ -53,6 +53,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 1B and 270M; the larger ones through MULTIMODAL_TEXT
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -80,6 +81,7 @@ HF_REWARD_ARCHITECTURES: dict[str, str] = {
 FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
     "qwen2": dict(attention_bias=True),
     "qwen3": dict(qk_norm=True),
+    "qwen2_moe": dict(attention_bias=True),
     "qwen3_moe": dict(qk_norm=True),
     "gemma2": dict(norm_offset=1.0, scale_embeddings=True, post_norms=True),
     "gemma3": dict(qk_norm=True, norm_offset=1.0, scale_embeddings=True, post_norms=True),
@@ -87,11 +89,13 @@ FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
 _GEMMA = ("gemma2", "gemma3")
 # Mixtures of experts: the config.json key of the expert count, and the tensor names of one layer's sparse
 # MLP (under model.layers.{i}.): its router, and expert j's gate / up / down projections.
-_MOE = ("qwen3_moe", "mixtral")
-_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+_MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+_EXPERTS_KEY = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+_QWEN_MOE_TENSORS = ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
+                     "mlp.experts.{j}.down_proj.weight")
 _MOE_TENSORS = {
-    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
-                  "mlp.experts.{j}.down_proj.weight"),
+    "qwen2_moe": _QWEN_MOE_TENSORS,
+    "qwen3_moe": _QWEN_MOE_TENSORS,
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
                 "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
 }
@@ -227,6 +231,8 @@ def _sliding_window_from_hf(hf: dict[str, Any], arch: str, num_layers: int, wher
 
 # transformers' defaults for the mixture-of-experts keys a config.json leaves out.
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001, shared_expert_intermediate_size=5632),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
                       router_aux_loss_coef=0.001),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
@@ -235,11 +241,12 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def _experts_from_hf(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     """The mixture-of-experts fields of ModelConfig ({} for a dense family). Refused: what our sparse MLP
-    does not compute (dense MLP layers among the sparse ones, shared experts, router jitter)."""
+    does not compute (dense MLP layers among the sparse ones, shared experts outside Qwen2-MoE, router
+    jitter, Qwen2-MoE without q/k/v biases)."""
     if arch not in _MOE:
         return {}
     for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
-        if hf.get(key):
+        if hf.get(key) and not (arch == "qwen2_moe" and key == "shared_expert_intermediate_size"):
             raise CheckpointError(f"{where}: {key}={hf[key]!r} is not supported (no shared experts)")
     defaults = _MOE_DEFAULTS[arch]
     key = _EXPERTS_KEY[arch]
@@ -264,9 +271,17 @@ def _experts_from_hf(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any
     if hf.get("mlp_only_layers"):
         raise CheckpointError(f"{where}: mlp_only_layers={hf['mlp_only_layers']!r} is not supported (dense MLP "
                               "layers among the sparse ones); every layer must be sparse ([])")
-    return fields | dict(moe_intermediate_size=int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])),
-                         norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
-                         router_order="softmax_then_topk")
+    fields |= dict(moe_intermediate_size=int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
+                   router_order="softmax_then_topk")
+    if arch == "qwen2_moe":
+        if not hf.get("qkv_bias", True):
+            raise CheckpointError(f"{where}: qkv_bias=false is not supported for qwen2_moe (only true)")
+        shared = hf.get("shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"])
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+            raise CheckpointError(f"{where}: shared_expert_intermediate_size={shared!r} must be a positive integer")
+        fields["shared_expert_intermediate_size"] = shared
+    return fields
 
 
 def _optional_float(value: Any) -> float | None:
@@ -414,9 +429,9 @@ def _hf_value_problem(hf: dict[str, Any], e: Exception) -> str:
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """A `config.json` dict that transformers 5 (and 4.x, via the legacy rope keys) loads."""
     arch = config.architecture
-    if arch == "qwen2" and not config.attention_bias:
-        raise ValueError("Qwen2 checkpoints always have q/k/v biases; set attention_bias=True")
-    if arch != "qwen2" and config.attention_bias:
+    if arch in ("qwen2", "qwen2_moe") and not config.attention_bias:
+        raise ValueError(f"{arch} checkpoints always have q/k/v biases; set attention_bias=True")
+    if arch not in ("qwen2", "qwen2_moe") and config.attention_bias:
         raise ValueError(f"{arch} checkpoints cannot hold q/k/v biases without an o_proj bias; use qwen2")
     if arch == "llama" and config.sliding_window is not None:
         raise ValueError("LlamaForCausalLM has no sliding window; use architecture='mistral'")
@@ -482,9 +497,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if arch in _MOE:
         hf.update({_EXPERTS_KEY[arch]: config.num_experts}, num_experts_per_tok=config.num_experts_per_tok,
                   router_aux_loss_coef=config.router_aux_loss_coef, output_router_logits=False)
-        if arch == "qwen3_moe":
+        if arch in ("qwen2_moe", "qwen3_moe"):
             hf.update(moe_intermediate_size=config.expert_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-                      decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+                      decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == "qwen3_moe":
+            hf.update(attention_bias=False)
+        elif arch == "qwen2_moe":
+            hf.update(qkv_bias=True, shared_expert_intermediate_size=config.shared_expert_intermediate_size)
         else:
             hf.update(router_jitter_noise=0.0)
     return hf
@@ -524,10 +543,14 @@ def _check_family(config: ModelConfig) -> None:
         return
     if not config.num_experts:
         raise ValueError(f"{arch} checkpoints have experts; this model has num_experts=0")
-    order = "softmax_then_topk" if arch == "qwen3_moe" else "topk_then_softmax"
+    order = "topk_then_softmax" if arch == "mixtral" else "softmax_then_topk"
     if config.router_order != order:
         raise ValueError(f"{arch} checkpoints route with router_order={order!r}; "
                          f"this model has {config.router_order!r}")
+    if (arch == "qwen2_moe") != (config.shared_expert_intermediate_size is not None):
+        has = "have a shared expert" if arch == "qwen2_moe" else "have no shared expert"
+        raise ValueError(f"{arch} checkpoints {has}; this model has shared_expert_intermediate_size="
+                         f"{config.shared_expert_intermediate_size!r}")
     if arch == "mixtral" and config.moe_intermediate_size not in (None, config.intermediate_size):
         raise ValueError(f"mixtral checkpoints have one MLP width (intermediate_size={config.intermediate_size}); "
                          f"this model has moe_intermediate_size={config.moe_intermediate_size}")
@@ -642,6 +665,14 @@ def _mlp_specs(config: ModelConfig, p: tuple[str, ...], k: str) -> list[_TensorS
             dataclasses.replace(_linear(p + ("mlp", "gate"), k + gate.format(j=j), (d, f), 1), expert=j),
             dataclasses.replace(_linear(p + ("mlp", "up"), k + up.format(j=j), (d, f), 1), expert=j),
             dataclasses.replace(_linear(p + ("mlp", "down"), k + down.format(j=j), (f, d), 1), expert=j),
+        ]
+    if config.shared_expert_intermediate_size is not None:  # Qwen2-MoE
+        fs = config.shared_expert_intermediate_size
+        specs += [
+            _linear(p + ("mlp", "shared_gate"), k + "mlp.shared_expert.gate_proj.weight", (d, fs), 1),
+            _linear(p + ("mlp", "shared_up"), k + "mlp.shared_expert.up_proj.weight", (d, fs), 1),
+            _linear(p + ("mlp", "shared_down"), k + "mlp.shared_expert.down_proj.weight", (fs, d), 1),
+            _linear(p + ("mlp", "shared_expert_gate"), k + "mlp.shared_expert_gate.weight", (d,), 1),
         ]
     return specs
 

@@ -76,7 +76,10 @@ def combine_weights(
 class SparseMLP(nnx.Module):
     """`num_experts` gated MLPs (the activation of `config.mlp_activation`) and a linear router without
     bias. Parameters: `router` [embed, expert], `gate` / `up` [expert, embed, mlp], `down` [expert, mlp,
-    embed] (HF's per-expert `gate_proj` / `up_proj` / `down_proj`, transposed and stacked)."""
+    embed] (HF's per-expert `gate_proj` / `up_proj` / `down_proj`, transposed and stacked); with a shared
+    expert (`shared_expert_intermediate_size`, Qwen2-MoE) also `shared_gate` / `shared_up` [embed, mlp],
+    `shared_down` [mlp, embed] and its gate `shared_expert_gate` [embed]: every token's output gains
+    sigmoid(x @ shared_expert_gate) * the shared MLP's."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.jnp_dtype
@@ -93,6 +96,13 @@ class SparseMLP(nnx.Module):
         self.gate = param((e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP))
         self.up = param((e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP))
         self.down = param((e, f, d), (ax.EXPERT, ax.MLP, ax.EMBED))
+        self.shared = config.shared_expert_intermediate_size is not None
+        if self.shared:  # Qwen2-MoE: one more gated MLP for every token, scaled by a sigmoid gate
+            fs = config.shared_expert_intermediate_size
+            self.shared_gate = param((d, fs), (ax.EMBED, ax.MLP))
+            self.shared_up = param((d, fs), (ax.EMBED, ax.MLP))
+            self.shared_down = param((fs, d), (ax.MLP, ax.EMBED))
+            self.shared_expert_gate = param((d,), (ax.EMBED,))
 
     def __call__(
         self, x: Float[Array, "batch length embed"]
@@ -109,6 +119,11 @@ class SparseMLP(nnx.Module):
         h = _ACTIVATIONS[self.activation](g) * u * combine[:, :, None]
         h = ax.constrain(h.reshape(b, t, *h.shape[1:]), (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.MLP))
         y = jnp.einsum("btef,efd->btd", h, self.down.value.astype(dt))
+        if self.shared:
+            act = _ACTIVATIONS[self.activation]
+            hs = act(xs @ self.shared_gate.value.astype(dt)) * (xs @ self.shared_up.value.astype(dt))
+            scale = jax.nn.sigmoid(xs @ self.shared_expert_gate.value.astype(dt))[:, None]
+            y = y + (scale * (hs @ self.shared_down.value.astype(dt))).reshape(b, t, d)
         return y, logits.reshape(b, t, -1)
 
 

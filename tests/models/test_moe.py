@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral): parity with transformers on random tiny checkpoints transformers
+"""Mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): parity with transformers on random tiny checkpoints transformers
 itself wrote (logits, router logits, the load-balancing loss, greedy generation), export round trips, the
 routing functions, gradients through the router, and one clear error per unsupported config or tensor."""
 
@@ -28,8 +28,8 @@ from jaxrlhf.testing.models import (
 
 TOL = 1e-4  # as tests/models/test_parity.py and test_families.py
 LENGTH = 24
-FAMILIES = ["qwen3_moe", "mixtral"]
-PRESET = {"qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral"}
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral"]
+PRESET = {"qwen2_moe": "tiny-qwen2-moe", "qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral"}
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2, 50], [2, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
 N = 12
 
@@ -48,6 +48,11 @@ def hf_config(config: ModelConfig):
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         num_experts_per_tok=config.num_experts_per_tok, router_aux_loss_coef=config.router_aux_loss_coef,
     )
+    if config.architecture == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            architectures=["Qwen2MoeForCausalLM"], num_experts=config.num_experts,
+            moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size, **common)
     if config.architecture == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             architectures=["Qwen3MoeForCausalLM"], num_experts=config.num_experts,
@@ -57,8 +62,8 @@ def hf_config(config: ModelConfig):
 
 
 def hf_model(family: str, seed: int):
-    """A random float32 transformers model of the tiny preset, norms perturbed off their init and the router
-    scaled up so that routing is decisive (far from ties between experts)."""
+    """A random float32 transformers model of the tiny preset, norms and biases perturbed off their init and the
+    router scaled up so that routing is decisive (far from ties between experts)."""
     import torch
     import transformers
 
@@ -68,9 +73,10 @@ def hf_model(family: str, seed: int):
         hf, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            if name.endswith(".gate.weight"):  # the router: logits ~0.1 at init, make them ~1
+            # the router and the shared expert's gate: logits ~0.1 at init, make them ~1
+            if name.endswith(".gate.weight") or name.endswith("shared_expert_gate.weight"):
                 p.mul_(10.0)
     return model
 
@@ -104,7 +110,8 @@ def test_checkpoint_config_is_the_preset(loaded):
         assert config == PRESETS[PRESET[family]], family
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "qwen1.5-moe-a2.7b",
+                                  "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_config_round_trip(name):
     assert config_from_hf(config_to_hf(PRESETS[name])) == PRESETS[name]
 
@@ -120,6 +127,7 @@ def test_parameter_count_matches_transformers():
         assert config.num_params() == sum(p.numel() for p in hf.parameters()), family
     assert round(PRESETS["qwen3-30b-a3b"].num_params() / 1e9, 1) == 30.5
     assert round(PRESETS["mixtral-8x7b"].num_params() / 1e9, 1) == 46.7
+    assert round(PRESETS["qwen1.5-moe-a2.7b"].num_params() / 1e9, 1) == 14.3
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -167,7 +175,7 @@ def test_load_balancing_loss_matches_transformers(masked):
         mask[0, :3] = mask[1, 5:] = False
     loss = jax.jit(moe.load_balancing_loss, static_argnums=1)  # one compile each, not one per op
     ours = loss(jnp.asarray(logits), 2, jnp.asarray(mask) if masked else None)
-    theirs = load_balancing_loss_func(tuple(torch.as_tensor(layer.reshape(14, 6)) for layer in logits), 6, 2,
+    theirs = load_balancing_loss_func(tuple(torch.tensor(layer.reshape(14, 6)) for layer in logits), 6, 2,
                                       torch.as_tensor(mask, dtype=torch.long) if masked else None)
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
     stats = jax.jit(moe.router_statistics, static_argnums=1)(jnp.asarray(logits), 2, jnp.asarray(mask))
@@ -254,6 +262,28 @@ def test_export_round_trip(loaded, checkpoints, tmp_path, family):
     assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
+@pytest.mark.slow
+def test_reward_model_exports_to_transformers_sequence_classifier(tmp_path):
+    """A MoE reward model (random, shared-expert family) exported: transformers' Qwen2MoeForSequenceClassification
+    scores it as we do, and it loads back as a reward model of the same config."""
+    import transformers
+
+    from jaxrlhf.testing.models import random_model
+
+    config = PRESETS["tiny-qwen2-moe"]
+    model = random_model(config, head="reward", seed=2)
+    path = save_hf_checkpoint(model, config, tmp_path / "rm")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen2MoeForSequenceClassification"
+    tokens, mask = left_padded_batch(config.vocab_size, LENGTH, pads=(0, 5))
+    m = jnp.asarray(mask)
+    ours = np.asarray(model(jnp.asarray(tokens), positions_from_mask(m), m))
+    ref = torch_logits(hf, tokens, mask)[:, 0]
+    np.testing.assert_allclose(ours, ref, rtol=TOL, atol=TOL * np.abs(ref).max())
+    again, loaded = load_hf_checkpoint(path)
+    assert type(again).__name__ == "RewardModel" and loaded == config
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -297,7 +327,9 @@ def _hf(name: str, **changes) -> dict:
     ("tiny-qwen3-moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be at most num_experts=8"),
     ("tiny-qwen3-moe", {"num_experts": 0}, r"num_experts=0 must be a positive integer"),
     ("tiny-mixtral", {"router_jitter_noise": 0.01}, r"router_jitter_noise=0\.01 is not supported"),
-    ("tiny-mixtral", {"architectures": ["Qwen2MoeForCausalLM"]}, r"architectures=\['Qwen2MoeForCausalLM'\] is not"),
+    ("tiny-qwen2-moe", {"qkv_bias": False}, r"qkv_bias=false is not supported for qwen2_moe"),
+    ("tiny-qwen2-moe", {"shared_expert_intermediate_size": 0}, r"shared_expert_intermediate_size=0 must be a"),
+    ("tiny-mixtral", {"architectures": ["DeepseekV3ForCausalLM"]}, r"architectures=\['DeepseekV3ForCausalLM'\] is"),
 ])
 def test_unsupported_config_is_one_clear_error(name, changes, message):
     with pytest.raises(CheckpointError, match=message) as err:
@@ -310,6 +342,8 @@ def test_unsupported_config_is_one_clear_error(name, changes, message):
     ("tiny-mixtral", {"router_order": "softmax_then_topk"}, r"mixtral checkpoints route with router_order"),
     ("tiny-mixtral", {"moe_intermediate_size": 32}, r"mixtral checkpoints have one MLP width"),
     ("tiny-qwen3-moe", {"qk_norm": False}, r"qwen3_moe checkpoints have qk_norm=True"),
+    ("tiny-qwen3-moe", {"shared_expert_intermediate_size": 16}, r"qwen3_moe checkpoints have no shared expert"),
+    ("tiny-qwen2-moe", {"shared_expert_intermediate_size": None}, r"qwen2_moe checkpoints have a shared expert"),
 ])
 def test_export_of_a_config_no_hf_class_holds_is_refused(name, changes, message):
     with pytest.raises(ValueError, match=message):
