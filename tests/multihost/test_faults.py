@@ -24,10 +24,13 @@ from jaxrlhf.testing import compile_cache
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# test_multihost.py's run (its BASE), colocated: the programs of the worker.py runs below, so each is
+# compiled once for the whole file and loaded from the test run's compilation cache after that
 BASE = [
-    "--config", "configs/quickstart.yaml", "model.actor.preset=tiny", "run.tensorboard=false",
-    "run.export_hf=false", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
-    "algorithm.minibatches=2", "sft.steps=0", "rewards.eos_only=false", compile_cache.override(),
+    "model.actor.preset=tiny", "run.tensorboard=false", "run.export_hf=false", "data.batch_size=8",
+    "data.max_prompt_len=16", "generation.max_new_tokens=4", "algorithm.minibatches=2", "sft.steps=0",
+    "optimizer.actor.lr=1e-3", "optimizer.critic.lr=1e-3", "rewards.eos_only=false",
+    'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-z0-9]"}}]', compile_cache.override(),
     "plan.strategy=colocated", "run.checkpoint_every=1", "distributed.heartbeat_timeout_s=10",
 ]
 
