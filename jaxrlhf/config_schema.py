@@ -689,6 +689,9 @@ class RewardsConfig:
     bias: Float = 0.0  # subtracted from the score first
     clip: Float | None = _field(20.0, check=positive)  # |reward| bound; null = no clipping
     eos_only: Bool = True  # sequences that did not end with EOS get no score
+    # worker processes scoring the rules beside the step (docs/agentic.md): a batch spread over them, and with
+    # generation.partial_rollout each group scored as soon as it is done, while the rest decode; 0 = in the step
+    workers: Int = _field(0, check=non_negative)
 
 
 @_no_extra_keys

@@ -524,7 +524,7 @@ class RolloutRuntime:
 
     def host_steps(self) -> dict[str, Any]:
         steps: dict[str, Any] = {}
-        rules_spec = [(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules]
+        rules_spec = self.rules_spec
         if rules_spec:
             rules = CombinedReward(rules_spec)
             prefixes = ("", "greedy_") if self.greedy_baseline else ("pool_",) if self.dynamic_sampling else ("",)
@@ -534,7 +534,9 @@ class RolloutRuntime:
                 for p in prefixes:
                     tokens, mask = jax.device_get((responses[f"{p}response_tokens"], responses[f"{p}response_mask"]))
                     texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
-                    parts = rules.batch_components(prompts, texts, answers)  # a rule may score rows concurrently
+                    pool = self.reward_pool  # worker processes, or here (a rule may score rows concurrently)
+                    parts = pool.score(prompts, texts, answers) if pool else rules.batch_components(prompts, texts,
+                                                                                                   answers)
                     out[f"{p}rule_scores"] = np.asarray([rules.combine(c) for c in parts], np.float32)
                     out[f"{p}rule_components"] = {n: np.asarray([c[n] for c in parts], np.float32)
                                                   for n in rules.names}
@@ -576,6 +578,20 @@ class RolloutRuntime:
 
             steps["kl_control"] = kl_control
         return steps
+
+    @property
+    def rules_spec(self) -> list[tuple[str, float, dict[str, Any]]]:
+        """`rewards.rules` as `CombinedReward` entries."""
+        return [(r.name, r.weight, dict(r.args)) for r in self.cfg.rewards.rules]
+
+    @functools.cached_property
+    def reward_pool(self) -> Any:
+        """The worker processes scoring rule rewards (`rewards.workers`, `algorithms.reward_pool`), or None."""
+        if not self.cfg.rewards.workers or not self.cfg.rewards.rules:
+            return None
+        from jaxrlhf.algorithms.reward_pool import RewardPool
+
+        return RewardPool(self.rules_spec, self.cfg.rewards.workers)
 
     def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None):
         """The host step `pack_sequences`: the batch packed for each call that reads it (`models.packing`):

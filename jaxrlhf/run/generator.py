@@ -48,6 +48,7 @@ class _Drawn:
     data_state: dict
     admitted: int = 0
     done: dict[int, tuple[dict[str, np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
+    scores: dict[int, Any] = dataclasses.field(default_factory=dict)  # prompt index -> its group's reward future
 
 
 class StreamingGenerator:
@@ -101,6 +102,14 @@ class StreamingGenerator:
         self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
         self.in_stream: dict[int, tuple[int, int]] = {}  # serial -> (step, prompt index) of a group in the stream
         self.busy_s = 0.0  # seconds decoding while the trainer trained (since the last `batch`)
+        # rule rewards scored by worker processes as each group is done (`rewards.workers`); the step's
+        # `score_rules` host step is then skipped (its outputs come in the feed). A greedy baseline's
+        # responses come from another call, scored in the step as before.
+        self.pool = None if algorithm.greedy_baseline else algorithm.reward_pool
+        if self.pool is not None:
+            from jaxrlhf.algorithms.rules import CombinedReward
+
+            self.rules, self.tokenizer = CombinedReward(algorithm.rules_spec), algorithm.tokenizer
 
     def _params(self):
         """The actor's weights on the generator at `version`: its home copy or the plan's shadow as they
@@ -171,8 +180,32 @@ class StreamingGenerator:
                       "response_tokens": out.response_tokens[rows], "response_mask": out.response_mask[rows],
                       "behaviour_logp": out.logprobs[rows], "ended_with_eos": out.ended_with_eos[rows]}
             self.steps[step].done[i] = (values, taken.versions[rows])
+            if self.pool is not None:
+                self._score(self.steps[step], i, values)
         self.free += len(taken.serials)
         return True
+
+    def _score(self, drawn: _Drawn, i: int, values: dict[str, np.ndarray]) -> None:
+        """Hand prompt i's finished group to the reward workers."""
+        from jaxrlhf.algorithms.rollout import decode_responses
+
+        rows = slice(i * self.group, (i + 1) * self.group)
+        texts = decode_responses(self.tokenizer, values["response_tokens"], values["response_mask"])
+        drawn.scores[i] = self.pool.submit(drawn.feed["prompts"][rows], texts, drawn.feed["answers"][rows])
+
+    def _rewards(self, drawn: _Drawn) -> tuple[dict[str, Any], dict[str, float]]:
+        """The step's rule scores and components from the workers (what `score_rules` returns), and how
+        much of their time was hidden behind decoding: 1 - (the wait for them after the batch was done) /
+        (their seconds spread over the workers)."""
+        t0 = time.perf_counter()
+        results = [drawn.scores[i].result() for i in range(self.prompts)]
+        waited = time.perf_counter() - t0
+        parts = [row for rows, _ in results for row in rows]
+        work = sum(seconds for _, seconds in results) / self.pool.workers
+        values = {"rule_scores": np.asarray([self.rules.combine(c) for c in parts], np.float32),
+                  "rule_components": {n: np.asarray([c[n] for c in parts], np.float32) for n in self.rules.names}}
+        return values, {"time/reward_wait_s": waited, "time/reward_work_s": work,
+                        "reward/hidden_frac": max(0.0, 1.0 - waited / work) if work > 0 else 1.0}
 
     # ------------------------------------------------------------------ the trainer's side
     def batch(self, step: int) -> tuple[dict[str, Any], dict, dict[str, float]]:
@@ -200,6 +233,10 @@ class StreamingGenerator:
         feed.update({self.prefix + k: v for k, v in values.items()})
         metrics = self._metrics(step, versions, values["response_mask"])
         metrics.update({"time/generate_wait_s": waited, "time/generate_overlap_s": self.busy_s})
+        if self.pool is not None:
+            rewards, timing = self._rewards(drawn)
+            feed.update(rewards)
+            metrics.update(timing)
         self.busy_s = 0.0
         return feed, drawn.data_state, metrics
 

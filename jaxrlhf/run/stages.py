@@ -103,7 +103,8 @@ def _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, aro
         metrics.update(result.metrics())
         metrics.update(data.metrics())
         metrics.update(rollout)
-        metrics["time/step_s"] += rollout["time/generate_wait_s"]  # the trainer waited for the stream first
+        # the trainer waited for the stream first, and for the reward workers' last groups
+        metrics["time/step_s"] += rollout["time/generate_wait_s"] + rollout.get("time/reward_wait_s", 0.0)
         if after is not None:
             executor = after(step, metrics, executor)
         yield step, metrics, data_state
