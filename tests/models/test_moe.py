@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrlhf.models import axes as ax
 from jaxrlhf.models import generation as gen
 from jaxrlhf.models import moe
 from jaxrlhf.models.config import PRESETS, LoraConfig, ModelConfig
@@ -282,6 +283,33 @@ def test_reward_model_exports_to_transformers_sequence_classifier(tmp_path):
     np.testing.assert_allclose(ours, ref, rtol=TOL, atol=TOL * np.abs(ref).max())
     again, loaded = load_hf_checkpoint(path)
     assert type(again).__name__ == "RewardModel" and loaded == config
+
+
+@pytest.mark.slow
+def test_sharded_forward_equals_unsharded(devices):
+    """Data x FSDP x tensor parallel (2 x 2 x 2): the experts' weights sharded by their embed / mlp axes (the
+    expert axis has no rule: replicated), logits and router logits equal to one device's."""
+    from jaxrlhf.placement.layout import activation_resolver, make_mesh, param_shardings
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+    from jaxrlhf.testing.models import random_model
+
+    config = PRESETS["tiny-qwen2-moe"]
+    graphdef, state = nnx.split(random_model(config, seed=1))
+    tokens, mask = (jnp.asarray(a) for a in left_padded_batch(config.vocab_size, 16, pads=(0, 5, 3, 1)))
+    mesh = make_mesh(DeviceGroup("g", 0, 8), Layout(data=2, fsdp=2, tensor=2))
+
+    def forward(state, resolver=None):
+        with ax.activation_sharding(resolver):
+            (logits, _), router = moe.forward_with_router_logits(nnx.merge(graphdef, state), tokens,
+                                                                  positions_from_mask(mask), mask)
+        return logits, router
+
+    want = jax.jit(forward)(state)
+    placed = jax.device_put(state, param_shardings(state, mesh))
+    assert tuple(placed["model"]["layers"]["mlp"]["gate"].get_value().sharding.spec) == (None, None, "fsdp", "tensor")
+    got = jax.jit(lambda s: forward(s, activation_resolver(mesh)))(placed)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
 # ---------------------------------------------------------------- training
