@@ -200,3 +200,11 @@ def test_trace_summary_sums_device_ops_per_kind_and_per_call(tmp_path, capsys):
     assert seconds == pytest.approx({"gemm_fusion_dot": 0.06, "dot": 0.03})
     assert summary.main([str(folder), "--call", "critic.train"]) == 2
     assert "no launch of 'critic.train'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bench_packing", "bench_rewards"])
+def test_long_sequence_and_reward_benchmarks_never_replace_a_results_file(name, tmp_path, capsys):
+    out = tmp_path / "earlier.json"
+    out.write_text("{}")
+    assert _load(name).main(["--quick", "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_text() == "{}"
