@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -132,11 +132,12 @@ class SparseMLP(nnx.Module):
 _SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_logits_sink", default=None)
 
 
-def record(router_logits: Float[Array, "layers batch length experts"]) -> None:
-    """Called by the trunk with every layer's router logits: kept only inside `forward_with_router_logits`."""
+def record(router_logits: Float[Array, "layers batch length experts"] | Sequence[jax.Array]) -> None:
+    """Called by the trunk with every layer's router logits (stacked, or one array per layer): kept, stacked,
+    only inside `forward_with_router_logits`; elsewhere (generation, training) nothing is computed."""
     sink = _SINK.get()
     if sink is not None:
-        sink.append(router_logits)
+        sink.append(jnp.stack(router_logits) if isinstance(router_logits, (list, tuple)) else router_logits)
 
 
 def forward_with_router_logits(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array]:

@@ -640,7 +640,7 @@ class Transformer(nnx.Module):
                     x, ropes, key_valid, kv, i, offset, segment_ids, pages)
                 routers.append(router_logits)
             if cfg.num_experts:
-                moe.record(jnp.stack(routers))
+                moe.record(routers)  # stacked only where recorded
         else:
 
             def step(carry, xs):
