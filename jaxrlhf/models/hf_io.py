@@ -808,6 +808,22 @@ def _check_tensors(weights: _Weights, specs: Iterable[_TensorSpec], num_layers: 
         raise CheckpointError(problems[0] + more)
 
 
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
+
+
+def _check_per_expert(weights: _Weights) -> None:
+    """A mixture of experts is read one tensor per expert (as the published checkpoints and transformers'
+    `save_pretrained` store it): a checkpoint of fused [expert, ...] tensors (transformers' in-memory layout)
+    is one error naming the tensor, not a list of every per-expert tensor it lacks."""
+    fused = sorted(k for k in weights.files if _FUSED_EXPERTS.search(k))
+    if fused:
+        raise CheckpointError(
+            f"{weights.file_of(fused[0])}: tensor {fused[0]!r} holds every expert fused (transformers' in-memory "
+            "layout); this loader reads one tensor per expert (e.g. 'mlp.experts.0.gate_proj.weight'), as "
+            "save_pretrained writes them"
+        )
+
+
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     """The `config.json` dict of a checkpoint directory, its `eos_token_id` widened by the EOS ids of
     `generation_config.json` (where transformers' `generate` takes its stop ids from; Llama 3 and Qwen2
@@ -882,6 +898,8 @@ def load_hf_checkpoint(
         return [dataclasses.replace(s, key=prefix + s.key) for s in specs] if prefix else specs
 
     trunk = prefixed(_trunk_specs(config))
+    if config.num_experts:
+        _check_per_expert(weights)
     layouts = [prefixed(layout) for layout in _head_layouts(config, head)]
     present = [layout for layout in layouts if any(s.key in weights.files for s in layout)]
     head_specs = present[0] if present else layouts[0]

@@ -1,10 +1,11 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks k experts per token, their gated MLPs' outputs
-summed with the router's weights; the router logits for the load-balancing loss; that loss.
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks k experts per token, their gated
+MLPs' outputs summed with the router's weights (plus, in Qwen2-MoE, a shared expert every token goes through,
+scaled by a sigmoid gate); the router logits for the load-balancing loss; that loss.
 
 Routing (`route`), per family (`ModelConfig.router_order`, `norm_topk_prob`): the router's logits
 (x @ W_router, accumulated in float32) go through a softmax over every expert and the k largest
-probabilities are kept, renormalised to sum to 1 where `norm_topk_prob` (transformers' Qwen3-MoE, whose
-published sizes renormalise, and Mixtral, which always does); or, "topk_then_softmax", the k largest logits
+probabilities are kept, renormalised to sum to 1 where `norm_topk_prob` (transformers' Qwen2-MoE and
+Qwen3-MoE, per config: Qwen3-MoE's published sizes renormalise; Mixtral always does); or, "topk_then_softmax", the k largest logits
 go through a softmax of their own (Mistral's reference Mixtral code; the same weights in exact arithmetic).
 Ties between equal probabilities go to the lower expert index (`jax.lax.top_k`, as `torch.topk`).
 

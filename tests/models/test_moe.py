@@ -379,7 +379,8 @@ def test_export_of_a_config_no_hf_class_holds_is_refused(name, changes, message)
 
 
 def test_missing_expert_tensor_is_one_clear_error(checkpoints, tmp_path):
-    """A checkpoint without one expert's tensor is one error naming that tensor and its shape."""
+    """A checkpoint without one expert's tensor is one error naming that tensor and its shape; one of fused
+    expert tensors is one error naming the fused tensor."""
     from safetensors.numpy import load_file, save_file
 
     src = checkpoints["mixtral"]
@@ -392,6 +393,14 @@ def test_missing_expert_tensor_is_one_clear_error(checkpoints, tmp_path):
         load_hf_checkpoint(tmp_path)
     assert "\n" not in str(err.value)
     assert json.loads((src / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    # transformers' in-memory layout, every expert in one tensor: one error naming it
+    fused = "model.layers.0.block_sparse_moe.experts.gate_up_proj"
+    tensors = {k: v for k, v in tensors.items() if ".experts." not in k or not k.startswith("model.layers.0.")}
+    save_file(tensors | {fused: np.zeros((4, 128, 64), np.float32)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor '{fused}' holds every expert fused") as err:
+        load_hf_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_dense_models_record_no_router_logits():
