@@ -11,6 +11,12 @@ allocated, so an 8B model checks on a laptop CPU.
 
     python scripts/check_memory_model.py [--models llama3.2-1b,llama3-8b] [--json out.json]
 
+Layouts may split sequences over a context axis (ring attention): e.g. one 16k-token sequence
+under context 8 against one sequence per device without it,
+
+    python scripts/check_memory_model.py --models llama3.2-1b --layouts ctx8 --batch 1 \
+        --prompt-len 1024 --gen-len 15360 --minibatches 1 --micro-batch 1 --calls actor.train,ref.inference
+
 Prints a table and JSON; numbers go to docs/benchmarks.md.
 """
 
@@ -20,11 +26,28 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
 
 LAYOUTS = {"fsdp8": dict(fsdp=8), "fsdp2_tp4": dict(fsdp=2, tensor=4)}
+_AXES = {"d": "data", "data": "data", "f": "fsdp", "fsdp": "fsdp", "t": "tensor", "tp": "tensor",
+         "c": "context", "ctx": "context", "p": "stage", "pp": "stage"}
+
+
+def parse_layout(name: str) -> dict[str, int]:
+    """Axis sizes of a layout name: an entry of LAYOUTS, or `_`-joined axis-size pairs such as `ctx8`,
+    `fsdp2_ctx4`, `d8`, `f8`, `fsdp2_tp4` (d/data, f/fsdp, t/tp, c/ctx, p/pp)."""
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    sizes = {}
+    for part in name.split("_"):
+        m = re.fullmatch(r"([a-z]+)(\d+)", part)
+        if not m or m.group(1) not in _AXES:
+            raise SystemExit(f"layout {name!r}: {part!r} is not an axis and size ({sorted(_AXES)})")
+        sizes[_AXES[m.group(1)]] = int(m.group(2))
+    return sizes
 
 
 def main() -> None:
@@ -56,10 +79,11 @@ def main() -> None:
         for layout in args.layouts.split(","):
             rows += check(model, layout, args)
     errors = [abs(r["error"]) for r in rows]
-    print(f"\n{'model':<12} {'layout':<10} {'call':<15} {'xla GiB':>8} {'model GiB':>9} {'error':>7} {'compile s':>9}")
+    print(f"\n{'model':<12} {'layout':<10} {'call':<15} {'xla GiB':>8} {'model GiB':>9} {'error':>7} {'compile s':>9} "
+          f"{'h100':>8}")
     for r in rows:
         print(f"{r['model']:<12} {r['layout']:<10} {r['call']:<15} {r['xla_gib']:8.2f} {r['estimate_gib']:9.2f} "
-              f"{r['error']:+7.1%} {r['compile_s']:9.1f}")
+              f"{r['error']:+7.1%} {r['compile_s']:9.1f} {'fits' if r['fits_h100'] else 'refused':>8}")
     summary = {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
     print(f"median |error| {summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
     out = {"settings": vars(args), "rows": rows, "summary": summary}
@@ -72,8 +96,15 @@ def main() -> None:
 def _config(model: str, args):
     from jaxrlhf import config as cfglib
 
+    from jaxrlhf.models.config import PRESETS
+
     micro = args.micro_batch or None
-    return cfglib.load_config(None, [
+    seq = args.prompt_len + args.gen_len
+    # a longer sequence than the preset's positions (16k on an 8k model): its rope extends, as a
+    # long-context fine-tune's would; the shapes, which are all this measures, do not depend on it
+    longer = [f"model.actor.overrides.max_position_embeddings={seq}"] \
+        if seq > PRESETS[model].max_position_embeddings else []
+    return cfglib.load_config(None, longer + [
         "algorithm.name=ppo", f"model.actor.preset={model}", f"model.actor.remat={args.remat}",
         f"model.actor.dtype={args.dtype}", f"model.actor.param_dtype={args.dtype}",
         f"model.critic.remat={args.remat}", f"data.batch_size={args.batch}",
@@ -121,7 +152,7 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     run_setup = setup(cfg)  # the algorithm and model configs as a run has them; roles built abstract below
     algorithm, graph, configs = run_setup.algorithm, run_setup.graph, run_setup.models
     specs = algorithm.roles()
-    layout = Layout(**LAYOUTS[layout_name])
+    layout = Layout(**parse_layout(layout_name))
     plan = ExecutionPlan("check", args.devices, {"all": DeviceGroup("all", 0, args.devices)},
                          {c: Placement("all", layout) for c in graph.names})
     cache = CallCache(plan)
@@ -177,7 +208,8 @@ def check(model: str, layout_name: str, args) -> list[dict]:
             "xla": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                     "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes},
             "model_parts": {k: float(v) for k, v in working_set(spec, cfg_m, layout, wl).items()},
-            "fits_h100": estimate < hw.usable_memory,
+            "fits_h100": estimate < hw.usable_memory,  # the planner's verdict against h100's usable memory
+            "h100_usable_gib": hw.usable_memory / 2**30,
         })
         print(f"{model} {layout_name} {call}: xla {xla / 2**30:.2f} GiB, model {estimate / 2**30:.2f} GiB, "
               f"compiled in {compile_s:.1f} s", flush=True)
