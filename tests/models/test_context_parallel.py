@@ -259,10 +259,11 @@ def test_cost_and_memory_models_price_the_context_axis():
 
 @pytest.mark.slow
 def test_a_run_with_context_parallel_calls_trains_like_colocated(tmp_path):
-    """PPO (actor, critic, reference) for two steps: colocated against a plan that runs the train and
-    inference calls with a context axis (context 2 x data 2 x tensor 2; generation data 8), so every
-    call's parameters are reallocated between layouts with and without it: the same metrics, and packed
-    calls on top of it."""
+    """PPO (actor, critic, reference) for two steps: unpacked on the colocated plan against a plan that
+    runs the train and inference calls with a context axis (context 2 x data 2 x tensor 2; generation
+    data 8), so every call's parameters are reallocated between layouts with and without it, and packed
+    there in micro-batches of a token budget: the same metrics (plan equivalence extended to the context
+    axis and to packed calls)."""
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
     from jaxrlhf.metrics import read_metrics
@@ -282,9 +283,12 @@ def test_a_run_with_context_parallel_calls_trains_like_colocated(tmp_path):
     plan.save(str(tmp_path / "plan.yaml"))
     runs = {}
     for name, extra in (("colocated", ["plan.strategy=colocated"]),
-                        ("context", [f"plan.file={tmp_path / 'plan.yaml'}", "algorithm.pack_sequences=true"])):
+                        ("context", [f"plan.file={tmp_path / 'plan.yaml'}", "algorithm.pack_sequences=true",
+                                     "algorithm.max_tokens_per_micro_batch=48"])):
         train.run(cfglib.load_config(None, [*base, *extra, f"run.output_dir={tmp_path / name}"]))
         runs[name] = read_metrics(str(tmp_path / name / "metrics.jsonl"))
     for ref, got in zip(runs["colocated"], runs["context"]):
-        for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "advantages/mean", "loss/value"):
+        assert got["packing/actor/micro_batches"] > 1 and got["packing/critic/micro_batches"] > 1  # the budget
+        for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "advantages/mean", "loss/value",
+                    "returns/mean", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
