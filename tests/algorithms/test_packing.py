@@ -187,7 +187,6 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
     """`Workload.packed_shape` is the runtime packer's layout of the planner's drawn lengths, and a packed
     call of a long-tailed batch is priced (time and memory) below its padded form."""
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.placement.calibrate import calibrate  # noqa: F401  (the cpu profile below is the stock one)
     from jaxrlhf.planner.cost import LENGTH_BATCHES, Workload, call_cost
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
