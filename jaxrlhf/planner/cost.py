@@ -323,10 +323,23 @@ class Workload:
         return pool + prefix * self.staleness
 
 
+def mlp_width(cfg: ModelConfig) -> int:
+    """The MLP width a token's matmuls run through, as the runtime computes it: the dense MLP's, or for a
+    mixture of experts every expert's (`models.moe` dispatches densely: each token through all
+    num_experts experts, the unpicked ones weighted 0) plus a shared expert's. A grouped dispatch would
+    run num_experts_per_tok of them; the planner prices what runs."""
+    if not cfg.num_experts:
+        return cfg.intermediate_size
+    return cfg.num_experts * cfg.expert_intermediate_size + (cfg.shared_expert_intermediate_size or 0)
+
+
 def matmul_params(cfg: ModelConfig, head: str) -> int:
-    """Weights that take part in a matmul per token (embedding lookup excluded)."""
-    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head, cfg.intermediate_size
-    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * f
+    """Weights that take part in a matmul per token (embedding lookup excluded); a mixture of experts'
+    router and experts as `mlp_width` runs them."""
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    layer = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * mlp_width(cfg)
+    if cfg.num_experts:
+        layer += d * cfg.num_experts + (d if cfg.shared_expert_intermediate_size else 0)  # router, shared gate
     out = d * cfg.vocab_size if head == "lm" else d
     return cfg.num_layers * layer + out
 

@@ -50,8 +50,11 @@ def model_key(cfg, head: str) -> str:
     """What a measured time depends on about a model: its dimensions, dtypes and head. A head width other
     than hidden / heads (Qwen3, Gemma) is part of the key; the keys of models without one are unchanged."""
     width = "" if cfg.dim_per_head * cfg.num_heads == cfg.hidden_size else f"-d{cfg.dim_per_head}"
+    experts = "" if not getattr(cfg, "num_experts", 0) else (
+        f"-e{cfg.num_experts}k{cfg.num_experts_per_tok}f{cfg.expert_intermediate_size}"
+        f"s{cfg.shared_expert_intermediate_size or 0}")  # a mixture of experts' MLP: its own key
     return (f"{cfg.architecture}-h{cfg.hidden_size}-l{cfg.num_layers}-q{cfg.num_heads}-kv{cfg.num_kv_heads}{width}"
-            f"-f{cfg.intermediate_size}-v{cfg.vocab_size}-{cfg.param_dtype}-{cfg.dtype}-{head}")
+            f"-f{cfg.intermediate_size}{experts}-v{cfg.vocab_size}-{cfg.param_dtype}-{cfg.dtype}-{head}")
 
 
 def _line(x: Sequence[float], y: Sequence[float], at: float) -> float:

@@ -376,6 +376,8 @@ def layout_misfit(
             "num_kv_heads": config.num_kv_heads,
             "intermediate_size (mlp)": config.intermediate_size,
         }
+        if getattr(config, "num_experts", 0):  # each expert's MLP is split the same way
+            dims["moe_intermediate_size (each expert's mlp)"] = config.expert_intermediate_size
         for what, n in dims.items():
             if n % layout.tensor:
                 ok = [t for t in range(1, layout.num_devices + 1) if all(v % t == 0 for v in dims.values())]

@@ -93,7 +93,8 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max
     out = []
     stages = [1] if call.kind == "generate" else [s for s in _divisors(size) if cfg.num_layers % s == 0]
     for t in _divisors(size):
-        if t > max_tensor or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t:
+        if t > max_tensor or cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t \
+                or (cfg.num_experts and cfg.expert_intermediate_size % t):
             continue
         if call.head == "lm" and cfg.vocab_size % t:
             continue
