@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, optimizer_bytes_per_param, shard_bytes,
+    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, mlp_width, optimizer_bytes_per_param, shard_bytes,
     trained_shard_bytes, trained_shard_count,
 )
 from jaxrlhf.graph import CallGraph, CallSpec
@@ -32,6 +32,19 @@ from jaxrlhf.models.config import ModelConfig
 GiB = 2**30
 LOGIT_COPIES_INFER = 1  # float32 logits (XLA fuses the log-softmax into their consumer)
 LOGIT_COPIES_TRAIN = 3  # plus their gradient
+# Dense attention's float32 [T, S] score matrices per head live at once (XLA:CPU, one 16k-token sequence a
+# device, scripts/check_memory_model.py; at 512 tokens it holds 2): three in a forward (scores,
+# exponentials, probabilities); in the backward of a rematerialised layer, beside the two it recomputes
+# (`layer_saved_bytes`), XLA's peak holds two more and the bool mask, in buffers the logits and their
+# gradient use at other times, which the model adds on top: 1.25 more fits the peak (fitted, -8 %).
+SCORE_COPIES_INFER = 3
+SCORE_COPIES_BACKWARD = 1.25
+# Ring attention under a train call (models/context.py): every ring step's `lax.cond` per chunk pair has its
+# key mask, broadcast over the heads, evaluated ahead of the layers' loop (it does not depend on the layer,
+# so autodiff's partial evaluation computes it once and keeps it as a residual) as bool and float32 arrays:
+# bytes per score element of each of the c blocks a device's queries meet (measured at 16k tokens,
+# c = 2, 4, 8). A forward (inference) keeps none.
+RING_MASK_BYTES = 8.5
 
 
 def _tokens_per_micro(call: CallSpec, seqs_dev: float, seq_len: int, wl: Workload) -> float:
@@ -43,24 +56,27 @@ def _per_token_widths(cfg: ModelConfig, t: int) -> tuple[float, float, float, fl
     """(hidden, query, key+value, mlp) widths one device holds per token under tensor size `t`."""
     q = cfg.num_heads * cfg.dim_per_head / t
     kv = 2 * cfg.num_kv_heads * cfg.dim_per_head / max(min(t, cfg.num_kv_heads), 1)
-    return cfg.hidden_size, q, kv, cfg.intermediate_size / t
+    return cfg.hidden_size, q, kv, mlp_width(cfg) / t
 
 
-def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
+def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int, ring: bool = False) -> float:
     """Bytes live at the peak of one layer's forward when nothing is kept for a backward pass:
     the residual stream, its norm and the attention output, q/k/v, the MLP's gate and up
-    projections, and one float32 score matrix (XLA fuses the softmax into it)."""
+    projections, and the float32 score matrices: `SCORE_COPIES_INFER` of dense attention, one block
+    of `keys` under ring attention (`ring`: its online softmax updates a block's scores in place)."""
     d, q, kv, f = _per_token_widths(cfg, t)
     ab = DTYPE_BYTES[cfg.dtype]
-    return tokens * (ab * (3 * d + q + kv + 2 * f) + keys * cfg.num_heads / t * 4)
+    copies = 1 if ring else SCORE_COPIES_INFER
+    return tokens * (ab * (3 * d + q + kv + 2 * f) + keys * cfg.num_heads / t * 4 * copies)
 
 
 def layer_saved_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
     """Bytes one layer keeps for its backward pass: every projection input and output (norms,
     q/k/v, attention output, residuals, the MLP's gate, up, activation and product), the
-    float32 attention scores and probabilities, and the token-flattened inputs of the down and
-    output projections that the 2-D matmuls (`models.transformer.dense`) keep beside their
-    3-D forms (measured on XLA:CPU: one more embed-wide and one more mlp-wide row per token)."""
+    float32 attention scores and probabilities (under ring attention: of one block of `keys`, which its
+    backward recomputes block by block), and the token-flattened inputs of the down and output
+    projections that the 2-D matmuls (`models.transformer.dense`) keep beside their 3-D forms (measured
+    on XLA:CPU: one more embed-wide and one more mlp-wide row per token)."""
     d, q, kv, f = _per_token_widths(cfg, t)
     ab = DTYPE_BYTES[cfg.dtype]
     return tokens * (ab * (9 * d + 2 * q + kv + 6 * f) + keys * cfg.num_heads / t * 4 * 2)
@@ -108,7 +124,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     Context parallelism (layout.context = c > 1, train and inference) divides every activation by c: a
     device holds T / c tokens of each sequence, and ring attention scores its queries against one block
     of T / c keys at a time (its backward recomputes them, keeping no score matrix), with a second
-    key/value block arriving beside the one it attends to."""
+    key/value block arriving beside the one it attends to. A train call adds the ring's key masks, c blocks of
+    them, which autodiff hoists out of the layers' loop (`RING_MASK_BYTES`)."""
     head = call.head
     t = layout.tensor
     batch_ways = layout.data * layout.fsdp
@@ -147,7 +164,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
         logit_tok *= m
     if call.kind == "inference":
-        act = layer_live_bytes(cfg, tok, keys, t) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
+        act = layer_live_bytes(cfg, tok, keys, t, ring=layout.context > 1) + _logit_bytes(
+            cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
         out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
         if cfg.unrolls_layers and layout.stage == 1:
             # an unrolled layer loop slices every layer's weights out of the stack before the first
@@ -155,6 +173,10 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
             out["layer_copies"] = layer_bytes * cfg.num_layers / (layout.fsdp * t)
         return out
     layer = layer_saved_bytes(cfg, tok, keys, t)
+    if layout.context == 1 and wl.remat_for(call.role) != "none":
+        # the backward's own score-sized temporaries in the layer it recomputes and differentiates
+        # (measured under remat; without, unmeasured at long sequences, and not counted)
+        layer += tok * keys * cfg.num_heads / t * 4 * SCORE_COPIES_BACKWARD
     # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
     # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined
     # keep only one micro-batch's, as gradient accumulation frees them after each).
@@ -171,6 +193,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     grads = trained_shard_bytes(cfg, head, layout)  # under LoRA: the adapters' gradients only
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
+    if layout.context > 1:  # every block's key mask, hoisted out of the layers (RING_MASK_BYTES)
+        out["ring_masks"] = layout.context * tok * keys * cfg.num_heads / t * RING_MASK_BYTES
     if micro > 1 and staged_micro == 1:
         # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
         out["gradient_accumulator"] = trained_shard_count(cfg, head, layout) * 4

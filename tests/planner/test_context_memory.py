@@ -1,0 +1,56 @@
+"""The memory model at 16k tokens (scripts/check_memory_model.py, docs/benchmarks.md "Context parallelism:
+memory at 16k tokens"): one sequence of a 1B model trains under context 8 on H100s where one sequence
+per device (no context parallelism) does not fit, and the terms that make the two agree with XLA."""
+
+import pytest
+
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.models.config import preset
+from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.memory import (
+    RING_MASK_BYTES, SCORE_COPIES_INFER, optimizer_per_device, params_per_device, working_set,
+)
+from jaxrlhf.planner.plan import Layout
+
+CFG = preset("llama3.2-1b").replace(dtype="float32", param_dtype="float32", max_position_embeddings=16384)
+TRAIN = CallSpec("actor.train", "actor", "train")
+INFER = CallSpec("ref.inference", "ref", "inference")
+
+
+def _workload(batch: int) -> Workload:
+    return Workload(batch_size=batch, prompt_len=1024, gen_len=15360, minibatches=1, micro_batch=None,
+                    remat="full")
+
+
+def _peak(call: CallSpec, layout: Layout, wl: Workload) -> float:
+    total = params_per_device(CFG, "lm", layout) + sum(working_set(call, CFG, layout, wl).values())
+    if call.kind == "train":
+        total += optimizer_per_device(CFG, "lm", layout, wl, call.role)
+    return total
+
+
+def test_16k_tokens_train_under_context_8_where_one_sequence_per_device_does_not_fit():
+    usable = get_profile("h100").usable_memory
+    assert _peak(TRAIN, Layout(fsdp=8), _workload(8)) > usable  # [T, T] scores of 32 heads: refused
+    assert _peak(TRAIN, Layout(context=8), _workload(1)) < usable
+    assert _peak(INFER, Layout(context=8), _workload(1)) < usable
+
+
+def test_ring_masks_are_counted_for_train_calls_under_context_parallelism_only():
+    wl = _workload(1)
+    ring = working_set(TRAIN, CFG, Layout(context=8), wl)
+    tok = keys = 16384 / 8
+    assert ring["ring_masks"] == pytest.approx(8 * tok * keys * CFG.num_heads * RING_MASK_BYTES)
+    assert "ring_masks" not in working_set(INFER, CFG, Layout(context=8), wl)
+    assert "ring_masks" not in working_set(TRAIN, CFG, Layout(fsdp=8), _workload(8))
+
+
+def test_dense_attention_counts_more_score_copies_than_the_ring():
+    """Dense inference holds SCORE_COPIES_INFER [T, T] float32 matrices per head (scores, exponentials,
+    probabilities); the ring's online softmax one block of T / c keys."""
+    dense = working_set(INFER, CFG, Layout(fsdp=8), _workload(8))["activations"]
+    ring = working_set(INFER, CFG, Layout(context=8), _workload(1))["activations"]
+    score = 16384 * 16384 * CFG.num_heads * 4
+    assert dense > SCORE_COPIES_INFER * score
+    assert ring < dense / 8
