@@ -313,6 +313,9 @@ class RolloutConfig(AlgorithmConfig):
     # > 0: the generator runs up to eta batches ahead on its own devices (plan.strategy disaggregated or auto),
     # or, with generation.partial_rollout, the stream admits prompts up to eta batches ahead on any plan
     max_staleness: Int = _field(0, check=non_negative)
+    # mixture-of-experts actor: weight of the load-balancing loss (`models.moe.load_balancing_loss`, HF's
+    # router_aux_loss_coef) added to the policy loss; 0 = off (the router statistics are logged either way)
+    router_aux_loss_coef: Float = _field(0.0, check=non_negative)
     # train and inference calls run packed rows: each sequence's real tokens back to back, no padding
     # (docs/placement.md#packed-calls-and-token-budgets); the math is the unpacked one
     pack_sequences: Bool = False

@@ -137,10 +137,13 @@ class Algorithm(abc.ABC):
         return 1
 
     # ---- runtime (the `runtime` class implements these) --------------------------------------
-    def bind(self, tokenizer: "Tokenizer", models: Mapping[str, "Role"]) -> None:
-        """Attach the tokenizer and built models; call functions are bound from here."""
+    def bind(self, tokenizer: "Tokenizer", models: Mapping[str, "Role"],
+             model_configs: Mapping[str, Any] | None = None) -> None:
+        """Attach the tokenizer, the built models and their `ModelConfig`s (what their dimensions are:
+        a mixture of experts' routing, say); call functions are bound from here."""
         self.tokenizer = tokenizer
         self.models = dict(models)
+        self.model_configs = dict(model_configs or {})
 
     def functions(self) -> dict[str, Any]:
         """Pure function of every call of the graph (see `jaxrlhf.placement.executor`), bound once."""

@@ -51,6 +51,7 @@ from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
+from jaxrlhf.algorithms.base import AlgorithmConfigError
 from jaxrlhf.algorithms.rl import GENERATED, RESPONSE, SEQUENCE
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
@@ -59,6 +60,7 @@ from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
+from jaxrlhf.models.moe import forward_with_router_logits, load_balancing_loss, router_statistics
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 
@@ -100,6 +102,10 @@ class RLSettings:
     slots: int | None = None  # generation.slots (continuous engine)
     kv_pages: int | None = None  # generation.kv_pages (continuous engine)
     correction: Correction = Correction()  # algorithm.rollout_correction and its parameters
+    # a mixture-of-experts actor: the load-balancing loss's weight (algorithm.router_aux_loss_coef) and the
+    # experts per token; experts = 0 for a dense actor (no router statistics)
+    router_aux_coef: float = 0.0
+    router_top_k: int = 0
 
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
@@ -292,7 +298,11 @@ def actor_train(
         loss_kwargs.update(kl_coef=kl_coef, kl_kind=s.kl_estimator)
 
     def loss_fn(params, mb):
-        logits = response_logits(nnx.merge(graphdef, params), mb, p)
+        model = nnx.merge(graphdef, params)
+        if s.router_top_k:  # a mixture of experts: its router logits too, for the balancing loss and statistics
+            logits, router = forward_with_router_logits(functools.partial(response_logits, model), mb, p)
+        else:
+            logits = response_logits(model, mb, p)
         logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
         logp = jnp.where(mb["response_mask"], logp, 0.0)
         ent = entropy(logits, s.sampling)
@@ -311,6 +321,14 @@ def actor_train(
             if s.ratio_early_stop is not None
             else jnp.array(False)
         )
+        if s.router_top_k:
+            real = mb["packed"]["segments"] > 0 if "packed" in mb else mb["mask"]
+            balance = load_balancing_loss(router, s.router_top_k, real)
+            load = router_statistics(jax.lax.stop_gradient(router), s.router_top_k, real)["load"]
+            loss = loss + s.router_aux_coef * balance
+            experts = load.shape[-1]
+            stats.update({"router/aux_loss": jax.lax.stop_gradient(balance),
+                          "router/load_max": jnp.max(load) * experts, "router/load_min": jnp.min(load) * experts})
         weight = aggregation_weight(mask, s.loss_agg, rows)
         tokens = aggregation_weight(mask)
         return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
@@ -473,6 +491,11 @@ class RolloutRuntime:
 
     def settings(self) -> RLSettings:
         alg, gen, rw = self.cfg.algorithm, self.cfg.generation, self.cfg.rewards
+        actor = getattr(self, "model_configs", {}).get("actor")
+        if actor is not None and alg.router_aux_loss_coef and not actor.num_experts:
+            raise AlgorithmConfigError(
+                f"algorithm.router_aux_loss_coef={alg.router_aux_loss_coef} weighs a mixture of experts' "
+                "load-balancing loss, but the actor has no experts (num_experts=0): set it to 0")
         # the config holds every default (each algorithm's class in jaxrlhf.config_schema sets its own); a key
         # only some algorithms' classes have is one the others' estimators and losses ignore: RLSettings' value
         own = {setting: getattr(alg, key) for setting, key in _OWN_KEYS.items() if hasattr(alg, key)}
@@ -490,6 +513,8 @@ class RolloutRuntime:
                 kind=alg.rollout_correction, tis_cap=alg.tis_cap, icepop_low=alg.icepop_low,
                 icepop_high=alg.icepop_high, seq_mask_low=alg.seq_mask_low, seq_mask_high=alg.seq_mask_high,
                 decoupled_cap=alg.decoupled_cap),
+            router_aux_coef=alg.router_aux_loss_coef,
+            router_top_k=getattr(getattr(self, "model_configs", {}).get("actor"), "num_experts_per_tok", 0),
         )
 
     # ---- runtime --------------------------------------------------------------------------

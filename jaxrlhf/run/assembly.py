@@ -179,7 +179,7 @@ class RunSetup:
             roles = build_roles(self.cfg, specs, self.models, cache, plan, total_updates=updates,
                                 warm_up=warm_up, base_views=views)
         roles = dict(roles)
-        self.algorithm.bind(tokenizer, roles)
+        self.algorithm.bind(tokenizer, roles, self.models)
         functions = {n: f for n, f in self.algorithm.functions().items() if n in self.graph.names}
         executor = Executor(plan, self.graph, roles, cache=cache, functions=functions,
                             host_steps=self.algorithm.host_steps() if whole else None,
