@@ -41,10 +41,10 @@ SCORE_COPIES_INFER = 3
 SCORE_COPIES_BACKWARD = 1.25
 # Ring attention under a train call (models/context.py): every ring step's `lax.cond` per chunk pair has its
 # key mask, broadcast over the heads, evaluated ahead of the layers' loop (it does not depend on the layer,
-# so autodiff's partial evaluation computes it once and keeps it as a residual) as bool and float32 arrays:
-# bytes per score element of each of the c blocks a device's queries meet (measured at 16k tokens,
-# c = 2, 4, 8). A forward (inference) keeps none.
-RING_MASK_BYTES = 8.5
+# so autodiff's partial evaluation computes it once and keeps it as a residual) as bool and float32 arrays,
+# stacked over the ring's steps: bytes per score element of each of the c blocks a device's queries meet
+# (fitted on XLA:CPU at 16k tokens, c = 4 and 8; at c = 2 XLA keeps about half). A forward keeps none.
+RING_MASK_BYTES = 9.0
 
 
 def _tokens_per_micro(call: CallSpec, seqs_dev: float, seq_len: int, wl: Workload) -> float:
@@ -59,27 +59,36 @@ def _per_token_widths(cfg: ModelConfig, t: int) -> tuple[float, float, float, fl
     return cfg.hidden_size, q, kv, mlp_width(cfg) / t
 
 
-def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int, ring: bool = False) -> float:
+def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int,
+                     copies: float = SCORE_COPIES_INFER) -> float:
     """Bytes live at the peak of one layer's forward when nothing is kept for a backward pass:
     the residual stream, its norm and the attention output, q/k/v, the MLP's gate and up
-    projections, and the float32 score matrices: `SCORE_COPIES_INFER` of dense attention, one block
-    of `keys` under ring attention (`ring`: its online softmax updates a block's scores in place)."""
+    projections, and `copies` float32 score matrices of `keys` (dense attention's; a ring's:
+    `_ring_score_copies`)."""
     d, q, kv, f = _per_token_widths(cfg, t)
     ab = DTYPE_BYTES[cfg.dtype]
-    copies = 1 if ring else SCORE_COPIES_INFER
     return tokens * (ab * (3 * d + q + kv + 2 * f) + keys * cfg.num_heads / t * 4 * copies)
 
 
-def layer_saved_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int) -> float:
+def layer_saved_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int, copies: float = 2) -> float:
     """Bytes one layer keeps for its backward pass: every projection input and output (norms,
     q/k/v, attention output, residuals, the MLP's gate, up, activation and product), the
-    float32 attention scores and probabilities (under ring attention: of one block of `keys`, which its
-    backward recomputes block by block), and the token-flattened inputs of the down and output
+    float32 attention scores and probabilities (`copies` of `keys`; a ring's: `_ring_score_copies`),
+    and the token-flattened inputs of the down and output
     projections that the 2-D matmuls (`models.transformer.dense`) keep beside their 3-D forms (measured
     on XLA:CPU: one more embed-wide and one more mlp-wide row per token)."""
     d, q, kv, f = _per_token_widths(cfg, t)
     ab = DTYPE_BYTES[cfg.dtype]
-    return tokens * (ab * (9 * d + 2 * q + kv + 6 * f) + keys * cfg.num_heads / t * 4 * 2)
+    return tokens * (ab * (9 * d + 2 * q + kv + 6 * f) + keys * cfg.num_heads / t * 4 * copies)
+
+
+def _ring_score_copies(seq_len: int, c: int, train: bool) -> float:
+    """Ring attention's float32 scores, in blocks of T / c keys for a device's T / c queries: it scores one
+    chunk pair at a time (`models.context._attend`; in zig-zag order, where 2c divides T, a chunk is half a
+    block, so a pair is a quarter): the scores and probabilities in a forward, and its backward's
+    recomputed ones with their gradients (`_block_grads`)."""
+    parts = 2 if seq_len % (2 * c) == 0 else 1
+    return (4 if train else 2) / parts**2
 
 
 def layer_matmul_bytes(cfg: ModelConfig, tokens: float, t: int) -> float:
@@ -146,9 +155,10 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     tok = _tokens_per_micro(call, seqs, wl.seq_len, wl) / layout.context
     logit_tok = _logit_tokens(call, tok, wl)
     keys = wl.seq_len / layout.context  # the keys one score matrix holds: a ring's block
+    width = wl.seq_len  # a row's tokens
     if wl.packed:  # a micro-batch's packed rows; logits only where they are read (each slot's response)
         shape = wl.packed_shape(call, batch_ways)
-        micro, keys = shape.micro_batches, shape.width / layout.context
+        micro, keys, width = shape.micro_batches, shape.width / layout.context, shape.width
         tok = shape.rows * shape.width / layout.context
         logit_tok = shape.slots * wl.gen_len
     ring = tok * _per_token_widths(cfg, t)[2] * ab if layout.context > 1 else 0.0  # the block arriving
@@ -164,15 +174,18 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
         logit_tok *= m
     if call.kind == "inference":
-        act = layer_live_bytes(cfg, tok, keys, t, ring=layout.context > 1) + _logit_bytes(
-            cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
+        copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else SCORE_COPIES_INFER
+        act = layer_live_bytes(cfg, tok, keys, t, copies) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
         out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
         if cfg.unrolls_layers and layout.stage == 1:
             # an unrolled layer loop slices every layer's weights out of the stack before the first
             # layer runs (`models.config.UNROLL_MAX_LAYERS`): one more copy of this device's layer shards
             out["layer_copies"] = layer_bytes * cfg.num_layers / (layout.fsdp * t)
         return out
-    layer = layer_saved_bytes(cfg, tok, keys, t)
+    if layout.context > 1:
+        layer = layer_saved_bytes(cfg, tok, keys, t, _ring_score_copies(width, layout.context, True))
+    else:
+        layer = layer_saved_bytes(cfg, tok, keys, t)
     if layout.context == 1 and wl.remat_for(call.role) != "none":
         # the backward's own score-sized temporaries in the layer it recomputes and differentiates
         # (measured under remat; without, unmeasured at long sequences, and not counted)
