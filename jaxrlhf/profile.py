@@ -9,7 +9,9 @@ training per optimizer step - it times the phase on a small grid: placements
 of all devices and of half of them in each single-axis layout that fits (data,
 FSDP, the largest tensor size that divides the model), at half and full rows
 of the config's batch and half and full lengths (prompt for prefill, cache
-slots for decode, prompt + response otherwise). Each point is the best of
+slots for decode, prompt + response otherwise; with `algorithm.pack_sequences`
+the train and inference phases at the packed rows and width the planner prices,
+`Workload.packed_shape`). Each point is the best of
 `--repeats` runs after one warm-up (compilation); a prefill writes into a
 cache with room for the config's response, as generation does, and decode
 steps run in one on-device loop over layers split out of the stack once, as
@@ -243,9 +245,12 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
                     continue
                 timer = Timer(cfg_m, call.head, group, lay, repeats)
                 split = lay.data * lay.fsdp
-                rows_all = wl.call_seqs(call)
                 for phase in phases:
-                    full = {"prefill": wl.prompt_len, "decode": wl.seq_len}.get(phase, wl.seq_len)
+                    rows_all, full = wl.call_seqs(call), {"prefill": wl.prompt_len, "decode": wl.seq_len}.get(
+                        phase, wl.seq_len)
+                    if wl.packed and phase in ("train", "inference"):  # the packed rows the calls run
+                        shape = wl.packed_shape(call, split)
+                        rows_all, full = shape.micro_batches * shape.rows * split, shape.width
                     points = []
                     for rows in halves(rows_all, split):
                         for length in halves(full, 2 if phase == "decode" else 1):

@@ -8,8 +8,8 @@ The batch: `--rows` sequences of the bundled task's shape (prompts of 8-16 token
 whose responses have the log-normal lengths the planner draws for this workload (median 64, sigma 1,
 cap 512: `planner.cost.Workload.response_lengths`, its first batch, so the planner prices the batch
 measured). Both sides run the runtime's own call functions (`algorithms.rollout`) jitted on one device
-(every core): the reference log-probs (`policy_logprobs`: an inference call) and the GRPO actor update
-(`actor_train`, 4 minibatches, 1 epoch).
+(every core): the reference log-probs (`policy_logprobs`: an inference call) and the actor update with
+the GRPO loss (`actor_train`, 4 minibatches, 1 epoch; REINFORCE++ advantages, which need no groups).
 
 - padded: the batch cut to its longest response (`rollout.trim_responses`, what a run does by default):
   every row as wide as the longest sequence.
@@ -18,10 +18,11 @@ measured). Both sides run the runtime's own call functions (`algorithms.rollout`
 
 Each call is compiled first, then timed `--repeats` times (the median). Real tokens/s = the batch's
 real tokens (prompt + response, once per epoch) / seconds, the same count on both sides, so the ratio
-is the time ratio. The planner's estimate of each call comes from the formulas with this machine's
+is the time ratio. The planner's estimate of each packed call comes from the formulas with this machine's
 calibration (`placement.calibrate`), as `python -m jaxrlhf.plan` prices it, and from call tables measured
-here at the shapes each call runs (the padded batch's rows x width, the packed rows x their width, and
-half of each: what `python -m jaxrlhf.profile` measures for a packed workload).
+here as `python -m jaxrlhf.profile` measures a packed workload: padded rows at the packed shape the
+planner prices (every micro-batch's rows x their width, `Workload.packed_shape` over its own draws of
+the lengths, not this batch's packing) and at half the rows and half the width.
 
 JSON (`--out`, never overwritten): `padded_tokens_per_s`, `packed_tokens_per_s`, `ratio` (train and
 inference together), and per call the same three plus the seconds, the planner's estimates and their
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
 
     graphdef, params = nnx.split(build_model(cfg, seed=0))
     sampling = SamplingParams(temperature=1.0)
-    settings = rollout.RLSettings(estimator="grpo", loss="grpo", loss_agg="seq-mean-token-mean", group_size=8,
+    # the GRPO loss with the REINFORCE++ advantage (no groups: the table's row counts need not be whole
+    # groups; advantages are a negligible part of the call either way)
+    settings = rollout.RLSettings(estimator="reinforce_pp", loss="grpo", loss_agg="seq-mean-token-mean",
                                   minibatches=MINIBATCHES, max_new_tokens=args.cap, kl_in_reward=False)
     optimizer = optax.adamw(1e-5)
     fns = {"inference": jax.jit(functools.partial(rollout.policy_logprobs, graphdef, sampling, None)),
@@ -161,8 +164,16 @@ def main(argv=None) -> int:
     for kind, call in CALLS.items():
         seconds = {side: run(kind, side) for side in ("padded", "packed")}
         steps = 1 if kind == "inference" else MINIBATCHES  # a train table holds one optimizer step
-        points = [(wl_padded.call_seqs(call), wl_padded.seq_len, seconds["padded"] / steps)]
-        for rows, cut in ((args.rows // 2, width), (args.rows, width // 2), (args.rows // 2, width // 2)):
+        # as `python -m jaxrlhf.profile` measures a packed workload's calls: padded rows at the packed shape
+        # the planner prices (all micro-batches' rows x their width) and at half the rows and half the width
+        shape = wl_packed.packed_shape(call, 1)
+        packed_rows = shape.micro_batches * shape.rows * (1 if kind == "inference" else MINIBATCHES)
+        half = packed_rows // 2 if kind == "inference" else max(packed_rows // 2 // MINIBATCHES, 1) * MINIBATCHES
+        points = []
+        for rows, cut in ((packed_rows, width), (half, width), (packed_rows, width // 2), (half, width // 2)):
+            if rows > args.rows:
+                raise SystemExit(f"the packed shape has {rows} rows, more than the batch's {args.rows}: "
+                                 "measure with a larger --rows")
             part = rollout.trim_responses({k: v[:rows] for k, v in full.items()}, cut) if cut < width else \
                 {k: v[:rows] for k, v in padded.items()}
             part = {k: (v[:, :PROMPT + cut] if k in ("tokens", "mask", "positions") else v[:, :cut] if v.ndim == 2
@@ -175,7 +186,6 @@ def main(argv=None) -> int:
         tables.append(Table(model_key(cfg, "lm"), kind, 1, str(layout), tuple(map(tuple, points))))
         measured_hw = dataclasses.replace(hw, measured=Measured(tables=[tables[-1]]))
         estimate = call_cost(call, cfg, group, layout, wl_packed, measured_hw)
-        shape = wl_packed.packed_shape(call, 1)
         results[kind] = {
             "padded_s": seconds["padded"], "packed_s": seconds["packed"],
             "padded_tokens_per_s": real / seconds["padded"], "packed_tokens_per_s": real / seconds["packed"],
