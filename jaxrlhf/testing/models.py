@@ -52,6 +52,20 @@ def random_model(config: ModelConfig, head: str = "lm", seed: int = 0) -> nnx.Mo
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
+def hf_dims(config: ModelConfig) -> dict[str, Any]:
+    """The fields every transformers decoder config takes, from `config`: dimensions, norm eps, tying and
+    special ids (each family's config class adds its own; independent of hf_io)."""
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
+        eos_token_id=list(config.eos_token_ids) if config.extra_eos_token_ids else config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+
+
 def hf_config(config: ModelConfig):
     """The transformers config of `config`, built with transformers' own classes (independent of hf_io)."""
     import dataclasses
@@ -61,15 +75,7 @@ def hf_config(config: ModelConfig):
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, **dataclasses.asdict(config.rope_scaling)}
-    common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=rope, tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
-        eos_token_id=list(config.eos_token_ids) if config.extra_eos_token_ids else config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
+    common = dict(hf_dims(config), rope_parameters=rope)
     if config.architecture == "llama":
         return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     if config.architecture == "mistral":

@@ -20,6 +20,7 @@ from jaxrlhf.models.continuous import continuous_fn
 from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.testing.models import (
+    hf_dims,
     jax_logits,
     left_padded_batch,
     load_transformers_model,
@@ -39,14 +40,7 @@ def hf_config(config: ModelConfig):
     """transformers' own config for one of our tiny family presets, built from its classes (not hf_io)."""
     import transformers
 
-    common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-    )
+    common = hf_dims(config)
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_linear_factor is not None:
         rope = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_linear_factor}

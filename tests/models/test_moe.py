@@ -20,6 +20,7 @@ from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, 
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.models.transformer import positions_from_mask
 from jaxrlhf.testing.models import (
+    hf_dims,
     jax_logits,
     left_padded_batch,
     load_transformers_model,
@@ -40,13 +41,7 @@ def hf_config(config: ModelConfig):
     import transformers
 
     common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.dim_per_head,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        hf_dims(config), rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         num_experts_per_tok=config.num_experts_per_tok, router_aux_loss_coef=config.router_aux_loss_coef,
     )
     if config.architecture == "qwen2_moe":
