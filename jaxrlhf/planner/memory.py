@@ -39,6 +39,15 @@ LOGIT_COPIES_TRAIN = 3  # plus their gradient
 # gradient use at other times, which the model adds on top: 1.25 more fits the peak (fitted, -8 %).
 SCORE_COPIES_INFER = 3
 SCORE_COPIES_BACKWARD = 1.25
+# ... but only for long sequences: at 128 tokens (tests/planner/test_memory.py) and 512
+# (check_memory_model's default table) one copy fits XLA's totals, three over-count by a quarter. Below
+# this many keys a forward counts one (the step between 512 and 16k is not measured).
+LONG_SCORES_KEYS = 8192
+
+
+def dense_score_copies(keys: float) -> float:
+    """Float32 [T, S] score matrices per head a dense attention forward holds at `keys` keys."""
+    return SCORE_COPIES_INFER if keys >= LONG_SCORES_KEYS else 1
 # Ring attention under a train call (models/context.py): every ring step's `lax.cond` per chunk pair has its
 # key mask, broadcast over the heads, evaluated ahead of the layers' loop (it does not depend on the layer,
 # so autodiff's partial evaluation computes it once and keeps it as a residual) as bool and float32 arrays,
@@ -59,14 +68,14 @@ def _per_token_widths(cfg: ModelConfig, t: int) -> tuple[float, float, float, fl
     return cfg.hidden_size, q, kv, mlp_width(cfg) / t
 
 
-def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int,
-                     copies: float = SCORE_COPIES_INFER) -> float:
+def layer_live_bytes(cfg: ModelConfig, tokens: float, keys: int, t: int, copies: float | None = None) -> float:
     """Bytes live at the peak of one layer's forward when nothing is kept for a backward pass:
     the residual stream, its norm and the attention output, q/k/v, the MLP's gate and up
-    projections, and `copies` float32 score matrices of `keys` (dense attention's; a ring's:
-    `_ring_score_copies`)."""
+    projections, and `copies` float32 score matrices of `keys` (a ring's: `_ring_score_copies`; None:
+    dense attention's, `dense_score_copies`)."""
     d, q, kv, f = _per_token_widths(cfg, t)
     ab = DTYPE_BYTES[cfg.dtype]
+    copies = dense_score_copies(keys) if copies is None else copies
     return tokens * (ab * (3 * d + q + kv + 2 * f) + keys * cfg.num_heads / t * 4 * copies)
 
 
@@ -174,7 +183,7 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
         logit_tok *= m
     if call.kind == "inference":
-        copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else SCORE_COPIES_INFER
+        copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else None
         act = layer_live_bytes(cfg, tok, keys, t, copies) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
         out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
         if cfg.unrolls_layers and layout.stage == 1:
@@ -186,9 +195,9 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         layer = layer_saved_bytes(cfg, tok, keys, t, _ring_score_copies(width, layout.context, True))
     else:
         layer = layer_saved_bytes(cfg, tok, keys, t)
-    if layout.context == 1 and wl.remat_for(call.role) != "none":
+    if layout.context == 1 and wl.remat_for(call.role) != "none" and keys >= LONG_SCORES_KEYS:
         # the backward's own score-sized temporaries in the layer it recomputes and differentiates
-        # (measured under remat; without, unmeasured at long sequences, and not counted)
+        # (measured under remat at 16k tokens; without remat or at short lengths unmeasured, and not counted)
         layer += tok * keys * cfg.num_heads / t * 4 * SCORE_COPIES_BACKWARD
     # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
     # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined
