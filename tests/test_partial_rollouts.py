@@ -44,13 +44,16 @@ def _run(tmp_path, name: str, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 def test_streaming_with_no_staleness_is_the_synchronous_step(tmp_path):
     """eta = 0: a step's prompts enter the stream only after the previous update, each token is drawn
-    with the key the continuous engine would use, so PPO (critic, GAE) matches the synchronous run."""
+    with the key the continuous engine would use, so PPO (critic, GAE) matches the synchronous run. The
+    streamed run's rewards are scored by two worker processes as its groups finish (`rewards.workers`;
+    the step's score_rules skipped): the same rewards as the synchronous run's host step."""
     sync = _run(tmp_path, "sync", "plan.strategy=colocated")
-    streamed = _run(tmp_path, "streamed", "plan.strategy=colocated", *STREAM)
+    streamed = _run(tmp_path, "streamed", "plan.strategy=colocated", "rewards.workers=2", *STREAM)
     for ref, got in zip(sync, streamed, strict=True):
-        for key in COMPARED:
+        for key in (*COMPARED, "reward/rule_mean"):
             assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
         assert got["rollout/staleness"] == 0.0 and got["rollout/partial_frac"] == 0.0
+        assert 0.0 <= got["reward/hidden_frac"] <= 1.0 and "reward/hidden_frac" not in ref
 
 
 RANDOM_LENGTHS = ["generation.max_new_tokens=32", "generation.ignore_eos=true", "generation.simulated_lengths=true",
