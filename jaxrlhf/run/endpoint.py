@@ -1,0 +1,671 @@
+"""An OpenAI-compatible chat endpoint on the run's policy, for agents written against the `openai` client.
+
+With `env.server: {port, host}` the run serves `POST .../v1/chat/completions` and `GET .../v1/models`
+on localhost. Each episode has its own base URL, `http://127.0.0.1:{port}/episodes/{episode_id}/v1`,
+which the official client takes unchanged (`openai.OpenAI(base_url=..., api_key=...)`); the path is
+how a request finds its episode, so an agent needs no extra headers or fields.
+
+Why token-in/token-out: the trainer must see the tokens the policy sampled, with the log-probs it
+sampled them with. An agent sees text, and when it sends the conversation back the chat template
+re-renders the model's answer, whose re-tokenization need not equal the sampled ids (BPE has many
+spellings of a string). So each request's prompt is compared with the episode's record: when it
+extends the record (its token ids, or else the record's text), only the new part is tokenized and
+recorded as observation tokens (loss mask 0), and the model generates after the record itself, so
+the sampled tokens are kept exactly as sampled. A prompt that does not extend the record (the agent
+rewrote its history: a trimmed context, a template that drops old reasoning) starts a new segment,
+and is counted.
+
+Concurrent requests of many episodes are gathered for a short window (up to the batch size) into one
+generate call with the run's sampling settings and the policy's current weights (`GenerateBackend`).
+
+Standard library only (`http.server`, threads); the `openai` package is needed by the agents
+(`run_agents`), not by the server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import ipaddress
+import json
+import queue
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
+from jaxrlhf.models.tokenizer import Tokenizer, prompt_prefix
+from jaxrlhf.models.tools import ParsedToolCalls, ToolSchemaError, detect_tool_format, parse_tool_calls
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused before it is read
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+EPISODE_PATH = re.compile(r"^/episodes/(?P<episode>[A-Za-z0-9_.-]+)/v1/(?P<route>chat/completions|models)/?$")
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses: an HTTP status and OpenAI's error body (`type`, `param`, `code`)."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- what an episode records
+
+
+@dataclasses.dataclass
+class Segment:
+    """One token sequence the policy saw: the prompt it started from, then sampled tokens (loss mask 1,
+    their behaviour log-probs) and observation tokens (mask 0, log-prob 0) in the order they came."""
+
+    prompt: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    def append(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Sampled tokens with their log-probs, or observation tokens (logprobs None)."""
+        self.tokens.extend(int(t) for t in tokens)
+        self.logprobs.extend([0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs])
+        self.loss_mask.extend([0 if logprobs is None else 1] * len(tokens))
+
+
+@dataclasses.dataclass
+class Episode:
+    """Everything one agent's requests produced. `matches` counts how each request after the first found
+    its place: "tokens" (its ids extend the record), "text" (its text extends the record's text, the
+    new text tokenized alone) or "rewrite" (neither: a new segment)."""
+
+    episode_id: str
+    row: Any = None
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    requests: int = 0
+    matches: dict[str, int] = dataclasses.field(default_factory=lambda: {"tokens": 0, "text": 0, "rewrite": 0})
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    closed: bool = False
+
+    def match(self, prompt_ids: list[int], text: str, tokenizer: Tokenizer, prefix: list[int]) -> tuple[str, list[int]]:
+        """Where a request whose rendered prompt is `text` (`prompt_ids` = `prefix` + its tokens) goes:
+        ("tokens" | "text", the observation ids it adds to the last segment) or ("new" | "rewrite", the
+        prompt of a new segment). Records nothing (`extend` does)."""
+        if not self.segments:
+            return "new", list(prompt_ids)
+        ids = self.segments[-1].ids
+        if prompt_ids[:len(ids)] == ids:
+            return "tokens", prompt_ids[len(ids):]
+        if ids[:len(prefix)] == prefix:
+            recorded = decode_with_special_tokens(tokenizer, ids[len(prefix):])
+            if text.startswith(recorded):
+                return "text", tokenizer.encode(text[len(recorded):])
+        return "rewrite", list(prompt_ids)
+
+    def context_length(self, how: str, ids: list[int]) -> int:
+        return len(self.segments[-1].ids) + len(ids) if how in ("tokens", "text") else len(ids)
+
+    def extend(self, how: str, ids: list[int]) -> list[int]:
+        """Record a request `match` placed; returns the ids the model continues."""
+        self.requests += 1
+        if how in self.matches:
+            self.matches[how] += 1
+        if how in ("tokens", "text"):
+            self.segments[-1].append(ids, None)
+        else:
+            self.segments.append(Segment(list(ids)))
+        return self.segments[-1].ids
+
+
+def decode_with_special_tokens(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids` with special tokens written out, as a chat template writes them (`decode` drops
+    them). A tokenizer without a raw `tokenizers` object decodes as it does."""
+    raw = getattr(tokenizer, "_tok", None)  # HFTokenizer's `tokenizers.Tokenizer`
+    if raw is None:
+        return tokenizer.decode(ids)
+    return raw.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- generation behind the endpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One row's generation: the sampled ids (EOS included when it ended there) and their log-probs."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    ended_with_eos: bool
+
+
+class GenerateBackend(Protocol):
+    """What the endpoint generates with: the policy's current weights and the run's sampling settings.
+    `max_new_tokens` is fixed (one compiled program per prompt bucket); a request's `max_tokens` cuts
+    its row afterwards, which changes nothing before the cut."""
+
+    max_new_tokens: int
+    max_positions: int  # prompt + max_new_tokens must fit
+
+    def __call__(self, contexts: Sequence[Sequence[int]]) -> list[Sample]: ...
+
+
+class ModelBackend:
+    """A `GenerateBackend` on a `models.generation.Generator`: `state()` gives the weights to sample with
+    (the actor's current state, read at every call); rows are padded to a power of two up to
+    `batch_size` with copies of the first, so a run compiles a few batch shapes, not one per count."""
+
+    def __init__(self, generator: Any, state: Callable[[], Any], *, max_new_tokens: int, sampling: Any,
+                 max_positions: int, batch_size: int, seed: int = 0):
+        import jax
+
+        self.generator, self.state, self.sampling = generator, state, sampling
+        self.max_new_tokens, self.max_positions, self.batch_size = max_new_tokens, max_positions, batch_size
+        self._key = jax.random.key(seed)
+        self._calls = 0
+
+    def __call__(self, contexts: Sequence[Sequence[int]]) -> list[Sample]:
+        import jax
+
+        rows = 1 << max(len(contexts) - 1, 0).bit_length()
+        padded = [list(c) for c in contexts] + [list(contexts[0])] * (rows - len(contexts))
+        key = jax.random.fold_in(self._key, self._calls)
+        self._calls += 1
+        out = self.generator(self.state(), padded, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                             rng=key)
+        tokens, mask, logprobs, eos = (np.asarray(x) for x in jax.device_get(
+            (out.response_tokens, out.response_mask, out.logprobs, out.ended_with_eos)))
+        return [Sample(tokens[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), bool(eos[r]))
+                for r in range(len(contexts))]
+
+
+class Batcher:
+    """Gathers concurrent requests for `window_s` seconds (or until `batch_size` wait) into one backend
+    call on a thread of its own. A backend error fails every request of that call."""
+
+    def __init__(self, backend: GenerateBackend, *, batch_size: int, window_s: float = 0.01):
+        self.backend, self.batch_size, self.window_s = backend, batch_size, window_s
+        self._queue: queue.Queue[tuple[list[int], concurrent.futures.Future] | None] = queue.Queue()
+        self.calls, self.rows = 0, 0
+        self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, context: list[int]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((context, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            deadline = time.monotonic() + self.window_s
+            stop = False
+            while len(batch) < self.batch_size:
+                try:
+                    item = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            try:
+                samples = self.backend([context for context, _ in batch])
+                self.calls, self.rows = self.calls + 1, self.rows + len(batch)
+                for (_, future), sample in zip(batch, samples):
+                    future.set_result(sample)
+            except Exception as e:  # noqa: BLE001 - handed to every waiting request as its error
+                for _, future in batch:
+                    future.set_exception(e)
+            if stop:
+                return
+
+
+# ---------------------------------------------------------------- the OpenAI request and response
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, None, or OpenAI's list of {"type": "text", "text"} parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise EndpointError(400, f"{where}.content: only text is supported (a string or text parts)", param=where)
+
+
+def template_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates read them (transformers' convention): text content, and tool
+    calls' `arguments` as objects (the API sends a JSON string)."""
+    if not isinstance(messages, list) or not messages:
+        raise EndpointError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise EndpointError(400, f"{where} must be an object with a 'role'", param=where)
+        m = {k: v for k, v in message.items() if v is not None}
+        m["content"] = _text_content(message.get("content"), where)
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = dict(call.get("function") or {}) if isinstance(call, Mapping) else {}
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template writes a string as it is
+            calls.append({**call, "function": function})
+        if calls:
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """The parts of a chat completion request the endpoint honours (see docs/agentic.md)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    max_tokens: int | None
+    logprobs: bool
+    stop: tuple[str, ...]
+    model: str
+    temperature: float | None
+
+    @classmethod
+    def parse(cls, body: Any) -> "ChatRequest":
+        if not isinstance(body, Mapping):
+            raise EndpointError(400, "the request body must be a JSON object")
+        if body.get("stream"):
+            raise EndpointError(400, "'stream': true is not supported; send stream=false", param="stream")
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            raise EndpointError(400, f"'n' must be 1 (one sample per request), got {n!r}", param="n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise EndpointError(400, f"'max_tokens' must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+        stop = body.get("stop")
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        if not (isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_SEQUENCES
+                and all(isinstance(s, str) and s for s in stop)):
+            raise EndpointError(400, f"'stop' must be a string or up to {MAX_STOP_SEQUENCES} non-empty strings",
+                                param="stop")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) for t in tools)):
+            raise EndpointError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}",
+                                param="tools")
+        temperature = body.get("temperature")
+        if temperature is not None and not isinstance(temperature, (int, float)):
+            raise EndpointError(400, f"'temperature' must be a number, got {temperature!r}", param="temperature")
+        return cls(template_messages(body.get("messages")), tools, max_tokens, bool(body.get("logprobs")),
+                   tuple(stop), str(body.get("model") or "policy"), temperature)
+
+
+def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) -> tuple[int, str] | None:
+    """The fewest leading tokens whose text holds a stop string, and the text before it; None if none."""
+    if not stop:
+        return None
+    text = tokenizer.decode(tokens)
+    if not any(s in text for s in stop):
+        return None
+    for k in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:k])
+        found = [text.index(s) for s in stop if s in text]
+        if found:
+            return k, text[:min(found)]
+    return None  # unreachable: the whole text holds one
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclasses.dataclass
+class EndpointStats:
+    """Counts for the run's metrics (`endpoint/*`)."""
+
+    requests: int = 0
+    refused: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tool_call_errors: int = 0
+    temperature_overridden: int = 0
+
+
+class ChatEndpoint:
+    """The server: episodes by id, the chat template and tokenizer, the batcher, the limits.
+
+    max_prompt_tokens: a request whose context (the episode's record plus its new tokens) is longer is
+    refused with 400 (`context_length_exceeded`); default the model's positions minus max_new_tokens.
+    tool_format: a `tools.TOOL_CALL_FORMATS` name; None detects it from the template.
+    """
+
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, *, template: ChatTemplate | None = None,
+                 host: str = "127.0.0.1", port: int = 0, batch_size: int = 8, window_s: float = 0.01,
+                 max_prompt_tokens: int | None = None, tool_format: str | None = None, model_name: str = "policy",
+                 warn: Callable[[str], None] = print):
+        template = template if template is not None else getattr(tokenizer, "chat_template", None)
+        if template is None:
+            raise ValueError(f"the endpoint renders chat messages with the tokenizer's chat template, and "
+                             f"{tokenizer!r} ships none (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        limit = backend.max_positions - backend.max_new_tokens
+        self.max_prompt_tokens = limit if max_prompt_tokens is None else min(max_prompt_tokens, limit)
+        self.backend, self.tokenizer, self.template, self.model_name = backend, tokenizer, template, model_name
+        self.tool_format = tool_format or detect_tool_format(template.tool_source)
+        self.prefix = prompt_prefix(tokenizer)
+        self.stats = EndpointStats()
+        self.episodes: dict[str, Episode] = {}
+        self._lock = threading.Lock()
+        if host not in LOCAL_HOSTS and not _is_loopback(host):
+            warn(f"warning: the agent endpoint listens on {host}:{port}, reachable from other machines "
+                 "(env.server.host); anyone who can reach it can sample from the policy")
+        self.batcher = Batcher(backend, batch_size=batch_size, window_s=window_s)
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="endpoint-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def host(self) -> str:
+        return self.httpd.server_address[0]
+
+    def base_url(self, episode: Episode | str) -> str:
+        """What an agent's client takes as `base_url` for this episode."""
+        episode_id = episode if isinstance(episode, str) else episode.episode_id
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}/episodes/{episode_id}/v1"
+
+    def open_episode(self, row: Any = None, episode_id: str | None = None) -> Episode:
+        episode = Episode(episode_id or uuid.uuid4().hex[:16], row)
+        with self._lock:
+            if episode.episode_id in self.episodes:
+                raise ValueError(f"episode {episode.episode_id!r} is open already")
+            self.episodes[episode.episode_id] = episode
+        return episode
+
+    def close_episode(self, episode: Episode) -> Episode:
+        """Stop serving an episode (later requests get 404) and return its record."""
+        with self._lock:
+            self.episodes.pop(episode.episode_id, None)
+        with episode.lock:
+            episode.closed = True
+        return episode
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.batcher.close()
+
+    def __enter__(self) -> "ChatEndpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        matches = {k: sum(e.matches[k] for e in self.episodes.values()) for k in ("tokens", "text", "rewrite")}
+        return {"endpoint/requests": s.requests, "endpoint/refused": s.refused,
+                "endpoint/prompt_tokens": s.prompt_tokens, "endpoint/completion_tokens": s.completion_tokens,
+                "endpoint/tool_call_errors": s.tool_call_errors,
+                "endpoint/temperature_overridden": s.temperature_overridden,
+                "endpoint/generate_calls": self.batcher.calls,
+                "endpoint/rows_per_call": self.batcher.rows / max(self.batcher.calls, 1),
+                **{f"endpoint/match_{k}": v for k, v in matches.items()}}
+
+    # -------------------------------------------------------------- one request
+
+    def episode(self, episode_id: str) -> Episode:
+        with self._lock:
+            episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise EndpointError(404, f"no open episode {episode_id!r}: use the base_url the run gave the agent",
+                                param="episode", code="episode_not_found")
+        return episode
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxrlhf"}]}
+
+    def chat(self, episode: Episode, body: Any) -> dict[str, Any]:
+        request = ChatRequest.parse(body)
+        try:
+            text = self.template.render(request.messages, add_generation_prompt=True, tools=request.tools)
+        except (ChatTemplateError, ToolSchemaError) as e:
+            raise EndpointError(400, f"the chat template cannot render these messages: {e}",
+                                param="messages") from None
+        prompt_ids = self.prefix + self.tokenizer.encode(text)
+        with episode.lock:
+            if episode.closed:
+                raise EndpointError(404, f"episode {episode.episode_id!r} has ended", code="episode_not_found")
+            how, ids = episode.match(prompt_ids, text, self.tokenizer, self.prefix)
+            length = episode.context_length(how, ids)
+            if length > self.max_prompt_tokens:  # refused before recording: a refused request leaves no trace
+                raise _too_long(length, self.max_prompt_tokens)
+            context = episode.extend(how, ids)
+            sample = self.batcher.submit(context).result()
+            tokens, logprobs = sample.tokens, sample.logprobs
+            finish = "stop" if sample.ended_with_eos else "length"
+            if request.max_tokens is not None and len(tokens) > request.max_tokens:
+                tokens, logprobs, finish = tokens[:request.max_tokens], logprobs[:request.max_tokens], "length"
+            content_ids = tokens[:-1] if finish == "stop" else tokens  # the EOS token is not text
+            content = self.tokenizer.decode(content_ids)
+            cut = cut_at_stop(self.tokenizer, content_ids, request.stop)
+            if cut is not None:
+                k, content = cut
+                tokens, logprobs, finish = tokens[:k], logprobs[:k], "stop"
+            episode.segments[-1].append(tokens, logprobs)
+        if request.temperature is not None and getattr(getattr(self.backend, "sampling", None), "temperature",
+                                                       request.temperature) != request.temperature:
+            self.stats.temperature_overridden += 1
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(context)
+        self.stats.completion_tokens += len(tokens)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if request.tools is not None and self.tool_format is not None:
+            parsed = parse_tool_calls(content, self.tool_format, request.tools)
+            if isinstance(parsed, ParsedToolCalls):
+                message["content"] = parsed.content or (None if parsed.calls else "")
+                if parsed.reasoning is not None:
+                    message["reasoning_content"] = parsed.reasoning
+                if parsed.calls:
+                    message["tool_calls"] = [
+                        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                        for c in parsed.calls]
+                    if finish == "stop":
+                        finish = "tool_calls"
+            else:  # the model's mistake stays its text: the agent sees what it wrote
+                self.stats.tool_call_errors += 1
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        if request.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
+                for piece, lp in zip((decode_with_special_tokens(self.tokenizer, [t]) for t in tokens), logprobs)]}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": request.model, "choices": [choice],
+                "usage": {"prompt_tokens": len(context), "completion_tokens": len(tokens),
+                          "total_tokens": len(context) + len(tokens)}}
+
+
+def _too_long(tokens: int, limit: int) -> EndpointError:
+    return EndpointError(400, f"this request's context is {tokens} tokens, over the endpoint's limit of {limit} "
+                              "(the model's positions less generation.max_new_tokens, or env.server.max_prompt_tokens):"
+                              " shorten the conversation", param="messages", code="context_length_exceeded")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass  # one line per request would flood the run's log
+
+        def _send(self, status: int, body: Mapping[str, Any], headers: Mapping[str, str] = {}) -> None:
+            data = json.dumps(body).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self, method: str) -> None:
+            try:
+                match = EPISODE_PATH.match(self.path.split("?", 1)[0])
+                if match is None:
+                    raise EndpointError(404, f"no route {self.path!r}: an episode's routes are "
+                                             "/episodes/{episode_id}/v1/chat/completions and .../v1/models",
+                                        code="not_found")
+                allowed = "POST" if match["route"] == "chat/completions" else "GET"
+                if method != allowed:
+                    self._read_body()  # keep the connection usable
+                    endpoint.stats.refused += 1
+                    self._send(405, EndpointError(405, f"{method} {self.path}: use {allowed}").body(),
+                               {"Allow": allowed})
+                    return
+                episode = endpoint.episode(match["episode"])
+                if method == "GET":
+                    self._send(200, endpoint.models())
+                    return
+                raw = self._read_body()
+                try:
+                    body = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise EndpointError(400, f"the request body is not JSON: {e}") from None
+                self._send(200, endpoint.chat(episode, body))
+            except EndpointError as e:
+                endpoint.stats.refused += 1
+                self._send(e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - a bug or a failed generate call: the agent gets a 500
+                endpoint.stats.refused += 1
+                self._send(500, EndpointError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
+
+        def _read_body(self) -> bytes:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise EndpointError(413, f"the request body is {length} bytes, over {MAX_BODY_BYTES}")
+            return self.rfile.read(length)
+
+        def do_POST(self) -> None:
+            self._route("POST")
+
+        def do_GET(self) -> None:
+            self._route("GET")
+
+        def do_PUT(self) -> None:
+            self._route("PUT")
+
+        def do_DELETE(self) -> None:
+            self._route("DELETE")
+
+    return Handler
+
+
+# ---------------------------------------------------------------- the agents
+
+
+AgentFn = Callable[[Any, Any], "float | None"]
+
+
+def load_agent(spec: str) -> AgentFn:
+    """`module:function` (env.agent) as the function; one clear error when it cannot be found."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"env.agent={spec!r}: write it as 'module:function', e.g. 'my_agents:solve'")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.agent={spec!r}: {e}") from None
+    if not callable(function):
+        raise ValueError(f"env.agent={spec!r} is not a function")
+    return function
+
+
+def openai_client(base_url: str, **kwargs: Any) -> Any:
+    """An `openai.OpenAI` client on one episode's base URL, never through a proxy (the endpoint is local)."""
+    try:
+        import openai
+    except ImportError:
+        raise ImportError("env.name=openai_agent gives agents an openai.OpenAI client: pip install openai") from None
+    kwargs.setdefault("api_key", "jaxrlhf")  # the endpoint checks no key, the client insists on one
+    kwargs.setdefault("max_retries", 0)  # a refused request is the agent's to handle, not to repeat
+    kwargs.setdefault("http_client", openai.DefaultHttpxClient(trust_env=False))
+    return openai.OpenAI(base_url=base_url, **kwargs)
+
+
+@dataclasses.dataclass
+class AgentResult:
+    """One episode after its agent returned: the record, its return value (None when it returned none or
+    raised), and the error text when it raised."""
+
+    episode: Episode
+    reward: float | None
+    error: str | None = None
+
+
+def run_agents(endpoint: ChatEndpoint, agent: AgentFn, rows: Sequence[Any], *,
+               client: Callable[[str], Any] = openai_client, timeout_s: float | None = None) -> list[AgentResult]:
+    """One thread per row, each calling `agent(client, row)` with a client on its own episode; wait for all.
+    An agent that raises (or returns something that is not a number or None) is recorded as failed, the
+    rest go on. Each episode is closed when its agent returns, so its record is final."""
+    results: list[AgentResult | None] = [None] * len(rows)
+    episodes = [endpoint.open_episode(row) for row in rows]
+
+    def one(i: int) -> None:
+        episode = episodes[i]
+        reward, error = None, None
+        try:
+            value = agent(client(endpoint.base_url(episode)), rows[i])
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                        or not np.isfinite(value):
+                    raise TypeError(f"the agent returned {value!r}; return a finite number or None")
+                reward = float(value)
+        except Exception as e:  # noqa: BLE001 - an agent's failure is its episode's, not the run's
+            error = f"{type(e).__name__}: {e}"
+        results[i] = AgentResult(endpoint.close_episode(episode), reward, error)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"agent-{i}", daemon=True) for i in range(len(rows))]
+    for t in threads:
+        t.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for t in threads:
+        t.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+    for i, result in enumerate(results):
+        if result is None:  # still running past the timeout: its episode ends now (later requests get 404)
+            results[i] = AgentResult(endpoint.close_episode(episodes[i]), None, f"timed out after {timeout_s} s")
+    return list(results)  # type: ignore[arg-type] - a thread past the timeout may still write its slot

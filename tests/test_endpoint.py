@@ -1,0 +1,234 @@
+"""The agent endpoint (jaxrlhf.run.endpoint) through the official `openai` client, against the real server on
+localhost and a tiny real model behind it: greedy answers equal the model's own greedy generation of the
+rendered prompt, a two-request episode is recorded token-in/token-out (the sampled ids kept, the new
+prompt text as observation tokens with loss mask 0, behaviour log-probs equal to a training forward's),
+concurrent episodes share generate calls, tool calls come back as `tool_calls`, and every refusal is the
+HTTP error the client raises."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.models.generation import Generator, generate
+from jaxrlhf.models.sampling import GREEDY
+from jaxrlhf.models.tokenizer import load_tokenizer
+from jaxrlhf.run.endpoint import (
+    ChatEndpoint,
+    ModelBackend,
+    decode_with_special_tokens,
+    load_agent,
+    openai_client,
+    run_agents,
+)
+from jaxrlhf.testing.models import random_model, save_tiny_tokenizer, tiny_config
+
+openai = pytest.importorskip("openai")
+
+# A compact Hermes-style template (Qwen2.5's shape: tools listed in a system turn, calls as <tool_call> JSON,
+# results folded into a user turn), short so the tiny model's sequences stay short.
+TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools:' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}"
+    "{%- endfor %}{{- '\\ncall as <tool_call>\\n{\"name\": ..., \"arguments\": ...}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + "
+    "'\", \"arguments\": ' }}{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+IM_END = 2  # the qwen2-style tiny tokenizer's <|im_end|>: the chat model's EOS
+NEW_TOKENS = 6
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city."}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), "qwen2", corpus=["what is the weather in Paris"])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    config = tiny_config("qwen2", vocab_size=tokenizer.vocab_size, eos_token_id=IM_END, pad_token_id=0)
+    return random_model(config, seed=3)
+
+
+def _server(model, tokenizer, **kwargs):
+    generator, state = Generator.for_model(model)
+    backend = ModelBackend(generator, lambda: state, max_new_tokens=NEW_TOKENS, sampling=GREEDY,
+                           max_positions=model.config.max_position_embeddings, batch_size=4)
+    return ChatEndpoint(backend, tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    with _server(model, tokenizer, max_prompt_tokens=120, window_s=0.05) as endpoint:
+        yield endpoint
+
+
+def _prompt_ids(tokenizer, messages, **kwargs):
+    return tokenizer.encode(tokenizer.chat_template.render(messages, add_generation_prompt=True, **kwargs))
+
+
+def _greedy(model, ids, n=NEW_TOKENS):
+    out = generate(model, [ids], n, GREEDY)
+    keep = np.asarray(out.response_mask[0])
+    return np.asarray(out.response_tokens[0])[keep].tolist(), np.asarray(out.logprobs[0])[keep].tolist()
+
+
+def _forward_logprobs(model, ids):
+    """Each token's log-prob under one training-style forward of the whole sequence (independent of the
+    decode loop and its KV cache)."""
+    tokens = jnp.asarray([ids], jnp.int32)
+    logits, _ = model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens, bool))
+    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32))
+    return np.concatenate([[0.0], np.asarray(jnp.take_along_axis(logp, tokens[0, 1:, None], axis=1)[:, 0])])
+
+
+def test_greedy_answer_is_the_models_own_generation(server, model, tokenizer):
+    messages = [{"role": "user", "content": "what is the weather in Paris"}]
+    episode = server.open_episode()
+    client = openai_client(server.base_url(episode))
+    reply = client.chat.completions.create(model="policy", messages=messages, logprobs=True)
+    tokens, logprobs = _greedy(model, _prompt_ids(tokenizer, messages))
+    choice = reply.choices[0]
+    assert choice.message.content == tokenizer.decode([t for t in tokens if t != IM_END])
+    assert choice.finish_reason == ("stop" if tokens[-1] == IM_END else "length")
+    np.testing.assert_allclose([t.logprob for t in choice.logprobs.content], logprobs, atol=1e-5)
+    assert reply.usage.completion_tokens == len(tokens)
+    assert reply.usage.prompt_tokens == len(_prompt_ids(tokenizer, messages))
+    assert [m.id for m in client.models.list().data] == ["policy"]
+    # max_tokens cuts the same generation
+    short = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 2
+    assert short.choices[0].message.content == tokenizer.decode(tokens[:2])
+    server.close_episode(episode)
+
+
+def test_two_requests_are_recorded_token_in_token_out(server, model, tokenizer):
+    first = [{"role": "user", "content": "what is the weather in Paris"}]
+    episode = server.open_episode()
+    client = openai_client(server.base_url(episode))
+    answer = client.chat.completions.create(model="policy", messages=first).choices[0].message.content
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and a cat"}]
+    client.chat.completions.create(model="policy", messages=second)
+    record = server.close_episode(episode)
+
+    assert len(record.segments) == 1 and record.matches["rewrite"] == 0 and record.requests == 2
+    seg = record.segments[0]
+    prompt1 = _prompt_ids(tokenizer, first)
+    assert seg.prompt == prompt1
+    sampled1, _ = _greedy(model, prompt1)
+    mask = np.asarray(seg.loss_mask)
+    n1 = len(sampled1)
+    assert seg.tokens[:n1] == sampled1 and mask[:n1].all()  # the first answer as sampled, not re-tokenized
+    observed = np.flatnonzero(mask == 0)
+    assert observed.size and observed[0] == n1 and (mask[n1:n1 + observed.size] == 0).all()
+    # the record up to the second answer is the second prompt's text; the second answer is the model's greedy
+    # continuation of that record (its ids, not the re-tokenized prompt)
+    context = seg.prompt + seg.tokens[:n1 + observed.size]
+    assert decode_with_special_tokens(tokenizer, context) == tokenizer.chat_template.render(
+        second, add_generation_prompt=True)
+    sampled2, _ = _greedy(model, context)
+    assert seg.tokens[n1 + observed.size:] == sampled2
+    # behaviour log-probs: a training forward over the whole record gives them back; observations have 0
+    forward = _forward_logprobs(model, seg.ids)[len(seg.prompt):]
+    np.testing.assert_allclose(np.asarray(seg.logprobs)[mask == 1], forward[mask == 1], atol=2e-4)
+    assert (np.asarray(seg.logprobs)[mask == 0] == 0).all()
+
+    # a rewritten history starts a new segment, and is counted
+    episode = server.open_episode()
+    client = openai_client(server.base_url(episode))
+    client.chat.completions.create(model="policy", messages=second)
+    client.chat.completions.create(model="policy", messages=first)
+    record = server.close_episode(episode)
+    assert len(record.segments) == 2 and record.matches["rewrite"] == 1
+    assert record.segments[1].prompt == prompt1
+
+
+def _agent(client, row):
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["text"]}])
+    if row.get("fail"):
+        raise RuntimeError("the agent gave up")
+    return float(len(reply.choices[0].message.content or "")) if row.get("score") else None
+
+
+def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(server, model, tokenizer):
+    rows = [{"text": "a dog and a cat", "score": True}, {"text": "the cat sat on the mat"},
+            {"text": "hello world", "fail": True}, {"text": "12 + 7 = 19", "score": True}]
+    calls = server.batcher.calls
+    results = run_agents(server, _agent, rows)
+    assert server.batcher.calls - calls < len(rows)  # gathered into fewer generate calls than requests
+    for row, result in zip(rows, results):
+        ids = _prompt_ids(tokenizer, [{"role": "user", "content": row["text"]}])
+        tokens, logprobs = _greedy(model, ids)
+        seg, = result.episode.segments
+        assert seg.prompt == ids and seg.tokens == tokens  # batched rows answer as one row alone does
+        np.testing.assert_allclose(seg.logprobs, logprobs, atol=1e-5)
+        assert result.error == ("RuntimeError: the agent gave up" if row.get("fail") else None)
+        content = tokenizer.decode([t for t in tokens if t != IM_END])
+        assert result.reward == (float(len(content)) if row.get("score") else None)
+    assert load_agent("json:dumps") is json.dumps
+    with pytest.raises(ValueError, match="module:function"):
+        load_agent("no_colon")
+
+
+def _request(server, method, path, body=b""):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = json.loads(response.read())
+    conn.close()
+    return response.status, payload["error"]
+
+
+def test_refusals_are_http_errors(server, tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    unknown = openai_client(f"http://{server.host}:{server.port}/episodes/nobody/v1")
+    with pytest.raises(openai.NotFoundError, match="no open episode 'nobody'"):
+        unknown.chat.completions.create(model="policy", messages=messages)
+    episode = server.open_episode()
+    client = openai_client(server.base_url(episode))
+    with pytest.raises(openai.BadRequestError, match="over the endpoint's limit of 120") as e:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "the cat " * 80}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        client.chat.completions.create(model="policy", messages=messages, n=2)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(model="policy", messages=messages, stream=True)
+    assert episode.requests == 0 and not episode.segments  # refused requests leave no record
+    path = f"/episodes/{episode.episode_id}/v1/chat/completions"
+    status, error = _request(server, "POST", path, b"{not json")
+    assert status == 400 and "not JSON" in error["message"]
+    assert _request(server, "GET", path)[0] == 405
+    assert _request(server, "POST", "/v1/chat/completions", b"{}")[0] == 404
+    server.close_episode(episode)
+    with pytest.raises(openai.NotFoundError):  # an ended episode takes no more requests
+        client.chat.completions.create(model="policy", messages=messages)
+
+
+def test_binds_to_localhost_unless_told(model, tokenizer):
+    warnings = []
+    with _server(model, tokenizer, warn=warnings.append) as endpoint:
+        assert endpoint.host == "127.0.0.1" and not warnings
+    with _server(model, tokenizer, host="0.0.0.0", warn=warnings.append) as endpoint:
+        assert endpoint.host == "0.0.0.0" and "reachable from other machines" in warnings[0]
