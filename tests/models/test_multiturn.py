@@ -1,0 +1,131 @@
+"""Multi-turn generation (`models/multiturn.py`): an observation is prefilled onto a row's existing pages,
+and the logits after it equal a full recompute of the whole trajectory; the trajectory is token in / token
+out (the observation's tokens exactly as encoded, loss-masked), and the other rows decode while a row's
+environment steps."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrlhf.algorithms.environments import Observation, StepResult
+from jaxrlhf.models import multiturn as mt
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.sampling import SamplingParams
+from jaxrlhf.models.tokenizer import ByteTokenizer
+from jaxrlhf.models.transformer import build_model, positions_from_mask
+
+TOK = ByteTokenizer()
+# Many end-of-turn ids, so a random tiny model ends turns often (a real model ends on EOS).
+EOT = tuple(range(3, 3 + 48))
+SPEC = mt.MultiTurnSpec(rows=4, prompt_bucket=16, max_tokens=96, max_turn_tokens=12, sampling=SamplingParams(),
+                        eos_ids=EOT, pad_id=0, max_observation_tokens=15)
+
+
+class Echo:
+    """Shows "<k:TEXT>" after turn k (the model's text back), ends after `turns` turns with reward = turns."""
+
+    def __init__(self, turns: int):
+        self.turns, self.k, self.actions, self.threads = turns, 0, [], set()
+
+    def reset(self, row):
+        return Observation(row["prompt"])
+
+    def step(self, action_text):
+        self.threads.add(threading.get_ident())
+        self.k += 1
+        self.actions.append(action_text)
+        if self.k >= self.turns:
+            return StepResult(None, float(self.k), True, {"steps": 1.0})
+        return StepResult(Observation(f"<{self.k}:{action_text[:4]}>"), 0.0, False, {"steps": 1.0})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(preset("tiny"), seed=0)
+
+
+def _dense_logprobs(model, prompt, prompt_mask, response, response_mask):
+    tokens = np.concatenate([prompt, response], axis=1)
+    mask = np.concatenate([prompt_mask, response_mask], axis=1)
+    m = jnp.asarray(mask)
+    logits, _ = model(jnp.asarray(tokens), positions_from_mask(m), m)
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1)
+    p = prompt.shape[1]
+    # logits at column c predict column c + 1
+    return np.take_along_axis(np.asarray(logp)[:, p - 1:-1], response[..., None], axis=-1)[..., 0], logits
+
+
+def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
+    """Episodes of 1-3 turns: every sampled token's log-prob (those right after an observation come from the
+    extend's logits) equals a dense forward over prompt + the whole trajectory; observation tokens are the
+    encoded observations, loss_mask 0; the environments saw exactly the sampled turns' text."""
+    graphdef, params = nnx.split(model)
+    envs = [Echo(t) for t in (3, 1, 2, 3)]
+    rows = [{"prompt": p} for p in ("hi", "what is 2+2", "x", "tell me")]
+    out = mt.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=TOK.encode, decode_text=TOK.decode,
+                                rng=jax.random.key(0), spec=SPEC, max_turns=4, chunk=4)
+    assert out.loss_mask[out.response_mask].sum() < out.response_mask.sum()  # some observations were appended
+    for i, env in enumerate(envs):
+        n = out.lengths[i]
+        tokens, keep = out.response_tokens[i, :n], out.loss_mask[i, :n]
+        # the observations, in order, are the encoded texts the environment returned
+        observed, run = [], []
+        for t, k in zip(tokens, keep):
+            if not k:
+                run.append(int(t))
+            elif run:
+                observed.append(TOK.decode(run)), run.clear()
+        assert observed == [f"<{k + 1}:{a[:4]}>" for k, a in enumerate(env.actions[:len(observed)])]
+        if out.finish[i] == "done":
+            assert out.env_reward[i] == env.turns and out.turns[i] == env.turns
+            # each turn's text (the model's tokens between observations, its end-of-turn token dropped)
+            turns, run = [], []
+            for t, k in zip(tokens, keep):
+                if k:
+                    run.append(int(t))
+                elif run:
+                    turns.append(TOK.decode(run)), run.clear()
+            turns.append(TOK.decode(run))
+            assert turns == env.actions
+    assert set(out.finish) <= {"done", "turn_tokens", "max_tokens"} and "done" in out.finish
+    dense, _ = _dense_logprobs(model, out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
+    sampled = out.loss_mask
+    np.testing.assert_allclose(out.logprobs[sampled], dense[sampled], atol=2e-4)
+    assert (out.logprobs[~sampled] == 0).all()
+    metrics = out.metrics()
+    assert metrics["env/steps"] > 1 and 0 < metrics["env/finish/done"] <= 1
+
+
+def test_extend_logits_equal_a_full_recompute(model):
+    """The logits an extend returns (after a row's observation) are those of a dense forward over the whole
+    sequence, for every row extended at once, each at its own length."""
+    graphdef, params = nnx.split(model)
+    prompt = np.zeros((4, 16), np.int32)
+    mask = np.zeros((4, 16), bool)
+    for i, ids in enumerate(TOK.encode(t) for t in ("a", "bcd", "hello", "q")):
+        prompt[i, 16 - len(ids):], mask[i, 16 - len(ids):] = ids, True
+    st = mt.start_fn(graphdef, params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.key(1), spec=SPEC)
+    st = mt.decode_fn(graphdef, params, st, spec=SPEC, steps=SPEC.max_turn_tokens)
+    waiting = np.asarray(st.status) == mt.AWAIT
+    assert waiting.sum() >= 2
+    obs = np.zeros((4, SPEC.extend_width - 1), np.int32)
+    length = np.array([3, 7, 1, 5], np.int32)
+    for i in range(4):
+        obs[i, :length[i]] = TOK.encode("observation")[:length[i]]
+    n_before = np.asarray(st.n)
+    st, last = mt.extend_fn(graphdef, params, st, jnp.asarray(obs), jnp.asarray(length), jnp.asarray(waiting),
+                            spec=SPEC)
+    n = np.asarray(st.n)
+    assert (n[waiting] == n_before[waiting] + length[waiting] + 1).all() and (n[~waiting] == n_before[~waiting]).all()
+    response = np.asarray(st.tokens)
+    rmask = np.arange(SPEC.max_tokens)[None] < (n - 1)[:, None]  # every fed token (the last is pending)
+    _, logits = _dense_logprobs(model, prompt, mask, response, rmask)
+    at = 16 + n - 2  # the column of the last fed token (the observation's last)
+    dense = np.asarray(logits, np.float32)[np.arange(4), at]
+    np.testing.assert_allclose(np.asarray(last)[waiting], dense[waiting], atol=2e-4, rtol=1e-4)
