@@ -19,8 +19,8 @@ from flax import nnx
 # Parameter axes.
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
 # The experts of a mixture-of-experts MLP (`moe.py`): its stacked expert weights [expert, embed, mlp] and
-# router [embed, expert]. No placement rule maps it yet, so expert weights are replicated along it
-# (expert parallelism would map it to a mesh axis).
+# router [embed, expert]. Placement maps it to the "expert" mesh axis (expert parallelism; a layout's
+# `expert` degree), whose size `expert_ways` tells the sparse MLP.
 EXPERT = "expert"
 # The leading axis of the stacked decoder-layer parameters and KV cache (the axis the layer scan runs over).
 LAYERS = "layers"
@@ -83,6 +83,13 @@ def length_ways() -> int:
     without one): the context-parallel degree. Above 1, attention without a KV cache runs as ring
     attention (`context.ring_attention`), which finds the mesh and its axes through `resolved`."""
     return _ways(LENGTH)
+
+
+def expert_ways() -> int:
+    """How many devices a mixture of experts' experts are split over under the current resolver (1 without
+    one): the expert-parallel degree. Above 1, `moe.SparseMLP` runs each device's own experts
+    (`moe.expert_parallel`), which finds the mesh and its axis through `resolved`."""
+    return _ways(EXPERT)
 
 
 def param_logical_axes(tree: Any) -> Any:

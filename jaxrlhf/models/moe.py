@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
@@ -115,17 +117,88 @@ class SparseMLP(nnx.Module):
         logits = jnp.matmul(xs, self.router.value.astype(dt), preferred_element_type=jnp.float32)
         weights, experts = route(logits, self.top_k, self.order, self.normalize)
         combine = combine_weights(weights, experts, logits.shape[-1]).astype(dt)  # [tokens, experts]
-        g = jnp.einsum("nd,edf->nef", xs, self.gate.value.astype(dt))
-        u = jnp.einsum("nd,edf->nef", xs, self.up.value.astype(dt))
-        h = _ACTIVATIONS[self.activation](g) * u * combine[:, :, None]
-        h = ax.constrain(h.reshape(b, t, *h.shape[1:]), (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.MLP))
-        y = jnp.einsum("btef,efd->btd", h, self.down.value.astype(dt))
+        weights3 = tuple(w.value.astype(dt) for w in (self.gate, self.up, self.down))
+        if ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
+            y = expert_parallel(x, combine.reshape(b, t, -1), *weights3, self.activation)
+        else:
+            g = jnp.einsum("nd,edf->nef", xs, weights3[0])
+            u = jnp.einsum("nd,edf->nef", xs, weights3[1])
+            h = _ACTIVATIONS[self.activation](g) * u * combine[:, :, None]
+            h = ax.constrain(h.reshape(b, t, *h.shape[1:]), (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.MLP))
+            y = jnp.einsum("btef,efd->btd", h, weights3[2])
         if self.shared:
             act = _ACTIVATIONS[self.activation]
             hs = act(xs @ self.shared_gate.value.astype(dt)) * (xs @ self.shared_up.value.astype(dt))
             scale = jax.nn.sigmoid(xs @ self.shared_expert_gate.value.astype(dt))[:, None]
             y = y + (scale * (hs @ self.shared_down.value.astype(dt))).reshape(b, t, d)
         return y, logits.reshape(b, t, -1)
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _entry(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _fit(entry: Any, size: int, mesh_shape: Any) -> Any:
+    """The leading mesh axes of a spec entry whose sizes divide `size` (a dimension they cannot split stays
+    replicated over the rest, as placement's rules do)."""
+    names = list(_entry(entry))
+    while names and size % math.prod(mesh_shape[n] for n in names):
+        names.pop()
+    return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+
+def expert_parallel(
+    x: Float[Array, "batch length embed"], combine: Float[Array, "batch length experts"],
+    gate: Float[Array, "experts embed mlp"], up: Float[Array, "experts embed mlp"],
+    down: Float[Array, "experts mlp embed"], activation: str,
+) -> Float[Array, "batch length embed"]:
+    """The experts' weighted sum for every token with the experts split over the mesh axis the current
+    activation rules give "expert" (`axes.expert_ways` > 1): inside a `shard_map`, each device gathers the
+    tokens of its expert group (all-gather over the axis), runs its num_experts / e experts densely on them
+    (each token's unpicked experts weighted 0, as the dense dispatch), and the partial sums are reduce-
+    scattered back to the devices that own the tokens (a psum where the batch is not split over the axis).
+    Under tensor parallelism each device holds its slice of every local expert's MLP and the partial sums
+    are also summed over the tensor axis. Exact: the same sums as the dense dispatch, in another order."""
+    sharding = ax.resolved((ax.EXPERT,))
+    mesh, shape = sharding.mesh, sharding.mesh.shape
+    axis = _entry(sharding.spec[0])
+    axis_name = axis[0] if len(axis) == 1 else axis
+    ways = math.prod(shape[n] for n in axis)
+    b, t, _ = x.shape
+    num_experts, _, f = gate.shape
+    if num_experts % ways:
+        ok = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(f"expert parallelism over {ways} devices (mesh {dict(shape)}) does not divide "
+                         f"num_experts={num_experts}: use a layout with expert in {ok}")
+    tok_spec = tuple(ax.resolved((ax.BATCH, ax.LENGTH, ax.EMBED)).spec) + (None,) * 3
+    batch, length = _fit(tok_spec[0], b, shape), _fit(tok_spec[1], t, shape)
+    mlp = _fit(ax.resolved((ax.MLP,)).spec[0] if ax.resolved((ax.MLP,)).spec else None, f, shape)
+    if set(_entry(mlp)) & set(axis):
+        mlp = None
+    gathered = bool(set(_entry(batch)) & set(axis))  # tokens split over the expert axis: gather, then scatter
+    local = num_experts // ways
+    act = _ACTIVATIONS[activation]
+
+    def body(x, combine, gate, up, down):
+        if gathered:  # the expert group's tokens, in the order of its devices' blocks
+            x = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
+            combine = jax.lax.all_gather(combine, axis_name, axis=0, tiled=True)
+        mine = jax.lax.dynamic_slice_in_dim(combine, jax.lax.axis_index(axis_name) * local, local, axis=-1)
+        h = act(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up) * mine[..., None]
+        y = jnp.einsum("btef,efd->btd", h, down)
+        if mlp is not None:  # each tensor peer summed its slice of the MLP width
+            y = jax.lax.psum(y, mlp)
+        if gathered:
+            return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, axis_name)
+
+    tokens = P(batch, length, None)
+    w_in, w_out = P(axis_name, None, mlp), P(axis_name, mlp, None)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, w_in, w_in, w_out), out_specs=tokens)
+    return mapped(x, combine, gate, up, down)
 
 
 # ---------------------------------------------------------------- router logits out of a forward

@@ -7,7 +7,10 @@ next (a ring's neighbours close), stage outermost. The stage axis shards only th
 stacked decoder layers ("layers"); everything else is replicated over it (see
 `jaxrlhf.models.pipeline`). The context axis shards only activations, along the
 sequence ("length"); parameters are replicated over it, as over data (see
-`jaxrlhf.models.context`). Meshes are
+`jaxrlhf.models.context`). The expert axis (only where a layout has expert > 1,
+between fsdp and context) shards a sparse MLP's stacked expert weights along "expert" and the batch
+(beside data and fsdp) everywhere else; the sparse MLP gathers its tokens over it
+(`jaxrlhf.models.moe`). Meshes are
 always built with explicit `axis_types` (Auto: the compiler propagates
 shardings from parameters and `constrain` hints), because the defaults of
 `Mesh` and `jax.make_mesh` differ between JAX versions.
@@ -39,6 +42,7 @@ from jaxrlhf.models import axes as ax
 MeshAxes = tuple[str, ...]
 STAGE_AXIS = "stage"  # the mesh axis of pipeline stages
 CONTEXT_AXIS = "context"  # the mesh axis sequences are split over (context parallelism)
+EXPERT_AXIS = "expert"  # the mesh axis a mixture of experts' experts are split over (expert parallelism)
 RuleTable = Mapping[str, MeshAxes]
 
 
@@ -99,6 +103,7 @@ DEFAULT_RULES = AxisRules(
             ax.KV_HEADS: "tensor",
             ax.HEAD_DIM: None,
             ax.MLP: "tensor",
+            ax.EXPERT: "expert",  # expert parallelism: each device holds num_experts / expert experts
         },
         "rules.params",
     ),
@@ -106,7 +111,7 @@ DEFAULT_RULES = AxisRules(
         {
             ax.LAYERS: None,
             ax.STAGE: "stage",  # a pipeline's per-stage activations
-            ax.BATCH: ("data", "fsdp"),
+            ax.BATCH: ("data", "fsdp", "expert"),  # expert splits the batch outside the experts
             ax.LENGTH: "context",  # context parallelism: each device holds a block of every sequence
             ax.EMBED: None,
             ax.VOCAB: "tensor",
@@ -114,6 +119,7 @@ DEFAULT_RULES = AxisRules(
             ax.KV_HEADS: "tensor",
             ax.HEAD_DIM: None,
             ax.MLP: "tensor",
+            ax.EXPERT: "expert",  # what `moe.SparseMLP` reads its expert degree and mesh axis from
         },
         "rules.activations",
     ),
@@ -122,16 +128,17 @@ DEFAULT_RULES = AxisRules(
 
 # ---- meshes ---------------------------------------------------------------------------
 def make_mesh(group: DeviceGroup, layout: Layout, devices: Sequence[Device] | None = None) -> Mesh:
-    """Mesh ("stage", "data", "fsdp", "context", "tensor") over the group's devices, tensor innermost; the
-    "context" axis only where the layout splits sequences (context > 1), so every other layout's mesh, and
-    the programs compiled on it, are what they were before context parallelism."""
+    """Mesh ("stage", "data", "fsdp", "expert", "context", "tensor") over the group's devices, tensor
+    innermost; the "expert" and "context" axes only where the layout has them (> 1), so every other
+    layout's mesh, and the programs compiled on it, are what they were before those axes."""
     if layout.num_devices != group.size:
         raise PlanError(
             f"layout {layout} uses {layout.num_devices} devices but group {group.name!r} has {group.size}; "
-            f"make stage*data*fsdp*context*tensor = {group.size}"
+            f"make stage*data*fsdp*expert*context*tensor = {group.size}"
         )
     devs = np.array(group_devices(group, devices), dtype=object)
-    names = tuple(a for a in MESH_AXES if a != CONTEXT_AXIS or layout.context > 1)
+    optional = {CONTEXT_AXIS: layout.context, EXPERT_AXIS: layout.expert}
+    names = tuple(a for a in MESH_AXES if optional.get(a, 2) > 1)
     shape = tuple(layout.axis_sizes[a] for a in names)
     return Mesh(devs.reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
 

@@ -35,9 +35,11 @@ if TYPE_CHECKING:
     from jaxrlhf.models.config import ModelConfig
 
 # stage outermost (pipeline stages may span hosts), tensor innermost; context beside tensor, so a ring's
-# neighbours are near each other
-MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over (placement's default axis rules)
+# neighbours are near each other; expert (the mixture-of-experts' expert parallelism) beside the batch axes
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+# the mesh axes a batch is split over (placement's default axis rules): the expert axis splits the batch
+# as data parallelism does outside the experts
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class PlanError(ValueError):
@@ -71,7 +73,9 @@ class Layout:
     `stage` splits the stacked decoder layers into consecutive pipeline stages (1 = no pipeline);
     `context` splits every sequence into consecutive blocks of tokens, one per device, attention then
     running as ring attention (`models/context.py`; 1 = no context parallelism). Parameters are
-    replicated over `context`, as over `data`.
+    replicated over `context`, as over `data`. `expert` (expert parallelism, mixture-of-experts models
+    only; 1 = none) splits a sparse MLP's experts over its devices, num_experts / expert each, and
+    splits the batch as `data` does everywhere else (`models/moe.py`).
     """
 
     data: int = 1
@@ -79,32 +83,34 @@ class Layout:
     tensor: int = 1
     stage: int = 1
     context: int = 1
+    expert: int = 1
 
     @property
     def num_devices(self) -> int:
-        return self.stage * self.data * self.fsdp * self.context * self.tensor
+        return self.stage * self.data * self.fsdp * self.expert * self.context * self.tensor
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "context": self.context,
-                "tensor": self.tensor}
+        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "expert": self.expert,
+                "context": self.context, "tensor": self.tensor}
 
     @property
     def serialised(self) -> dict[str, int]:
-        """Axis sizes as plan files write them: `stage` only when pipelined, `context` only when > 1."""
-        return {a: n for a, n in self.axis_sizes.items() if a not in ("stage", "context") or n > 1}
+        """Axis sizes as plan files write them: `stage`, `expert` and `context` only when > 1."""
+        return {a: n for a, n in self.axis_sizes.items() if a not in ("stage", "expert", "context") or n > 1}
 
     def __str__(self) -> str:
         return (f"d{self.data}f{self.fsdp}t{self.tensor}" + (f"p{self.stage}" if self.stage > 1 else "")
-                + (f"c{self.context}" if self.context > 1 else ""))
+                + (f"c{self.context}" if self.context > 1 else "") + (f"e{self.expert}" if self.expert > 1 else ""))
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """The layout `str(layout)` wrote ("d4f1t2", "d1f2t1p2", "d2f1t1c4")."""
-        m = re.fullmatch(r"d(\d+)f(\d+)t(\d+)(?:p(\d+))?(?:c(\d+))?", text)
+        """The layout `str(layout)` wrote ("d4f1t2", "d1f2t1p2", "d2f1t1c4", "d2f1t1e4")."""
+        m = re.fullmatch(r"d(\d+)f(\d+)t(\d+)(?:p(\d+))?(?:c(\d+))?(?:e(\d+))?", text)
         if not m:
-            raise ValueError(f"layout {text!r} is not of the form d<data>f<fsdp>t<tensor>[p<stages>][c<context>]")
-        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 1), int(m[5] or 1))
+            raise ValueError(
+                f"layout {text!r} is not of the form d<data>f<fsdp>t<tensor>[p<stages>][c<context>][e<expert>]")
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 1), int(m[5] or 1), int(m[6] or 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +248,13 @@ class ExecutionPlan:
 
     # ---- display -----------------------------------------------------------------
     def table(self) -> str:
-        rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages] [x context])")]
+        rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages] [x context] [x expert])")]
         for c, p in self.calls.items():
             g = self.groups.get(p.group)
             span = f"{g.start}-{g.stop - 1}" if g else "?"
             stages = f" x {p.layout.stage}" if p.layout.stage > 1 else ""
             stages += f" x context {p.layout.context}" if p.layout.context > 1 else ""
+            stages += f" x expert {p.layout.expert}" if p.layout.expert > 1 else ""
             rows.append((c, p.group, span, f"{p.layout.data} x {p.layout.fsdp} x {p.layout.tensor}{stages}"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"strategy: {self.strategy} on {self.num_devices} devices"]
@@ -363,6 +370,18 @@ def layout_misfit(
             return (f"layout {layout}: context={layout.context} does not divide the sequence length {seq_len}; "
                     f"use context={ok[0]} (degrees that divide it: {sorted(ok)}) or pad sequences to a "
                     f"multiple of {layout.context} ({-(-seq_len // layout.context) * layout.context} tokens)")
+    if layout.expert > 1:
+        experts = getattr(config, "num_experts", 0) if config is not None else None
+        if experts == 0:
+            return (f"layout {layout}: expert={layout.expert} splits a mixture of experts' experts but the model "
+                    f"has none (num_experts=0); use expert=1 (e.g. data={layout.data * layout.expert})")
+        if experts and experts % layout.expert:
+            ok = [e for e in range(1, experts + 1) if experts % e == 0]
+            return (f"layout {layout}: expert={layout.expert} does not divide num_experts={experts}; "
+                    f"expert degrees that fit: {ok}")
+        if layout.stage > 1:
+            return (f"layout {layout}: expert parallelism is not pipelined; use stage=1 or expert=1 "
+                    f"(e.g. {Layout(layout.data, layout.fsdp, layout.tensor, 1, layout.context, layout.expert * layout.stage)})")
     if layout.stage > 1 and kind == "generate":
         return (f"generation is never pipelined but the layout has stage={layout.stage}; "
                 f"use stage=1 (e.g. data={layout.data * layout.stage}) for the generate call")
@@ -385,9 +404,10 @@ def layout_misfit(
     if batch_size is not None:
         split = math.prod(layout.axis_sizes[a] for a in batch_axes)
         if batch_size % split:
+            axes = "data*fsdp*expert" if layout.expert > 1 else "data*fsdp"
             return (
-                f"batch size {batch_size} is not divisible by data*fsdp = {split}; "
-                f"use a batch that is a multiple of {split} or a layout with fewer data/fsdp devices"
+                f"batch size {batch_size} is not divisible by {axes} = {split}; "
+                f"use a batch that is a multiple of {split} or a layout with fewer {axes.replace('*', '/')} devices"
             )
     return None
 
@@ -472,9 +492,11 @@ def validate(
         if p.layout.num_devices != g.size:
             raise PlanError(
                 f"call {call!r}: layout stage={p.layout.stage} x data={p.layout.data} x fsdp={p.layout.fsdp} x "
+                + (f"expert={p.layout.expert} x " if p.layout.expert > 1 else "")
                 + (f"context={p.layout.context} x " if p.layout.context > 1 else "")
                 + f"tensor={p.layout.tensor} uses {p.layout.num_devices} devices but group {p.group!r} has {g.size}; "
-                f"make stage*data*fsdp*{'context*' if p.layout.context > 1 else ''}tensor = {g.size}"
+                f"make stage*data*fsdp*{'expert*' if p.layout.expert > 1 else ''}"
+                f"{'context*' if p.layout.context > 1 else ''}tensor = {g.size}"
             )
         role = graph[call].role
         cfg = None
