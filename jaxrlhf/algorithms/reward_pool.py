@@ -4,9 +4,14 @@ Why: a reward that runs a program against its tests or waits for a scoring servi
 as generation (for code RL, verl#980 measured 140 s of rewards against 180 s of rollout), and the
 host step that scores a batch runs only after the whole batch is generated. With workers, the
 `score_rules` host step spreads a batch over them (CPU-bound rules use every core), and the streaming
-generator (`generation.partial_rollout`) hands each group of samples to them as soon as it is done, so
-the batch's rewards are computed while its other groups, and the next steps', are still decoding: only
-the last groups' scoring is left when the batch completes (`time/reward_wait_s`, `reward/hidden_frac`).
+generator (`generation.partial_rollout`) hands each sample to them as soon as it ends (not when its
+group ends), so the batch's rewards are computed while its other samples, and the next steps', are
+still decoding: only the last chunk's samples are left when the batch completes (`time/reward_wait_s`,
+`reward/hidden_frac`).
+
+Order: the pool holds at most one task per worker and keeps the rest in a queue by priority (the
+streaming generator's is the step a sample trains in), so samples of the next step that end early
+never delay the scores the trainer waits for now; a plain FIFO would score them first.
 
 The workers are started with `forkserver` (never forked from the trainer, whose JAX runtime has
 threads), each builds the run's `CombinedReward` once, and a batch is scored with `batch_components`,
@@ -16,7 +21,10 @@ so a rule with a batch function (`remote`) still scores its rows concurrently in
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
 import multiprocessing
+import threading
 import time
 from typing import Any, Sequence
 
@@ -41,6 +49,11 @@ def _score(prompts: Sequence[str], responses: Sequence[str],
     return parts, time.perf_counter() - start
 
 
+def _ready() -> None:
+    """In a worker: nothing (submitted once per worker at start, so the processes start, import and
+    build their rules while the trainer compiles, not when the first samples end)."""
+
+
 class RewardPool:
     """`workers` processes scoring rows with the rules `spec` ((name, weight, args) entries)."""
 
@@ -51,11 +64,44 @@ class RewardPool:
         context = multiprocessing.get_context("forkserver")
         self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                                             initargs=(spec,))
+        # tasks not yet given to a worker: (priority, arrival, args, future), lowest first
+        self._queue: list[tuple[int, int, tuple, concurrent.futures.Future]] = []
+        self._arrival = itertools.count()
+        self._lock = threading.RLock()  # a task done at once runs its callback in the submitting thread
+        self._running = 0
+        for _ in range(workers):
+            self._pool.submit(_ready)
 
-    def submit(self, prompts: Sequence[str], responses: Sequence[str],
-               answers: Sequence[str | None]) -> concurrent.futures.Future:
-        """Score rows in a worker; the future holds (components per row, the worker's seconds)."""
-        return self._pool.submit(_score, tuple(prompts), tuple(responses), tuple(answers))
+    def submit(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str | None],
+               priority: int = 0) -> concurrent.futures.Future:
+        """Score rows in a worker, lower `priority` first (then in arrival order); the future holds
+        (components per row, the worker's seconds)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            heapq.heappush(self._queue, (priority, next(self._arrival),
+                                         (tuple(prompts), tuple(responses), tuple(answers)), future))
+            self._dispatch()
+        return future
+
+    def _dispatch(self) -> None:
+        """Give queued tasks to idle workers, most urgent first."""
+        with self._lock:
+            while self._queue and self._running < self.workers:
+                _, _, args, future = heapq.heappop(self._queue)
+                self._running += 1
+                task = self._pool.submit(_score, *args)
+                task.add_done_callback(lambda task, future=future: self._finished(task, future))
+
+    def _finished(self, task: concurrent.futures.Future, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._running -= 1
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+        self._dispatch()
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],
               answers: Sequence[str | None]) -> list[dict[str, float]]:
@@ -67,4 +113,8 @@ class RewardPool:
         return [row for f in futures for row in f.result()[0]]
 
     def close(self) -> None:
+        with self._lock:
+            for *_, future in self._queue:
+                future.cancel()
+            self._queue.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)

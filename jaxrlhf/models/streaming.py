@@ -23,8 +23,9 @@ weights throughout, streaming equals `generate_continuous` over rows ordered uid
 Sharded batch: `StreamSpec.batch_ways` shards (the generation layout's batch ways, or 1) each own
 groups / ways contiguous group slots, their rows, slots and pages, as in the continuous engine; `admit`
 fills free slots round-robin over the shards. Limits: a fixed prompt bucket per state
-(`StreamSpec.prompt_bucket`); the KV of tokens sampled before a weight change is kept, not recomputed
-(the prompt's pages too: they are the admitting weights'); uid * G + j must fit int32.
+(`StreamSpec.prompt_bucket`); uid * G + j must fit int32. The KV of tokens sampled before a weight
+change is kept (the prompt's pages too: they are the admitting weights'), unless `recompute` rebuilds
+it with the new weights (`generation.partial_recompute`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from jaxrlhf.models import slots as sz
 from jaxrlhf.models.continuous import DONE, RUNNING, WAITING, PagedEngine, prompt_pages_of
 from jaxrlhf.models.generation import GenerationOutput, _prefill, check_max_positions, eos_tuple, note_trace
 from jaxrlhf.models.sampling import SamplingParams
+from jaxrlhf.models.transformer import KVCache, positions_from_mask, write_pages
 
 EMPTY = 3  # a row of a free group slot (the engine's WAITING, RUNNING, DONE otherwise)
 FREE, GROUP_RUNNING, GROUP_DONE = 0, 1, 2  # a group slot's status
@@ -341,6 +343,77 @@ def take(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> tuple
         ended_with_eos=outs["ended"][rows])
     return Taken(output=output, versions=outs["version"][rows], uids=outs["uid"][picked],
                  serials=outs["serial"][picked]), state
+
+
+def recompute(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: StreamState,
+    *,
+    spec: StreamSpec,
+    version: Int[Array, ""] | int,
+    tag: Hashable = None,
+) -> StreamState:
+    """The keys/values of every admitted prompt and of every decoding row's tokens so far recomputed
+    with `params` (`generation.partial_recompute`): one prefill of each prompt (its pages and the
+    logits a waiting row samples its first token from, recorded as `version`) and one of each slot's
+    prompt + response, written into the row's own pages. A row then decodes on exactly as a full
+    forward of the new weights over its tokens would, instead of over keys/values the old weights
+    wrote. The tokens already sampled, their log-probs and versions stay: the old weights drew them."""
+    note_trace("stream_recompute")
+    _check(spec)
+    model = nnx.merge(graphdef, params)
+    eng = _engine(model, spec, state.row_key)
+    P, N, groups, ways = spec.prompt_bucket, spec.max_new_tokens, spec.groups, spec.batch_ways
+    per_shard = groups // ways
+    _, _, logits, prefix = _prefill(graphdef, params, state.prompt_tokens, state.prompt_mask, bucket=P,
+                                    max_new_tokens=0, pad_id=spec.pad_id)
+    q = jnp.arange(groups)
+    admitted = state.status != FREE
+    shard = jnp.where(admitted, q // per_shard, ways)  # a free slot's writes drop
+    page_ids = q[:, None] % per_shard * eng.prompt_pages + jnp.arange(eng.prompt_pages)
+    pool = tuple(p.at[:, shard[:, None], page_ids].set(prompt_pages_of(x, eng.ps).astype(p.dtype), mode="drop")
+                 for p, x in zip(state.pool, (prefix.k, prefix.v)))
+
+    st = state.rows
+    rows_s = spec.rows // ways
+    slot_rows = jnp.clip(st["row"], 0, rows_s - 1) + jnp.arange(ways)[:, None] * rows_s  # [shards, slots] flat
+    slot_rows = slot_rows.reshape(-1)
+    group = slot_rows // spec.group_size
+    flat = lambda x: x.reshape(spec.rows, *x.shape[2:])  # noqa: E731
+    tokens = jnp.concatenate([state.prompt_tokens[group], flat(st["tokens"])[slot_rows]], axis=1)
+    mask = jnp.concatenate([state.prompt_mask[group], flat(st["out_valid"])[slot_rows]], axis=1)
+    mask = mask & (st["row"] >= 0).reshape(-1, 1)
+    cache = KVCache.init(model.config, tokens.shape[0], P + N)
+    _, cache = model(tokens, positions_from_mask(mask), mask, cache, logits_from=-1)
+    # response columns P.. of each slot into the pages its table lists: an idle slot's table and the
+    # columns past its pages are unassigned (dropped); columns from its last token on are not valid
+    # yet, and decode writes each before attending to it
+    response = lambda x: jnp.swapaxes(x[:, :, :, P:], 2, 3)  # noqa: E731  [layers, slots, N, kv_heads, hd]
+    offset = jnp.full((tokens.shape[0],), P, jnp.int32)
+    pool = tuple(_constrain(write_pages(p, response(x), offset, st["table"])) for p, x in zip(pool, (cache.k, cache.v)))
+    version = jnp.asarray(version, jnp.int32)
+    return state.replace(pool=pool, prefill_logits=jnp.where(admitted[:, None], logits.astype(jnp.float32),
+                                                             state.prefill_logits),
+                         first_version=jnp.where(admitted, version, state.first_version))
+
+
+# donated as `run`'s state is
+recompute_fn = jax.jit(recompute, static_argnums=0, static_argnames=("spec", "tag"), donate_argnames=("state",))
+
+
+def finished_rows(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> dict[str, jax.Array]:
+    """Which rows have ended (`done` [R], row q x G + j of group slot q), with every row's response
+    `tokens` and `valid` mask [R, N] and each group slot's admission `serial`: a row's output is final
+    once it is done (a done row is never preempted), so it can be scored before its group ends. A read:
+    the state is left as it is."""
+    flat = lambda x: x.reshape(spec.rows, *x.shape[2:])  # noqa: E731  [shards, R / shards, ...] -> [R, ...]
+    st = state.rows
+    return {"done": flat(st["status"]) == DONE, "tokens": flat(st["tokens"]), "valid": flat(st["out_valid"]),
+            "serial": state.serial}
+
+
+finished_rows_fn = jax.jit(finished_rows, static_argnames=("spec", "tag"))
 
 
 def free_groups(state: StreamState) -> int:

@@ -22,6 +22,7 @@ calls `overlap` while the train calls run: decode chunks on the generator's devi
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Callable
@@ -48,7 +49,8 @@ class _Drawn:
     data_state: dict
     admitted: int = 0
     done: dict[int, tuple[dict[str, np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
-    scores: dict[int, Any] = dataclasses.field(default_factory=dict)  # prompt index -> its group's reward future
+    # row of the batch -> (the reward workers' future for the rows it was sent with, its place among them)
+    scores: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
 
 
 class StreamingGenerator:
@@ -102,10 +104,12 @@ class StreamingGenerator:
         self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
         self.in_stream: dict[int, tuple[int, int]] = {}  # serial -> (step, prompt index) of a group in the stream
         self.busy_s = 0.0  # seconds decoding while the trainer trained (since the last `batch`)
-        # rule rewards scored by worker processes as each group is done (`rewards.workers`); the step's
+        # rule rewards scored by worker processes as each sample ends (`rewards.workers`); the step's
         # `score_rules` host step is then skipped (its outputs come in the feed). A greedy baseline's
         # responses come from another call, scored in the step as before.
         self.pool = None if algorithm.greedy_baseline else algorithm.reward_pool
+        self.scored: set[int] = set()  # stream rows (serial x G + j) handed to the workers, until taken
+        self.reward_decode_s = 0.0  # seconds decoding the next steps while waiting for a batch's scores
         if self.pool is not None:
             from jaxrlhf.algorithms.rules import CombinedReward
 
@@ -170,6 +174,8 @@ class StreamingGenerator:
             self.state = streaming.run_fn(self.graphdef, self._params(), self.state, spec=self.spec,
                                           version=np.int32(self.version), max_steps=np.int32(self.chunk),
                                           until_done_groups=np.int32(self.spec.groups + 1), tag=self.tag)
+            if self.pool is not None:
+                self._score_finished()
             taken, self.state = streaming.take(self.state, spec=self.spec, tag=self.tag)
         out = taken.output
         G = self.group
@@ -180,31 +186,59 @@ class StreamingGenerator:
                       "response_tokens": out.response_tokens[rows], "response_mask": out.response_mask[rows],
                       "behaviour_logp": out.logprobs[rows], "ended_with_eos": out.ended_with_eos[rows]}
             self.steps[step].done[i] = (values, taken.versions[rows])
-            if self.pool is not None:
-                self._score(self.steps[step], i, values)
+            self.scored.difference_update(int(serial) * G + j for j in range(G))
         self.free += len(taken.serials)
         return True
 
-    def _score(self, drawn: _Drawn, i: int, values: dict[str, np.ndarray]) -> None:
-        """Hand prompt i's finished group to the reward workers."""
+    def _score_finished(self) -> None:
+        """Hand every sample that ended since the last look to the reward workers, whether or not its
+        group is done (a group ends with its slowest sample; its advantages still wait for the whole
+        batch, in the step). Each step's new samples go as up to `workers` tasks (a rule that scores rows
+        concurrently, as `remote` does, keeps that concurrency), queued by step: the oldest first."""
         from jaxrlhf.algorithms.rollout import decode_responses
 
-        rows = slice(i * self.group, (i + 1) * self.group)
-        texts = decode_responses(self.tokenizer, values["response_tokens"], values["response_mask"])
-        drawn.scores[i] = self.pool.submit(drawn.feed["prompts"][rows], texts, drawn.feed["answers"][rows])
+        rows = jax.device_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
+        G = self.group
+        fresh: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # step -> (stream row, batch row)
+        for r in np.flatnonzero(rows["done"]):
+            serial = int(rows["serial"][r // G])
+            if serial * G + r % G in self.scored:
+                continue
+            self.scored.add(serial * G + r % G)
+            step, i = self.in_stream[serial]
+            fresh[step].append((int(r), i * G + r % G))
+        for step, picked in fresh.items():
+            drawn = self.steps[step]
+            texts = decode_responses(self.tokenizer, rows["tokens"][[r for r, _ in picked]],
+                                     rows["valid"][[r for r, _ in picked]])
+            size = -(-len(picked) // self.pool.workers)
+            for start in range(0, len(picked), size):
+                batch_rows = [b for _, b in picked[start:start + size]]
+                future = self.pool.submit([drawn.feed["prompts"][b] for b in batch_rows], texts[start:start + size],
+                                          [drawn.feed["answers"][b] for b in batch_rows], priority=step)
+                drawn.scores.update({b: (future, k) for k, b in enumerate(batch_rows)})
 
     def _rewards(self, drawn: _Drawn) -> tuple[dict[str, Any], dict[str, float]]:
         """The step's rule scores and components from the workers (what `score_rules` returns), and how
-        much of their time was hidden behind decoding: 1 - (the wait for them after the batch was done) /
-        (their seconds spread over the workers)."""
-        t0 = time.perf_counter()
-        results = [drawn.scores[i].result() for i in range(self.prompts)]
-        waited = time.perf_counter() - t0
-        parts = [row for rows, _ in results for row in rows]
-        work = sum(seconds for _, seconds in results) / self.pool.workers
+        much of their time was hidden: 1 - (the trainer's idle wait for them after the batch was done) /
+        (their seconds spread over the workers). While it waits, the stream decodes the next steps'
+        samples where they may be (admission pacing as ever): that time is the next batches' work, not
+        idling (`time/reward_decode_s`)."""
+        futures = {id(f): f for f, _ in drawn.scores.values()}
+        t0, decoding = time.perf_counter(), 0.0
+        while not all(f.done() for f in futures.values()):
+            self._admit_ready()
+            t1 = time.perf_counter()
+            if not self._decode_chunk():
+                concurrent.futures.wait(futures.values())
+                break
+            decoding += time.perf_counter() - t1
+        waited = time.perf_counter() - t0 - decoding
+        parts = [drawn.scores[b][0].result()[0][drawn.scores[b][1]] for b in range(self.prompts * self.group)]
+        work = sum(f.result()[1] for f in futures.values()) / self.pool.workers
         values = {"rule_scores": np.asarray([self.rules.combine(c) for c in parts], np.float32),
                   "rule_components": {n: np.asarray([c[n] for c in parts], np.float32) for n in self.rules.names}}
-        return values, {"time/reward_wait_s": waited, "time/reward_work_s": work,
+        return values, {"time/reward_wait_s": waited, "time/reward_work_s": work, "time/reward_decode_s": decoding,
                         "reward/hidden_frac": max(0.0, 1.0 - waited / work) if work > 0 else 1.0}
 
     # ------------------------------------------------------------------ the trainer's side
@@ -237,6 +271,7 @@ class StreamingGenerator:
             rewards, timing = self._rewards(drawn)
             feed.update(rewards)
             metrics.update(timing)
+            metrics["time/generate_wait_s"] += timing["time/reward_decode_s"]  # the trainer's time in the stream
         self.busy_s = 0.0
         return feed, drawn.data_state, metrics
 
