@@ -81,7 +81,7 @@ def _server(model, tokenizer, **kwargs):
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
-    with _server(model, tokenizer, max_prompt_tokens=120, window_s=0.05) as endpoint:
+    with _server(model, tokenizer, max_prompt_tokens=120, window_s=0.1) as endpoint:
         yield endpoint
 
 
@@ -124,6 +124,7 @@ def test_greedy_answer_is_the_models_own_generation(server, model, tokenizer):
     server.close_episode(episode)
 
 
+@pytest.mark.slow
 def test_two_requests_are_recorded_token_in_token_out(server, model, tokenizer):
     first = [{"role": "user", "content": "what is the weather in Paris"}]
     episode = server.open_episode()
@@ -134,6 +135,7 @@ def test_two_requests_are_recorded_token_in_token_out(server, model, tokenizer):
     record = server.close_episode(episode)
 
     assert len(record.segments) == 1 and record.matches["rewrite"] == 0 and record.requests == 2
+    print("second request matched by", record.matches)
     seg = record.segments[0]
     prompt1 = _prompt_ids(tokenizer, first)
     assert seg.prompt == prompt1
@@ -163,6 +165,35 @@ def test_two_requests_are_recorded_token_in_token_out(server, model, tokenizer):
     record = server.close_episode(episode)
     assert len(record.segments) == 2 and record.matches["rewrite"] == 1
     assert record.segments[1].prompt == prompt1
+    metrics = server.metrics()
+    assert metrics["endpoint/match_rewrite"] >= 1 and metrics["endpoint/match_tokens"] + metrics["endpoint/match_text"] >= 1
+
+
+def test_a_prompt_whose_text_extends_the_record_keeps_the_sampled_spelling(tokenizer):
+    """A model may sample a spelling the tokenizer would not write ("t" + "he" for "the"): the agent's next
+    prompt then re-tokenizes differently, but its text still extends the record's, so only the new text is
+    tokenized and the sampled ids stay (hand-built record, no model)."""
+    from jaxrlhf.run.endpoint import Episode
+
+    render = tokenizer.chat_template.render
+    first = [{"role": "user", "content": "hello world"}]
+    prompt = tokenizer.encode(render(first, add_generation_prompt=True))
+    sampled = tokenizer.encode("t") + tokenizer.encode("he cat") + [IM_END]
+    assert sampled[:-1] != tokenizer.encode("the cat")  # a spelling the tokenizer would not write
+    episode = Episode("e")
+    assert episode.extend(*episode.match(prompt, "", tokenizer, [])) == prompt
+    episode.segments[-1].append(sampled, [-1.0] * len(sampled))
+    second = render([*first, {"role": "assistant", "content": "the cat"}, {"role": "user", "content": "a dog"}],
+                    add_generation_prompt=True)
+    how, observation = episode.match(tokenizer.encode(second), second, tokenizer, [])
+    assert how == "text" and observation == tokenizer.encode("\n<|im_start|>user\na dog<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+    context = episode.extend(how, observation)
+    assert context == prompt + sampled + observation and episode.segments[-1].loss_mask == [1] * len(sampled) + [0] * len(
+        observation)
+    # a history the record's text is not a prefix of starts a new segment
+    other = render([{"role": "user", "content": "a dog"}], add_generation_prompt=True)
+    assert episode.match(tokenizer.encode(other), other, tokenizer, []) == ("rewrite", tokenizer.encode(other))
 
 
 def _agent(client, row):
@@ -232,3 +263,64 @@ def test_binds_to_localhost_unless_told(model, tokenizer):
         assert endpoint.host == "127.0.0.1" and not warnings
     with _server(model, tokenizer, host="0.0.0.0", warn=warnings.append) as endpoint:
         assert endpoint.host == "0.0.0.0" and "reachable from other machines" in warnings[0]
+
+
+def _taught(model, ids, target, steps=120):
+    """A copy of `model` trained on one sequence until its greedy continuation of `ids` is `target` (a real
+    model that writes a tool call, not a scripted reply)."""
+    import optax
+
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray([ids + target], jnp.int32)
+    positions, mask = jnp.arange(tokens.shape[1])[None], jnp.ones_like(tokens, bool)
+    weight = jnp.asarray([[0] * len(ids) + [1] * len(target)], jnp.float32)[:, 1:]
+
+    def loss(state):
+        logits, _ = nnx.merge(graphdef, state)(tokens, positions, mask)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=2)[..., 0]
+        return -(picked * weight).sum() / weight.sum()
+
+    optimizer = optax.adam(3e-3)
+
+    @jax.jit
+    def train(state, opt_state):
+        def step(_, carry):
+            state, opt_state = carry
+            updates, opt_state = optimizer.update(jax.grad(loss)(state), opt_state, state)
+            return optax.apply_updates(state, updates), opt_state
+        return jax.lax.fori_loop(0, steps, step, (state, opt_state))
+
+    state, _ = train(state, optimizer.init(state))
+    return nnx.merge(graphdef, state)
+
+
+@pytest.mark.slow
+def test_tool_calls_come_back_as_tool_calls(model, tokenizer):
+    messages = [{"role": "user", "content": "what is the weather in Paris"}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = _prompt_ids(tokenizer, messages, tools=[WEATHER])
+    target = tokenizer.encode(call) + [IM_END]
+    caller = _taught(model, ids, target)
+    assert _greedy(caller, ids, len(target) + 2)[0] == target
+    generator, state = Generator.for_model(caller)
+    backend = ModelBackend(generator, lambda: state, max_new_tokens=len(target) + 2, sampling=GREEDY,
+                           max_positions=caller.config.max_position_embeddings, batch_size=1)
+    with ChatEndpoint(backend, tokenizer) as endpoint:
+        assert endpoint.tool_format == "hermes"  # detected from the template
+        episode = endpoint.open_episode()
+        client = openai_client(endpoint.base_url(episode))
+        choice = client.chat.completions.create(model="policy", messages=messages, tools=[WEATHER]).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        tool_call, = choice.message.tool_calls
+        assert tool_call.type == "function" and tool_call.function.name == "get_weather"
+        assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+        # the agent runs the tool and sends the conversation back, as the openai client writes it: the
+        # template re-renders the call, and the record goes on in the same segment
+        result = [*messages, choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": tool_call.id, "content": "18 C"}]
+        client.chat.completions.create(model="policy", messages=result, tools=[WEATHER])
+        record = endpoint.close_episode(episode)
+        assert len(record.segments) == 1 and record.matches["rewrite"] == 0
+        assert record.segments[0].tokens[:len(target)] == target
+        assert endpoint.metrics()["endpoint/tool_call_errors"] == 0

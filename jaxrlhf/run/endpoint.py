@@ -342,7 +342,8 @@ def cut_at_stop(tokenizer: Tokenizer, tokens: list[int], stop: Sequence[str]) ->
 
 @dataclasses.dataclass
 class EndpointStats:
-    """Counts for the run's metrics (`endpoint/*`)."""
+    """Counts for the run's metrics (`endpoint/*`); how requests found their place in their episode's record
+    (`Episode.matches`) and the segments, over the episodes closed so far."""
 
     requests: int = 0
     refused: int = 0
@@ -350,6 +351,8 @@ class EndpointStats:
     completion_tokens: int = 0
     tool_call_errors: int = 0
     temperature_overridden: int = 0
+    segments: int = 0  # of closed episodes
+    matches: dict[str, int] = dataclasses.field(default_factory=lambda: {"tokens": 0, "text": 0, "rewrite": 0})
 
 
 class ChatEndpoint:
@@ -410,10 +413,21 @@ class ChatEndpoint:
     def close_episode(self, episode: Episode) -> Episode:
         """Stop serving an episode (later requests get 404) and return its record."""
         with self._lock:
-            self.episodes.pop(episode.episode_id, None)
+            open_before = self.episodes.pop(episode.episode_id, None) is not None
         with episode.lock:
             episode.closed = True
+        if open_before:
+            with self._lock:
+                for how, n in episode.matches.items():
+                    self.stats.matches[how] += n
+                self.stats.segments += len(episode.segments)
         return episode
+
+    def count(self, **counts: int) -> None:
+        """Add to `stats` (handler threads count at the same time)."""
+        with self._lock:
+            for key, n in counts.items():
+                setattr(self.stats, key, getattr(self.stats, key) + n)
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -428,14 +442,13 @@ class ChatEndpoint:
 
     def metrics(self) -> dict[str, float]:
         s = self.stats
-        matches = {k: sum(e.matches[k] for e in self.episodes.values()) for k in ("tokens", "text", "rewrite")}
         return {"endpoint/requests": s.requests, "endpoint/refused": s.refused,
                 "endpoint/prompt_tokens": s.prompt_tokens, "endpoint/completion_tokens": s.completion_tokens,
                 "endpoint/tool_call_errors": s.tool_call_errors,
                 "endpoint/temperature_overridden": s.temperature_overridden,
                 "endpoint/generate_calls": self.batcher.calls,
                 "endpoint/rows_per_call": self.batcher.rows / max(self.batcher.calls, 1),
-                **{f"endpoint/match_{k}": v for k, v in matches.items()}}
+                "endpoint/segments": s.segments, **{f"endpoint/match_{k}": v for k, v in s.matches.items()}}
 
     # -------------------------------------------------------------- one request
 
@@ -479,12 +492,9 @@ class ChatEndpoint:
                 k, content = cut
                 tokens, logprobs, finish = tokens[:k], logprobs[:k], "stop"
             episode.segments[-1].append(tokens, logprobs)
-        if request.temperature is not None and getattr(getattr(self.backend, "sampling", None), "temperature",
-                                                       request.temperature) != request.temperature:
-            self.stats.temperature_overridden += 1
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(context)
-        self.stats.completion_tokens += len(tokens)
+        run_temperature = getattr(getattr(self.backend, "sampling", None), "temperature", request.temperature)
+        self.count(requests=1, prompt_tokens=len(context), completion_tokens=len(tokens),
+                   temperature_overridden=int(request.temperature not in (None, run_temperature)))
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if request.tools is not None and self.tool_format is not None:
             parsed = parse_tool_calls(content, self.tool_format, request.tools)
@@ -500,7 +510,7 @@ class ChatEndpoint:
                     if finish == "stop":
                         finish = "tool_calls"
             else:  # the model's mistake stays its text: the agent sees what it wrote
-                self.stats.tool_call_errors += 1
+                self.count(tool_call_errors=1)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         if request.logprobs:
             choice["logprobs"] = {"content": [
@@ -552,7 +562,7 @@ def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
                 allowed = "POST" if match["route"] == "chat/completions" else "GET"
                 if method != allowed:
                     self._read_body()  # keep the connection usable
-                    endpoint.stats.refused += 1
+                    endpoint.count(refused=1)
                     self._send(405, EndpointError(405, f"{method} {self.path}: use {allowed}").body(),
                                {"Allow": allowed})
                     return
@@ -567,10 +577,10 @@ def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
                     raise EndpointError(400, f"the request body is not JSON: {e}") from None
                 self._send(200, endpoint.chat(episode, body))
             except EndpointError as e:
-                endpoint.stats.refused += 1
+                endpoint.count(refused=1)
                 self._send(e.status, e.body())
             except Exception as e:  # noqa: BLE001 - a bug or a failed generate call: the agent gets a 500
-                endpoint.stats.refused += 1
+                endpoint.count(refused=1)
                 self._send(500, EndpointError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
 
         def _read_body(self) -> bytes:
