@@ -81,13 +81,13 @@ class MultiTurnSpec:
 
     @property
     def extend_width(self) -> int:
-        """Tokens of one extend call: the pending token and an observation, rounded up to a page."""
-        return -(-(1 + self.max_observation_tokens) // self.page) * self.page
+        """Tokens of one extend call: the pending token and an observation."""
+        return 1 + self.max_observation_tokens
 
     @property
     def table_width(self) -> int:
         """Block-table entries per row: its pages, then unassigned ones an extend's padding writes to."""
-        return self.row_pages + self.extend_width // self.page
+        return self.row_pages + -(-self.extend_width // self.page)
 
     @property
     def columns(self) -> int:

@@ -18,17 +18,18 @@ from jaxrlhf.models import multiturn as mt
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.models.tokenizer import ByteTokenizer
-from jaxrlhf.models.transformer import build_model, positions_from_mask
+from jaxrlhf.models.transformer import positions_from_mask
+from jaxrlhf.testing.models import random_model
 
 TOK = ByteTokenizer()
 # Many end-of-turn ids, so a random tiny model ends turns often (a real model ends on EOS).
 EOT = tuple(range(3, 3 + 48))
-SPEC = mt.MultiTurnSpec(rows=4, prompt_bucket=16, max_tokens=96, max_turn_tokens=12, sampling=SamplingParams(),
-                        eos_ids=EOT, pad_id=0, max_observation_tokens=15)
+SPEC = mt.MultiTurnSpec(rows=4, prompt_bucket=16, max_tokens=64, max_turn_tokens=12, sampling=SamplingParams(),
+                        eos_ids=EOT, pad_id=0, max_observation_tokens=7)  # pages of 16, extends of 8 tokens
 
 
 class Echo:
-    """Shows "<k:TEXT>" after turn k (the model's text back), ends after `turns` turns with reward = turns."""
+    """Shows "<k:LEN>" after turn k (the length of the model's text), ends after `turns` turns with reward = turns."""
 
     def __init__(self, turns: int):
         self.turns, self.k, self.actions, self.threads = turns, 0, [], set()
@@ -42,12 +43,12 @@ class Echo:
         self.actions.append(action_text)
         if self.k >= self.turns:
             return StepResult(None, float(self.k), True, {"steps": 1.0})
-        return StepResult(Observation(f"<{self.k}:{action_text[:4]}>"), 0.0, False, {"steps": 1.0})
+        return StepResult(Observation(f"<{self.k}:{len(action_text)}>"), 0.0, False, {"steps": 1.0})
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(preset("tiny"), seed=0)
+    return random_model(preset("tiny"), seed=0)
 
 
 def _dense_logprobs(model, prompt, prompt_mask, response, response_mask):
@@ -61,6 +62,7 @@ def _dense_logprobs(model, prompt, prompt_mask, response, response_mask):
     return np.take_along_axis(np.asarray(logp)[:, p - 1:-1], response[..., None], axis=-1)[..., 0], logits
 
 
+@pytest.mark.slow  # ~30 s on a shared 2-core machine: compiles start, decode and extend
 def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
     """Episodes of 1-3 turns: every sampled token's log-prob (those right after an observation come from the
     extend's logits) equals a dense forward over prompt + the whole trajectory; observation tokens are the
@@ -81,7 +83,7 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
                 run.append(int(t))
             elif run:
                 observed.append(TOK.decode(run)), run.clear()
-        assert observed == [f"<{k + 1}:{a[:4]}>" for k, a in enumerate(env.actions[:len(observed)])]
+        assert observed == [f"<{k + 1}:{len(a)}>" for k, a in enumerate(env.actions[:len(observed)])]
         if out.finish[i] == "done":
             assert out.env_reward[i] == env.turns and out.turns[i] == env.turns
             # each turn's text (the model's tokens between observations, its end-of-turn token dropped)
@@ -111,7 +113,8 @@ def test_extend_logits_equal_a_full_recompute(model):
     for i, ids in enumerate(TOK.encode(t) for t in ("a", "bcd", "hello", "q")):
         prompt[i, 16 - len(ids):], mask[i, 16 - len(ids):] = ids, True
     st = mt.start_fn(graphdef, params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.key(1), spec=SPEC)
-    st = mt.decode_fn(graphdef, params, st, spec=SPEC, steps=SPEC.max_turn_tokens)
+    for _ in range(3):  # the other test's chunk of 4 steps (one compile), up to a turn's 12 tokens
+        st = mt.decode_fn(graphdef, params, st, spec=SPEC, steps=4)
     waiting = np.asarray(st.status) == mt.AWAIT
     assert waiting.sum() >= 2
     obs = np.zeros((4, SPEC.extend_width - 1), np.int32)
