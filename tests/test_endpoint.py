@@ -24,6 +24,7 @@ from jaxrlhf.run.endpoint import (
     ChatEndpoint,
     ModelBackend,
     decode_with_special_tokens,
+    episode_trajectories,
     load_agent,
     openai_client,
     run_agents,
@@ -72,8 +73,11 @@ def model(tokenizer):
     return random_model(config, seed=3)
 
 
+BUCKET = 64  # every prompt here pads to one bucket: one compiled program per batch size
+
+
 def _server(model, tokenizer, **kwargs):
-    generator, state = Generator.for_model(model)
+    generator, state = Generator.for_model(model, min_bucket=BUCKET)
     backend = ModelBackend(generator, lambda: state, max_new_tokens=NEW_TOKENS, sampling=GREEDY,
                            max_positions=model.config.max_position_embeddings, batch_size=4)
     return ChatEndpoint(backend, tokenizer, **kwargs)
@@ -90,7 +94,7 @@ def _prompt_ids(tokenizer, messages, **kwargs):
 
 
 def _greedy(model, ids, n=NEW_TOKENS):
-    out = generate(model, [ids], n, GREEDY)
+    out = generate(model, [ids], n, GREEDY, min_bucket=BUCKET)
     keep = np.asarray(out.response_mask[0])
     return np.asarray(out.response_tokens[0])[keep].tolist(), np.asarray(out.logprobs[0])[keep].tolist()
 
@@ -104,6 +108,7 @@ def _forward_logprobs(model, ids):
     return np.concatenate([[0.0], np.asarray(jnp.take_along_axis(logp, tokens[0, 1:, None], axis=1)[:, 0])])
 
 
+@pytest.mark.slow
 def test_greedy_answer_is_the_models_own_generation(server, model, tokenizer):
     messages = [{"role": "user", "content": "what is the weather in Paris"}]
     episode = server.open_episode()
@@ -218,6 +223,10 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
         assert result.error == ("RuntimeError: the agent gave up" if row.get("fail") else None)
         content = tokenizer.decode([t for t in tokens if t != IM_END])
         assert result.reward == (float(len(content)) if row.get("score") else None)
+        trajectory, = episode_trajectories(result, failure=-1.0)
+        assert trajectory.prompt_ids == ids and trajectory.token_ids == tokens and trajectory.loss_mask == [1] * len(tokens)
+        assert trajectory.reward == (-1.0 if row.get("fail") else float(len(content)) if row.get("score") else 0.0)
+        assert trajectory.counters["agent_error"] == float(bool(row.get("fail"))) and trajectory.turns == 1
     assert load_agent("json:dumps") is json.dumps
     with pytest.raises(ValueError, match="module:function"):
         load_agent("no_colon")
@@ -303,7 +312,7 @@ def test_tool_calls_come_back_as_tool_calls(model, tokenizer):
     target = tokenizer.encode(call) + [IM_END]
     caller = _taught(model, ids, target)
     assert _greedy(caller, ids, len(target) + 2)[0] == target
-    generator, state = Generator.for_model(caller)
+    generator, state = Generator.for_model(caller, min_bucket=BUCKET)
     backend = ModelBackend(generator, lambda: state, max_new_tokens=len(target) + 2, sampling=GREEDY,
                            max_positions=caller.config.max_position_embeddings, batch_size=1)
     with ChatEndpoint(backend, tokenizer) as endpoint:
@@ -324,3 +333,40 @@ def test_tool_calls_come_back_as_tool_calls(model, tokenizer):
         assert len(record.segments) == 1 and record.matches["rewrite"] == 0
         assert record.segments[0].tokens[:len(target)] == target
         assert endpoint.metrics()["endpoint/tool_call_errors"] == 0
+
+
+@pytest.mark.slow
+def test_placed_backend_answers_on_the_generate_placement(model, tokenizer, devices):
+    """The run's backend: the rollout's own generate call where the plan places it (the actor FSDP-sharded
+    over two devices, through the executor), answering as the unsharded model does."""
+    import functools
+
+    from jaxrlhf.algorithms.rollout import generate_call
+    from jaxrlhf.graph import CallGraph, CallSpec
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.placement.executor import Executor, Role
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, validate
+    from jaxrlhf.run.endpoint import PlacedBackend
+
+    outputs = ("tokens", "mask", "positions", "response_tokens", "response_mask", "behaviour_logp", "ended_with_eos")
+    graph = CallGraph((CallSpec("actor.generate", "actor", "generate",
+                                inputs=("prompt_tokens", "prompt_mask", "rng_generate"), outputs=outputs),),
+                      feed=("prompt_tokens", "prompt_mask", "rng_generate"))
+    plan = ExecutionPlan("test", 8, {"a": DeviceGroup("a", 0, 2)},
+                         {"actor.generate": Placement("a", Layout(fsdp=2))})
+    validate(plan, graph)
+    cache = CallCache(plan)
+    graphdef, state = nnx.split(model)
+    placed = cache.placed(plan.home_call("actor"))
+    generate_fn = functools.partial(generate_call, graphdef, GREEDY, NEW_TOKENS, IM_END, 0, ("static", 1, None, None), "")
+    executor = Executor(plan, graph, {"actor": Role("actor", graphdef, jax.device_put(state, placed.param_shardings(state)))},
+                        cache=cache, functions={"actor.generate": generate_fn})
+    backend = PlacedBackend(executor, generate_fn, pad_id=0, max_new_tokens=NEW_TOKENS, batch_size=2,
+                            max_positions=model.config.max_position_embeddings, min_bucket=BUCKET)
+    with ChatEndpoint(backend, tokenizer) as endpoint:
+        episode = endpoint.open_episode()
+        messages = [{"role": "user", "content": "a dog and a cat"}]
+        reply = openai_client(endpoint.base_url(episode)).chat.completions.create(model="policy", messages=messages)
+        tokens, logprobs = _greedy(model, _prompt_ids(tokenizer, messages))
+        assert reply.choices[0].message.content == tokenizer.decode([t for t in tokens if t != IM_END])
+        np.testing.assert_allclose(endpoint.close_episode(episode).segments[0].logprobs, logprobs, atol=1e-4)

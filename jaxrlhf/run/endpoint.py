@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from jaxrlhf.algorithms.environments import Trajectory
 from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
 from jaxrlhf.models.tokenizer import Tokenizer, prompt_prefix
 from jaxrlhf.models.tools import ParsedToolCalls, ToolSchemaError, detect_tool_format, parse_tool_calls
@@ -73,6 +74,7 @@ class Segment:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
+    turns: int = 0  # model answers recorded
 
     @property
     def ids(self) -> list[int]:
@@ -83,6 +85,7 @@ class Segment:
         self.tokens.extend(int(t) for t in tokens)
         self.logprobs.extend([0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs])
         self.loss_mask.extend([0 if logprobs is None else 1] * len(tokens))
+        self.turns += logprobs is not None
 
 
 @dataclasses.dataclass
@@ -98,6 +101,7 @@ class Episode:
     matches: dict[str, int] = dataclasses.field(default_factory=lambda: {"tokens": 0, "text": 0, "rewrite": 0})
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     closed: bool = False
+    final_text: str = ""  # the last answer's content (what rule rewards score)
 
     def match(self, prompt_ids: list[int], text: str, tokenizer: Tokenizer, prefix: list[int]) -> tuple[str, list[int]]:
         """Where a request whose rendered prompt is `text` (`prompt_ids` = `prefix` + its tokens) goes:
@@ -186,6 +190,43 @@ class ModelBackend:
                              rng=key)
         tokens, mask, logprobs, eos = (np.asarray(x) for x in jax.device_get(
             (out.response_tokens, out.response_mask, out.logprobs, out.ended_with_eos)))
+        return [Sample(tokens[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), bool(eos[r]))
+                for r in range(len(contexts))]
+
+
+class PlacedBackend:
+    """A `GenerateBackend` on the run's own generate placement: `executor.run_at(call, generate, ...)` runs
+    `generate(params, inputs)` (e.g. the rollout's `generate_call` bound to the run's sampling settings, prefix
+    "") where the plan places `call`, with the role's current parameters brought there. Rows are padded to
+    `batch_size` (the rollout batch, which the placement's batch split divides), so a run compiles one program
+    per prompt bucket."""
+
+    def __init__(self, executor: Any, generate: Callable[..., Any], *, pad_id: int, max_new_tokens: int,
+                 max_positions: int, batch_size: int, sampling: Any = None, call: str = "actor.generate",
+                 seed: int = 0, min_bucket: int = 16):
+        import jax
+
+        self.executor, self.generate, self.call, self.sampling = executor, generate, call, sampling
+        self.pad_id, self.max_new_tokens, self.max_positions = pad_id, max_new_tokens, max_positions
+        self.batch_size, self.min_bucket = batch_size, min_bucket
+        self._key = jax.random.key(seed)
+        self._calls = 0
+
+    def __call__(self, contexts: Sequence[Sequence[int]]) -> list[Sample]:
+        import jax
+
+        from jaxrlhf.models.generation import pad_prompts
+
+        if len(contexts) > self.batch_size:
+            raise ValueError(f"{len(contexts)} contexts for a generate call of {self.batch_size} rows")
+        rows = [list(c) for c in contexts] + [list(contexts[0])] * (self.batch_size - len(contexts))
+        tokens, mask = pad_prompts(rows, self.pad_id, self.min_bucket)
+        key = jax.random.fold_in(self._key, self._calls)
+        self._calls += 1
+        out = self.executor.run_at(self.call, self.generate,
+                                   {"prompt_tokens": tokens, "prompt_mask": mask, "rng_generate": key})
+        tokens, mask, logprobs, eos = (np.asarray(out[k]) for k in
+                                       ("response_tokens", "response_mask", "behaviour_logp", "ended_with_eos"))
         return [Sample(tokens[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), bool(eos[r]))
                 for r in range(len(contexts))]
 
@@ -492,6 +533,7 @@ class ChatEndpoint:
                 k, content = cut
                 tokens, logprobs, finish = tokens[:k], logprobs[:k], "stop"
             episode.segments[-1].append(tokens, logprobs)
+            episode.final_text = content
         run_temperature = getattr(getattr(self.backend, "sampling", None), "temperature", request.temperature)
         self.count(requests=1, prompt_tokens=len(context), completion_tokens=len(tokens),
                    temperature_overridden=int(request.temperature not in (None, run_temperature)))
@@ -679,3 +721,20 @@ def run_agents(endpoint: ChatEndpoint, agent: AgentFn, rows: Sequence[Any], *,
         if result is None:  # still running past the timeout: its episode ends now (later requests get 404)
             results[i] = AgentResult(endpoint.close_episode(episodes[i]), None, f"timed out after {timeout_s} s")
     return list(results)  # type: ignore[arg-type] - a thread past the timeout may still write its slot
+
+
+def episode_trajectories(result: AgentResult, *, failure: float = 0.0) -> list[Trajectory]:
+    """An agent's episode as the trainer's trajectories: one per segment (a rewritten history is a sequence
+    of its own), each with the episode's reward: the agent's return value, `failure` when it raised or timed
+    out, 0 when it returned None (rule rewards on `Episode.final_text` are added by the rollout, as for
+    environments). The episode's counts (`requests`, `rewrite`, `agent_error`) ride on its last trajectory,
+    so summing over trajectories counts each episode once."""
+    episode = result.episode
+    reward = failure if result.error is not None else (result.reward or 0.0)
+    finish = "error" if result.error is not None else "done"
+    out = [Trajectory(list(seg.prompt), list(seg.tokens), list(seg.logprobs), list(seg.loss_mask), reward=reward,
+                      turns=seg.turns, finish=finish) for seg in episode.segments]
+    if out:
+        out[-1].counters = {"requests": float(episode.requests), "rewrite": float(episode.matches["rewrite"]),
+                            "agent_error": float(result.error is not None)}
+    return out
