@@ -316,6 +316,9 @@ class RolloutConfig(AlgorithmConfig):
     # mixture-of-experts actor: weight of the load-balancing loss (`models.moe.load_balancing_loss`, HF's
     # router_aux_loss_coef) added to the policy loss; 0 = off (the router statistics are logged either way)
     router_aux_loss_coef: Float = _field(0.0, check=non_negative)
+    # mixture-of-experts actor: the generate call records every token's experts and the actor's train and
+    # inference forwards route those tokens to them (weights from the current router; docs/algorithms.md#router-replay)
+    router_replay: Bool = False
     # train and inference calls run packed rows: each sequence's real tokens back to back, no padding
     # (docs/placement.md#packed-calls-and-token-budgets); the math is the unpacked one
     pack_sequences: Bool = False

@@ -19,6 +19,9 @@ from jaxrlhf.models.lengths import response_widths
 SEQUENCE = ("tokens", "mask", "positions")
 RESPONSE = ("response_tokens", "response_mask")
 GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
+# router replay: every token's experts per layer as the generate call routed it, [batch, prompt + response,
+# layers, k] (`GenerationOutput.experts`); a sequence value (cut and packed as `tokens` are)
+ROUTED = "router_experts"
 
 
 class RolloutAlgorithm(Algorithm):
@@ -51,6 +54,17 @@ class RolloutAlgorithm(Algorithm):
         the rollout's log-probs before its update (`actor.inference`), the train call weighs them against
         the behaviour log-probs the generate call recorded (`jaxrlhf.algorithms.correction`)."""
         return self.cfg.algorithm.rollout_correction != "none"
+
+    @property
+    def replays(self) -> bool:
+        """Router replay (`algorithm.router_replay`): the generate call records each token's experts
+        (`ROUTED`) and the actor's train and inference forwards route the tokens to them."""
+        return self.cfg.algorithm.router_replay
+
+    @property
+    def generated(self) -> tuple[str, ...]:
+        """The rollout batch's values: `GENERATED`, and with router replay the recorded experts."""
+        return (*GENERATED, ROUTED) if self.replays else GENERATED
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -170,6 +184,14 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+        if alg.router_replay and alg.pack_sequences:
+            raise AlgorithmConfigError(
+                "algorithm.router_replay=true replays each token's experts in padded rows; packed calls do not carry "
+                "them yet: set algorithm.pack_sequences=false (or algorithm.router_replay=false)")
+        if alg.router_replay and cfg.generation.partial_rollout:
+            raise AlgorithmConfigError(
+                "algorithm.router_replay=true records experts in the generate call; partial rollouts "
+                "(generation.partial_rollout=true) do not record them yet: set generation.partial_rollout=false")
         for band, example in (("icepop", "0.5 and 2.0"), ("seq_mask", "0.999 and 1.001")):
             low, high = getattr(alg, f"{band}_low"), getattr(alg, f"{band}_high")
             if not low < high:
@@ -191,7 +213,7 @@ class RolloutAlgorithm(Algorithm):
         pool = "pool_" if self.dynamic_sampling else ""
         calls: list[CallSpec] = [
             CallSpec("actor.generate", "actor", "generate", inputs=self.generate_inputs,
-                     outputs=tuple(self.generated_prefix + v for v in GENERATED), seqs_per_row=self.pool_factor),
+                     outputs=tuple(self.generated_prefix + v for v in self.generated), seqs_per_row=self.pool_factor),
         ]
         prefixes = (pool,)
         if self.greedy_baseline:
@@ -199,7 +221,8 @@ class RolloutAlgorithm(Algorithm):
             calls.append(CallSpec("actor.generate_greedy", "actor", "generate", inputs=self.generate_inputs,
                                   outputs=tuple("greedy_" + v for v in GENERATED)))
         host: list[HostStep] = []
-        train_in = [*GENERATED, "kl_coef", "rng_actor"]
+        generated = self.generated
+        train_in = [*generated, "kl_coef", "rng_actor"]
         if self.cfg.rewards.rules:
             outs = tuple(f"{p}rule_scores" for p in prefixes)
             ins = tuple(f"{p}{v}" for p in prefixes for v in RESPONSE) + ("prompts", "answers")
@@ -207,11 +230,11 @@ class RolloutAlgorithm(Algorithm):
             train_in += ["rule_scores"] if pool else outs
         full = self.uncut_prefix
         if pool:  # dynamic sampling: the pool's informative groups become the step's batch
-            host.append(HostStep("select_groups", (*(pool + v for v in GENERATED), "pool_rule_scores",
+            host.append(HostStep("select_groups", (*(pool + v for v in generated), "pool_rule_scores",
                                                    "pool_rule_components"),
-                                 (*(full + v for v in GENERATED), "rule_scores", "rule_components", "sampling_stats")))
+                                 (*(full + v for v in generated), "rule_scores", "rule_components", "sampling_stats")))
         if full:  # the batch cut to its longest response: every later call skips the padding past it
-            host.insert(0, HostStep("trim_responses", tuple(full + v for v in GENERATED), GENERATED))
+            host.insert(0, HostStep("trim_responses", tuple(full + v for v in generated), generated))
         packings = self.packings
         # what an inference call reads of the sequences: the packed rows, or the padded batch
         sequences = ("packed_inference",) if "packed_inference" in packings else SEQUENCE
@@ -225,7 +248,8 @@ class RolloutAlgorithm(Algorithm):
         if self.greedy_baseline:
             train_in.append("greedy_ended_with_eos")
         if self.corrects:  # pi_old: the trainer's log-probs of the rollout before this step's update
-            calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*sequences, *RESPONSE),
+            replayed = (ROUTED,) if self.replays else ()
+            calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*sequences, *RESPONSE, *replayed),
                                   outputs=("old_logp",), fresh_weights=True))
             train_in.append("old_logp")
         if self.uses_ref:
@@ -248,7 +272,7 @@ class RolloutAlgorithm(Algorithm):
                               outputs=("actor_stats", "advantages")))
         if self.uses_critic:
             critic_in = tuple({"packed_actor": "packed_critic"}.get(v, v) for v in train_in
-                              if v not in ("rng_actor", "old_logp")) + ("rng_critic",)
+                              if v not in ("rng_actor", "old_logp", ROUTED)) + ("rng_critic",)
             calls.append(CallSpec("critic.train", "critic", "train", "value", inputs=critic_in,
                                   outputs=("critic_stats", "value_moments")))
         if self.uses_ref:

@@ -52,7 +52,7 @@ from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
 from jaxrlhf.algorithms.base import AlgorithmConfigError
-from jaxrlhf.algorithms.rl import GENERATED, RESPONSE, SEQUENCE
+from jaxrlhf.algorithms.rl import RESPONSE, ROUTED, SEQUENCE
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
@@ -60,7 +60,7 @@ from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
-from jaxrlhf.models.moe import forward_with_router_logits, load_balancing_loss, router_statistics
+from jaxrlhf.models.moe import forward_with_router_logits, load_balancing_loss, replaying, router_statistics
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
 
 
@@ -107,6 +107,7 @@ class RLSettings:
     router_aux_coef: float = 0.0
     router_top_k: int = 0
 
+    router_replay: bool = False  # algorithm.router_replay: the generate call records experts, the actor replays them
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
     """Outputs at positions P-1 .. L-2: the ones that predict (or value) response tokens."""
@@ -124,10 +125,13 @@ def packed_output(model: nnx.Module, batch: dict[str, Any], at: str = "read") ->
 
 def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "batch new vocab"]:
     """The logits that predict the response tokens, computed for those positions only (the prompt's
-    full-vocabulary logits are never built); from packed rows when the batch is packed."""
+    full-vocabulary logits are never built); from packed rows when the batch is packed. A batch holding
+    the rollout's experts (`ROUTED`, router replay) routes every token to them (`moe.replaying`)."""
     if "packed" in batch:
         return packed_output(model, batch)
-    logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
+    experts = batch.get(ROUTED)
+    with replaying(None if experts is None else jnp.moveaxis(experts, 2, 0)):  # [layers, batch, length, k]
+        logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
     return logits[:, :-1]
 
 
@@ -146,7 +150,10 @@ def generate_call(
     params: nnx.State,
     inputs: dict[str, Any],
 ) -> dict[str, jax.Array]:
-    """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`.
+    *,
+    record_experts: bool = False,
+    """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`;
+    with `record_experts` (router replay) also every token's experts (`ROUTED`).
     A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots, kv_pages): the prompts
     come in groups of `group_size` adjacent copies (`repeat_rows`), which the continuous engine prefills once.
     `inputs["max_lengths"]` (optional): each response's own cap (`generation.simulated_lengths`)."""
@@ -156,11 +163,14 @@ def generate_call(
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
         group_size=group_size, slots=slots, kv_pages=kv_pages, max_lengths=inputs.get("max_lengths"),
     )
+        **({"record_experts": True} if record_experts else {}),
     values = {
         "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
         "response_mask": out.response_mask, "behaviour_logp": out.logprobs, "ended_with_eos": out.ended_with_eos,
     }
     return {prefix + k: v for k, v in values.items()}
+    if record_experts:
+        values[ROUTED] = out.experts
 
 
 def policy_logprobs(
@@ -329,6 +339,8 @@ def actor_train(
             experts = load.shape[-1]
             stats.update({"router/aux_loss": jax.lax.stop_gradient(balance),
                           "router/load_max": jnp.max(load) * experts, "router/load_min": jnp.min(load) * experts})
+    if ROUTED in inputs:  # router replay: each minibatch's forward routes its rows as the rollout did
+        data[ROUTED] = inputs[ROUTED]
         weight = aggregation_weight(mask, s.loss_agg, rows)
         tokens = aggregation_weight(mask)
         return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
@@ -442,7 +454,7 @@ def trim_responses(batch: dict[str, Any], max_new_tokens: int) -> dict[str, np.n
     out = {}
     for name, x in batch.items():
         x = np.asarray(x)
-        if name in SEQUENCE:
+        if name in SEQUENCE or name == ROUTED:
             x = x[:, :prompt + width]
         elif x.ndim == 2:
             x = x[:, :width]
@@ -507,6 +519,10 @@ class RolloutRuntime:
             minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
             ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
+        if actor is not None and alg.router_replay and not actor.num_experts:
+            raise AlgorithmConfigError(
+                "algorithm.router_replay=true replays a mixture of experts' routing, but the actor has no experts "
+                "(num_experts=0): set algorithm.router_replay=false")
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
             ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
             correction=Correction(
@@ -526,7 +542,8 @@ class RolloutRuntime:
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, eos_ids,
                                 tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
-            "actor.generate": functools.partial(gen, self.generated_prefix),
+            router_replay=alg.router_replay,
+            "actor.generate": functools.partial(gen, self.generated_prefix, record_experts=s.router_replay),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
         if self.greedy_baseline:
@@ -580,7 +597,7 @@ class RolloutRuntime:
                 values = {k.removeprefix("pool_"): v for k, v in generated.items()}
                 values.update(rule_scores=pool_rule_scores, rule_components=pool_rule_components)
                 out, stats = select_groups(values, scores, self.group_size, groups)
-                out = {(self.uncut_prefix + k if k in GENERATED else k): v for k, v in out.items()}
+                out = {(self.uncut_prefix + k if k in self.generated else k): v for k, v in out.items()}
                 return {**out, "sampling_stats": {k: np.float32(v) for k, v in stats.items()}}
 
             steps["select_groups"] = select

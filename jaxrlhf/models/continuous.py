@@ -46,8 +46,10 @@ from jaxrlhf.models import axes as ax
 from jaxrlhf.models import slots as sz
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.generation import (
-    GenerationOutput, _prefill, bucket_length, check_max_positions, eos_tuple, note_trace,
+    GenerationOutput, _prefill, bucket_length, check_max_positions, eos_tuple, note_trace, prefill_routed,
+    routed_experts,
 )
+from jaxrlhf.models.moe import forward_with_router_logits
 from jaxrlhf.models.sampling import SamplingParams, sample
 from jaxrlhf.models.transformer import PagedKVCache, split_layers, write_pages
 
@@ -111,8 +113,9 @@ class PagedEngine:
 
     def __init__(self, model: nnx.Module, *, sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int,
                  ways: int, rows: int, group: int, slots: int, prompts: int, bucket: int, max_new_tokens: int,
-                 response_pages: int, row_keys: PRNGKeyArray):
+                 response_pages: int, row_keys: PRNGKeyArray, record_experts: bool = False):
         cfg = model.config
+        self.record_experts = record_experts  # a row state's `experts` [rows, N, layers, k] (router replay)
         self.model, self.layers = model, split_layers(model)  # once, outside the token loop
         self.sampling, self.pad_id = sampling, pad_id
         self.eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
@@ -142,7 +145,8 @@ class PagedEngine:
             "tokens": jnp.full((ways, per_shard, n), self.pad_id, jnp.int32),
             "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
             "out_valid": jnp.zeros((ways, per_shard, n), bool), "ended": jnp.zeros((ways, per_shard), bool),
-        }
+        } | ({"experts": jnp.full((ways, per_shard, n, self.layers_n, self.model.config.num_experts_per_tok), -1,
+                                  jnp.int32)} if self.record_experts else {})
 
     def keys_of(self, shard, row, i):
         return jax.vmap(lambda r, t: jax.random.fold_in(self.row_keys[r], t))(
@@ -222,6 +226,8 @@ class PagedEngine:
                   out_valid=st["out_valid"].at[back].set(False, mode="drop"),
                   tokens=st["tokens"].at[back].set(self.pad_id, mode="drop"),
                   logp=st["logp"].at[back].set(0.0, mode="drop"), row=jnp.where(preempt, -1, st["row"]))
+        if "experts" in st:
+            st["experts"] = st["experts"].at[back].set(-1, mode="drop")
         grant = req & keep
         avail = jnp.nonzero(st["free"], size=s, fill_value=self.resp_pages)[0]
         page = jnp.where(grant, avail[jnp.clip(jnp.cumsum(grant) - 1, 0, s - 1)], self.resp_pages)
@@ -249,14 +255,22 @@ class PagedEngine:
         flat = lambda x: x.reshape(ways * w, *x.shape[2:])  # noqa: E731
         active = row >= 0
         cache = PagedKVCache(k=pool[0], v=pool[1], valid=flat(valid), index=flat(self.bucket + i - 1), table=table)
-        logits, cache = self.model(flat(tok)[:, None], flat(pos)[:, None], flat(active)[:, None], cache,
-                                   layers_split=self.layers)
+        args = (flat(tok)[:, None], flat(pos)[:, None], flat(active)[:, None], cache)
+        if self.record_experts:  # the routing of each slot's token i - 1, which this step feeds in
+            (logits, cache), router = forward_with_router_logits(self.model, *args, layers_split=self.layers)
+            routed = routed_experts(self.model.config, router, flat(active)[:, None])[:, 0]
+        else:
+            logits, cache = self.model(*args, layers_split=self.layers)
         keys = self.keys_of(jnp.repeat(self.shard_ids, w), flat(row), flat(i))
         token, logp = _sample_rows(keys, logits[:, 0], self.sampling)
         widen = lambda x, fill: jnp.full((ways, s), fill, x.dtype).at[:, :w].set(x.reshape(ways, w))  # noqa: E731
         valid = st["valid"].at[:, :w].set(cache.valid.reshape(ways, w, self.cols))
         new = jnp.zeros((2, layers_n, ways, s, kvh, hd), cache.new_k.dtype).at[:, :, :, :w].set(
             jnp.stack([cache.new_k, cache.new_v])[:, :, :, 0].reshape(2, layers_n, ways, w, kvh, hd))
+        if self.record_experts:
+            routed = jnp.full((ways, s, *routed.shape[1:]), -1, jnp.int32).at[:, :w].set(
+                routed.reshape(ways, w, *routed.shape[1:]))
+            return new, valid, widen(token, self.pad_id), widen(logp, 0.0), routed
         return new, valid, widen(token, self.pad_id), widen(logp, 0.0)
 
     def step(self, pool, st, peak, data, version=None):
@@ -275,7 +289,10 @@ class PagedEngine:
         busy = (st["row"] >= 0).sum(axis=1).max()
         branch = (jnp.asarray(self.widths) >= busy).sum() - 1
         branches = [lambda pool, st, w=w: self.decode(w, pool, st) for w in self.widths]
-        new, st["valid"], token, logp = jax.lax.switch(branch, branches, pool, st)
+        new, st["valid"], token, logp, *routed = jax.lax.switch(branch, branches, pool, st)
+        if routed:  # each active slot's row, column i - 1
+            st["experts"] = jax.vmap(lambda e, row, i, x: e.at[jnp.where(row >= 0, row, self.per_shard), i - 1].set(
+                x, mode="drop"))(st["experts"], st["row"], st["i"], routed[0])
         index = (self.bucket + st["i"] - 1).reshape(-1)  # idle slots' tables are unassigned: their writes drop
         pool = tuple(write_pages(p, x.reshape(self.layers_n, self.ways * self.s, 1, self.kvh, self.hd), index,
                                  st["table"]) for p, x in zip(pool, new))
@@ -299,12 +316,13 @@ def generate_continuous(
     kv_pages: int | None = None,
     max_lengths: Int[Array, "batch"] | None = None,
     min_bucket: int = 16,
+    record_experts: bool = False,
 ) -> GenerationOutput:
     """Generate for `batch` rows with a pool of `slots` rows and `kv_pages` response pages (see the
     module docstring), as one pure function (the form a placed call compiles). Rows g*G .. g*G + G-1
     must hold the same prompt (G = `group_size`); only the first of each group is read. `max_lengths`:
     a row's own cap on its response length (optional). Same outputs and conventions as
-    `generation.generate_tokens`, plus `kv_pages_used`."""
+    `generation.generate_tokens` (`record_experts`: the routing of every token too), plus `kv_pages_used`."""
     note_trace("continuous")
     model = nnx.merge(graphdef, state)
     cfg = model.config
@@ -321,12 +339,15 @@ def generate_continuous(
     eng = PagedEngine(model, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id, ways=ways,
                       rows=per_shard, group=g, slots=sz.pool_size(rows, slots, ways) // ways, prompts=prompts,
                       bucket=bucket, max_new_tokens=n,
-                      response_pages=sz.response_pages(bucket, n, rows, slots, kv_pages, ways), row_keys=row_keys)
+                      response_pages=sz.response_pages(bucket, n, rows, slots, kv_pages, ways), row_keys=row_keys,
+                      record_experts=record_experts)
 
     # Each distinct prompt once: its left-aligned tokens, its last logits and its keys/values as pages.
     picked = jnp.arange(rows // g) * g
-    group_tokens, group_mask, prefix_logits, prefix = _prefill(
-        graphdef, state, prompt_tokens[picked], prompt_mask[picked], bucket=bucket, max_new_tokens=0, pad_id=pad_id)
+    prefill = prefill_routed if record_experts else _prefill
+    out = prefill(graphdef, state, prompt_tokens[picked], prompt_mask[picked], bucket=bucket, max_new_tokens=0,
+                  pad_id=pad_id)
+    (group_tokens, group_mask, prefix_logits, prefix), prompt_experts = out if record_experts else (out, None)
 
     def to_pages(x):  # [layers, shards * prompts, kv_heads, P, hd] -> [layers, shards, pages, kv_heads, ps, hd]
         x = prompt_pages_of(x, eng.ps).reshape(eng.layers_n, ways, eng.base, eng.kvh, eng.ps, eng.hd)
@@ -360,11 +381,13 @@ def generate_continuous(
         lengths=out_valid.sum(axis=1).astype(jnp.int32),
         ended_with_eos=st["ended"].reshape(rows),
         kv_pages_used=peak,
+        experts=jnp.concatenate([jnp.repeat(prompt_experts, g, axis=0), st["experts"].reshape(
+            rows, n, *st["experts"].shape[3:])], axis=1) if record_experts else None,
     )
 
 
 continuous_fn = jax.jit(
     generate_continuous, static_argnums=0,
     static_argnames=("max_new_tokens", "sampling", "eos_id", "pad_id", "group_size", "slots", "kv_pages",
-                     "min_bucket"),
+                     "min_bucket", "record_experts"),
 )

@@ -36,9 +36,11 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jaxrlhf.models import axes as ax
+from jaxrlhf.models import moe
 from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.slots import check_groups, shard_group
 from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
 _TRACES: collections.Counter[str] = collections.Counter()
@@ -92,6 +94,10 @@ class GenerationOutput:
     ended_with_eos: Bool[Array, "batch"]
     # the continuous engine's most response KV pages in use at once (all shards); None for the static engine
     kv_pages_used: Int[Array, ""] | None = None
+    # with `record_experts` (router replay): the experts every layer routed each token to, as the forward that
+    # fed the token in ran (prompt at prefill, response token t at decode step t + 1); -1 for padding and for a
+    # row's last token (never fed back: nothing reads its output). None without recording.
+    experts: Int[Array, "batch total layers k"] | None = None
 
     @property
     def mask(self) -> Bool[Array, "batch total"]:
@@ -117,6 +123,24 @@ def _left_align(
     tokens = jnp.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
     mask = jnp.pad(mask, ((0, 0), (extra, 0)), constant_values=False)
     return tokens.astype(jnp.int32), mask
+
+
+def routed_experts(
+    config: ModelConfig, router_logits: Float[Array, "layers batch length experts"], valid: Bool[Array, "batch length"]
+) -> Int[Array, "batch length layers k"]:
+    """The experts each token was routed to (`moe.route` of the router logits a forward recorded: the choice
+    the forward made), -1 where `valid` is False."""
+    _, experts = moe.route(router_logits, config.num_experts_per_tok, config.router_order, config.norm_topk_prob)
+    return jnp.where(valid[:, :, None, None], jnp.moveaxis(experts, 0, 2), -1).astype(jnp.int32)
+
+
+def prefill_routed(
+    graphdef: nnx.GraphDef, state: nnx.State, tokens: Int[Array, "batch length"], mask: Bool[Array, "batch length"],
+    **kwargs: Any,
+) -> tuple[tuple[Any, ...], Int[Array, "batch bucket layers k"]]:
+    """`_prefill`'s outputs and the experts its forward routed each real prompt token to (router replay)."""
+    out, router = moe.forward_with_router_logits(functools.partial(_prefill, graphdef, state), tokens, mask, **kwargs)
+    return out, routed_experts(nnx.merge(graphdef, state).config, router, out[1])
 
 
 def _prefill(
@@ -154,9 +178,11 @@ def _decode(
     pad_id: int,
     tag: Hashable = None,
     max_lengths: Int[Array, "batch"] | None = None,
+    prompt_experts: Int[Array, "batch prompt layers k"] | None = None,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` tokens on device; a row ends on any of `eos_ids` or after its
-    `max_lengths` tokens (optional, per row), the loop when all rows have ended."""
+    `max_lengths` tokens (optional, per row), the loop when all rows have ended. With `prompt_experts`
+    (the prefill's routing, `prefill_routed`) every step records the experts its token went to too."""
     _TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
     batch, n = prompt_tokens.shape[0], max_new_tokens
@@ -181,23 +207,31 @@ def _decode(
         jnp.zeros((batch, n), jnp.float32),  # log-probs
         jnp.zeros((batch, n), bool),  # mask
     )
+    record = prompt_experts is not None
+    routed = jnp.full((batch, n, *prompt_experts.shape[2:]), -1, jnp.int32) if record else None
     token, valid, done, outs = emit(0, last_logits, jnp.zeros((batch,), bool), outs)
     position = prompt_mask.sum(axis=1).astype(jnp.int32)  # rotary position of the first response token
 
     def cond(carry):
-        i, _, _, _, done, _, _ = carry
+        i, _, _, _, done, _, _, _ = carry
         return (i < n) & ~jnp.all(done)
 
     layers = split_layers(model)  # once, outside the token loop (see Transformer.__call__)
 
     def body(carry):
-        i, cache, token, valid, done, position, outs = carry
-        logits, cache = model(token[:, None], position[:, None], valid[:, None], cache, layers_split=layers)
+        i, cache, token, valid, done, position, outs, routed = carry
+        args = (token[:, None], position[:, None], valid[:, None], cache)
+        if record:  # the routing of response token i - 1, which this step feeds in
+            (logits, cache), router = moe.forward_with_router_logits(model, *args, layers_split=layers)
+            routed = jax.lax.dynamic_update_slice_in_dim(
+                routed, routed_experts(model.config, router, valid[:, None]), i - 1, axis=1)
+        else:
+            logits, cache = model(*args, layers_split=layers)
         token, valid, done, outs = emit(i, logits[:, 0], done, outs)
-        return i + 1, cache, token, valid, done, position + 1, outs
+        return i + 1, cache, token, valid, done, position + 1, outs, routed
 
-    carry = (jnp.int32(1), cache.per_layer(), token, valid, done, position, outs)
-    *_, done, _, (out_tokens, out_logp, out_valid) = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), cache.per_layer(), token, valid, done, position, outs, routed)
+    *_, done, _, (out_tokens, out_logp, out_valid), routed = jax.lax.while_loop(cond, body, carry)
     if max_lengths is not None:  # a row cut by its length limit did not end with EOS
         last = jnp.take_along_axis(out_tokens, jnp.maximum(out_valid.sum(axis=1) - 1, 0)[:, None], axis=1)[:, 0]
         done = done & jnp.isin(last, jnp.asarray(eos_ids or (-1,), jnp.int32))
@@ -210,6 +244,7 @@ def _decode(
         logprobs=out_logp,
         lengths=out_valid.sum(axis=1).astype(jnp.int32),
         ended_with_eos=done,
+        experts=jnp.concatenate([prompt_experts, routed], axis=1) if record else None,
     )
 
 
@@ -227,14 +262,15 @@ def generate_tokens(
     min_bucket: int = 16,
     max_lengths: Int[Array, "batch"] | None = None,
     group_size: int = 1,
+    record_experts: bool = False,
 ) -> GenerationOutput:
     """Prefill and decode as one pure function: the form a placed call compiles (one program
     per placement and prompt bucket). Prompts may be padded on either side (see `Generator`).
 
     eos_id: one id or all the ids that end a row; max_lengths (optional): a row's own cap on its
     response length (a benchmark forces long-tailed lengths with it); group_size: rows g*G .. g*G + G-1
-    hold the same prompt (G samples of it), which is prefilled once and its cache copied to the group.
-    Raises `GenerationError` at trace time when the prompt width plus `max_new_tokens` exceeds the
+    hold the same prompt (G samples of it), which is prefilled once and its cache copied to the group;
+    record_experts: a mixture of experts' routing of every token, in `GenerationOutput.experts`. Raises `GenerationError` at trace time when the prompt width plus `max_new_tokens` exceeds the
     model's `max_position_embeddings`.
     """
     config = nnx.merge(graphdef, state).config
@@ -247,16 +283,18 @@ def generate_tokens(
     if g > 1:
         picked = jnp.arange(rows // g) * g
         prompt_tokens, prompt_mask = jnp.asarray(prompt_tokens)[picked], jnp.asarray(prompt_mask)[picked]
-    tokens, mask, last_logits, cache = _prefill(
-        graphdef, state, prompt_tokens, prompt_mask, bucket=bucket, max_new_tokens=max_new_tokens, pad_id=pad_id
-    )
+    prefill = prefill_routed if record_experts else _prefill
+    out = prefill(graphdef, state, prompt_tokens, prompt_mask, bucket=bucket, max_new_tokens=max_new_tokens,
+                  pad_id=pad_id)
+    (tokens, mask, last_logits, cache), experts = out if record_experts else (out, None)
     if g > 1:
         tokens, mask, last_logits = (jnp.repeat(x, g, axis=0) for x in (tokens, mask, last_logits))
+        experts = None if experts is None else jnp.repeat(experts, g, axis=0)
         cache = cache.repeat_rows(g)
     return _decode(
         graphdef, state, tokens, mask, last_logits, cache, rng,
         max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_tuple(eos_id), pad_id=pad_id,
-        max_lengths=max_lengths,
+        max_lengths=max_lengths, prompt_experts=experts,
     )
 
 

@@ -30,10 +30,11 @@ the per-layer load fractions and mean router probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +54,31 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 def route(
-    logits: Float[Array, "*tokens experts"], k: int, order: str = "softmax_then_topk", normalize: bool = False
+    logits: Float[Array, "*tokens experts"], k: int, order: str = "softmax_then_topk", normalize: bool = False,
+    experts: Int[Array, "*tokens k"] | None = None,
 ) -> tuple[Float[Array, "*tokens k"], Int[Array, "*tokens k"]]:
     """The k experts each token goes to and their float32 weights, from the router's logits (see the module
-    docstring for the two orders)."""
+    docstring for the two orders).
+
+    `experts` (router replay): the experts to use instead of the top k, -1 where a token was not recorded
+    (it is routed afresh). Their weights are still the current router's, computed by the family's order at
+    those indices (softmax over every expert gathered there, renormalised where `normalize`; or a softmax of
+    the logits gathered there), so the router keeps its gradient: Megatron's router replay gathers the
+    current scores at the replayed indices the same way (verl's and slime's R3 use it)."""
     logits = logits.astype(jnp.float32)
-    if order == "topk_then_softmax":
-        top, experts = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1), experts
-    if order != "softmax_then_topk":
+    if order not in ("softmax_then_topk", "topk_then_softmax"):
         raise ValueError(f"router order {order!r}: choose 'softmax_then_topk' or 'topk_then_softmax'")
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if experts is not None:
+        experts = jnp.where(experts >= 0, experts, route(logits, k, order, normalize)[1])
+    if order == "topk_then_softmax":
+        top, experts = jax.lax.top_k(logits, k) if experts is None else (
+            jnp.take_along_axis(logits, experts, axis=-1), experts)
+        return jax.nn.softmax(top, axis=-1), experts
+    probs = jax.nn.softmax(logits, axis=-1)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts
@@ -108,14 +123,15 @@ class SparseMLP(nnx.Module):
             self.shared_expert_gate = param((d,), (ax.EMBED,))
 
     def __call__(
-        self, x: Float[Array, "batch length embed"]
+        self, x: Float[Array, "batch length embed"], layer: Int[Array, ""] | int | None = None
     ) -> tuple[Float[Array, "batch length embed"], Float[Array, "batch length experts"]]:
-        """The MLP's output and the router's float32 logits."""
+        """The MLP's output and the router's float32 logits. `layer` (this layer's index) reads its experts
+        from a `replaying` forward's recorded routing."""
         dt = self.dtype
         b, t, d = x.shape
         xs = x.reshape(b * t, d)  # tokens flattened, as `transformer.dense` (a plain matmul's gradient on CPU)
         logits = jnp.matmul(xs, self.router.value.astype(dt), preferred_element_type=jnp.float32)
-        weights, experts = route(logits, self.top_k, self.order, self.normalize)
+        weights, experts = route(logits, self.top_k, self.order, self.normalize, _replayed(layer, b, t))
         combine = combine_weights(weights, experts, logits.shape[-1]).astype(dt)  # [tokens, experts]
         weights3 = tuple(w.value.astype(dt) for w in (self.gate, self.up, self.down))
         if ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
@@ -132,6 +148,39 @@ class SparseMLP(nnx.Module):
             scale = jax.nn.sigmoid(xs @ self.shared_expert_gate.value.astype(dt))[:, None]
             y = y + (scale * (hs @ self.shared_down.value.astype(dt))).reshape(b, t, d)
         return y, logits.reshape(b, t, -1)
+
+
+# ---------------------------------------------------------------- router replay
+
+_REPLAY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("router_replay", default=None)
+
+
+@contextlib.contextmanager
+def replaying(experts: Int[Array, "layers batch length k"] | None) -> Iterator[None]:
+    """Inside, every sparse MLP routes token (row, column) of layer l to `experts[l, row, column]` (-1: the
+    current router's top k) with the current router's weights there (`route`): router replay, the rollout's
+    routing reused in a train or inference forward of the same rows. Set it where the model is called (inside
+    the same jit or grad); None replays nothing."""
+    token = _REPLAY.set(experts)
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+def _replayed(layer: Int[Array, ""] | int | None, b: int, t: int) -> Int[Array, "tokens k"] | None:
+    """This layer's replayed experts, flattened as the MLP's tokens; a forward longer than the recorded rows
+    (context parallelism pads the length) routes the extra columns afresh."""
+    experts = _REPLAY.get()
+    if experts is None:
+        return None
+    if layer is None or experts.shape[1] != b or experts.shape[2] > t:
+        raise ValueError(f"router replay: recorded experts {experts.shape} (layers, batch, length, k) do not fit "
+                         f"a forward of {b} rows x {t} tokens at layer {layer} (a pipelined forward, stage > 1, "
+                         "splits the batch and cannot replay)")
+    mine = experts[layer]
+    mine = jnp.pad(mine, ((0, 0), (0, t - mine.shape[1]), (0, 0)), constant_values=-1)
+    return mine.reshape(b * t, -1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------- expert parallelism

@@ -513,7 +513,8 @@ class DecoderLayer(nnx.Module):
         if self.post_norms:
             h = self.attn_out_norm(h)
         x = x + h
-        h = self.mlp(self.post_attn_norm(x))
+        h = self.post_attn_norm(x)
+        h = self.mlp(h, layer) if self.sparse else self.mlp(h)  # the layer's index: its replayed routing
         h, router_logits = h if self.sparse else (h, None)
         if self.post_norms:
             h = self.mlp_out_norm(h)
