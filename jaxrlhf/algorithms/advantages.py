@@ -24,8 +24,11 @@ The outcome estimators (grpo, rloo) work on the sequence reward
 put one into the token rewards), broadcast it to every response token, and
 return `returns == advantages` (there is no value target).
 
-Masks are assumed contiguous from the first response token (right padding):
-that is what generation produces. Advantages and returns are 0 outside the mask.
+Masks start at the first response token (right padding). A multi-turn trajectory's mask has gaps, its
+observation tokens (`action_mask`, docs/agentic.md): the recursions of gae and the returns-to-go step over
+them (an observation is part of the environment's transition, not a step of the policy), so its tokens
+get nothing and the turns before it see the rewards and values after it. Advantages and returns are 0
+outside the mask.
 """
 
 from __future__ import annotations
@@ -109,6 +112,18 @@ def _float_mask(batch: AdvantageBatch) -> TokenArray:
     return jnp.asarray(batch.mask).astype(jnp.float32)
 
 
+def _next_in_mask(x: TokenArray, mask: TokenArray) -> TokenArray:
+    """For every position, `x` at the next position inside `mask` (0 when none follows): the plain shift by
+    one for a mask without gaps, the first model token after an observation for a multi-turn mask."""
+
+    def step(following: Float[Array, "batch"], xs):
+        x_t, m_t = xs
+        return jnp.where(m_t > 0, x_t, following), following
+
+    _, out = jax.lax.scan(step, jnp.zeros(x.shape[0], x.dtype), ((x * mask).T, mask.T), reverse=True)
+    return out.T
+
+
 @register_advantage("gae")
 def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[TokenArray, TokenArray]:
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
@@ -127,15 +142,16 @@ def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple
     rewards = batch.rewards.astype(jnp.float32) * mask
     values = batch.values.astype(jnp.float32) * mask
 
-    # V of the next state for every token: the next token's value inside the response (masked values are
-    # 0, so after the last token it is 0).
-    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    # V of the next state for every token: the next token's value inside the mask (0 after the last token).
+    # A multi-turn mask has gaps (observation tokens): the recursion steps over them, so a turn's next state
+    # is the first model token after the observation; for a mask without gaps this is the plain shift.
+    next_values = _next_in_mask(values, mask)
     deltas = (rewards + gamma * next_values - values) * mask
 
     def step(next_adv: Float[Array, "batch"], xs):
         delta_t, mask_t = xs
         adv_t = (delta_t + gamma * lam * next_adv) * mask_t
-        return adv_t, adv_t
+        return jnp.where(mask_t > 0, adv_t, next_adv), adv_t  # carried across a gap, unchanged
 
     _, adv_time_major = jax.lax.scan(
         step, jnp.zeros(mask.shape[0], jnp.float32), (deltas.T, mask.T), reverse=True
@@ -224,7 +240,7 @@ def _returns_to_go(rewards: TokenArray, mask: TokenArray, gamma: float) -> Token
     def step(next_return: Float[Array, "batch"], xs):
         r_t, m_t = xs
         g_t = (r_t + gamma * next_return) * m_t
-        return g_t, g_t
+        return jnp.where(m_t > 0, g_t, next_return), g_t  # carried across a gap in the mask (observations)
 
     _, returns_tm = jax.lax.scan(step, jnp.zeros(mask.shape[0], jnp.float32), (rewards.T, mask.T), reverse=True)
     return returns_tm.T

@@ -33,6 +33,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from jaxrlhf.registry import Registry
 
+# A multi-turn batch's column [batch, response]: 1 on the tokens the policy sampled, 0 on observation tokens
+# and padding; the RL math (losses, advantages, KL, entropy, value targets) counts only its tokens, where a
+# single-turn batch, which has none, counts `response_mask`'s.
+ACTION_MASK = "action_mask"
+
 # ---------------------------------------------------------------- the interface
 
 

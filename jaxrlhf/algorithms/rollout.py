@@ -48,6 +48,7 @@ from jaxtyping import Array, Float
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction_weights
+from jaxrlhf.algorithms.environments import ACTION_MASK
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
@@ -251,11 +252,17 @@ def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Fl
     return shaped
 
 
+def model_tokens(inputs: dict[str, Any]) -> jax.Array:
+    """The response tokens the policy sampled, the ones the RL math counts: `response_mask`, less a multi-turn
+    trajectory's observation tokens (its `action_mask`, when the batch has one)."""
+    return inputs.get(ACTION_MASK, inputs["response_mask"])
+
+
 def rollout_advantages(
     inputs: dict[str, Any], s: RLSettings, kl_coef: Float[Array, ""], moments: RunningMoments | None
 ) -> tuple[Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch"]]:
     """(advantages, returns in reward units, per-token KL, shaped scores): identical wherever it runs."""
-    mask = inputs["response_mask"].astype(jnp.float32)
+    mask = model_tokens(inputs).astype(jnp.float32)
     if "ref_logp" in inputs:
         kl = kl_per_token(inputs["behaviour_logp"], inputs["ref_logp"], mask, kind=s.kl_estimator)
     else:
@@ -316,7 +323,7 @@ def actor_train(
         logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
         logp = jnp.where(mb["response_mask"], logp, 0.0)
         ent = entropy(logits, s.sampling)
-        mask = mb.get("loss_mask", mb["response_mask"])  # a correction's mask: no sequences it dropped
+        mask = mb.get("loss_mask", model_tokens(mb))  # a correction's mask: no sequences it dropped
         weights = {"token_weights": mb["is_weight"]} if "is_weight" in mb else {}
         # a packed micro-batch's empty slots are no rows (Dr. GRPO's normaliser counts rows)
         rows = jnp.sum(mb["row_valid"].astype(jnp.float32)) if "row_valid" in mb else None
@@ -339,6 +346,8 @@ def actor_train(
             experts = load.shape[-1]
             stats.update({"router/aux_loss": jax.lax.stop_gradient(balance),
                           "router/load_max": jnp.max(load) * experts, "router/load_min": jnp.min(load) * experts})
+    if ACTION_MASK in inputs:  # a multi-turn batch: its observation tokens carry no loss
+        data[ACTION_MASK] = inputs[ACTION_MASK]
     if ROUTED in inputs:  # router replay: each minibatch's forward routes its rows as the rollout did
         data[ROUTED] = inputs[ROUTED]
         weight = aggregation_weight(mask, s.loss_agg, rows)
@@ -354,7 +363,7 @@ def actor_train(
     correction_stats: dict[str, Any] = {}
     if correction.active:
         weights, loss_mask, correction_stats = correction_weights(
-            correction, inputs["old_logp"], inputs["behaviour_logp"], inputs["response_mask"])
+            correction, inputs["old_logp"], inputs["behaviour_logp"], model_tokens(inputs))
         data.update(old_logp=inputs["old_logp"], loss_mask=loss_mask)
         if weights is not None:
             data["is_weight"] = weights
@@ -364,7 +373,7 @@ def actor_train(
         loss_fn, optimizer, params, opt_state, data, inputs["rng_actor"], minibatches=s.minibatches,
         epochs=s.epochs, micro_batch=s.micro_batch, early_stop=s.ratio_early_stop is not None, packed=packed,
     )
-    mask = inputs["response_mask"].astype(jnp.float32)
+    mask = model_tokens(inputs).astype(jnp.float32)
     stats["kl/mean"] = jnp.mean(jnp.sum(kl * mask, axis=1))  # per-sequence KL, averaged
     stats["kl/token_mean"] = masked_mean(kl, mask)
     stats["kl/coef"] = kl_coef
@@ -385,7 +394,7 @@ def critic_train(
     """Clipped value regression onto the GAE returns; updates the value-normalisation moments."""
     moments = inputs["value_moments"]
     _, returns, _, _ = rollout_advantages(inputs, s, inputs["kl_coef"].astype(jnp.float32), moments)
-    mask = inputs["response_mask"].astype(jnp.float32)
+    mask = model_tokens(inputs).astype(jnp.float32)
     if s.normalize_values:
         moments = moments.update(returns, mask)
         returns = moments.normalize(returns)
@@ -398,10 +407,12 @@ def critic_train(
         else:
             p = mb["tokens"].shape[1] - mb["response_mask"].shape[1]
             v = _response_slice(model(mb["tokens"], mb["positions"], mb["mask"]), p)
-        loss, stats = value_loss(v, mb["old_values"], mb["returns"], mb["response_mask"], clip_eps=s.value_clip_eps)
-        return loss, loss_aux(stats, aggregation_weight(mb["response_mask"]))
+        loss, stats = value_loss(v, mb["old_values"], mb["returns"], model_tokens(mb), clip_eps=s.value_clip_eps)
+        return loss, loss_aux(stats, aggregation_weight(model_tokens(mb)))
 
     data = {"response_mask": inputs["response_mask"], "old_values": inputs["values"], "returns": returns}
+    if ACTION_MASK in inputs:  # a multi-turn batch: observation tokens are no value targets
+        data[ACTION_MASK] = inputs[ACTION_MASK]
     if packed is None:
         data.update(tokens=inputs["tokens"], mask=inputs["mask"], positions=inputs["positions"])
     params, opt_state, stats = minibatch_updates(
