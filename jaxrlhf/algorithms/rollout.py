@@ -107,8 +107,8 @@ class RLSettings:
     # experts per token; experts = 0 for a dense actor (no router statistics)
     router_aux_coef: float = 0.0
     router_top_k: int = 0
-
     router_replay: bool = False  # algorithm.router_replay: the generate call records experts, the actor replays them
+
 
 def _response_slice(x: jax.Array, prompt_len: int) -> jax.Array:
     """Outputs at positions P-1 .. L-2: the ones that predict (or value) response tokens."""
@@ -150,9 +150,9 @@ def generate_call(
     prefix: str,
     params: nnx.State,
     inputs: dict[str, Any],
-) -> dict[str, jax.Array]:
     *,
     record_experts: bool = False,
+) -> dict[str, jax.Array]:
     """Sample responses to the prompts (KV cache, on-device decode loop); outputs named with `prefix`;
     with `record_experts` (router replay) also every token's experts (`ROUTED`).
     A response ends on any of the ids in `eos_id`. `engine` = (name, group_size, slots, kv_pages): the prompts
@@ -163,15 +163,15 @@ def generate_call(
         graphdef, params, inputs["prompt_tokens"], inputs["prompt_mask"], inputs["rng_generate"],
         max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
         group_size=group_size, slots=slots, kv_pages=kv_pages, max_lengths=inputs.get("max_lengths"),
-    )
         **({"record_experts": True} if record_experts else {}),
+    )
     values = {
         "tokens": out.tokens, "mask": out.mask, "positions": out.positions, "response_tokens": out.response_tokens,
         "response_mask": out.response_mask, "behaviour_logp": out.logprobs, "ended_with_eos": out.ended_with_eos,
     }
-    return {prefix + k: v for k, v in values.items()}
     if record_experts:
         values[ROUTED] = out.experts
+    return {prefix + k: v for k, v in values.items()}
 
 
 def policy_logprobs(
@@ -346,10 +346,6 @@ def actor_train(
             experts = load.shape[-1]
             stats.update({"router/aux_loss": jax.lax.stop_gradient(balance),
                           "router/load_max": jnp.max(load) * experts, "router/load_min": jnp.min(load) * experts})
-    if ACTION_MASK in inputs:  # a multi-turn batch: its observation tokens carry no loss
-        data[ACTION_MASK] = inputs[ACTION_MASK]
-    if ROUTED in inputs:  # router replay: each minibatch's forward routes its rows as the rollout did
-        data[ROUTED] = inputs[ROUTED]
         weight = aggregation_weight(mask, s.loss_agg, rows)
         tokens = aggregation_weight(mask)
         return loss, loss_aux(stats, weight, jax.lax.stop_gradient(exploded), stats_weight=tokens)
@@ -360,6 +356,10 @@ def actor_train(
     }
     if packed is None:
         data.update(tokens=inputs["tokens"], mask=inputs["mask"], positions=inputs["positions"])
+    if ACTION_MASK in inputs:  # a multi-turn batch: its observation tokens carry no loss
+        data[ACTION_MASK] = inputs[ACTION_MASK]
+    if ROUTED in inputs:  # router replay: each minibatch's forward routes its rows as the rollout did
+        data[ROUTED] = inputs[ROUTED]
     correction_stats: dict[str, Any] = {}
     if correction.active:
         weights, loss_mask, correction_stats = correction_weights(
@@ -519,6 +519,10 @@ class RolloutRuntime:
             raise AlgorithmConfigError(
                 f"algorithm.router_aux_loss_coef={alg.router_aux_loss_coef} weighs a mixture of experts' "
                 "load-balancing loss, but the actor has no experts (num_experts=0): set it to 0")
+        if actor is not None and alg.router_replay and not actor.num_experts:
+            raise AlgorithmConfigError(
+                "algorithm.router_replay=true replays a mixture of experts' routing, but the actor has no experts "
+                "(num_experts=0): set algorithm.router_replay=false")
         # the config holds every default (each algorithm's class in jaxrlhf.config_schema sets its own); a key
         # only some algorithms' classes have is one the others' estimators and losses ignore: RLSettings' value
         own = {setting: getattr(alg, key) for setting, key in _OWN_KEYS.items() if hasattr(alg, key)}
@@ -530,10 +534,6 @@ class RolloutRuntime:
             minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
             ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
-        if actor is not None and alg.router_replay and not actor.num_experts:
-            raise AlgorithmConfigError(
-                "algorithm.router_replay=true replays a mixture of experts' routing, but the actor has no experts "
-                "(num_experts=0): set algorithm.router_replay=false")
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
             ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
             correction=Correction(
@@ -542,6 +542,7 @@ class RolloutRuntime:
                 decoupled_cap=alg.decoupled_cap),
             router_aux_coef=alg.router_aux_loss_coef,
             router_top_k=getattr(getattr(self, "model_configs", {}).get("actor"), "num_experts_per_tok", 0),
+            router_replay=alg.router_replay,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -553,7 +554,6 @@ class RolloutRuntime:
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, eos_ids,
                                 tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
-            router_replay=alg.router_replay,
             "actor.generate": functools.partial(gen, self.generated_prefix, record_experts=s.router_replay),
             "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
         }
