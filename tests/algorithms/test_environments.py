@@ -165,3 +165,32 @@ def test_loss_gradient_is_zero_on_observation_tokens():
             np.testing.assert_allclose(float(value), float(single), rtol=1e-5, atol=1e-7, err_msg=f"{loss} {agg}")
             checked += 1
     assert checked >= 7
+
+
+def test_single_turn_gae_is_bit_identical_to_the_plain_recursion():
+    """For a mask without gaps (single-turn batches) gae's step over gaps changes nothing: the same bits as the
+    recursion before multi-turn (the shifted next value, the plain masked carry), written out here."""
+    from jaxrlhf.algorithms.advantages import AdvantageBatch, gae
+
+    rng = np.random.default_rng(3)
+    lengths = np.array([12, 5, 1, 9])
+    mask = jnp.asarray(np.arange(12)[None, :] < lengths[:, None])
+    rewards = jnp.asarray(rng.normal(size=mask.shape).astype(np.float32)) * mask
+    values = jnp.asarray(rng.normal(size=mask.shape).astype(np.float32))
+
+    @jax.jit
+    def before(rewards, values, mask):
+        m = mask.astype(jnp.float32)
+        r, v = rewards * m, values * m
+        deltas = (r + 0.99 * jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1) - v) * m
+
+        def step(next_adv, xs):
+            adv_t = (xs[0] + 0.99 * 0.95 * next_adv) * xs[1]
+            return adv_t, adv_t
+
+        adv = jax.lax.scan(step, jnp.zeros(4, jnp.float32), (deltas.T, m.T), reverse=True)[1].T
+        return adv, (adv + v) * m
+
+    now = jax.jit(lambda r, v, m: gae(AdvantageBatch(r, m, values=v), gamma=0.99, lam=0.95))(rewards, values, mask)
+    for ours, want in zip(now, before(rewards, values, mask)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))
