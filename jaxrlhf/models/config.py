@@ -475,6 +475,21 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643, eos_token_id=151643, pad_token_id=None,
     ),
+    # DeepSeek-V2-Lite's published sizes (a DeepSeekMoE: many small routed experts, shared experts), 15.7B
+    # parameters, 2.4B active: 64 routed experts of width 1408, 6 per token (softmax, not renormalised) and 2
+    # shared experts, here one shared expert of their summed width 2816. What the model does not build, priced
+    # as the nearest thing it does (docs/models.md#deepseek-style-mixtures): MLA attention as standard
+    # attention with the published head dims (16 heads of 128, one key/value head each: the keys and values MLA
+    # decompresses its 576-wide latent into), the first layer's dense MLP (first_k_dense_replace=1) as a MoE
+    # layer like the others, the shared experts with Qwen2-MoE's sigmoid gate (2048 parameters a layer); YaRN
+    # rope scaling left out. 16.3B parameters as built (+4 %).
+    "deepseek-v2-lite": ModelConfig(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+        num_heads=16, num_kv_heads=16, head_dim=128, max_position_embeddings=163840, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, architecture="qwen2_moe", num_experts=64,
+        num_experts_per_tok=6, moe_intermediate_size=1408, shared_expert_intermediate_size=2816,
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=100000, eos_token_id=100001, pad_token_id=None,
+    ),
     "mixtral-8x7b": ModelConfig(  # 46.7B parameters, 12.9B active: 8 experts of width 14336, 2 per token
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, max_position_embeddings=32768, rope_theta=1e6, architecture="mixtral",
