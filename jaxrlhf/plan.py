@@ -170,6 +170,7 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
         lines.append(f"  offloaded to host between calls: {', '.join(best.memory.offloaded)}")
     if run_setup is not None:
         lines += context_lines(res, run_setup)
+        lines += expert_lines(res, run_setup)
     lines += ["", f"step estimate ({devices} x {hardware}):"]
     for name, p in res.presets.items():
         if isinstance(p, str):
@@ -217,6 +218,44 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
                      f"({whole}) they need {need[whole] / GiB:.1f} GiB of {hw.usable_memory / GiB:.1f} usable: "
                      f"{verdict}")
     return ["", "context parallelism:", *lines] if lines else []
+
+
+def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
+    """Why each call the plan splits over an expert axis does so: its estimated time, the share of it the
+    expert axis' token gathers and scatters take, and its memory, against the same call with the expert
+    devices on the FSDP axis instead (every device a shard of every expert), where that layout can run."""
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.memory import params_per_device, working_set
+    from jaxrlhf.planner.plan import Layout, layout_misfit
+
+    plan, wl, hw = res.best.plan, run_setup.algorithm.workload(), run_setup.hardware
+    lines = []
+    for name, placement in plan.calls.items():
+        lay = placement.layout
+        if lay.expert == 1:
+            continue
+        call = run_setup.graph[name]
+        cfg = run_setup.models[call.role]
+        group = plan.groups[placement.group]
+        # generation is never FSDP: there the expert devices go to the data axis
+        other = Layout(lay.data * lay.expert, lay.fsdp, lay.tensor, lay.stage, lay.context) if call.kind == "generate" \
+            else Layout(lay.data, lay.fsdp * lay.expert, lay.tensor, lay.stage, lay.context)
+        need = {layout: sum(working_set(call, cfg, layout, wl).values()) + params_per_device(cfg, call.head, layout)
+                for layout in (lay, other)}
+        cost = call_cost(call, cfg, group, lay, wl, hw)
+        comm = cost.parts.get("expert_comm", 0.0)
+        head = (f"  {name}: {cfg.num_experts} experts over {lay.expert} devices ({cfg.num_experts // lay.expert} "
+                f"each): {cost.seconds:.3g} s, of which the expert axis' token gathers and scatters {comm:.3g} s, "
+                f"{need[lay] / GiB:.1f} GiB per device; ")
+        if layout_misfit(other, cfg, wl.call_batch(call.kind), kind=call.kind):
+            lines.append(head + f"{other} cannot run this call")
+        elif need[other] > hw.usable_memory:
+            lines.append(head + f"without the expert axis ({other}) it needs {need[other] / GiB:.1f} GiB of "
+                         f"{hw.usable_memory / GiB:.1f} usable: does not fit")
+        else:
+            t = call_cost(call, cfg, group, other, wl, hw).seconds
+            lines.append(head + f"without the expert axis ({other}) {t:.3g} s and {need[other] / GiB:.1f} GiB")
+    return ["", "expert parallelism:", *lines] if lines else []
 
 
 def async_line(res: SearchResult) -> str:

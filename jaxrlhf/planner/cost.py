@@ -31,6 +31,16 @@ the layout's collectives and a per-kernel dispatch cost:
   block's attention is paid (`context_comm`); where 2c divides T the zig-zag
   order's trades (half of q, k, v before the ring, half of the output after,
   once per forward and once more in the backward) are paid in full.
+- expert parallelism (layout.expert = e > 1, mixture-of-experts models):
+  the batch is split over e more devices, each holding num_experts / e
+  experts (their weights and FSDP gathers divided by e); in every MoE layer
+  of every forward (and, transposed, every backward) a device all-gathers
+  its expert group's tokens and their combine weights and reduce-scatters
+  the experts' partial sums back (`models.moe.expert_parallel`):
+  (e - 1) x tokens x (2 x hidden + num_experts) activation bytes per layer
+  (`expert_comm`); FLOPs per device are the dense dispatch's over its own
+  tokens (e x the tokens through num_experts / e experts); under tensor
+  parallelism the partial sums' all-reduce is over e x the tokens.
 - reallocation / shadow sync: the receiving devices' shard bytes over the
   link between the two groups (NVLink inside a host, the NICs across).
 
@@ -367,9 +377,22 @@ def stage_param_count(cfg: ModelConfig, head: str, stage: int) -> float:
     return layers / stage + (param_count(cfg, head) - layers)
 
 
+def expert_param_count(cfg: ModelConfig) -> int:
+    """Parameters the expert axis splits: every layer's stacked experts (gate, up, down) and router."""
+    if not cfg.num_experts:
+        return 0
+    return cfg.num_layers * cfg.num_experts * cfg.hidden_size * (3 * cfg.expert_intermediate_size + 1)
+
+
+def expert_split_count(cfg: ModelConfig, layout: Layout) -> float:
+    """Of a stage's parameters, how many the expert axis takes off each device: (1 - 1/e) of the experts'."""
+    return expert_param_count(cfg) / layout.stage * (1 - 1 / layout.expert)
+
+
 def shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
-    """Parameters one device holds under `layout` (stage, then fsdp x tensor shards)."""
-    return stage_param_count(cfg, head, layout.stage) / (layout.fsdp * layout.tensor)
+    """Parameters one device holds under `layout` (stage, then its num_experts / expert of the experts, then
+    fsdp x tensor shards)."""
+    return (stage_param_count(cfg, head, layout.stage) - expert_split_count(cfg, layout)) / (layout.fsdp * layout.tensor)
 
 
 def lora_param_count(cfg: ModelConfig) -> int:
@@ -494,14 +517,16 @@ class _Ctx:
         self.c = layout.context
         self.stages = layout.stage
         self.shards = layout.fsdp * layout.tensor  # a parameter's shards inside a stage
-        self.batch_ways = layout.data * layout.fsdp  # the batch's shards
+        self.e = layout.expert
+        self.batch_ways = layout.data * layout.fsdp * layout.expert  # the batch's shards
         self.flops_s = hw.matmul_flops(cfg.dtype, geo.devices_on_host)
         self.mem_bw = hw.memory_bandwidth(geo.devices_on_host)
         self.bw = {a: hw.link_bandwidth(geo.crosses[a], geo.devices_on_host, geo.members[a]) for a in AXES}
         # Stage hand-offs are point to point: every device sends its own activation at once.
         self.bw_hand_off = hw.link_bandwidth(geo.crosses["stage"], geo.devices_on_host)
         pb = DTYPE_BYTES[cfg.param_dtype]
-        self.w_layers = layer_param_count(cfg) * pb / self.t  # all layers, one tensor shard, FSDP gathered
+        # all layers, one tensor shard (and this device's experts), FSDP gathered
+        self.w_layers = (layer_param_count(cfg) - expert_split_count(cfg, layout)) * pb / self.t
         self.w_rest = (param_count(cfg, head) - layer_param_count(cfg)) * pb / self.t  # embedding, norm, head
         self.act_bytes = DTYPE_BYTES[cfg.dtype]
         self.mm_head = cfg.hidden_size * cfg.vocab_size if head == "lm" else cfg.hidden_size
@@ -524,7 +549,28 @@ class _Ctx:
             "tp_bytes": 2 * (self.t - 1) / self.t * tp_bytes,
             "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * w,
             **self._ring(tokens, keys, layers, runs),
+            **self._experts(tokens, layers, runs),
         }
+
+    def _experts(self, tokens: float, layers: float, runs: int) -> dict[str, float]:
+        """Expert parallelism (e > 1): per MoE layer and run, the all-gather of the expert group's tokens
+        and their combine weights ([e x tokens, hidden + num_experts]) and the reduce-scatter of the
+        experts' partial sums ([e x tokens, hidden]) over the expert axis; under tensor parallelism the
+        partial sums' all-reduce covers e x the tokens (the dense MLP's all-reduce, priced in `_block`, the
+        device's own tokens only)."""
+        e, cfg, hw = self.e, self.cfg, self.hw
+        if e == 1 or not cfg.num_experts:
+            return {"expert_comm": 0.0, "expert_bytes": 0.0}
+        ab, d = self.act_bytes, cfg.hidden_size
+        gather, scatter = e * tokens * (d + cfg.num_experts) * ab, e * tokens * d * ab
+        n = runs * layers
+        seconds = n * (_ring_gather(gather, e, self.bw["expert"], hw) + _ring_gather(scatter, e, self.bw["expert"], hw))
+        sent = n * (e - 1) / e * (gather + scatter)
+        if self.t > 1:
+            extra = (e - 1) * tokens * d * ab
+            seconds += n * _ring_allreduce(extra, self.t, self.bw["tensor"], hw)
+            sent += n * 2 * (self.t - 1) / self.t * extra
+        return {"expert_comm": seconds, "expert_bytes": sent}
 
     def _ring(self, tokens: float, keys: float, layers: float, runs: int) -> dict[str, float]:
         """Ring attention under context parallelism (c > 1): in every layer of every run, c - 1 passes of
@@ -556,7 +602,8 @@ class _Ctx:
                 "fsdp_comm": _ring_gather(runs * self.w_rest, self.layout.fsdp, self.bw["fsdp"], self.hw, count=runs),
                 "overhead": runs * OPS_PER_LAYER * self.hw.kernel_latency,
                 "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest,
-                "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0}
+                "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0,
+                "expert_comm": 0.0, "expert_bytes": 0.0}
 
     def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
         """One forward over `tokens_dev` tokens per device in `micro` micro-batches.
@@ -607,6 +654,10 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         "fsdp_comm": pre["fsdp_comm"] + fsdp,
         "overhead": pre["overhead"] + n * cfg.num_layers * OPS_PER_LAYER * hw.kernel_latency,
     }
+    if c.e > 1:  # the prefill's and every decode step's token gathers and scatters over the expert axis
+        steps_e = c._experts(seqs, cfg.num_layers, n)
+        parts["expert_comm"] = pre["expert_comm"] + steps_e["expert_comm"]
+        pre["tp_bytes"] += pre["expert_bytes"] + steps_e["expert_bytes"]
     comm = pre["tp_bytes"] + pre["fsdp_bytes"] + (
         2 * (c.t - 1) / c.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n
     ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * w_tensor
@@ -632,8 +683,11 @@ def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
     if c.c > 1:
         parts["context_comm"] = f["context_comm"] + f["trade_comm"]
+    if c.e > 1:
+        parts["expert_comm"] = f["expert_comm"]
     return _finish(parts, f["flops"], f["hbm"],
-                   f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"] + f["context_bytes"] + f["trade_bytes"])
+                   f["tp_bytes"] + f["fsdp_bytes"] + f["stage_bytes"] + f["context_bytes"] + f["trade_bytes"]
+                   + f["expert_bytes"])
 
 
 def optimizer_bytes_per_param(cfg: ModelConfig, wl: Workload, role: str | None = None) -> float:
@@ -665,6 +719,9 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     # The embedding and head live on every stage: their gradients are summed over stages (frozen under LoRA).
     rest_shard = 0.0 if cfg.lora else (param_count(cfg, c.head) - layer_param_count(cfg)) * pb / c.shards
     stage_ar = _ring_allreduce(rest_shard, c.stages, c.bw["stage"], hw)
+    # Expert parallelism splits the batch: the weights outside the experts are summed over the expert axis too.
+    outside = grad_shard if cfg.lora else (param_count(cfg, c.head) - expert_param_count(cfg)) * pb / c.shards
+    expert_ar = _ring_allreduce(outside, lay.expert, c.bw["expert"], hw)
     n_params_dev = trained_shard_count(cfg, c.head, lay)
     tb = DTYPE_BYTES[trained_dtype(cfg)]
     opt_bytes = n_params_dev * (3 * tb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
@@ -672,7 +729,7 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],
         "fsdp_comm": fsdp,
-        "grad_allreduce": dp + stage_ar,
+        "grad_allreduce": dp + stage_ar + expert_ar,
         "stage_comm": 2 * f["stage_comm"],  # activations forward, their gradients backward
         "optimizer": opt_bytes / c.mem_bw + hw.kernel_latency * OPS_PER_LAYER,
         "overhead": passes * f["overhead"],
@@ -680,11 +737,14 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     if c.c > 1:
         # the zig-zag trades once per forward (and recomputed forward) and once, transposed, in the backward
         per_step["context_comm"] = ring_passes * f["context_comm"] + tp_passes * f["trade_comm"]
+    if c.e > 1:  # forward, recomputed forward, and the backward's transposes (reduce-scatter, all-gather)
+        per_step["expert_comm"] = tp_passes * f["expert_comm"]
     parts = {k: v * steps for k, v in per_step.items()}
     comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
-                    + ring_passes * f["context_bytes"] + tp_passes * f["trade_bytes"]
+                    + ring_passes * f["context_bytes"] + tp_passes * f["trade_bytes"] + tp_passes * f["expert_bytes"]
                     + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
-                    + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0))
+                    + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0)
+                    + (2 * (lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
 
 

@@ -21,8 +21,8 @@ from typing import Mapping
 import numpy as np
 
 from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, kv_bytes_per_token, matmul_params, mlp_width, optimizer_bytes_per_param, shard_bytes,
-    trained_shard_bytes, trained_shard_count,
+    DTYPE_BYTES, Workload, expert_split_count, kv_bytes_per_token, matmul_params, mlp_width,
+    optimizer_bytes_per_param, shard_bytes, trained_shard_bytes, trained_shard_count,
 )
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
@@ -54,6 +54,26 @@ def dense_score_copies(keys: float) -> float:
 # stacked over the ring's steps: bytes per score element of each of the c blocks a device's queries meet
 # (fitted on XLA:CPU at 16k tokens, c = 4 and 8; at c = 2 XLA keeps about half). A forward keeps none.
 RING_MASK_BYTES = 9.0
+# Expert parallelism (models/moe.py `expert_parallel`): a device's sparse MLP runs on its expert group's tokens,
+# e x its own, gathered over the expert axis. Its intermediates per token are the dense dispatch's (num_experts
+# / e experts for e x the tokens), so they are counted as they were; what is new is gathered-token sized: a
+# forward holds the gathered tokens, their combine weights and the partial sums before the reduce-scatter; a
+# train call keeps the gathered tokens and combine weights of every layer for the backward, whose gathered
+# output gradient and input gradient (before its reduce-scatter) live at once (fitted on XLA:CPU, 8 devices,
+# expert 8 and 4 x data 2: within 1 % of the compiled peak, tests/models/test_expert_parallel.py).
+EXPERT_BACKWARD_COPIES = 2
+
+
+def expert_gather_bytes(cfg: ModelConfig, tokens: float, layout: Layout, train: bool) -> float:
+    """Bytes of a device's expert-group token gathers (see EXPERT_BACKWARD_COPIES) for `tokens` of its own."""
+    e = layout.expert
+    if e == 1 or not cfg.num_experts:
+        return 0.0
+    ab, d = DTYPE_BYTES[cfg.dtype], cfg.hidden_size
+    gathered = e * tokens * ab
+    if not train:
+        return gathered * (2 * d + cfg.num_experts)
+    return gathered * (cfg.num_layers * (d + cfg.num_experts) + EXPERT_BACKWARD_COPIES * d)
 
 
 def _tokens_per_micro(call: CallSpec, seqs_dev: float, seq_len: int, wl: Workload) -> float:
@@ -146,10 +166,11 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     them, which autodiff hoists out of the layers' loop (`RING_MASK_BYTES`)."""
     head = call.head
     t = layout.tensor
-    batch_ways = layout.data * layout.fsdp
+    batch_ways = layout.batch_ways
     ab = DTYPE_BYTES[cfg.dtype]
     # FSDP: two decoder layers gathered at a time (the one computing, the next one arriving)
-    layer_bytes = (matmul_params(cfg, "value") - cfg.hidden_size) / cfg.num_layers * DTYPE_BYTES[cfg.param_dtype]
+    layer_bytes = (matmul_params(cfg, "value") - cfg.hidden_size - expert_split_count(cfg, layout)) / cfg.num_layers \
+        * DTYPE_BYTES[cfg.param_dtype]  # (this device's experts only, under expert parallelism)
     gathered = 2 * layer_bytes / t if layout.fsdp > 1 else 0.0
     head_gathered = head_gather_bytes(cfg, head, layout)
     seqs = wl.call_seqs(call) / batch_ways
@@ -159,7 +180,10 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         tok = _tokens_per_micro(call, prompts, wl.prompt_len, wl)
         prefill = layer_live_bytes(cfg, tok, wl.prompt_len, t) + _logit_bytes(
             cfg, head, _logit_tokens(call, tok, wl), t, 1)
-        return {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered + head_gathered}
+        out = {"kv_cache": kv, "activations": prefill, "fsdp_buffers": gathered + head_gathered}
+        if layout.expert > 1:
+            out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=False)
+        return out
     micro = wl.micro_batches(call)
     tok = _tokens_per_micro(call, seqs, wl.seq_len, wl) / layout.context
     logit_tok = _logit_tokens(call, tok, wl)
@@ -186,6 +210,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else None
         act = layer_live_bytes(cfg, tok, keys, t, copies) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
         out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
+        if layout.expert > 1:
+            out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=False)
         if cfg.unrolls_layers and layout.stage == 1:
             # an unrolled layer loop slices every layer's weights out of the stack before the first
             # layer runs (`models.config.UNROLL_MAX_LAYERS`): one more copy of this device's layer shards
@@ -215,6 +241,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     grads = trained_shard_bytes(cfg, head, layout)  # under LoRA: the adapters' gradients only
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
+    if layout.expert > 1:
+        out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=True)
     if layout.context > 1:  # every block's key mask, hoisted out of the layers (RING_MASK_BYTES)
         out["ring_masks"] = layout.context * tok * keys * cfg.num_heads / t * RING_MASK_BYTES
     if micro > 1 and staged_micro == 1:
@@ -325,7 +353,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     stream: dict[str, float] = {}
     for c in calls:
         lay = plan.calls[c.name].layout
-        cols = wl.stream_columns(c, lay.data * lay.fsdp) if c.kind == "generate" else 0.0
+        cols = wl.stream_columns(c, lay.batch_ways) if c.kind == "generate" else 0.0
         if cols:
             cfg = models[c.role]
             stream[c.name] = cols * kv_bytes_per_token(cfg) / max(min(lay.tensor, cfg.num_kv_heads), 1)

@@ -90,6 +90,11 @@ class Layout:
         return self.stage * self.data * self.fsdp * self.expert * self.context * self.tensor
 
     @property
+    def batch_ways(self) -> int:
+        """The batch's shards: data x fsdp x expert (`BATCH_AXES`)."""
+        return self.data * self.fsdp * self.expert
+
+    @property
     def axis_sizes(self) -> dict[str, int]:
         return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "expert": self.expert,
                 "context": self.context, "tensor": self.tensor}

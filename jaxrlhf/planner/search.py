@@ -85,10 +85,17 @@ def context_degrees(call: CallSpec, wl: Workload, rest: int) -> list[int]:
     return [c for c in _divisors(rest) if wl.seq_len % c == 0]
 
 
+def expert_degrees(cfg: ModelConfig, rest: int) -> list[int]:
+    """Expert-parallel degrees within `rest` devices: 1, and for a mixture of experts every divisor of `rest`
+    that divides num_experts (`planner.plan.layout_misfit`'s rule)."""
+    return [e for e in _divisors(rest) if cfg.num_experts % e == 0] if cfg.num_experts else [1]
+
+
 def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max_tensor: int) -> list[Layout]:
     """Layouts of `size` devices under which `call` can run with model `cfg`, tensor parallelism at most
     `max_tensor` ways (`HardwareProfile.max_tensor`: the devices of one host), context parallelism for
-    long sequences (`context_degrees`; never with pipeline stages)."""
+    long sequences (`context_degrees`; never with pipeline stages), and for a mixture of experts every
+    expert degree that divides num_experts (`expert_degrees`; never with pipeline stages or context)."""
     batch = wl.call_batch(call.kind)
     out = []
     stages = [1] if call.kind == "generate" else [s for s in _divisors(size) if cfg.num_layers % s == 0]
@@ -102,14 +109,15 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max
             if (size // t) % p:
                 continue
             for c in context_degrees(call, wl, size // t // p) if p == 1 else [1]:
-                rest = size // t // p // c
-                for f in _divisors(rest):
-                    d = rest // f
-                    if batch % (d * f) or cfg.hidden_size % f:
-                        continue
-                    if call.kind == "generate" and f > 1:
-                        continue
-                    out.append(Layout(d, f, t, p, c))
+                for e in expert_degrees(cfg, size // t // p // c) if p == c == 1 else [1]:
+                    rest = size // t // p // c // e
+                    for f in _divisors(rest):
+                        d = rest // f
+                        if batch % (d * f * e) or cfg.hidden_size % f:
+                            continue
+                        if call.kind == "generate" and f > 1:
+                            continue
+                        out.append(Layout(d, f, t, p, c, e))
     return out
 
 

@@ -308,7 +308,7 @@ def micro_options(call: CallSpec, plan: ExecutionPlan, wl: Workload, cache: Cost
 
 
 def _micro_front(call: CallSpec, group: DeviceGroup, lay, wl: Workload, cache: CostCache) -> list[int]:
-    per_device = wl.call_batch(call.kind) // (lay.data * lay.fsdp)
+    per_device = wl.call_batch(call.kind) // lay.batch_ways
     cfg = cache.models[call.role]
     work = {m: sum(working_set(call, cfg, lay, wl.with_micro_batches(call, m)).values())
             for m in range(1, min(per_device, MAX_MICRO) + 1) if per_device % m == 0}
@@ -416,10 +416,11 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
     if wl.lengths_vary:
+        paced = dataclasses.replace(wl, staleness=plan_staleness(plan, wl))  # the stream's eta on this plan
         for c in graph.calls:
             if c.kind == "generate":
                 lay = plan.calls[c.name].layout
                 call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_durations(
-                    costs[c.name], wl, c, lay.data * lay.fsdp, wl.gen_stream))
+                    costs[c.name], paced, c, lay.batch_ways, wl.gen_stream))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)
