@@ -266,6 +266,19 @@ class MultiTurnOutput:
     counters: list[dict[str, float]]
     finish: list[str]
 
+    def rollout_batch(self) -> dict[str, np.ndarray]:
+        """The rollout batch's generated values (`algorithms.rl.GENERATED`, the generate call's layout: prompt
+        then response, positions counting real tokens) plus `action_mask` (the sampled tokens: the RL math
+        counts only these) and `env_reward`. `ended_with_eos` is true for trajectories the environment ended
+        (a budget's cut gets no score under `rewards.eos_only`)."""
+        mask = np.concatenate([self.prompt_mask, self.response_mask], axis=1)
+        return {"tokens": np.concatenate([self.prompt_tokens, self.response_tokens], axis=1), "mask": mask,
+                "positions": np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32),
+                "response_tokens": self.response_tokens, "response_mask": self.response_mask,
+                "behaviour_logp": np.where(self.loss_mask, self.logprobs, 0.0).astype(np.float32),
+                "ended_with_eos": np.array([f == "done" for f in self.finish]), "action_mask": self.loss_mask,
+                "env_reward": self.env_reward.astype(np.float32)}
+
     def metrics(self) -> dict[str, float]:
         """`env/...` metrics: mean reward, turns, trajectory and observation tokens, each counter per
         trajectory, and the fraction of trajectories ending each way."""

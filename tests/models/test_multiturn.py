@@ -132,3 +132,40 @@ def test_extend_logits_equal_a_full_recompute(model):
     at = 16 + n - 2  # the column of the last fed token (the observation's last)
     dense = np.asarray(logits, np.float32)[np.arange(4), at]
     np.testing.assert_allclose(np.asarray(last)[waiting], dense[waiting], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # ~20 s: the generation of the test above (shared compiles) and one GRPO update
+def test_grpo_update_on_multiturn_trajectories(model):
+    """A GRPO update (the rollout's actor.train call) on environment trajectories: rewards from the
+    environment, the batch's action_mask keeping observation tokens out of the loss; the update moves the
+    parameters, its statistics are finite, and it equals the update on a batch whose observation tokens'
+    sampled log-probs and advantages are scrambled (they carry no weight)."""
+    import functools
+
+    from jaxrlhf.algorithms import rollout
+    from jaxrlhf.algorithms.optim import build_optimizer
+
+    graphdef, params = nnx.split(model)
+    envs = [Echo(t) for t in (2, 2, 3, 3)]  # two groups of two samples
+    rows = [{"prompt": p} for p in ("hi", "hi", "tell me", "tell me")]
+    out = mt.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=TOK.encode, decode_text=TOK.decode,
+                                rng=jax.random.key(3), spec=SPEC, max_turns=4, chunk=4)
+    batch = out.rollout_batch()
+    assert (batch["action_mask"] <= batch["response_mask"]).all() and (~batch["action_mask"] & batch["response_mask"]).any()
+    inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "env_reward"}
+    inputs.update(rule_scores=jnp.asarray(batch["env_reward"]), kl_coef=jnp.float32(0.0), rng_actor=jax.random.key(0))
+    opt = build_optimizer(lr=1e-2, total_updates=10)
+    settings = rollout.RLSettings(estimator="grpo", loss="grpo", group_size=2, loss_agg="seq-mean-token-mean",
+                                  minibatches=1, max_new_tokens=SPEC.max_tokens, eos_only=False,
+                                  ratio_early_stop=None, sampling=SPEC.sampling)
+    train = jax.jit(functools.partial(rollout.actor_train, graphdef, opt, settings))
+    new, _, stats = train(params, opt.init(params), inputs)
+    assert all(np.isfinite(float(v)) for v in jax.tree_util.tree_leaves(stats["actor_stats"]))
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new))]
+    assert any(moved)
+    obs = ~batch["action_mask"]
+    scrambled = dict(inputs, behaviour_logp=jnp.where(obs, -3.0, inputs["behaviour_logp"]))
+    new2, _, stats2 = train(params, opt.init(params), scrambled)
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(new2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert out.metrics()["env/turns"] >= 1
