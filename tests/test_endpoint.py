@@ -23,6 +23,7 @@ from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.run.endpoint import (
     ChatEndpoint,
     ModelBackend,
+    agent_output,
     decode_with_special_tokens,
     episode_trajectories,
     load_agent,
@@ -202,6 +203,8 @@ def test_a_prompt_whose_text_extends_the_record_keeps_the_sampled_spelling(token
 
 
 def _agent(client, row):
+    if row.get("early"):
+        raise ValueError("no request at all")
     reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["text"]}])
     if row.get("fail"):
         raise RuntimeError("the agent gave up")
@@ -212,11 +215,22 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
     rows = [{"text": "a dog and a cat", "score": True}, {"text": "the cat sat on the mat"},
             {"text": "hello world", "fail": True}, {"text": "12 + 7 = 19", "score": True}]
     calls = server.batcher.calls
-    results = run_agents(server, _agent, rows)
+    results = run_agents(server, _agent, [*rows, {"early": True}])
     assert server.batcher.calls - calls < len(rows)  # gathered into fewer generate calls than requests
-    for row, result in zip(rows, results):
-        ids = _prompt_ids(tokenizer, [{"role": "user", "content": row["text"]}])
-        tokens, logprobs = _greedy(model, ids)
+    assert results[-1].error == "ValueError: no request at all" and not results[-1].episode.segments
+    batch = agent_output(results, prompt_width=BUCKET, response_width=2 * NEW_TOKENS, pad_id=0, failure=-1.0)
+    assert batch.response_mask[-1].sum() == 0 and batch.env_reward[-1] == -1.0  # nothing to train, scored failed
+    for r, (row, result) in enumerate(zip(rows, results)):
+        seg = result.episode.segments[0]
+        assert batch.prompt_tokens[r][batch.prompt_mask[r]].tolist() == seg.prompt
+        assert batch.response_tokens[r][batch.response_mask[r]].tolist() == seg.tokens
+        np.testing.assert_allclose(batch.logprobs[r][batch.loss_mask[r]], seg.logprobs, atol=0)
+    prompts = [_prompt_ids(tokenizer, [{"role": "user", "content": row["text"]}]) for row in rows]
+    out = generate(model, prompts, NEW_TOKENS, GREEDY, min_bucket=BUCKET)  # the shape the server's batch of 4 has
+    for r, (row, result) in enumerate(zip(rows, results)):
+        ids, keep = prompts[r], np.asarray(out.response_mask[r])
+        tokens = np.asarray(out.response_tokens[r])[keep].tolist()
+        logprobs = np.asarray(out.logprobs[r])[keep].tolist()
         seg, = result.episode.segments
         assert seg.prompt == ids and seg.tokens == tokens  # batched rows answer as one row alone does
         np.testing.assert_allclose(seg.logprobs, logprobs, atol=1e-5)
@@ -230,6 +244,27 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
     assert load_agent("json:dumps") is json.dumps
     with pytest.raises(ValueError, match="module:function"):
         load_agent("no_colon")
+
+
+def test_a_response_budget_cuts_answers_and_refuses_what_does_not_fit(server, tokenizer):
+    """`max_response_tokens` (the trainer's response width): an answer is cut to the room left, and a request
+    whose observation leaves no room is refused without being recorded."""
+    first = [{"role": "user", "content": "hello world"}]
+    server.max_response_tokens = 3
+    try:
+        episode = server.open_episode()
+        client = openai_client(server.base_url(episode))
+        reply = client.chat.completions.create(model="policy", messages=first)
+        assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+        second = [*first, {"role": "assistant", "content": reply.choices[0].message.content},
+                  {"role": "user", "content": "a dog"}]
+        with pytest.raises(openai.BadRequestError, match="budget is 3") as e:
+            client.chat.completions.create(model="policy", messages=second)
+        assert e.value.code == "context_length_exceeded"
+        record = server.close_episode(episode)
+        assert record.requests == 1 and len(record.segments[0].tokens) == 3
+    finally:
+        server.max_response_tokens = None
 
 
 def _request(server, method, path, body=b""):

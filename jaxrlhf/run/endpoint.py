@@ -167,8 +167,8 @@ class GenerateBackend(Protocol):
 
 class ModelBackend:
     """A `GenerateBackend` on a `models.generation.Generator`: `state()` gives the weights to sample with
-    (the actor's current state, read at every call); rows are padded to a power of two up to
-    `batch_size` with copies of the first, so a run compiles a few batch shapes, not one per count."""
+    (the actor's current state, read at every call); rows are padded to `batch_size` with copies of the
+    first, so a run compiles one program per prompt bucket, not one per count of waiting requests."""
 
     def __init__(self, generator: Any, state: Callable[[], Any], *, max_new_tokens: int, sampling: Any,
                  max_positions: int, batch_size: int, seed: int = 0):
@@ -182,8 +182,9 @@ class ModelBackend:
     def __call__(self, contexts: Sequence[Sequence[int]]) -> list[Sample]:
         import jax
 
-        rows = 1 << max(len(contexts) - 1, 0).bit_length()
-        padded = [list(c) for c in contexts] + [list(contexts[0])] * (rows - len(contexts))
+        if len(contexts) > self.batch_size:
+            raise ValueError(f"{len(contexts)} contexts for a generate call of {self.batch_size} rows")
+        padded = [list(c) for c in contexts] + [list(contexts[0])] * (self.batch_size - len(contexts))
         key = jax.random.fold_in(self._key, self._calls)
         self._calls += 1
         out = self.generator(self.state(), padded, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
@@ -399,21 +400,25 @@ class EndpointStats:
 class ChatEndpoint:
     """The server: episodes by id, the chat template and tokenizer, the batcher, the limits.
 
-    max_prompt_tokens: a request whose context (the episode's record plus its new tokens) is longer is
-    refused with 400 (`context_length_exceeded`); default the model's positions minus max_new_tokens.
+    Limits, each refused with 400 (`context_length_exceeded`) before anything is recorded: a context (the
+    segment's ids plus the request's new tokens) over the model's positions less max_new_tokens; a request
+    that starts a segment with a prompt over `max_prompt_tokens`; with `max_response_tokens` (the trainer's
+    response width), a continuation whose segment has no room left after its observation tokens (an answer
+    is cut to the room there is, finish_reason "length").
     tool_format: a `tools.TOOL_CALL_FORMATS` name; None detects it from the template.
     """
 
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, *, template: ChatTemplate | None = None,
                  host: str = "127.0.0.1", port: int = 0, batch_size: int = 8, window_s: float = 0.01,
-                 max_prompt_tokens: int | None = None, tool_format: str | None = None, model_name: str = "policy",
+                 max_prompt_tokens: int | None = None, max_response_tokens: int | None = None, tool_format: str | None = None, model_name: str = "policy",
                  warn: Callable[[str], None] = print):
         template = template if template is not None else getattr(tokenizer, "chat_template", None)
         if template is None:
             raise ValueError(f"the endpoint renders chat messages with the tokenizer's chat template, and "
                              f"{tokenizer!r} ships none (tokenizer_config.json 'chat_template' or chat_template.jinja)")
-        limit = backend.max_positions - backend.max_new_tokens
-        self.max_prompt_tokens = limit if max_prompt_tokens is None else min(max_prompt_tokens, limit)
+        self.max_context_tokens = backend.max_positions - backend.max_new_tokens
+        self.max_prompt_tokens = min(max_prompt_tokens or self.max_context_tokens, self.max_context_tokens)
+        self.max_response_tokens = max_response_tokens
         self.backend, self.tokenizer, self.template, self.model_name = backend, tokenizer, template, model_name
         self.tool_format = tool_format or detect_tool_format(template.tool_source)
         self.prefix = prompt_prefix(tokenizer)
@@ -426,7 +431,7 @@ class ChatEndpoint:
         self.batcher = Batcher(backend, batch_size=batch_size, window_s=window_s)
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="endpoint-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="endpoint-http", daemon=True)
         self._thread.start()
 
     @property
@@ -517,15 +522,14 @@ class ChatEndpoint:
             if episode.closed:
                 raise EndpointError(404, f"episode {episode.episode_id!r} has ended", code="episode_not_found")
             how, ids = episode.match(prompt_ids, text, self.tokenizer, self.prefix)
-            length = episode.context_length(how, ids)
-            if length > self.max_prompt_tokens:  # refused before recording: a refused request leaves no trace
-                raise _too_long(length, self.max_prompt_tokens)
+            room = self._check_limits(episode, how, ids)  # refused before recording: a refusal leaves no trace
             context = episode.extend(how, ids)
             sample = self.batcher.submit(context).result()
             tokens, logprobs = sample.tokens, sample.logprobs
             finish = "stop" if sample.ended_with_eos else "length"
-            if request.max_tokens is not None and len(tokens) > request.max_tokens:
-                tokens, logprobs, finish = tokens[:request.max_tokens], logprobs[:request.max_tokens], "length"
+            cap = min(request.max_tokens or len(tokens), room)
+            if len(tokens) > cap:
+                tokens, logprobs, finish = tokens[:cap], logprobs[:cap], "length"
             content_ids = tokens[:-1] if finish == "stop" else tokens  # the EOS token is not text
             content = self.tokenizer.decode(content_ids)
             cut = cut_at_stop(self.tokenizer, content_ids, request.stop)
@@ -564,10 +568,29 @@ class ChatEndpoint:
                           "total_tokens": len(context) + len(tokens)}}
 
 
-def _too_long(tokens: int, limit: int) -> EndpointError:
-    return EndpointError(400, f"this request's context is {tokens} tokens, over the endpoint's limit of {limit} "
-                              "(the model's positions less generation.max_new_tokens, or env.server.max_prompt_tokens):"
-                              " shorten the conversation", param="messages", code="context_length_exceeded")
+    def _check_limits(self, episode: Episode, how: str, ids: list[int]) -> int:
+        """Refuse a request over a limit (see the class); else the most tokens its answer may have."""
+        length = episode.context_length(how, ids)
+        if length > self.max_context_tokens:
+            raise _too_long(f"this request's context is {length} tokens, over the endpoint's limit of "
+                            f"{self.max_context_tokens} (the model's positions less generation.max_new_tokens)")
+        if how in ("new", "rewrite"):
+            if len(ids) > self.max_prompt_tokens:
+                raise _too_long(f"this request's prompt is {len(ids)} tokens, over the endpoint's limit of "
+                                f"{self.max_prompt_tokens} (env.server.max_prompt_tokens)")
+            return self.backend.max_new_tokens if self.max_response_tokens is None else self.max_response_tokens
+        if self.max_response_tokens is None:
+            return self.backend.max_new_tokens
+        used = len(episode.segments[-1].tokens) + len(ids)
+        if used >= self.max_response_tokens:
+            raise _too_long(f"this episode's answers and observations take {used} tokens after its prompt, and "
+                            f"its budget is {self.max_response_tokens} (env.server.max_response_tokens)")
+        return self.max_response_tokens - used
+
+
+def _too_long(message: str) -> EndpointError:
+    return EndpointError(400, message + ": shorten the conversation", param="messages",
+                         code="context_length_exceeded")
 
 
 def _is_loopback(host: str) -> bool:
@@ -738,3 +761,43 @@ def episode_trajectories(result: AgentResult, *, failure: float = 0.0) -> list[T
         out[-1].counters = {"requests": float(episode.requests), "rewrite": float(episode.matches["rewrite"]),
                             "agent_error": float(result.error is not None)}
     return out
+
+
+def agent_output(results: Sequence[AgentResult], *, prompt_width: int, response_width: int, pad_id: int,
+                 failure: float = 0.0) -> Any:
+    """The agents' episodes as the multi-turn rollout's batch (`models.multiturn.MultiTurnOutput`), one row per
+    episode in order: its last segment (the one its final answer is in; the trainer's batch has a row per
+    prompt), prompts left-padded to `prompt_width`, responses right-padded to `response_width`. Earlier
+    segments of an episode are not trained (counted in `counters["dropped_segments"]`). An episode without a
+    request (its agent failed first) is a row of one pad token with no response: nothing to train, scored as
+    it failed. The endpoint's `max_prompt_tokens` / `max_response_tokens` keep every segment inside the widths;
+    a longer one is an error here."""
+    from jaxrlhf.models.multiturn import MultiTurnOutput
+
+    rows = len(results)
+    prompts = np.full((rows, prompt_width), pad_id, np.int32)
+    prompt_mask = np.zeros((rows, prompt_width), bool)
+    tokens = np.full((rows, response_width), pad_id, np.int32)
+    response_mask = np.zeros((rows, response_width), bool)
+    loss_mask = np.zeros((rows, response_width), bool)
+    logprobs = np.zeros((rows, response_width), np.float32)
+    lengths, rewards, turns = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32)
+    counters, finish = [], []
+    for r, result in enumerate(results):
+        trajectories = episode_trajectories(result, failure=failure)
+        last = trajectories[-1] if trajectories else Trajectory([pad_id], reward=failure, finish="error")
+        if len(last.prompt_ids) > prompt_width or len(last.token_ids) > response_width:
+            raise ValueError(f"episode {result.episode.episode_id}: a prompt of {len(last.prompt_ids)} and a response "
+                             f"of {len(last.token_ids)} tokens do not fit widths {prompt_width} and {response_width}; "
+                             "give the endpoint max_prompt_tokens and max_response_tokens")
+        n = len(last.token_ids)
+        prompts[r, prompt_width - len(last.prompt_ids):] = last.prompt_ids
+        prompt_mask[r, prompt_width - len(last.prompt_ids):] = True
+        tokens[r, :n], response_mask[r, :n] = last.token_ids, True
+        loss_mask[r, :n], logprobs[r, :n] = np.asarray(last.loss_mask, bool), last.logprobs
+        lengths[r], rewards[r], turns[r] = n, last.reward, last.turns
+        counters.append({**(last.counters or {"agent_error": float(result.error is not None)}),
+                         "dropped_segments": float(max(len(trajectories) - 1, 0))})
+        finish.append(last.finish)
+    return MultiTurnOutput(prompts, prompt_mask, tokens, response_mask, loss_mask, logprobs, lengths, rewards,
+                           turns, counters, finish)
