@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+from pytest import approx
+
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
 from jaxrlhf.planner.cost import matmul_params, mlp_width, param_count
@@ -42,3 +45,67 @@ def test_the_plan_cli_plans_qwen3_30b_a3b(tmp_path, capsys):
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.num_devices == 64 and set(plan.calls) == {"actor.generate", "ref.inference", "actor.train"}
     assert "actor.train" in capsys.readouterr().out
+
+
+def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers():
+    """Expert parallelism as `models.moe.expert_parallel` runs it: each device holds num_experts / e experts;
+    per MoE layer of a forward it all-gathers its expert group's tokens and combine weights ([e x n, hidden +
+    num_experts]) and reduce-scatters the partial sums ([e x n, hidden]): (e - 1) / e of each over the axis."""
+    from jaxrlhf.graph import CallSpec
+    from jaxrlhf.planner.cost import Workload, call_cost, expert_param_count, shard_count
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import DeviceGroup
+
+    moe = preset("qwen3-30b-a3b")
+    d, e, f, layers = moe.hidden_size, moe.num_experts, moe.expert_intermediate_size, moe.num_layers
+    assert expert_param_count(moe) == layers * e * d * (3 * f + 1)  # stacked experts and router
+    whole = shard_count(moe, "lm", Layout())
+    assert shard_count(moe, "lm", Layout(expert=8)) == whole - expert_param_count(moe) * 7 / 8
+    assert shard_count(moe, "lm", Layout(fsdp=2, expert=4)) == (whole - expert_param_count(moe) * 3 / 4) / 2
+
+    hw, wl = get_profile("h100"), Workload(batch_size=64, prompt_len=256, gen_len=256, minibatches=1)
+    call, group = CallSpec("ref.inference", "ref", "inference"), DeviceGroup("g", 0, 8)
+    cost = call_cost(call, moe, group, Layout(expert=8), wl, hw)
+    n = 64 * 512 / 8  # tokens per device: the batch is split over the expert axis
+    ab = 2  # bfloat16 activations
+    bw = hw.link_bandwidth(False, 8, 8)  # one host's NVLink
+    gather, scatter = 8 * n * (d + e) * ab, 8 * n * d * ab
+    want = layers * ((gather + scatter) * 7 / 8 / bw + 2 * hw.collective_latency)
+    assert cost.parts["expert_comm"] == approx(want)
+    assert "expert_comm" not in call_cost(call, moe, group, Layout(data=8), wl, hw).parts
+    # the same FLOPs per device as the dense dispatch over its own tokens (e x the tokens, 1/e of the experts)
+    assert cost.flops == approx(call_cost(call, moe, group, Layout(data=8), wl, hw).flops)
+    train = call_cost(CallSpec("actor.train", "actor", "train"), moe, group, Layout(expert=8), wl, hw)
+    # forward, recomputed forward (full remat) and the backward's transposed gathers and scatters
+    assert train.parts["expert_comm"] == approx(3 * cost.parts["expert_comm"])
+
+
+def test_the_search_considers_expert_degrees_for_a_mixture_of_experts_only():
+    from jaxrlhf.graph import CallSpec
+    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.search import valid_layouts
+
+    wl = Workload(batch_size=64, prompt_len=256, gen_len=256, minibatches=1)
+    train = CallSpec("actor.train", "actor", "train")
+    moe = preset("tiny-qwen3-moe")  # 8 experts
+    degrees = {lay.expert for lay in valid_layouts(train, moe, 16, wl, max_tensor=8)}
+    assert degrees == {1, 2, 4, 8}  # the divisors of 16 that divide the 8 experts
+    assert Layout(data=2, expert=8) in valid_layouts(train, moe, 16, wl, max_tensor=8)
+    assert all(lay.stage == 1 for lay in valid_layouts(train, moe, 16, wl, max_tensor=8) if lay.expert > 1)
+    dense = preset("tiny")
+    assert {lay.expert for lay in valid_layouts(train, dense, 16, wl, max_tensor=8)} == {1}
+
+
+@pytest.mark.slow
+def test_the_plan_cli_splits_qwen3_30b_a3b_over_an_expert_axis_and_says_why(tmp_path, capsys):
+    """On 64 H100s the 128 experts' weights and their FSDP gathers dominate: the search puts the train call on
+    an expert axis, and the report prices the token gathers against the layout without it."""
+    rc = main(["--model-preset", "qwen3-30b-a3b", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
+               "algorithm.group_size=8", "--time-budget", "120", "--iterations", "20", "--out", str(tmp_path)])
+    assert rc == 0
+    plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
+    assert plan.calls["actor.train"].layout.expert > 1
+    out = capsys.readouterr().out
+    assert "expert parallelism:" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("actor.train: 128 experts over"))
+    assert "token gathers and scatters" in line and "without the expert axis" in line
