@@ -702,6 +702,47 @@ class RewardsConfig:
 
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (docs/agentic.md#environments): the policy talks to an environment, turn by turn; the
+    observations' tokens are appended to its trajectory and carry no loss."""
+
+    # a name in jaxrlhf.algorithms.environments.ENVIRONMENTS (tools: the model calls Python tools); null = the
+    # single-turn rollout
+    name: str | None = None
+    args: dict[str, Any] = _field(factory=dict)  # keyword arguments of the environment's factory, e.g. {tools: [calculator]}
+    max_turns: Int = _field(4, check=positive)  # model turns per episode; the episode ends after the last one
+    # response tokens of a whole trajectory, the model's and the observations' together; null = generation.max_new_tokens
+    max_tokens: Int | None = _field(None, check=positive)
+    max_turn_tokens: Int | None = _field(None, check=positive)  # model tokens per turn (the turn ends the episode); null = max_tokens
+    max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
+    threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
+
+    def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        if self.name is None:
+            return
+        from jaxrlhf.algorithms.environments import ENVIRONMENTS
+
+        if self.name not in ENVIRONMENTS:
+            yield f"env.name: {ENVIRONMENTS.unknown(self.name)}"
+        if not hasattr(config.algorithm, "max_staleness"):
+            yield (f"env.name={self.name} runs multi-turn rollouts, and algorithm.name={config.algorithm.name} has "
+                   "none; set env.name=null")
+        if config.generation.engine != "continuous":
+            yield (f"env.name={self.name} runs episodes on the continuous engine's paged KV cache (an observation is "
+                   f"prefilled onto its row's pages): set generation.engine=continuous (not {config.generation.engine})")
+        if config.generation.partial_rollout:
+            yield (f"env.name={self.name}: partial rollouts (generation.partial_rollout=true) do not run environments "
+                   "yet; set generation.partial_rollout=false")
+        budget = self.max_tokens or config.generation.max_new_tokens
+        if self.max_turn_tokens is not None and self.max_turn_tokens > budget:
+            yield (f"env.max_turn_tokens={self.max_turn_tokens} exceeds the trajectory's budget env.max_tokens="
+                   f"{budget}: set env.max_turn_tokens <= {budget}")
+        yield (f"env.name={self.name}: the training step does not run environments yet (episodes run in "
+               "jaxrlhf.models.multiturn.generate_multiturn, docs/agentic.md#environments); set env.name=null")
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation of the RL algorithms on data.eval_split (`run.eval_every`, `python -m
     jaxrlhf.eval`): greedy accuracy always, pass@k from `samples` sampled responses per prompt."""
@@ -728,6 +769,7 @@ class Config:
     sft: SFTConfig = _field(factory=SFTConfig)
     generation: GenerationConfig = _field(factory=GenerationConfig)
     rewards: RewardsConfig = _field(factory=RewardsConfig)
+    env: EnvConfig = _field(factory=EnvConfig)
     eval: EvalConfig = _field(factory=EvalConfig)
 
 

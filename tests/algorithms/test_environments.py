@@ -194,3 +194,20 @@ def test_single_turn_gae_is_bit_identical_to_the_plain_recursion():
     now = jax.jit(lambda r, v, m: gae(AdvantageBatch(r, m, values=v), gamma=0.99, lam=0.95))(rewards, values, mask)
     for ours, want in zip(now, before(rewards, values, mask)):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(want))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=tool"], "env.name: unknown environment 'tool'. Did you mean 'tools'?"),
+    (["env.name=tools"], "set generation.engine=continuous (not static)"),
+    (["env.name=tools", "generation.engine=continuous", "env.max_tokens=64", "env.max_turn_tokens=65"],
+     "env.max_turn_tokens=65 exceeds the trajectory's budget env.max_tokens=64"),
+    (["env.name=tools", "generation.engine=continuous"], "the training step does not run environments yet"),
+    (["env.max_turns=0"], "env.max_turns"),
+])
+def test_env_config_refusals(overrides, message):
+    from jaxrlhf.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+    load_config(None, ["env.max_turns=2"])  # the section's keys without env.name: the single-turn run
