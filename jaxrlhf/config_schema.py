@@ -718,12 +718,8 @@ class EnvConfig:
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
-        if self.name is None:
+        if self.name is None:  # an unknown name: the rollout algorithms' validation (the registry is above)
             return
-        from jaxrlhf.algorithms.environments import ENVIRONMENTS
-
-        if self.name not in ENVIRONMENTS:
-            yield f"env.name: {ENVIRONMENTS.unknown(self.name)}"
         if not hasattr(config.algorithm, "max_staleness"):
             yield (f"env.name={self.name} runs multi-turn rollouts, and algorithm.name={config.algorithm.name} has "
                    "none; set env.name=null")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
+from jaxrlhf.algorithms.environments import ENVIRONMENTS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
@@ -184,6 +185,8 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+        if cfg.env.name is not None and cfg.env.name not in ENVIRONMENTS:
+            raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
         if alg.router_replay and alg.pack_sequences:
             raise AlgorithmConfigError(
                 "algorithm.router_replay=true replays each token's experts in padded rows; packed calls do not carry "
