@@ -21,6 +21,7 @@ from jaxrlhf.models.generation import Generator, generate
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.run.endpoint import (
+    AgentRollout,
     ChatEndpoint,
     ModelBackend,
     agent_output,
@@ -244,6 +245,29 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
     assert load_agent("json:dumps") is json.dumps
     with pytest.raises(ValueError, match="module:function"):
         load_agent("no_colon")
+
+
+def test_agent_rollout_gives_the_rollout_batch(server, tokenizer):
+    """A step's rows through AgentRollout: the generate call's layout (prompt then response, positions over
+    real tokens), the sampled tokens as action_mask, the agents' rewards, the final answers, the metrics."""
+    rows = [{"text": "a dog and a cat", "score": True}, {"text": "hello world", "fail": True}]
+    limits = server.max_prompt_tokens, server.max_response_tokens
+    try:
+        rollout = AgentRollout(server, _agent, prompt_width=BUCKET, response_width=2 * NEW_TOKENS, pad_id=0,
+                               failure=-1.0)
+        assert (server.max_prompt_tokens, server.max_response_tokens) == (BUCKET, 2 * NEW_TOKENS)
+        step = rollout(rows)
+    finally:
+        server.max_prompt_tokens, server.max_response_tokens = limits
+    batch = step.output.rollout_batch()
+    assert batch["tokens"].shape == (2, BUCKET + 2 * NEW_TOKENS) and batch["action_mask"].shape == (2, 2 * NEW_TOKENS)
+    for r, row in enumerate(rows):
+        ids = _prompt_ids(tokenizer, [{"role": "user", "content": row["text"]}])
+        real = batch["tokens"][r][batch["mask"][r]].tolist()
+        assert real[:len(ids)] == ids and batch["positions"][r][batch["mask"][r]].tolist() == list(range(len(real)))
+        assert (batch["action_mask"][r] == batch["response_mask"][r]).all()  # one answer, no observations
+    assert batch["env_reward"].tolist() == [float(len(step.final_texts[0])), -1.0]
+    assert step.metrics["env/agent_failed"] == 0.5 and step.metrics["endpoint/requests"] >= 2
 
 
 def test_a_response_budget_cuts_answers_and_refuses_what_does_not_fit(server, tokenizer):

@@ -801,3 +801,37 @@ def agent_output(results: Sequence[AgentResult], *, prompt_width: int, response_
         finish.append(last.finish)
     return MultiTurnOutput(prompts, prompt_mask, tokens, response_mask, loss_mask, logprobs, lengths, rewards,
                            turns, counters, finish)
+
+
+@dataclasses.dataclass
+class AgentBatch:
+    """One step's agent episodes: the rollout's rows (`output.rollout_batch()` is the generate call's layout plus
+    `action_mask` and `env_reward`), each episode's final answer (what rule rewards score) and the step's
+    `endpoint/*` and `env/*` metrics."""
+
+    output: Any  # models.multiturn.MultiTurnOutput
+    final_texts: list[str]
+    metrics: dict[str, float]
+
+
+class AgentRollout:
+    """env.name=openai_agent: a step's rows are played by agents (`env.agent`) against the endpoint, one
+    thread and one episode each, and come back as the multi-turn rollout's rows. The endpoint's limits are
+    set to the batch's widths, so every episode fits them."""
+
+    def __init__(self, endpoint: ChatEndpoint, agent: AgentFn, *, prompt_width: int, response_width: int,
+                 pad_id: int, failure: float = 0.0, timeout_s: float | None = None,
+                 client: Callable[[str], Any] = openai_client):
+        self.endpoint, self.agent, self.client = endpoint, agent, client
+        self.prompt_width, self.response_width, self.pad_id = prompt_width, response_width, pad_id
+        self.failure, self.timeout_s = failure, timeout_s
+        endpoint.max_prompt_tokens = min(endpoint.max_prompt_tokens, prompt_width)
+        endpoint.max_response_tokens = min(endpoint.max_response_tokens or response_width, response_width)
+
+    def __call__(self, rows: Sequence[Any]) -> AgentBatch:
+        results = run_agents(self.endpoint, self.agent, rows, client=self.client, timeout_s=self.timeout_s)
+        output = agent_output(results, prompt_width=self.prompt_width, response_width=self.response_width,
+                              pad_id=self.pad_id, failure=self.failure)
+        failed = sum(r.error is not None for r in results)
+        metrics = {**self.endpoint.metrics(), **output.metrics(), "env/agent_failed": failed / max(len(rows), 1)}
+        return AgentBatch(output, [r.episode.final_text for r in results], metrics)
