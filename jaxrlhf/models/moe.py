@@ -17,8 +17,23 @@ combine). So each token's output is exactly the weighted sum over its k experts 
 has static shapes and no gathers or sorts, which makes it simple to differentiate and to shard by the
 existing logical axes. Its cost is num_experts / k times the useful FLOPs and a [tokens, experts, mlp]
 intermediate: right for the tiny and small models this runs today; real-size MoE training wants a
-grouped (sorted, `jax.lax.ragged_dot`) dispatch and expert parallelism (the `expert` axis mapped to a
-mesh axis), which are not here yet (docs/models.md).
+grouped (sorted, `jax.lax.ragged_dot`) dispatch, which is not here yet (docs/models.md).
+
+Expert parallelism (a layout's `expert` degree e > 1, the logical EXPERT axis on the "expert" mesh axis;
+`expert_parallel`): each device holds num_experts / e experts, and the batch is split over the expert axis
+as over data everywhere else. Inside a `shard_map`, a device all-gathers its expert group's tokens and their
+combine weights over the axis, runs its own experts on all of them with the dense dispatch above, and the
+partial sums are reduce-scattered back to the tokens' devices (summed over the tensor axis too, each device
+having run its slice of every local expert's MLP). Why this and not an all-to-all: the all-to-all dispatch
+that sends each token only to the devices of its k experts must, to be exact (no token dropped), give
+every destination a buffer of (tokens x min(k, num_experts / e)) rows, and its dense compute then runs
+every expert on every buffer row; the gather sends each token once to each peer ((e - 1) x tokens x
+(hidden + num_experts) bytes in, (e - 1) x tokens x hidden out per device and layer), k times fewer
+bytes than the exact all-to-all for k <= num_experts / e, and the FLOPs per device are the dense
+dispatch's over the device's own tokens. The all-to-all wins only with a capacity factor that may drop
+tokens or a grouped dispatch, neither of which is here. Gradients flow through `all_gather` and
+`psum_scatter`, whose transposes are each other; the planner prices exactly this (`planner.cost`,
+`expert_comm`; `planner.memory.expert_gather_bytes`).
 
 Router statistics: `SparseMLP` returns its router logits beside its output; the trunk
 (`transformer.Transformer`) stacks them over layers and hands them to `record`, which keeps them only
