@@ -666,6 +666,26 @@ class GenerationConfig:
                    "generation.ignore_eos=true (and rewards.eos_only=false)")
 
 
+def tcp_port(value: Any) -> str | None:
+    return None if value is None or 0 <= value <= 65535 else "must be a TCP port in [0, 65535] (0 = any free port)"
+
+
+@_no_extra_keys
+@dataclasses.dataclass(frozen=True)
+class AgentServerConfig:
+    """env.server: the OpenAI-compatible endpoint that `env.agent` agents talk to
+    (docs/agentic.md#the-agent-endpoint); each episode's base URL is http://{host}:{port}/episodes/{id}/v1."""
+
+    port: Int = _field(0, check=tcp_port)  # 0 = any free port
+    # the address it listens on; another than 127.0.0.1 / localhost / ::1 is reachable from other machines (and
+    # unauthenticated: anyone who reaches it samples from the policy), so it prints a warning
+    host: str = _field("127.0.0.1", check=not_empty)
+    window_ms: Float = _field(10.0, check=non_negative)  # how long a generate call waits to gather more requests
+    # an agent still running after this many seconds fails its episode (later requests get 404); null = no limit
+    agent_timeout_s: Float | None = _field(None, check=positive)
+    failure: Float = 0.0  # the reward of an episode whose agent raised or timed out
+
+
 @_no_extra_keys
 @dataclasses.dataclass(frozen=True)
 class RewardRule:

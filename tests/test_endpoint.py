@@ -429,3 +429,16 @@ def test_placed_backend_answers_on_the_generate_placement(model, tokenizer, devi
         tokens, logprobs = _greedy(model, _prompt_ids(tokenizer, messages))
         assert reply.choices[0].message.content == tokenizer.decode([t for t in tokens if t != IM_END])
         np.testing.assert_allclose(endpoint.close_episode(episode).segments[0].logprobs, logprobs, atol=1e-4)
+    # the same placement through the run's builder, from the config's env.server keys
+    from jaxrlhf.config_schema import AgentServerConfig
+
+    rollout = AgentRollout.for_run(AgentServerConfig(window_ms=50.0, failure=-1.0), _agent, executor=executor,
+                                   generate=generate_fn, tokenizer=tokenizer, batch_size=2, prompt_width=BUCKET,
+                                   response_width=NEW_TOKENS, max_new_tokens=NEW_TOKENS,
+                                   max_positions=model.config.max_position_embeddings, min_bucket=BUCKET)
+    try:
+        step = rollout([{"text": "a dog and a cat", "score": True}, {"text": "hello world", "fail": True}])
+    finally:
+        rollout.close()
+    assert step.output.response_tokens[0][step.output.response_mask[0]].tolist() == tokens
+    assert step.output.env_reward.tolist() == [float(len(step.final_texts[0])), -1.0]

@@ -828,6 +828,26 @@ class AgentRollout:
         endpoint.max_prompt_tokens = min(endpoint.max_prompt_tokens, prompt_width)
         endpoint.max_response_tokens = min(endpoint.max_response_tokens or response_width, response_width)
 
+    @classmethod
+    def for_run(cls, server: Any, agent: AgentFn | str, *, executor: Any, generate: Callable[..., Any],
+                tokenizer: Tokenizer, batch_size: int, prompt_width: int, response_width: int, max_new_tokens: int,
+                max_positions: int, sampling: Any = None, seed: int = 0, call: str = "actor.generate",
+                min_bucket: int = 16, warn: Callable[[str], None] = print) -> "AgentRollout":
+        """The run's agent rollout: `server` is the config's `env.server` (`config_schema.AgentServerConfig`),
+        `agent` its `env.agent` ("module:function"), generation on `call`'s placement through `executor` with
+        `generate` (the rollout's `generate_call` bound to the run's sampling settings, prefix "")."""
+        backend = PlacedBackend(executor, generate, pad_id=tokenizer.pad_id, max_new_tokens=max_new_tokens,
+                                max_positions=max_positions, batch_size=batch_size, sampling=sampling, call=call,
+                                seed=seed, min_bucket=min_bucket)
+        endpoint = ChatEndpoint(backend, tokenizer, host=server.host, port=server.port, batch_size=batch_size,
+                                window_s=server.window_ms / 1000, warn=warn)
+        return cls(endpoint, load_agent(agent) if isinstance(agent, str) else agent, prompt_width=prompt_width,
+                   response_width=response_width, pad_id=tokenizer.pad_id, failure=server.failure,
+                   timeout_s=server.agent_timeout_s)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
     def __call__(self, rows: Sequence[Any]) -> AgentBatch:
         results = run_agents(self.endpoint, self.agent, rows, client=self.client, timeout_s=self.timeout_s)
         output = agent_output(results, prompt_width=self.prompt_width, response_width=self.response_width,
