@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,11 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
             {"text": "hello world", "fail": True}, {"text": "12 + 7 = 19", "score": True}]
     calls = server.batcher.calls
     results = run_agents(server, _agent, [*rows, {"early": True}])
+    for _ in range(100):  # each agent's client is closed, so no server thread is left waiting on its connection
+        if not any("process_request" in t.name for t in threading.enumerate()):
+            break
+        time.sleep(0.02)
+    assert not any("process_request" in t.name for t in threading.enumerate())
     assert server.batcher.calls - calls < len(rows)  # gathered into fewer generate calls than requests
     assert results[-1].error == "ValueError: no request at all" and not results[-1].episode.segments
     batch = agent_output(results, prompt_width=BUCKET, response_width=2 * NEW_TOKENS, pad_id=0, failure=-1.0)

@@ -47,6 +47,7 @@ from jaxrlhf.models.tools import ParsedToolCalls, ToolSchemaError, detect_tool_f
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused before it is read
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+IDLE_CONNECTION_S = 120  # an open connection's thread waits this long for its next request
 EPISODE_PATH = re.compile(r"^/episodes/(?P<episode>[A-Za-z0-9_.-]+)/v1/(?P<route>chat/completions|models)/?$")
 
 
@@ -603,6 +604,7 @@ def _is_loopback(host: str) -> bool:
 def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = IDLE_CONNECTION_S  # a kept-alive connection no request comes on is closed (its thread ends)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             pass  # one line per request would flood the run's log
@@ -722,9 +724,10 @@ def run_agents(endpoint: ChatEndpoint, agent: AgentFn, rows: Sequence[Any], *,
 
     def one(i: int) -> None:
         episode = episodes[i]
-        reward, error = None, None
+        reward, error, session = None, None, None
         try:
-            value = agent(client(endpoint.base_url(episode)), rows[i])
+            session = client(endpoint.base_url(episode))
+            value = agent(session, rows[i])
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
                         or not np.isfinite(value):
@@ -732,6 +735,9 @@ def run_agents(endpoint: ChatEndpoint, agent: AgentFn, rows: Sequence[Any], *,
                 reward = float(value)
         except Exception as e:  # noqa: BLE001 - an agent's failure is its episode's, not the run's
             error = f"{type(e).__name__}: {e}"
+        finally:
+            if hasattr(session, "close"):  # its kept-alive connections, so no server thread waits on them
+                session.close()
         results[i] = AgentResult(endpoint.close_episode(episode), reward, error)
 
     threads = [threading.Thread(target=one, args=(i,), name=f"agent-{i}", daemon=True) for i in range(len(rows))]
