@@ -85,11 +85,14 @@ def packed_sequence_data(inputs: dict[str, Any]) -> dict[str, jax.Array]:
 def packed_sequence_logprobs(model: nnx.Module, mb: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
     """Summed log-probs of each slot's counted tokens, and their counts ([slots] each)."""
     pk = mb["packed"]
+    # logits only at the real tokens' read positions (`packing`'s `take`), put back on the [slots, L - 1] grid
     logits, _ = model(pk["tokens"], pk["positions"], pk["segments"] > 0, segment_ids=pk["segments"],
-                      read_at=pk["read"])
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    logp = jnp.take_along_axis(logp, mb["targets"][..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.sum(logp * mb["counted"], axis=1), jnp.sum(mb["counted"], axis=1)
+                      read_at=pk["take"][:, None])
+    logp = jax.nn.log_softmax(logits.reshape(-1, logits.shape[-1]).astype(jnp.float32), axis=-1)
+    targets = jnp.take(mb["targets"].reshape(-1), pk["take_from"], mode="fill", fill_value=0)
+    logp = jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    grid = jnp.zeros(mb["targets"].size, logp.dtype).at[pk["take_from"]].set(logp, mode="drop")
+    return jnp.sum(grid.reshape(mb["targets"].shape) * mb["counted"], axis=1), jnp.sum(mb["counted"], axis=1)
 
 
 def packed_pair_logprobs(

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction_weights
@@ -126,14 +126,35 @@ def packed_output(model: nnx.Module, batch: dict[str, Any], at: str = "read") ->
 
 def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "batch new vocab"]:
     """The logits that predict the response tokens, computed for those positions only (the prompt's
-    full-vocabulary logits are never built); from packed rows when the batch is packed. A batch holding
+    full-vocabulary logits are never built); from packed rows when the batch is packed, and then only
+    where a real response token is predicted ([reads, vocab], `packing`'s `take`: `response_targets` are
+    the tokens they predict, `on_response_grid` puts per-token results back). A batch holding
     the rollout's experts (`ROUTED`, router replay) routes every token to them (`moe.replaying`)."""
-    if "packed" in batch:
-        return packed_output(model, batch)
+    if "packed" in batch:  # [s, P] read as [s, 1, P]: rows of the matmul-shaped [s, P, vocab]
+        pk = batch["packed"]
+        logits = packed_output(model, {"packed": {**pk, "take": pk["take"][:, None]}}, "take")
+        return logits.reshape(-1, logits.shape[-1])
     experts = batch.get(ROUTED)
     with replaying(None if experts is None else jnp.moveaxis(experts, 2, 0)):  # [layers, batch, length, k]
         logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
     return logits[:, :-1]
+
+
+def response_targets(batch: dict[str, Any]) -> Int[Array, "..."]:
+    """The tokens `response_logits` predict: the response grid, or a packed batch's taken ones."""
+    if "packed" not in batch:
+        return batch["response_tokens"]
+    return jnp.take(batch["response_tokens"].reshape(-1), batch["packed"]["take_from"], mode="fill", fill_value=0)
+
+
+def on_response_grid(batch: dict[str, Any], values: Float[Array, "..."]) -> Float[Array, "batch new"]:
+    """Per-token `values` at `response_logits`' positions on the [batch, new] response grid (a packed
+    batch's cells that hold no real response token: 0)."""
+    if "packed" not in batch:
+        return values
+    rows, new = batch["response_tokens"].shape
+    flat = jnp.zeros(rows * new, values.dtype).at[batch["packed"]["take_from"]].set(values, mode="drop")
+    return flat.reshape(rows, new)
 
 
 
@@ -185,8 +206,8 @@ def policy_logprobs(
     p = 0 if packed is not None else inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
 
     def one(b):
-        logp = token_logprobs(response_logits(model, b, p), b["response_tokens"], sampling)
-        return {output: jnp.where(b["response_mask"], logp, 0.0)}
+        logp = token_logprobs(response_logits(model, b, p), response_targets(b), sampling)
+        return {output: jnp.where(b["response_mask"], on_response_grid(b, logp), 0.0)}
 
     if packed is not None:
         return map_packed(one, {k: inputs[k] for k in RESPONSE}, packed)
@@ -320,9 +341,9 @@ def actor_train(
             logits, router = forward_with_router_logits(functools.partial(response_logits, model), mb, p)
         else:
             logits = response_logits(model, mb, p)
-        logp = token_logprobs(logits, mb["response_tokens"], s.sampling)
+        logp = on_response_grid(mb, token_logprobs(logits, response_targets(mb), s.sampling))
         logp = jnp.where(mb["response_mask"], logp, 0.0)
-        ent = entropy(logits, s.sampling)
+        ent = on_response_grid(mb, entropy(logits, s.sampling))
         mask = mb.get("loss_mask", model_tokens(mb))  # a correction's mask: no sequences it dropped
         weights = {"token_weights": mb["is_weight"]} if "is_weight" in mb else {}
         # a packed micro-batch's empty slots are no rows (Dr. GRPO's normaliser counts rows)

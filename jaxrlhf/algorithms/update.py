@@ -134,7 +134,9 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
     """Micro-batch `k` of one update's packing (arrays [s, K, ...]; `k` None: all K merged into one,
     as a pipelined call runs them): the packed rows ([s * R, T]) and positions to read under
     "packed", and `data`'s per-sequence arrays gathered for its slots ([s * M, ...]; an empty slot gets
-    zeros, so its masks are False), with `row_valid` marking the slots that hold a sequence."""
+    zeros, so its masks are False), with `row_valid` marking the slots that hold a sequence. `take`
+    ([s, P]) and `take_from` ([s * P] into the flattened [s * M, N] grid) are the real response
+    tokens' read positions (`models.packing`)."""
     s = packed["slots"].shape[0]
     if k is None:  # [s, K, R, T] -> [s, K * R, T]; a slot's flat index moves by its micro-batch's rows
         kk, r, t = packed["tokens"].shape[1:4]
@@ -142,6 +144,10 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
         part = {name: x.reshape(s, -1, *x.shape[3:]) for name, x in packed.items() if name in ("tokens", "positions", "segments")}
         part["read"] = (packed["read"] + offset[None, :, None, None]).reshape(s, -1, packed["read"].shape[-1])
         part["last"] = (packed["last"] + offset[None, :, None]).reshape(s, -1)
+        part["take"] = (packed["take"] + offset[None, :, None]).reshape(s, -1)
+        grid = packed["slots"].shape[2] * packed["read"].shape[-1]  # a micro-batch's M * N
+        k_grid = jnp.arange(kk, dtype=jnp.int32)[None, :, None] * grid
+        part["take_from"] = jnp.where(packed["take_from"] < grid, packed["take_from"] + k_grid, kk * grid).reshape(s, -1)
         part["slots"] = packed["slots"].reshape(s, -1)
     else:
         part = {name: jnp.asarray(x)[:, k] for name, x in packed.items()}
@@ -150,8 +156,13 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
     gathered = jax.tree_util.tree_map(
         lambda x: jnp.take(x, slots, axis=0, mode="fill", fill_value=0) if jnp.ndim(x) else x, data)
     flat = lambda name: part[name].reshape(-1, part[name].shape[-1])  # noqa: E731
+    # `take_from` indexes one shard's [M, N] grid: over all shards' [s * M, N] (s * M * N = none)
+    grid = part["read"].shape[1] * part["read"].shape[2]
+    shard_grid = jnp.arange(s, dtype=jnp.int32)[:, None] * grid
+    take_from = jnp.where(part["take_from"] < grid, part["take_from"] + shard_grid, s * grid).reshape(-1)
     gathered["packed"] = {"tokens": flat("tokens"), "positions": flat("positions"), "segments": flat("segments"),
-                          "read": part["read"], "last": part["last"], "slots": slots}
+                          "read": part["read"], "last": part["last"], "slots": slots,
+                          "take": part["take"], "take_from": take_from}
     gathered["row_valid"] = slots < rows
     return gathered
 

@@ -23,6 +23,14 @@ per update, `R` rows and `M` sequence slots per shard and micro-batch, `N` respo
                                                     of the position whose output predicts response
                                                     token n (0 where there is none)
     last                          [s, U, K, M]      flat index of the sequence's last real token
+    take                          [s, U, K, P]      the `read` positions of real response tokens only,
+                                                    compacted (0 past the last): an LM head reads these
+    take_from                     [s, U, K, P]      where each `take` entry sits in the shard's [M, N]
+                                                    slot grid (slot * N + n; M * N = none)
+
+An LM's loss and log-probs read `take`, not the [M, N] grid: the grid holds every slot's whole response
+width (a long tail's longest), while `take` holds the P real response tokens (`size_bucket` of the most
+any micro-batch holds), so the full-vocabulary logits are built only where a token is predicted.
 
 Updates are the train call's minibatches of every epoch (the same rows `update.minibatch_indices`
 draws, so a packed run trains on the same minibatches as an unpacked one); an inference call has one.
@@ -44,7 +52,7 @@ import numpy as np
 
 from jaxrlhf.models.lengths import bucket_length
 
-PACKED_FIELDS = ("tokens", "positions", "segments", "slots", "read", "last")
+PACKED_FIELDS = ("tokens", "positions", "segments", "slots", "read", "last", "take", "take_from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +127,16 @@ def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None,
 
 @dataclasses.dataclass(frozen=True)
 class PackedShape:
-    """The shapes of one packing: `updates` x `micro_batches`, each with `rows` rows of `width` tokens
-    and `slots` sequence slots per shard. The planner prices a packed call with it (`planner.cost`)."""
+    """The shapes of one packing: `updates` x `micro_batches`, each with `rows` rows of `width` tokens,
+    `slots` sequence slots and `reads` read positions (`take`: real response tokens) per shard. The
+    planner prices a packed call with it (`planner.cost`)."""
 
     updates: int
     micro_batches: int
     rows: int
     slots: int
     width: int
+    reads: int = 0
 
     @property
     def tokens_per_shard(self) -> int:
@@ -136,10 +146,12 @@ class PackedShape:
 
 def packing_layout(
     lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None, group: int = 1,
+    reads: np.ndarray | None = None,
 ) -> tuple[list[list[list[list[list[int]]]]], PackedShape]:
     """Where each sequence goes (per update, micro-batch, shard and row: sequence indices) for sequences
-    of `lengths` real tokens trained in `updates` ([U, rows]) in rows of `width` tokens, every `group`
-    consecutive rows of an update in one micro-batch, and the packing's shapes."""
+    of `lengths` real tokens (`reads` of them real response tokens; default none) trained in `updates`
+    ([U, rows]) in rows of `width` tokens, every `group` consecutive rows of an update in one
+    micro-batch, and the packing's shapes."""
     if int(np.max(lengths, initial=0)) > width:
         raise ValueError(f"a sequence of {int(np.max(lengths))} tokens does not fit a row of {width}")
     plan = []
@@ -152,6 +164,8 @@ def packing_layout(
         rows=size_bucket(max(len(rows) for m in plan for mb in m for rows in mb)),
         slots=size_bucket(max(sum(len(row) for row in rows) for m in plan for mb in m for rows in mb)),
         width=width,
+        reads=0 if reads is None else size_bucket(
+            max(sum(int(reads[i]) for row in rows for i in row) for m in plan for mb in m for rows in mb)),
     )
     return plan, shape
 
@@ -177,7 +191,8 @@ def pack_batch(
     b, l = mask.shape
     p = l - response_width  # padded prompt width: position p - 1 + n predicts response token n
     lengths = mask.sum(axis=1).astype(np.int64)
-    plan, shape = packing_layout(lengths, updates, shards, l, budget, group)
+    answered = mask[:, p:] & mask[:, p - 1:-1]  # real response tokens predicted by a real position
+    plan, shape = packing_layout(lengths, updates, shards, l, budget, group, reads=answered.sum(axis=1))
     u, k, r, m_slots, width = shape.updates, shape.micro_batches, shape.rows, shape.slots, shape.width
     out = {
         "tokens": np.zeros((shards, u, k, r, width), np.int32),
@@ -186,12 +201,14 @@ def pack_batch(
         "slots": np.full((shards, u, k, m_slots), b, np.int32),
         "read": np.zeros((shards, u, k, m_slots, response_width), np.int32),
         "last": np.zeros((shards, u, k, m_slots), np.int32),
+        "take": np.zeros((shards, u, k, shape.reads), np.int32),
+        "take_from": np.full((shards, u, k, shape.reads), m_slots * response_width, np.int32),
     }
     cols = np.arange(l)
     for ui, update in enumerate(plan):
         for ki, mb in enumerate(update):
             for si, rows in enumerate(mb):
-                slot = 0
+                slot = taken = 0
                 for ri, row in enumerate(rows):
                     at = 0
                     for seg, i in enumerate(row, start=1):
@@ -205,6 +222,11 @@ def pack_batch(
                         where[real] = ri * width + at + np.arange(n)
                         src = where[p - 1 + np.arange(response_width)]
                         out["read"][si, ui, ki, slot] = np.where(src >= 0, src, 0)
+                        cols_read = np.flatnonzero(answered[i])
+                        n_read = len(cols_read)
+                        out["take"][si, ui, ki, taken:taken + n_read] = src[cols_read]
+                        out["take_from"][si, ui, ki, taken:taken + n_read] = slot * response_width + cols_read
+                        taken += n_read
                         out["last"][si, ui, ki, slot] = ri * width + at + n - 1
                         out["slots"][si, ui, ki, slot] = i
                         at += n

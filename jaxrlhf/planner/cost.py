@@ -98,15 +98,16 @@ def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, 
     `updates` equal parts per epoch (1: an inference call)."""
     wl = Workload(batch_size=rows, prompt_len=prompt_len, gen_len=gen_len, minibatches=updates,
                   gen_len_median=median, gen_len_sigma=sigma)
-    lengths = wl.response_lengths(rows) + prompt_len
+    responses = wl.response_lengths(rows)
     order = np.arange(rows).reshape(updates, -1)
     parts = np.concatenate([order] * epochs)
-    # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`)
-    shapes = [packing_layout(batch, parts, ways, prompt_len + response_width(int(batch.max()) - prompt_len, gen_len),
-                             budget)[1] for batch in lengths]
+    # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`); every
+    # response token read (`take`)
+    shapes = [packing_layout(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
+                             budget, reads=batch)[1] for batch in responses]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
     return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
-                       slots=mean("slots"), width=mean("width"))
+                       slots=mean("slots"), width=mean("width"), reads=mean("reads"))
 
 
 def _per_role(value: Any, role: str | None, default: Any) -> Any:
@@ -605,8 +606,10 @@ class _Ctx:
                 "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0,
                 "expert_comm": 0.0, "expert_bytes": 0.0}
 
-    def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int) -> dict[str, float]:
-        """One forward over `tokens_dev` tokens per device in `micro` micro-batches.
+    def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int,
+                head_tokens: float | None = None) -> dict[str, float]:
+        """One forward over `tokens_dev` tokens per device in `micro` micro-batches, the output head over
+        `head_tokens` of them (default all: a packed call reads only its real response tokens).
 
         Pipelined (S stages): M + S - 1 iterations of a block of num_layers / S layers,
         each followed by the hand-off of one micro-batch's activation to the next stage.
@@ -614,7 +617,8 @@ class _Ctx:
         cfg, S = self.cfg, self.stages
         tok = tokens_dev / micro
         runs = micro + S - 1
-        parts = [self._block(tok, keys, cfg.num_layers / S, runs), self._head(tok, micro)]
+        head_tok = tok if head_tokens is None else head_tokens / micro
+        parts = [self._block(tok, keys, cfg.num_layers / S, runs), self._head(head_tok, micro)]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
         out["compute"] = max(out["flops"] / self.flops_s, out["hbm"] / self.mem_bw)
         hand_off = tok * cfg.hidden_size * self.act_bytes
@@ -676,9 +680,18 @@ def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, 
     return shape.micro_batches * shape.rows * shape.width / c.c, shape.width, seqs, shape.micro_batches
 
 
+def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
+    """Tokens per device one forward's output head runs over: a packed call's read positions (its real
+    response tokens, `PackedShape.reads` per micro-batch); None: every token of `forward_shape`."""
+    if not wl.packed:
+        return None
+    shape = wl.packed_shape(call, c.batch_ways)
+    return shape.micro_batches * shape.reads / c.c
+
+
 def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro)
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call))
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
     if c.c > 1:
@@ -702,7 +715,7 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw, lay = c.cfg, c.hw, c.layout
     steps = wl.minibatches * wl.ppo_epochs
     tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro)
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call))
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
     # forward, backward = 2 forwards (input and weight gradients), recomputed forward; under LoRA the
     # frozen base has no weight gradients, so the backward is about one forward (the adapters are tiny)

@@ -189,11 +189,11 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     logit_tok = _logit_tokens(call, tok, wl)
     keys = wl.seq_len / layout.context  # the keys one score matrix holds: a ring's block
     width = wl.seq_len  # a row's tokens
-    if wl.packed:  # a micro-batch's packed rows; logits only where they are read (each slot's response)
+    if wl.packed:  # a micro-batch's packed rows; logits only where they are read (its real response tokens)
         shape = wl.packed_shape(call, batch_ways)
         micro, keys, width = shape.micro_batches, shape.width / layout.context, shape.width
         tok = shape.rows * shape.width / layout.context
-        logit_tok = shape.slots * wl.gen_len
+        logit_tok = shape.reads
     ring = tok * _per_token_widths(cfg, t)[2] * ab if layout.context > 1 else 0.0  # the block arriving
     # Pipeline: the current micro-batch's activation and the one arriving from the previous stage.
     hand_off = 2 * tok * cfg.hidden_size * ab if layout.stage > 1 else 0.0

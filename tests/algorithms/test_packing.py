@@ -67,6 +67,9 @@ def test_a_packing_by_hand():
     # padded prompt width 3: padded columns 2 and 3 predict response tokens 0 and 1; flat = row * 5 + column
     np.testing.assert_array_equal(out["read"][0, 0, 0], [[2, 3], [6, 7], [8, 9]])
     np.testing.assert_array_equal(out["last"][0, 0, 0], [3, 7, 9])
+    # only the real response tokens are taken (each response's token 0), and where they sit in the grid
+    np.testing.assert_array_equal(out["take"][0, 0, 0], [2, 6, 8])
+    np.testing.assert_array_equal(out["take_from"][0, 0, 0], [0, 2, 4])
     assert (stats.real_tokens, stats.packed_tokens, stats.padded_tokens) == (9, 10, 15)
 
 
@@ -199,12 +202,15 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
     lengths = wl.response_lengths(64) + 16
     updates = np.arange(64).reshape(4, 16)
     runtime = [pack_batch(np.arange(16 + 512)[None, :] < n[:, None], np.ones((64, 528), np.int32),
-                          np.zeros((64, 528), np.int32), 512, updates, shards=2, budget=2048)[0]["tokens"].shape
+                          np.zeros((64, 528), np.int32), 512, updates, shards=2, budget=2048)[0]
                for n in lengths]
+    runtime = [(*out["tokens"].shape, out["take"].shape[-1]) for out in runtime]
     shape = packed.packed_shape(train, 2)
     assert len(runtime) == LENGTH_BATCHES
-    assert (shape.updates, shape.micro_batches, shape.rows, shape.width) == tuple(
-        int(np.ceil(np.mean([s[i] for s in runtime]))) for i in (1, 2, 3, 4))
+    # the priced shape is the runtime's: rows, their width, and the read positions the LM head runs over
+    assert (shape.updates, shape.micro_batches, shape.rows, shape.width, shape.reads) == tuple(
+        int(np.ceil(np.mean([s[i] for s in runtime]))) for i in (1, 2, 3, 4, 5))
+    assert shape.reads < shape.slots * 512 / 4  # the real response tokens, not every slot's whole width
     hw, cfg = get_profile("cpu"), preset("small")
     group, layout = DeviceGroup("all", 0, 2), Layout(data=2)
     for call in (train, infer):
