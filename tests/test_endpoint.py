@@ -216,13 +216,16 @@ def _agent(client, row):
 def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(server, model, tokenizer):
     rows = [{"text": "a dog and a cat", "score": True}, {"text": "the cat sat on the mat"},
             {"text": "hello world", "fail": True}, {"text": "12 + 7 = 19", "score": True}]
-    calls = server.batcher.calls
+    def connection_threads():
+        return sum("process_request" in t.name for t in threading.enumerate())
+
+    calls, before = server.batcher.calls, connection_threads()
     results = run_agents(server, _agent, [*rows, {"early": True}])
     for _ in range(100):  # each agent's client is closed, so no server thread is left waiting on its connection
-        if not any("process_request" in t.name for t in threading.enumerate()):
+        if connection_threads() <= before:
             break
         time.sleep(0.02)
-    assert not any("process_request" in t.name for t in threading.enumerate())
+    assert connection_threads() <= before
     assert server.batcher.calls - calls < len(rows)  # gathered into fewer generate calls than requests
     assert results[-1].error == "ValueError: no request at all" and not results[-1].episode.segments
     batch = agent_output(results, prompt_width=BUCKET, response_width=2 * NEW_TOKENS, pad_id=0, failure=-1.0)
@@ -329,6 +332,32 @@ def test_refusals_are_http_errors(server, tokenizer):
     server.close_episode(episode)
     with pytest.raises(openai.NotFoundError):  # an ended episode takes no more requests
         client.chat.completions.create(model="policy", messages=messages)
+
+
+class _BrokenBackend:
+    """A generate call that fails (a device error, say): the error path, no model needed."""
+
+    max_new_tokens, max_positions = 4, 512
+
+    def __call__(self, contexts):
+        raise RuntimeError("the device fell over")
+
+
+def test_a_failed_generate_call_is_a_500_and_a_huge_body_a_413(tokenizer):
+    with ChatEndpoint(_BrokenBackend(), tokenizer) as endpoint:
+        episode = endpoint.open_episode()
+        client = openai_client(endpoint.base_url(episode))
+        with pytest.raises(openai.InternalServerError, match="the device fell over"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert episode.requests == 0 and not episode.segments  # a failed call leaves no record
+        conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=30)
+        conn.putrequest("POST", f"/episodes/{episode.episode_id}/v1/chat/completions")
+        conn.putheader("Content-Length", str(64 * 2**20))  # announced, never sent: refused before it is read
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 413 and "over" in json.loads(response.read())["error"]["message"]
+        conn.close()
+        assert endpoint.metrics()["endpoint/refused"] == 2
 
 
 def test_binds_to_localhost_unless_told(model, tokenizer):

@@ -119,6 +119,10 @@ class Episode:
                 return "text", tokenizer.encode(text[len(recorded):])
         return "rewrite", list(prompt_ids)
 
+    def context_of(self, how: str, ids: list[int]) -> list[int]:
+        """The ids the model continues for a request `match` placed (nothing recorded yet)."""
+        return self.segments[-1].ids + list(ids) if how in ("tokens", "text") else list(ids)
+
     def context_length(self, how: str, ids: list[int]) -> int:
         return len(self.segments[-1].ids) + len(ids) if how in ("tokens", "text") else len(ids)
 
@@ -524,8 +528,8 @@ class ChatEndpoint:
                 raise EndpointError(404, f"episode {episode.episode_id!r} has ended", code="episode_not_found")
             how, ids = episode.match(prompt_ids, text, self.tokenizer, self.prefix)
             room = self._check_limits(episode, how, ids)  # refused before recording: a refusal leaves no trace
-            context = episode.extend(how, ids)
-            sample = self.batcher.submit(context).result()
+            context = episode.context_of(how, ids)
+            sample = self.batcher.submit(context).result()  # a failed call raises here: nothing recorded
             tokens, logprobs = sample.tokens, sample.logprobs
             finish = "stop" if sample.ended_with_eos else "length"
             cap = min(request.max_tokens or len(tokens), room)
@@ -537,6 +541,7 @@ class ChatEndpoint:
             if cut is not None:
                 k, content = cut
                 tokens, logprobs, finish = tokens[:k], logprobs[:k], "stop"
+            episode.extend(how, ids)
             episode.segments[-1].append(tokens, logprobs)
             episode.final_text = content
         run_temperature = getattr(getattr(self.backend, "sampling", None), "temperature", request.temperature)
