@@ -15,8 +15,9 @@ Device functions (pure, jitted, static `MultiTurnSpec`), over a `MultiTurnState`
 - `start`: the prompts prefilled once (dense, as the other engines), cut into each row's first pages,
   and each row's first token sampled from the prefill logits.
 - `decode`: up to `steps` decode steps of every running row (`lax.while_loop`); a row that samples an
-  end-of-turn token stops (AWAIT), one that fills its turn budget (`max_turn_tokens`) or the trajectory
-  budget (`max_tokens`) is done.
+  end-of-turn token stops (AWAIT), and so does one that fills its turn budget (`max_turn_tokens`: the turn
+  is cut; the host closes it with an end-of-turn token, a loss-masked observation token, before the
+  observation); one that fills the trajectory's budget (`max_tokens`) is done.
 - `extend`: the waiting rows named by `extending` take their observation tokens and resume.
 
 `generate_multiturn` is the host loop: `decode` a chunk, hand the rows that ended a turn to their
@@ -50,9 +51,8 @@ from jaxrlhf.models.transformer import PagedKVCache, split_layers, write_pages
 
 RUNNING, AWAIT, DONE = 0, 1, 2  # a row's status
 # why a row is done (MultiTurnState.finish): the host's reasons (the environment ended it) come after
-NOT_DONE, TURN_TOKENS, MAX_TOKENS, ENV_DONE, MAX_TURNS = 0, 1, 2, 3, 4
-FINISH_NAMES = {NOT_DONE: "", TURN_TOKENS: "turn_tokens", MAX_TOKENS: "max_tokens", ENV_DONE: "done",
-                MAX_TURNS: "max_turns"}
+NOT_DONE, MAX_TOKENS, ENV_DONE, MAX_TURNS = 0, 1, 2, 3
+FINISH_NAMES = {NOT_DONE: "", MAX_TOKENS: "max_tokens", ENV_DONE: "done", MAX_TURNS: "max_turns"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,10 @@ def _record(spec: MultiTurnSpec, st: MultiTurnState, write: Bool[Array, "rows"],
     n, turn_len = st.n + write, st.turn_len + write
     full = n >= spec.max_tokens
     turn_full = turn_len >= spec.max_turn_tokens
-    await_ = write & is_eos  # the environment sees every finished turn (the host ends a row with no room)
-    done = write & ~is_eos & (full | turn_full)
-    finish = jnp.where(done, jnp.where(full, MAX_TOKENS, TURN_TOKENS), st.finish)
+    # the environment sees every finished turn, and a turn cut at its budget (the host ends a row with no room)
+    await_ = write & (is_eos | (turn_full & ~full))
+    done = write & ~await_ & full
+    finish = jnp.where(done, MAX_TOKENS, st.finish)
     return st.replace(
         tokens=st.tokens.at[r, at].set(token, mode="drop"), logp=st.logp.at[r, at].set(logp, mode="drop"),
         loss_mask=st.loss_mask.at[r, at].set(True, mode="drop"), n=n, turn_len=turn_len,
@@ -323,14 +324,21 @@ def generate_multiturn(
     reward, turns = np.zeros(R, np.float32), np.zeros(R, np.int32)
     counters: list[dict[str, float]] = [{} for _ in range(R)]
     turn_start = np.zeros(R, np.int64)  # response index where the current turn began
+    cut = np.zeros(R, bool)  # the waiting turn ran out of tokens (no end-of-turn token)
+    host_ended = np.zeros(R, bool)
+    if not spec.eos_ids:
+        raise ValueError("multi-turn generation needs end-of-turn (EOS) ids: a turn ends on one")
     stepping: dict[int, concurrent.futures.Future] = {}
     width = spec.extend_width - 1
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
         while True:
-            status, n, tokens = jax.device_get((st.status, st.n, st.tokens))
+            status, n, tokens, ended = jax.device_get((st.status, st.n, st.tokens, st.ended))
             for i in np.flatnonzero(status == AWAIT):
                 if i not in stepping:
                     turns[i] += 1
+                    cut[i] = not ended[i]
+                    if cut[i]:
+                        counters[i]["turn_cut"] = counters[i].get("turn_cut", 0.0) + 1.0
                     text = decode_text(tokens[i, turn_start[i]:n[i]])  # the turn, its end-of-turn token dropped
                     stepping[i] = pool.submit(envs[i].step, text)
             if not stepping and not (status == RUNNING).any():
@@ -348,6 +356,8 @@ def generate_multiturn(
                 for key, value in result.info.items():
                     counters[i][key] = counters[i].get(key, 0.0) + float(value)
                 ids = [] if result.done or result.observation is None else encode(result.observation.text)
+                if ids and cut[i]:  # a cut turn is closed as the model would have closed it, before the observation
+                    ids = [spec.eos_ids[0], *ids]
                 if result.done:
                     end[i], reason[i] = True, ENV_DONE
                 elif turns[i] >= max_turns:
@@ -358,6 +368,7 @@ def generate_multiturn(
                     go[i], length[i], obs[i, :len(ids)] = True, len(ids), ids
                     turn_start[i] = n[i] + len(ids)
             if end.any():
+                host_ended |= end
                 st = stop_fn(st, jnp.asarray(end), jnp.asarray(reason))
             if go.any():
                 st, _ = extend_fn(graphdef, params, st, jnp.asarray(obs), jnp.asarray(length), jnp.asarray(go),
@@ -365,7 +376,7 @@ def generate_multiturn(
             if (jax.device_get(st.status) == RUNNING).any():
                 st = decode_fn(graphdef, params, st, spec=spec, steps=chunk)
     out = jax.device_get(st)
-    turns += np.isin(out.finish, (TURN_TOKENS, MAX_TOKENS)) & ~out.ended  # a turn cut by a budget counts
+    turns += (out.finish == MAX_TOKENS) & ~host_ended  # the turn the trajectory's budget cut counts too
     lengths = out.n.astype(np.int32)
     response_mask = np.arange(spec.max_tokens)[None, :] < lengths[:, None]
     return MultiTurnOutput(

@@ -29,7 +29,8 @@ SPEC = mt.MultiTurnSpec(rows=4, prompt_bucket=16, max_tokens=64, max_turn_tokens
 
 
 class Echo:
-    """Shows "<k:LEN>" after turn k (the length of the model's text), ends after `turns` turns with reward = turns."""
+    """Shows "<k:LEN>" after turn k (the length of the model's text); ends after `turns` turns with reward
+    turns + (the last turn's length) / 100."""
 
     def __init__(self, turns: int):
         self.turns, self.k, self.actions, self.threads = turns, 0, [], set()
@@ -42,7 +43,7 @@ class Echo:
         self.k += 1
         self.actions.append(action_text)
         if self.k >= self.turns:
-            return StepResult(None, float(self.k), True, {"steps": 1.0})
+            return StepResult(None, self.k + len(action_text) / 100, True, {"steps": 1.0})
         return StepResult(Observation(f"<{self.k}:{len(action_text)}>"), 0.0, False, {"steps": 1.0})
 
 
@@ -73,29 +74,29 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
     out = mt.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=TOK.encode, decode_text=TOK.decode,
                                 rng=jax.random.key(0), spec=SPEC, max_turns=4, chunk=4)
     assert out.loss_mask[out.response_mask].sum() < out.response_mask.sum()  # some observations were appended
+    cuts = 0
     for i, env in enumerate(envs):
         n = out.lengths[i]
-        tokens, keep = out.response_tokens[i, :n], out.loss_mask[i, :n]
-        # the observations, in order, are the encoded texts the environment returned
-        observed, run = [], []
+        tokens, keep = out.response_tokens[i, :n].tolist(), out.loss_mask[i, :n].tolist()
+        # split the trajectory into its model turns and its observations (runs of loss_mask 1 and 0)
+        runs = []
         for t, k in zip(tokens, keep):
-            if not k:
-                run.append(int(t))
-            elif run:
-                observed.append(TOK.decode(run)), run.clear()
-        assert observed == [f"<{k + 1}:{len(a)}>" for k, a in enumerate(env.actions[:len(observed)])]
+            if not runs or runs[-1][0] != k:
+                runs.append((k, []))
+            runs[-1][1].append(t)
+        turns = [r for k, r in runs if k]
+        observations = [r for k, r in runs if not k]
+        assert [TOK.decode(t) for t in turns[:len(env.actions)]] == env.actions  # what the environment was shown
+        for k, (turn, observation) in enumerate(zip(turns, observations)):
+            # the encoded text the environment returned, after an end-of-turn token closing a turn that was cut
+            cut = turn[-1] not in EOT
+            cuts += cut
+            assert cut == (len(turn) == SPEC.max_turn_tokens) or not cut
+            assert observation == [EOT[0]] * cut + TOK.encode(f"<{k + 1}:{len(env.actions[k])}>")
         if out.finish[i] == "done":
-            assert out.env_reward[i] == env.turns and out.turns[i] == env.turns
-            # each turn's text (the model's tokens between observations, its end-of-turn token dropped)
-            turns, run = [], []
-            for t, k in zip(tokens, keep):
-                if k:
-                    run.append(int(t))
-                elif run:
-                    turns.append(TOK.decode(run)), run.clear()
-            turns.append(TOK.decode(run))
-            assert turns == env.actions
-    assert set(out.finish) <= {"done", "turn_tokens", "max_tokens"} and "done" in out.finish
+            assert out.env_reward[i] == pytest.approx(env.turns + len(env.actions[-1]) / 100)
+            assert out.turns[i] == env.turns == len(turns)
+    assert set(out.finish) <= {"done", "max_tokens"} and "done" in out.finish
     dense, _ = _dense_logprobs(model, out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
     sampled = out.loss_mask
     np.testing.assert_allclose(out.logprobs[sampled], dense[sampled], atol=2e-4)
