@@ -23,6 +23,7 @@ earlier plan there is kept unless `--overwrite`). Only model dimensions are read
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from typing import Any, Sequence
 from jaxrlhf import config as cfglib
 from jaxrlhf.run import planning
 from jaxrlhf.errors import run_cli
+from jaxrlhf.planner.budget import budget_line
 from jaxrlhf.planner.hardware import GB
 from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult
 from jaxrlhf.planner.simulator import Timeline
@@ -181,6 +183,8 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
             lines.append(f"  {name:14s} infeasible ({p.reason})")
     lines.append(f"  {'searched':14s} {best.step_s:.3g} s")
     lines.append(async_line(res) if unstreamed is None else streamed_line(res, unstreamed))
+    if budget_line(res):
+        lines.append(budget_line(res))
     lines.append(f"search: {res.seconds:.1f} s, {res.evaluations} plans evaluated"
                  + (" (time budget hit)" if res.budget_hit else ""))
     return "\n".join(lines)
@@ -195,6 +199,8 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
     from jaxrlhf.planner.plan import Layout
 
     plan, wl, hw = res.best.plan, run_setup.algorithm.workload(), run_setup.hardware
+    if plan.token_budget and wl.token_budget is None:  # the packed micro-batches the search chose
+        wl = dataclasses.replace(wl, token_budget=plan.token_budget)
     lines = []
     for name, placement in plan.calls.items():
         lay = placement.layout

@@ -149,6 +149,9 @@ class ExecutionPlan:
     # off-policy only: steps the generator may run ahead of the trainer (eta, chosen by the search);
     # None = the run's budget (`Config.generator_lead`)
     staleness: int | None = None
+    # packed calls only: real tokens per micro-batch (chosen by the search when the run's
+    # algorithm.max_tokens_per_micro_batch is unset; that key, when set, wins); None = no budget chosen
+    token_budget: int | None = None
 
     # ---- queries -----------------------------------------------------------------
     def group_of(self, call: str) -> DeviceGroup:
@@ -175,12 +178,13 @@ class ExecutionPlan:
             "offload_roles": list(self.offload_roles),
             "notes": self.notes,
             **({"staleness": self.staleness} if self.staleness is not None else {}),
+            **({"token_budget": self.token_budget} if self.token_budget is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
         known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
-                 "staleness"}
+                 "staleness", "token_budget"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -213,6 +217,10 @@ class ExecutionPlan:
         if staleness is not None and not d.get("offpolicy", False):
             raise PlanError(f"{where}.staleness={staleness} needs offpolicy: true (only an off-policy plan's "
                             "generator runs ahead); drop staleness or set offpolicy")
+        budget = d.get("token_budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise PlanError(f"{where}.token_budget must be an integer >= 1 (real tokens per packed micro-batch), "
+                            f"got {budget!r}")
         return cls(
             strategy=str(d.get("strategy", "custom")),
             num_devices=int(d["num_devices"]),
@@ -223,6 +231,7 @@ class ExecutionPlan:
             offload_roles=tuple(d.get("offload_roles", ()) or ()),
             notes=str(d.get("notes", "") or ""),
             staleness=staleness,
+            token_budget=budget,
         )
 
     def to_yaml(self) -> str:
@@ -271,6 +280,8 @@ class ExecutionPlan:
             lines[0] += f"; off-policy, the generator up to {self.staleness} steps ahead"
         elif self.offpolicy:
             lines[0] += "; off-policy, the generator ahead by the run's algorithm.max_staleness (at least 1)"
+        if self.token_budget:
+            lines[0] += f"; packed micro-batches of at most {self.token_budget} tokens"
         for i, r in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
             if i == 0:

@@ -264,6 +264,9 @@ class SearchResult:
     best_sync: PlanEstimate | None = None
     offpolicy_searched: bool = False
     kept_in: str | None = None  # the folder this search was read back from (`search(cache_dir=...)`), if any
+    # packed calls without a budget set: (budget, best step seconds or None: nothing fits) per candidate
+    # the search tried (`planner.budget.choose_token_budget`); the plan carries the chosen one
+    token_budgets: tuple[tuple[int | None, float | None], ...] = ()
 
     @property
     def async_gain(self) -> float | None:

@@ -168,6 +168,7 @@ class RunSetup:
         from jaxrlhf.run.roles import build_roles
 
         cache = cache or self.cache(plan)
+        self.algorithm.cfg = planning.with_plan_budget(self.algorithm.cfg, plan)  # the budget the search chose
         whole = self.graph.names == self.algorithm.graph().names
         if roles is None:
             trained = {c.role for c in self.graph.calls if c.kind == "train"}

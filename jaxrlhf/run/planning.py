@@ -206,12 +206,32 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
     """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
     workload, seeded by `run.seed`, off-policy plans (the generator ahead of the trainer) only with a
     staleness budget (`Config.staleness_budget`); answered from `cache_dir` when the same search was
-    kept there."""
+    kept there. Packed calls without `algorithm.max_tokens_per_micro_batch`: the search once per
+    candidate budget, the time budget shared (`planner.budget.choose_token_budget`)."""
+    from jaxrlhf.planner.budget import budget_candidates, choose_token_budget
     from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
 
-    return search(models, algorithm.workload(), hw, num_devices, algorithm.graph(), seed=cfg.run.seed,
-                  iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=time_budget_s,
-                  allow_offpolicy=cfg.staleness_budget > 0, cache_dir=cache_dir)
+    wl, graph = algorithm.workload(), algorithm.graph()
+
+    def run(workload, seconds=time_budget_s):
+        return search(models, workload, hw, num_devices, graph, seed=cfg.run.seed,
+                      iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=seconds,
+                      allow_offpolicy=cfg.staleness_budget > 0, cache_dir=cache_dir)
+
+    if not wl.packed or wl.token_budget is not None:
+        return run(wl)
+    group = max(c.seqs_per_row for c in graph.calls)  # a packed pair's two sequences share a micro-batch
+    share = time_budget_s / len(budget_candidates(wl, group))
+    return choose_token_budget(lambda w: run(w, share), wl, group)
+
+
+def with_plan_budget(cfg: cfglib.Config, plan) -> cfglib.Config:
+    """The run's config with the token budget `plan` chose (`ExecutionPlan.token_budget`) where packing
+    is on and `algorithm.max_tokens_per_micro_batch` is unset (a budget the config sets wins)."""
+    alg = cfg.algorithm
+    if plan.token_budget is None or not getattr(alg, "pack_sequences", False) or alg.max_tokens_per_micro_batch:
+        return cfg
+    return cfglib.with_overrides(cfg, [f"algorithm.max_tokens_per_micro_batch={plan.token_budget}"])
 
 
 def plan_cache_dir(cfg: cfglib.Config) -> str | None:

@@ -43,3 +43,39 @@ def test_a_32k_token_plan_splits_the_train_calls_sequences_and_says_why(tmp_path
     assert int(why[1]) == plan.calls["actor.train"].layout.context
     assert float(why[2]) < float(why[4]) < float(why[3])
 
+
+
+def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(tmp_path, capsys):
+    """Packing on, algorithm.max_tokens_per_micro_batch unset: the search tries each candidate budget
+    (`planner.budget`), keeps the fastest plan that fits, writes its budget into the plan file, prints
+    why, and the run's config takes it (a budget the config sets wins)."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf.planner.budget import budget_candidates
+    from jaxrlhf.run.planning import with_plan_budget
+
+    from jaxrlhf.algorithms import declare
+    from jaxrlhf.plan import parse_args, resolve_config
+
+    argv = ["--devices", "16", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
+            "--prompt-len", "512", "--gen-len", "8192", "--batch", "16", "--time-budget", "4",
+            "algorithm.group_size=8", "algorithm.pack_sequences=true", "plan.response_length_median=1024",
+            "plan.response_length_sigma=1", "--out", str(tmp_path)]
+    rc = main(argv)
+    assert rc == 0
+    text = capsys.readouterr().out
+    plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
+    line = re.search(r"token budget \(algorithm\.max_tokens_per_micro_batch unset\): (\d+) tokens per micro-batch, "
+                     r"the fastest that fits of (.*)", text)
+    assert line and int(line.group(1)) == plan.token_budget
+    tried = dict(re.findall(r"(none|\d+): (does not fit|[\d.]+ s)", line.group(2)))
+    wl = declare(resolve_config(parse_args(argv))).workload()
+    assert wl.packed and wl.token_budget is None
+    assert list(tried) == ["none" if b is None else str(b) for b in budget_candidates(wl)]
+    seconds = {b: float(t[:-2]) for b, t in tried.items() if t != "does not fit"}
+    assert tried["none"] == "does not fit" and seconds[str(plan.token_budget)] == min(seconds.values())
+    assert f"packed micro-batches of at most {plan.token_budget} tokens" in text
+    # the run packs with the plan's budget; one the config sets wins
+    cfg = cfglib.with_overrides(cfglib.load_config("configs/quickstart-grpo.yaml"), ["algorithm.pack_sequences=true"])
+    assert with_plan_budget(cfg, plan).algorithm.max_tokens_per_micro_batch == plan.token_budget
+    own = cfglib.with_overrides(cfg, ["algorithm.max_tokens_per_micro_batch=100000"])
+    assert with_plan_budget(own, plan).algorithm.max_tokens_per_micro_batch == 100000
