@@ -46,8 +46,8 @@ from jaxrlhf.models import axes as ax
 from jaxrlhf.models import slots as sz
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.generation import (
-    GenerationOutput, _prefill, bucket_length, check_max_positions, eos_tuple, note_trace, prefill_routed,
-    routed_experts,
+    GenerationOutput, _prefill, bucket_length, check_max_positions, eos_tuple, expert_dtype, note_trace,
+    prefill_routed, routed_experts,
 )
 from jaxrlhf.models.moe import forward_with_router_logits
 from jaxrlhf.models.sampling import SamplingParams, sample
@@ -146,7 +146,7 @@ class PagedEngine:
             "logp": jnp.zeros((ways, per_shard, n), jnp.float32),
             "out_valid": jnp.zeros((ways, per_shard, n), bool), "ended": jnp.zeros((ways, per_shard), bool),
         } | ({"experts": jnp.full((ways, per_shard, n, self.layers_n, self.model.config.num_experts_per_tok), -1,
-                                  jnp.int32)} if self.record_experts else {})
+                                  expert_dtype(self.model.config))} if self.record_experts else {})
 
     def keys_of(self, shard, row, i):
         return jax.vmap(lambda r, t: jax.random.fold_in(self.row_keys[r], t))(
@@ -268,7 +268,7 @@ class PagedEngine:
         new = jnp.zeros((2, layers_n, ways, s, kvh, hd), cache.new_k.dtype).at[:, :, :, :w].set(
             jnp.stack([cache.new_k, cache.new_v])[:, :, :, 0].reshape(2, layers_n, ways, w, kvh, hd))
         if self.record_experts:
-            routed = jnp.full((ways, s, *routed.shape[1:]), -1, jnp.int32).at[:, :w].set(
+            routed = jnp.full((ways, s, *routed.shape[1:]), -1, routed.dtype).at[:, :w].set(
                 routed.reshape(ways, w, *routed.shape[1:]))
             return new, valid, widen(token, self.pad_id), widen(logp, 0.0), routed
         return new, valid, widen(token, self.pad_id), widen(logp, 0.0)

@@ -96,7 +96,8 @@ class GenerationOutput:
     kv_pages_used: Int[Array, ""] | None = None
     # with `record_experts` (router replay): the experts every layer routed each token to, as the forward that
     # fed the token in ran (prompt at prefill, response token t at decode step t + 1); -1 for padding and for a
-    # row's last token (never fed back: nothing reads its output). None without recording.
+    # row's last token (never fed back: nothing reads its output); int8 or int16 (`expert_dtype`). None without
+    # recording.
     experts: Int[Array, "batch total layers k"] | None = None
 
     @property
@@ -129,9 +130,15 @@ def routed_experts(
     config: ModelConfig, router_logits: Float[Array, "layers batch length experts"], valid: Bool[Array, "batch length"]
 ) -> Int[Array, "batch length layers k"]:
     """The experts each token was routed to (`moe.route` of the router logits a forward recorded: the choice
-    the forward made), -1 where `valid` is False."""
+    the forward made), -1 where `valid` is False, as `expert_dtype`."""
     _, experts = moe.route(router_logits, config.num_experts_per_tok, config.router_order, config.norm_topk_prob)
-    return jnp.where(valid[:, :, None, None], jnp.moveaxis(experts, 0, 2), -1).astype(jnp.int32)
+    return jnp.where(valid[:, :, None, None], jnp.moveaxis(experts, 0, 2), -1).astype(expert_dtype(config))
+
+
+def expert_dtype(config: ModelConfig) -> jnp.dtype:
+    """The narrowest signed integer that holds every expert index and -1: recorded experts travel with the
+    batch (layers x k per token), int8 up to 128 experts (indices 0..127; 4x less than int32), int16 beyond."""
+    return jnp.dtype(jnp.int8 if config.num_experts <= 128 else jnp.int16)
 
 
 def prefill_routed(
@@ -208,7 +215,7 @@ def _decode(
         jnp.zeros((batch, n), bool),  # mask
     )
     record = prompt_experts is not None
-    routed = jnp.full((batch, n, *prompt_experts.shape[2:]), -1, jnp.int32) if record else None
+    routed = jnp.full((batch, n, *prompt_experts.shape[2:]), -1, prompt_experts.dtype) if record else None
     token, valid, done, outs = emit(0, last_logits, jnp.zeros((batch,), bool), outs)
     position = prompt_mask.sum(axis=1).astype(jnp.int32)  # rotary position of the first response token
 
