@@ -372,9 +372,10 @@ class Executor:
             return self._checked(step, self.host_steps[step.name](**kwargs))
 
     def batch_shards(self, call: str) -> int:
-        """How many shards `call`'s batch is split into on its placement (its data x fsdp ways)."""
+        """How many shards `call`'s batch is split into on its placement (its data x fsdp x expert ways; a mesh
+        has the expert axis only where the layout has one)."""
         mesh = self.placed(call).mesh
-        return math.prod(mesh.shape[a] for a in batch_axes(self.cache.rules))
+        return math.prod(mesh.shape.get(a, 1) for a in batch_axes(self.cache.rules))
 
     @staticmethod
     def _checked(node: Node, out: Mapping[str, Any]) -> dict[str, Any]:
