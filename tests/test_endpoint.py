@@ -300,6 +300,51 @@ def test_a_response_budget_cuts_answers_and_refuses_what_does_not_fit(server, to
         server.max_response_tokens = None
 
 
+def _qa_agent(client, row):
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    return float(row["answer"] in (reply.choices[0].message.content or ""))
+
+
+def test_agent_episodes_are_the_generate_calls_outputs_with_the_steps_parameters(model, tokenizer):
+    """The step loop's piece (env.name=openai_agent): the feed's prompts played by agents with the parameters
+    handed over for this step (a second step's other parameters answer as that model does), as the generate
+    call's outputs: prompt bucket + generation.max_new_tokens columns, action_mask, env_reward."""
+    from jaxrlhf.config_schema import AgentServerConfig
+    from jaxrlhf.models.lengths import bucket_length
+    from jaxrlhf.run.endpoint import AgentEpisodes
+
+    graphdef, state = nnx.split(model)
+    other = jax.tree.map(lambda x: x * 1.5, state)
+    feed = {"prompts": ["a dog and a cat", "hello world", "12 + 7 = 19", "the cat sat"], "answers": ["cat"] * 4}
+    episodes = AgentEpisodes(AgentServerConfig(window_ms=50.0), _qa_agent, graphdef=graphdef, tokenizer=tokenizer,
+                             sampling=GREEDY, max_new_tokens=NEW_TOKENS, response_budget=NEW_TOKENS - 2, batch_size=4,
+                             max_positions=model.config.max_position_embeddings, eos_ids=(IM_END,),
+                             min_bucket=BUCKET)
+    prompts = [_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in feed["prompts"]]
+    try:
+        for params in (state, other):
+            values, metrics = episodes(params, feed, prefix="full_")
+            assert episodes.params is None  # not held past the step
+            out = generate((graphdef, params), prompts, NEW_TOKENS, GREEDY, min_bucket=BUCKET)
+            assert set(values) == {f"full_{k}" for k in ("tokens", "mask", "positions", "response_tokens",
+                                                         "response_mask", "behaviour_logp", "ended_with_eos",
+                                                         "action_mask", "env_reward")}
+            assert values["full_response_tokens"].shape == (4, NEW_TOKENS)  # the budget's answers, padded to the width
+            assert values["full_tokens"].shape == (4, bucket_length(max(map(len, prompts))) + NEW_TOKENS)
+            for r in range(4):
+                keep = np.asarray(out.response_mask[r])
+                sampled = np.asarray(out.response_tokens[r])[keep].tolist()[:NEW_TOKENS - 2]
+                assert values["full_response_tokens"][r][values["full_response_mask"][r]].tolist() == sampled
+                assert values["full_action_mask"][r].sum() == len(sampled)
+                np.testing.assert_allclose(values["full_behaviour_logp"][r][:len(sampled)],
+                                           np.asarray(out.logprobs[r])[keep][:len(sampled)], atol=1e-5)
+                content = tokenizer.decode([t for t in sampled if t != IM_END])
+                assert values["full_env_reward"][r] == float("cat" in content)
+            assert metrics["env/agent_failed"] == 0.0
+    finally:
+        episodes.close()
+
+
 def _request(server, method, path, body=b""):
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     conn.request(method, path, body=body, headers={"Content-Type": "application/json"})

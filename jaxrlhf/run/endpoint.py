@@ -774,18 +774,23 @@ def episode_trajectories(result: AgentResult, *, failure: float = 0.0) -> list[T
     return out
 
 
-def agent_output(results: Sequence[AgentResult], *, prompt_width: int, response_width: int, pad_id: int,
+def agent_output(results: Sequence[AgentResult], *, prompt_width: int | None, response_width: int, pad_id: int,
                  failure: float = 0.0) -> Any:
     """The agents' episodes as the multi-turn rollout's batch (`models.multiturn.MultiTurnOutput`), one row per
     episode in order: its last segment (the one its final answer is in; the trainer's batch has a row per
-    prompt), prompts left-padded to `prompt_width`, responses right-padded to `response_width`. Earlier
-    segments of an episode are not trained (counted in `counters["dropped_segments"]`). An episode without a
-    request (its agent failed first) is a row of one pad token with no response: nothing to train, scored as
-    it failed. The endpoint's `max_prompt_tokens` / `max_response_tokens` keep every segment inside the widths;
-    a longer one is an error here."""
+    prompt), prompts left-padded to `prompt_width` (None: the bucket of the longest), responses right-padded
+    to `response_width`. Earlier segments of an episode are not trained (counted in
+    `counters["dropped_segments"]`). An episode without a request (its agent failed first) is a row of one pad
+    token with no response: nothing to train, scored as it failed. The endpoint's `max_prompt_tokens` /
+    `max_response_tokens` keep every segment inside the widths; a longer one is an error here."""
+    from jaxrlhf.models.lengths import bucket_length
     from jaxrlhf.models.multiturn import MultiTurnOutput
 
     rows = len(results)
+    trajectories = [episode_trajectories(result, failure=failure) for result in results]
+    lasts = [t[-1] if t else Trajectory([pad_id], reward=failure, finish="error") for t in trajectories]
+    if prompt_width is None:
+        prompt_width = bucket_length(max((len(last.prompt_ids) for last in lasts), default=1))
     prompts = np.full((rows, prompt_width), pad_id, np.int32)
     prompt_mask = np.zeros((rows, prompt_width), bool)
     tokens = np.full((rows, response_width), pad_id, np.int32)
@@ -794,9 +799,7 @@ def agent_output(results: Sequence[AgentResult], *, prompt_width: int, response_
     logprobs = np.zeros((rows, response_width), np.float32)
     lengths, rewards, turns = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32)
     counters, finish = [], []
-    for r, result in enumerate(results):
-        trajectories = episode_trajectories(result, failure=failure)
-        last = trajectories[-1] if trajectories else Trajectory([pad_id], reward=failure, finish="error")
+    for r, (result, last) in enumerate(zip(results, lasts)):
         if len(last.prompt_ids) > prompt_width or len(last.token_ids) > response_width:
             raise ValueError(f"episode {result.episode.episode_id}: a prompt of {len(last.prompt_ids)} and a response "
                              f"of {len(last.token_ids)} tokens do not fit widths {prompt_width} and {response_width}; "
@@ -808,7 +811,7 @@ def agent_output(results: Sequence[AgentResult], *, prompt_width: int, response_
         loss_mask[r, :n], logprobs[r, :n] = np.asarray(last.loss_mask, bool), last.logprobs
         lengths[r], rewards[r], turns[r] = n, last.reward, last.turns
         counters.append({**(last.counters or {"agent_error": float(result.error is not None)}),
-                         "dropped_segments": float(max(len(trajectories) - 1, 0))})
+                         "dropped_segments": float(max(len(trajectories[r]) - 1, 0))})
         finish.append(last.finish)
     return MultiTurnOutput(prompts, prompt_mask, tokens, response_mask, loss_mask, logprobs, lengths, rewards,
                            turns, counters, finish)
@@ -830,18 +833,19 @@ class AgentRollout:
     thread and one episode each, and come back as the multi-turn rollout's rows. The endpoint's limits are
     set to the batch's widths, so every episode fits them."""
 
-    def __init__(self, endpoint: ChatEndpoint, agent: AgentFn, *, prompt_width: int, response_width: int,
+    def __init__(self, endpoint: ChatEndpoint, agent: AgentFn, *, prompt_width: int | None, response_width: int,
                  pad_id: int, failure: float = 0.0, timeout_s: float | None = None,
                  client: Callable[[str], Any] = openai_client):
         self.endpoint, self.agent, self.client = endpoint, agent, client
         self.prompt_width, self.response_width, self.pad_id = prompt_width, response_width, pad_id
         self.failure, self.timeout_s = failure, timeout_s
-        endpoint.max_prompt_tokens = min(endpoint.max_prompt_tokens, prompt_width)
+        endpoint.max_prompt_tokens = min(endpoint.max_prompt_tokens, prompt_width or endpoint.max_prompt_tokens)
         endpoint.max_response_tokens = min(endpoint.max_response_tokens or response_width, response_width)
 
     @classmethod
     def for_run(cls, server: Any, agent: AgentFn | str, *, executor: Any, generate: Callable[..., Any],
-                tokenizer: Tokenizer, batch_size: int, prompt_width: int, response_width: int, max_new_tokens: int,
+                tokenizer: Tokenizer, batch_size: int, prompt_width: int | None, response_width: int,
+                max_new_tokens: int,
                 max_positions: int, sampling: Any = None, seed: int = 0, call: str = "actor.generate",
                 min_bucket: int = 16, warn: Callable[[str], None] = print) -> "AgentRollout":
         """The run's agent rollout: `server` is the config's `env.server` (`config_schema.AgentServerConfig`),
@@ -866,3 +870,51 @@ class AgentRollout:
         failed = sum(r.error is not None for r in results)
         metrics = {**self.endpoint.metrics(), **output.metrics(), "env/agent_failed": failed / max(len(rows), 1)}
         return AgentBatch(output, [r.episode.final_text for r in results], metrics)
+
+
+class AgentEpisodes:
+    """env.name=openai_agent in the step loop: the step's prompts played by agents, generating with the actor's
+    parameters as the step loop hands them over (on the generate call's placement, as for environment
+    episodes), returned as the generate call's outputs (the multi-turn layout: `action_mask`, `env_reward`,
+    responses padded to `max_new_tokens`) and metrics. The server lives across steps; each call swaps in the
+    step's parameters. A row given to an agent is {"prompt": ..., "answer": ...}."""
+
+    def __init__(self, server: Any, agent: AgentFn | str, *, graphdef: Any, tokenizer: Tokenizer, sampling: Any,
+                 max_new_tokens: int, response_budget: int | None, batch_size: int, max_positions: int,
+                 max_prompt_tokens: int | None = None, eos_ids: Sequence[int] | None = None, seed: int = 0,
+                 min_bucket: int = 16, warn: Callable[[str], None] = print):
+        from jaxrlhf.models.generation import Generator
+
+        self.params: Any = None
+        self.max_new_tokens, self.pad_id = max_new_tokens, tokenizer.pad_id
+        eos = tuple(tokenizer.eos_ids if eos_ids is None else eos_ids)  # the rollout's: the tokenizer's EOS ids
+        generator = Generator(graphdef, eos_id=eos, pad_id=tokenizer.pad_id, min_bucket=min_bucket)
+        backend = ModelBackend(generator, lambda: self.params, max_new_tokens=max_new_tokens, sampling=sampling,
+                               max_positions=max_positions, batch_size=batch_size, seed=seed)
+        endpoint = ChatEndpoint(backend, tokenizer, host=server.host, port=server.port, batch_size=batch_size,
+                                window_s=server.window_ms / 1000, max_prompt_tokens=max_prompt_tokens, warn=warn)
+        self.rollout = AgentRollout(endpoint, load_agent(agent) if isinstance(agent, str) else agent,
+                                    prompt_width=None, response_width=response_budget or max_new_tokens,
+                                    pad_id=tokenizer.pad_id, failure=server.failure, timeout_s=server.agent_timeout_s)
+
+    @property
+    def endpoint(self) -> ChatEndpoint:
+        return self.rollout.endpoint
+
+    def close(self) -> None:
+        self.rollout.close()
+
+    def __call__(self, params: Any, feed: Mapping[str, Any], *, prefix: str = ""
+                 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        self.params = params
+        try:
+            step = self.rollout([{"prompt": p, "answer": a} for p, a in zip(feed["prompts"], feed["answers"])])
+        finally:
+            self.params = None  # the step's weights are not held past it
+        values = step.output.rollout_batch()
+        pad = self.max_new_tokens - values["response_tokens"].shape[1]
+        for name in ("response_tokens", "response_mask", "behaviour_logp", "action_mask", "tokens", "mask"):
+            values[name] = np.pad(values[name], ((0, 0), (0, pad)),
+                                  constant_values=self.pad_id if name.endswith("tokens") else 0)
+        values["positions"] = np.maximum(np.cumsum(values["mask"], axis=1) - 1, 0).astype(np.int32)
+        return {prefix + k: v for k, v in values.items()}, step.metrics
