@@ -378,9 +378,6 @@ def layout_misfit(
             return (f"layout {layout}: generation (prefill and decode with a KV cache) is never context-parallel "
                     f"but the layout has context={layout.context}; use context=1 "
                     f"(e.g. data={layout.data * layout.context}) for the generate call")
-        if layout.stage > 1:
-            return (f"layout {layout}: context parallelism is not pipelined; use stage=1 or context=1 "
-                    f"(e.g. {Layout(layout.data, layout.fsdp, layout.tensor, 1, layout.context * layout.stage)})")
         if seq_len is not None and seq_len % layout.context:
             ok = [c for c in range(layout.context, 0, -1) if seq_len % c == 0]
             return (f"layout {layout}: context={layout.context} does not divide the sequence length {seq_len}; "

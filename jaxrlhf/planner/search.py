@@ -94,7 +94,7 @@ def expert_degrees(cfg: ModelConfig, rest: int) -> list[int]:
 def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max_tensor: int) -> list[Layout]:
     """Layouts of `size` devices under which `call` can run with model `cfg`, tensor parallelism at most
     `max_tensor` ways (`HardwareProfile.max_tensor`: the devices of one host), context parallelism for
-    long sequences (`context_degrees`; never with pipeline stages), and for a mixture of experts every
+    long sequences (`context_degrees`, with or without pipeline stages), and for a mixture of experts every
     expert degree that divides num_experts (`expert_degrees`; never with pipeline stages or context)."""
     batch = wl.call_batch(call.kind)
     out = []
@@ -108,7 +108,7 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max
         for p in stages:
             if (size // t) % p:
                 continue
-            for c in context_degrees(call, wl, size // t // p) if p == 1 else [1]:
+            for c in context_degrees(call, wl, size // t // p):  # the ring runs inside a stage's layers too
                 for e in expert_degrees(cfg, size // t // p // c) if p == c == 1 else [1]:
                     rest = size // t // p // c // e
                     for f in _divisors(rest):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models import context
+from jaxrlhf.models import context, pipeline
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.transformer import build_model, positions_from_mask
 from jaxrlhf.placement.calls import CallCache
@@ -177,15 +177,45 @@ def test_layout_string_parse_and_plan_file_round_trip():
     assert "x context 2" in back.table()
 
 
+@pytest.mark.slow
+def test_ring_attention_inside_pipeline_stages_matches_one_device(model, monkeypatch):
+    """Context 2 x pipeline 2 (x data 2): each stage's layers run the ring over the context axis inside
+    the GPipe schedule (`models.pipeline.gpipe`: the stages a vmap over the stage mesh axis, the ring a
+    shard_map under it), over 2 micro-batches: the logits and gradients of one device."""
+    graphdef, params, batch, want_logits, want_grads = model
+    layout = Layout(data=2, stage=2, context=2)
+    assert layout_misfit(layout, seq_len=T) is None
+    plan = ExecutionPlan("test", 8, {"g": DeviceGroup("g", 0, 8)}, {"actor.train": Placement("g", layout)})
+    cache = CallCache(plan)
+    placed = cache.placed("actor.train")
+    rings = []
+    ring = context.ring_attention
+    monkeypatch.setattr(context, "ring_attention", lambda *a, **k: rings.append(1) or ring(*a, **k))
+    run = _loss_and_grad(graphdef)
+
+    def pipelined(*args):
+        with pipeline.microbatches(2):
+            return run(*args)
+
+    ps, bs = placed.param_shardings(params), placed.batch_sharding(2)
+    fn = cache.function("actor.train", pipelined, in_shardings=(ps, bs, bs, bs, bs), out_shardings=None)
+    logits, grads = fn(jax.device_put(params, ps), *(jax.device_put(x, bs) for x in batch))
+    assert rings, "the stages' attention did not run the ring"
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=2e-6, rtol=0)
+    got = [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
+    scale = max(np.abs(g).max() for g in want_grads)
+    for g, w in zip(got, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-6 * scale, rtol=0)
+
+
 def test_context_degree_that_does_not_divide_the_sequence_is_a_clear_error():
     lay = Layout(data=2, context=4)
     reason = layout_misfit(lay, seq_len=30)
     assert "d2f1t1c4" in reason and "context=4 does not divide the sequence length 30" in reason
     assert "use context=3" in reason and "32 tokens" in reason
     assert layout_misfit(lay, seq_len=32) is None
-    # generation (a KV cache) and pipelines are never context-parallel
+    # generation (a KV cache) is never context-parallel
     assert "generation" in layout_misfit(lay, kind="generate") and "data=8" in layout_misfit(lay, kind="generate")
-    assert "not pipelined" in layout_misfit(Layout(context=2, stage=2))
     graph = ppo_graph()
     home = {c.name: Placement("g", Layout(data=8)) for c in graph.calls}
     plan = ExecutionPlan("custom", 8, {"g": DeviceGroup("g", 0, 8)}, {**home, "actor.train": Placement("g", lay)})

@@ -1,5 +1,5 @@
 """The planner weighs context parallelism for long sequences: the search's layouts and the heuristic
-preset's ladder include context degrees there (never for generation, never pipelined), and on a
+preset's ladder include context degrees there (never for generation; beside pipeline stages too), and on a
 32k-token workload the plan splits the train call's sequences and says why."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_context_degrees_are_weighed_for_long_sequences_only():
     short = Workload(batch_size=64, prompt_len=1024, gen_len=1024, minibatches=4, micro_batch=1)
     degrees = {lay.context for lay in valid_layouts(TRAIN, cfg, 16, long, 8)}
     assert degrees == {1, 2, 4, 8, 16}
-    assert all(lay.stage == 1 for lay in valid_layouts(TRAIN, cfg, 16, long, 8) if lay.context > 1)
+    assert any(lay.stage > 1 for lay in valid_layouts(TRAIN, cfg, 16, long, 8) if lay.context > 1)  # rings in stages
     assert {lay.context for lay in valid_layouts(TRAIN, cfg, 16, short, 8)} == {1}
     assert {lay.context for lay in valid_layouts(GENERATE, cfg, 16, long, 8)} == {1}
 
