@@ -731,9 +731,12 @@ class EnvConfig:
     name: str | None = None
     args: dict[str, Any] = _field(factory=dict)  # keyword arguments of the environment's factory, e.g. {tools: [calculator]}
     max_turns: Int = _field(4, check=positive)  # model turns per episode; the episode ends after the last one
-    # response tokens of a whole trajectory, the model's and the observations' together; null = generation.max_new_tokens
+    # response tokens of a whole trajectory, the model's and the observations' together (at most
+    # generation.max_new_tokens, the batch's response width); null = generation.max_new_tokens
     max_tokens: Int | None = _field(None, check=positive)
-    max_turn_tokens: Int | None = _field(None, check=positive)  # model tokens per turn (the turn ends the episode); null = max_tokens
+    # model tokens per turn: a longer turn is cut, closed by an end-of-turn token (no loss) and shown to the
+    # environment; null = max_tokens
+    max_turn_tokens: Int | None = _field(None, check=positive)
     max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
 
@@ -749,12 +752,16 @@ class EnvConfig:
         if config.generation.partial_rollout:
             yield (f"env.name={self.name}: partial rollouts (generation.partial_rollout=true) do not run environments "
                    "yet; set generation.partial_rollout=false")
+        if config.staleness_budget:
+            yield (f"env.name={self.name}: episodes are generated in the step, by the trainer's current weights; set "
+                   "algorithm.max_staleness=0 and plan.offpolicy=false")
         budget = self.max_tokens or config.generation.max_new_tokens
+        if budget > config.generation.max_new_tokens:
+            yield (f"env.max_tokens={budget} exceeds generation.max_new_tokens={config.generation.max_new_tokens}, the "
+                   f"rollout batch's response width: set generation.max_new_tokens >= {budget}")
         if self.max_turn_tokens is not None and self.max_turn_tokens > budget:
             yield (f"env.max_turn_tokens={self.max_turn_tokens} exceeds the trajectory's budget env.max_tokens="
                    f"{budget}: set env.max_turn_tokens <= {budget}")
-        yield (f"env.name={self.name}: the training step does not run environments yet (episodes run in "
-               "jaxrlhf.models.multiturn.generate_multiturn, docs/agentic.md#environments); set env.name=null")
 
 
 @_no_extra_keys

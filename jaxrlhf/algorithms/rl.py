@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
-from jaxrlhf.algorithms.environments import ENVIRONMENTS
+from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
@@ -20,6 +20,7 @@ from jaxrlhf.models.lengths import response_widths
 SEQUENCE = ("tokens", "mask", "positions")
 RESPONSE = ("response_tokens", "response_mask")
 GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
+ENV_GENERATED = (ACTION_MASK, "env_reward")  # an episode's values beside GENERATED (`env.name`)
 # router replay: every token's experts per layer as the generate call routed it, [batch, prompt + response,
 # layers, k] (`GenerationOutput.experts`); a sequence value (cut and packed as `tokens` are)
 ROUTED = "router_experts"
@@ -63,9 +64,16 @@ class RolloutAlgorithm(Algorithm):
         return self.cfg.algorithm.router_replay
 
     @property
+    def runs_environments(self) -> bool:
+        """`env.name`: the rollouts are environment episodes (`RolloutRuntime.episode_values` generates them)."""
+        return self.cfg.env.name is not None
+
+    @property
     def generated(self) -> tuple[str, ...]:
-        """The rollout batch's values: `GENERATED`, and with router replay the recorded experts."""
-        return (*GENERATED, ROUTED) if self.replays else GENERATED
+        """The rollout batch's values: `GENERATED`, with router replay the recorded experts, and with environments
+        the trajectories' `action_mask` (0 on observation tokens) and the environments' rewards (`env_reward`)."""
+        out = (*GENERATED, ROUTED) if self.replays else GENERATED
+        return (*out, *ENV_GENERATED) if self.runs_environments else out
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -156,8 +164,9 @@ class RolloutAlgorithm(Algorithm):
                 f"algorithm.minibatches={alg.minibatches} must divide the rollout batch "
                 f"data.batch_size x algorithm.group_size = {cfg.data.batch_size} x {alg.group_size} = {self.batch_rows}"
             )
-        if not cfg.rewards.model and not cfg.rewards.rules:
-            raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry")
+        if not cfg.rewards.model and not cfg.rewards.rules and cfg.env.name is None:
+            raise AlgorithmConfigError("no reward: set rewards.model=true or give at least one rewards.rules entry "
+                                       "(or env.name: an environment's rewards)")
         if self.dynamic_sampling and (cfg.rewards.model or not cfg.rewards.rules):
             raise AlgorithmConfigError(
                 "algorithm.dynamic_sampling selects groups on the host by their rule scores: it needs "
@@ -187,6 +196,12 @@ class RolloutAlgorithm(Algorithm):
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
         if cfg.env.name is not None and cfg.env.name not in ENVIRONMENTS:
             raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
+        if cfg.env.name is not None and (self.dynamic_sampling or self.greedy_baseline):
+            raise AlgorithmConfigError(
+                f"env.name={cfg.env.name}: episodes are generated for the step's batch only; "
+                + ("algorithm.dynamic_sampling=true draws a larger pool: set it false" if self.dynamic_sampling
+                   else f"algorithm.name={cfg.algorithm.name}'s greedy baseline is a second generation: use grpo, "
+                        "rloo, reinforce_pp or ppo"))
         if alg.router_replay and alg.pack_sequences:
             raise AlgorithmConfigError(
                 "algorithm.router_replay=true replays each token's experts in padded rows; packed calls do not carry "

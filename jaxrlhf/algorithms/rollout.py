@@ -261,7 +261,7 @@ def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Fl
     penalty (outside the gate and the clip: a truncated response is the one it must reach)."""
     ended = inputs[f"{prefix}ended_with_eos"]
     raw = jnp.zeros(ended.shape, jnp.float32)
-    for name in ("rule_scores", "model_scores"):
+    for name in ("rule_scores", "model_scores", "env_reward"):  # env_reward: an episode's (`env.name`)
         if prefix + name in inputs:
             raw = raw + inputs[prefix + name].astype(jnp.float32)
     shaped = shape_scores(raw, ended, bias=s.reward_bias, scale=s.reward_scale, clip=s.reward_clip,
@@ -702,6 +702,45 @@ class RolloutRuntime:
 
         return PromptDataset.from_config(self.cfg, tokenizer, split=split,
                                          batch_size=self.cfg.data.batch_size * self.pool_factor)
+
+    def episode_values(self, params: nnx.State, feed: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """`env.name`: the feed's prompts played as environment episodes by the actor (`params`, on the generate
+        call's placement) through the multi-turn engine (`models.multiturn`): the generate call's outputs
+        (named as the graph's, with `action_mask` and `env_reward`) and the `env/...` metrics. Each row's
+        prompt is its environment's first observation (`reset`), tokenized; responses are padded to
+        generation.max_new_tokens, as the generate call's."""
+        from jaxrlhf.algorithms.environments import EnvironmentContext, make_environment
+        from jaxrlhf.models import multiturn
+        from jaxrlhf.models.lengths import bucket_length
+        from jaxrlhf.models.tools import detect_tool_format
+
+        cfg, tok, s = self.cfg, self.tokenizer, self.settings()
+        env = cfg.env
+        template = getattr(tok, "chat_template", None)
+        raw = getattr(tok, "_tok", None)  # HFTokenizer's `tokenizers.Tokenizer`: special tokens as text
+        end_of_turn = tuple(raw.id_to_token(i) for i in tok.eos_ids) if raw is not None else ()
+        context = EnvironmentContext(tokenizer=tok, chat_template=template, end_of_turn=end_of_turn,
+                                     tool_format=detect_tool_format(template.tool_source) if template else None)
+        rows = [{"prompt": p, "answer": a} for p, a in zip(feed["prompts"], feed["answers"])]
+        envs = [make_environment(env.name, context, env.args) for _ in rows]
+        prefix = [] if template is not None else list(tok.special_prefix)  # a rendered template holds its BOS
+        prompt_ids = [prefix + tok.encode(e.reset(row).text) for e, row in zip(envs, rows)]
+        budget = env.max_tokens or s.max_new_tokens
+        spec = multiturn.MultiTurnSpec(
+            rows=len(rows), prompt_bucket=bucket_length(max(len(p) for p in prompt_ids)), max_tokens=budget,
+            max_turn_tokens=env.max_turn_tokens or budget, sampling=s.sampling, eos_ids=tuple(tok.eos_ids),
+            pad_id=tok.pad_id, max_observation_tokens=env.max_observation_tokens)
+        graphdef = self.models["actor"].graphdef
+        out = multiturn.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=tok.encode,
+                                           decode_text=tok.decode, rng=feed["rng_generate"], spec=spec,
+                                           max_turns=env.max_turns, threads=env.threads, prompt_ids=prompt_ids)
+        values = out.rollout_batch()
+        pad = s.max_new_tokens - budget  # the batch's response width is the generate call's
+        for name in ("response_tokens", "response_mask", "behaviour_logp", ACTION_MASK, "tokens", "mask"):
+            fill = tok.pad_id if name.endswith("tokens") else 0
+            values[name] = np.pad(values[name], ((0, 0), (0, pad)), constant_values=fill)
+        values["positions"] = np.maximum(np.cumsum(values["mask"], axis=1) - 1, 0).astype(np.int32)
+        return {self.generated_prefix + k: v for k, v in values.items()}, out.metrics()
 
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         batch = repeat_rows(batch, self.group_size)

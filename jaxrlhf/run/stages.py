@@ -72,11 +72,20 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
             nxt["version"] = step - 1  # the shadow syncs after this step's training
             inflight.append(nxt)
             ahead.append(nxt["feed"])
+        feed, episodes = this["feed"], {}
+        if getattr(algorithm, "runs_environments", False):  # env.name: the episodes are the generate call's outputs
+            began = time.perf_counter()
+            values, episodes = algorithm.episode_values(executor.params_for("actor", "actor.generate")[0], feed)
+            feed = {**feed, **values}  # the step skips actor.generate (its outputs are given)
+            episodes["time/episodes_s"] = time.perf_counter() - began
         with around(step):
-            result = executor.step(this["feed"], ahead, read=algorithm.metric_values())
+            result = executor.step(feed, ahead, read=algorithm.metric_values())
         result.values = HostValues(result.values)  # other values read on first use, alike on every process
         metrics = algorithm.metrics(result)
         metrics.update(result.metrics())
+        if episodes:
+            metrics.update(episodes)
+            metrics["time/step_s"] = metrics.get("time/step_s", 0.0) + episodes["time/episodes_s"]
         metrics.update(data.metrics())
         if staleness:
             metrics["rollout/policy_version"] = float(this["version"])

@@ -199,9 +199,13 @@ def test_single_turn_gae_is_bit_identical_to_the_plain_recursion():
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=tool"], "env.name: unknown environment 'tool'. Did you mean 'tools'?"),
     (["env.name=tools"], "set generation.engine=continuous (not static)"),
-    (["env.name=tools", "generation.engine=continuous", "env.max_tokens=64", "env.max_turn_tokens=65"],
-     "env.max_turn_tokens=65 exceeds the trajectory's budget env.max_tokens=64"),
-    (["env.name=tools", "generation.engine=continuous"], "the training step does not run environments yet"),
+    (["env.name=tools", "generation.engine=continuous", "env.max_tokens=16", "env.max_turn_tokens=17"],
+     "env.max_turn_tokens=17 exceeds the trajectory's budget env.max_tokens=16"),
+    (["env.name=tools", "generation.engine=continuous", "env.max_tokens=64"],
+     "env.max_tokens=64 exceeds generation.max_new_tokens=32"),
+    (["env.name=tools", "generation.engine=continuous", "algorithm.max_staleness=1", "plan.strategy=disaggregated"],
+     "set algorithm.max_staleness=0 and plan.offpolicy=false"),
+    (["env.name=tools", "generation.engine=continuous", "algorithm.name=remax"], "greedy baseline"),
     (["env.max_turns=0"], "env.max_turns"),
 ])
 def test_env_config_refusals(overrides, message):
@@ -211,3 +215,48 @@ def test_env_config_refusals(overrides, message):
         load_config(None, overrides)
     assert message in str(e.value)
     load_config(None, ["env.max_turns=2"])  # the section's keys without env.name: the single-turn run
+    load_config(None, ["env.name=tools", "generation.engine=continuous", "rewards.rules=[]"])  # the env's reward
+
+
+class _Retry:
+    """A test environment: "Again:" after the first turn, then done; reward: the digits of the second turn."""
+
+    def __init__(self, context):
+        self.turn = 0
+
+    def reset(self, row):
+        return envs.Observation(row["prompt"])
+
+    def step(self, action_text):
+        self.turn += 1
+        if self.turn == 1:
+            return envs.StepResult(envs.Observation("\nAgain:\n"), 0.0, False, {"retries": 1.0})
+        return envs.StepResult(None, float(sum(c.isdigit() for c in action_text)), True)
+
+
+if "test_retry" not in envs.ENVIRONMENTS:
+    envs.register_environment("test_retry")(_Retry)
+
+
+@pytest.mark.slow
+def test_grpo_run_with_an_environment_completes_and_logs_env_metrics(tmp_path):
+    """A two-step GRPO run whose rollouts are two-turn episodes (env.name): the step trains on them (the
+    generate call's outputs come from the multi-turn engine) and logs the env/... metrics."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import train
+    from jaxrlhf.metrics import read_metrics
+
+    cfg = cfglib.load_config(None, [
+        "algorithm.name=grpo", "model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0",
+        "run.tensorboard=false", "run.export_hf=false", "run.save_checkpoints=false", "sft.steps=0",
+        "data.batch_size=2", "algorithm.group_size=4", "algorithm.minibatches=1", "data.max_prompt_len=16",
+        "generation.max_new_tokens=32", "generation.engine=continuous", "plan.strategy=colocated",
+        "env.name=test_retry", "env.max_turn_tokens=8", "env.max_turns=3", "rewards.rules=[]",
+        "rewards.eos_only=false", f"run.output_dir={tmp_path}"])
+    train.run(cfg)
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows if "env/turns" in r] == [1, 2]
+    for r in rows:
+        if "env/turns" in r:
+            assert r["env/turns"] == 2 and r["env/retries"] == 1 and r["env/finish/done"] == 1
+            assert r["env/observation_tokens"] > len("\nAgain:\n") - 1 and np.isfinite(r["loss/policy"])
