@@ -99,6 +99,7 @@ class Algorithm(abc.ABC):
             staleness=cfg.generator_lead,
             gen_len_median=cfg.plan.response_length_median, gen_len_sigma=cfg.plan.response_length_sigma,
             gen_stream=cfg.generation.partial_rollout and cfg.staleness_budget >= 1,
+            gen_chunk=cfg.generation.stream_chunk,
             # only the RL algorithms have the keys (algorithm.pack_sequences: packed train and inference calls)
             packed=getattr(cfg.algorithm, "pack_sequences", False),
             token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None),

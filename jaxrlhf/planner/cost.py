@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from typing import Any, Mapping
 
@@ -71,7 +72,7 @@ from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.packing import PackedShape, packing_layout
-from jaxrlhf.models.slots import kv_columns, pool_size, shard_group
+from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
@@ -174,6 +175,7 @@ class Workload:
     gen_len_median: int | None = None  # median response length; None = every response is gen_len long
     gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
     gen_stream: bool = False  # generation.partial_rollout (eta >= 1): the pool stays full across steps
+    gen_chunk: int = 16  # generation.stream_chunk: decode steps between the stream's reads
     packed: bool = False  # algorithm.pack_sequences
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
 
@@ -284,26 +286,32 @@ class Workload:
                              self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
                              batch_ways, self.token_budget)
 
-    def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False) -> tuple[float, ...]:
+    def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False,
+                         width_share: float = 1.0) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
-        cap): the static engine's loop runs until the batch's longest row ends (`models.generation`
-        stops when every row is done), so max(L) / gen_len; the continuous engine keeps its pool of P
-        slots full, so sum(L) / P steps plus the last round's tail (max(L) - mean(L)), over
-        ceil(rows / P) x gen_len; `streamed` (partial rollouts running ahead: the next batches' rows
-        fill the tail) sum(L) / P. All 1.0 when the lengths do not vary."""
+        cap, every step at the pool's full width): the static engine's loop runs until the batch's
+        longest row ends (`models.generation` stops when every row is done), so max(L) / gen_len; the
+        continuous engine runs each shard's rows through its slots and each step at the narrowest width
+        that holds the active rows (`continuous_decode_steps`: the tail's steps are narrow; a step costs
+        (1 - width_share) + width_share x width / slots of a full one), over ceil(rows / P) x gen_len;
+        `streamed` (partial rollouts running ahead: the next batches' rows keep the pool full) sum(L) / P
+        full-width steps. All 1.0 when the lengths do not vary."""
         if not self.lengths_vary:
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
         n = self.generate_shape(call, batch_ways)[2]
         lengths = self.response_lengths(rows).astype(np.float64)
         if self.gen_engine == "static" or rows % batch_ways:  # (an uneven batch runs as static does)
-            steps = lengths.max(axis=1)
+            return tuple(float(s / n) for s in lengths.max(axis=1))
+        slots = pool_size(rows, self.gen_slots, batch_ways) // batch_ways
+        if streamed:
+            groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `run.generator`'s
+            runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
+                                   groups, self.gen_chunk, self.staleness)
         else:
-            pool = pool_size(rows, self.gen_slots, batch_ways)
-            steps = lengths.sum(axis=1) / pool
-            if not streamed:
-                steps = steps + lengths.max(axis=1) - lengths.mean(axis=1)
-        return tuple(float(min(s / n, 1.0)) for s in steps)
+            runs = [_continuous_batch(tuple(batch.astype(int)), batch_ways, slots) for batch in lengths]
+        # a step of width w costs (1 - share) + share x w / slots of a full-width one
+        return tuple(float(min(((1 - width_share) * steps + width_share * widths) / n, 1.0)) for steps, widths in runs)
 
     def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
@@ -507,6 +515,10 @@ class CallCost:
     # "calibrated": the formulas scaled by how far they are off on the placements those tables cover; "run": a
     # training run's own time of this call here; "formula x run" / "measured x run": corrected by runs elsewhere
     source: str = "formula"
+    # A generate call: the share of a decode step's seconds that grows with the rows it runs (the rest, the
+    # weights' reads and the launches, every step pays alike): what a narrow step of the continuous
+    # engine's tail costs (`Workload.decode_fractions`). 1.0: a step costs in proportion to its rows.
+    decode_width_share: float = 1.0
 
 
 class _Ctx:
@@ -644,12 +656,18 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     ctx_len = np.tile(wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64), n // wl.gen_len)
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
-    flops_steps = (2 * matmul_params(cfg, c.head) * seqs + attention_flops(cfg, seqs, ctx_len)) / c.t
-    kv = seqs * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
-    hbm_steps = w_tensor + kv
-    decode = float(np.maximum(flops_steps / c.flops_s, hbm_steps / c.mem_bw).sum())
-    tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n,
-                         c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
+
+    def steps(rows: float) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """FLOPs and bytes per decode step of `rows` rows, the steps' seconds and the tensor collectives'."""
+        flops = (2 * matmul_params(cfg, c.head) * rows + attention_flops(cfg, rows, ctx_len)) / c.t
+        hbm = w_tensor + rows * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
+        seconds = float(np.maximum(flops / c.flops_s, hbm / c.mem_bw).sum())
+        tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * rows * cfg.hidden_size * c.act_bytes * n,
+                             c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
+        return flops, hbm, seconds, tp
+
+    flops_steps, hbm_steps, decode, tp = steps(seqs)
+    _, _, decode_half, tp_half = steps(seqs / 2)
     fsdp = _ring_gather(n * w_tensor, c.layout.fsdp, c.bw["fsdp"], hw, count=cfg.num_layers * n)
     parts = {
         "prefill": pre["compute"],
@@ -665,7 +683,13 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     comm = pre["tp_bytes"] + pre["fsdp_bytes"] + (
         2 * (c.t - 1) / c.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n
     ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * w_tensor
-    return _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
+    cost = _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
+    grows = 2 * (decode + tp - decode_half - tp_half)  # of the steps' seconds, what is in proportion to rows
+    return dataclasses.replace(cost, decode_width_share=_share(grows, cost.seconds - parts["prefill"]))
+
+
+def _share(grows: float, total: float) -> float:
+    return float(min(max(grows / total, 0.0), 1.0)) if total > 0 else 1.0
 
 
 def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, float, int]:
@@ -765,11 +789,97 @@ def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways:
                        streamed: bool = False) -> tuple[float, ...]:
     """Seconds of a generate call for each of the LENGTH_BATCHES batches of response lengths: the
     prefill as priced, everything else (decode, its collectives and kernel launches) scaled by the
-    batch's decode steps (`Workload.decode_fractions`; `streamed` as there). A per-step scale, not a
-    re-pricing: a short batch's steps attend to a shorter cache, which this leaves out (it errs towards
-    the longer time)."""
+    batch's decode steps, narrow ones at what a step of their width costs (`Workload.decode_fractions`
+    with the call's `decode_width_share`; `streamed` as there). A per-step scale, not a re-pricing: a
+    short batch's steps attend to a shorter cache, which this leaves out (it errs towards the longer
+    time)."""
     prefill = cost.parts.get("prefill", 0.0)
-    return tuple(prefill + (cost.seconds - prefill) * f for f in wl.decode_fractions(call, batch_ways, streamed))
+    fractions = wl.decode_fractions(call, batch_ways, streamed, cost.decode_width_share)
+    return tuple(prefill + (cost.seconds - prefill) * f for f in fractions)
+
+
+def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None
+                      ) -> list[tuple[float, float]]:
+    """Decode steps run and their summed width / slots, from each shard's rows' (starts, ends) in steps:
+    every shard steps together, a step runs where any row is active, at the narrowest of
+    `models.slots.step_widths(slots)` holding the most active rows of any shard; split at the step
+    indices `cuts` (one (steps, widths) pair per interval before, between and after them)."""
+    total = int(max(e.max() for _, e in spans))
+    active = np.zeros(total, dtype=np.int64)
+    for starts, ends in spans:
+        counts = np.zeros(total + 1, dtype=np.int64)
+        np.add.at(counts, starts, 1)
+        np.add.at(counts, ends, -1)
+        active = np.maximum(active, np.cumsum(counts)[:total])
+    widths = np.array(sorted(step_widths(slots)))
+    width = np.where(active > 0, widths[np.minimum(np.searchsorted(widths, active), len(widths) - 1)], 0) / slots
+    bounds = [0, *(() if cuts is None else np.minimum(cuts, total)), total]
+    return [(float(np.count_nonzero(active[a:b])), float(width[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
+
+
+@functools.lru_cache(maxsize=256)
+def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
+    """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`: each
+    shard's rows (contiguous blocks) enter its `slots` in order, a row taking the slot that frees first."""
+    spans = []
+    for shard in np.asarray(lengths, dtype=np.int64).reshape(ways, -1):
+        free = [0] * slots  # when each slot frees (a heap)
+        starts = np.empty(len(shard), dtype=np.int64)
+        for i, n in enumerate(shard):
+            starts[i] = heapq.heappop(free)
+            heapq.heappush(free, int(starts[i] + n))
+        spans.append((starts, starts + shard))
+    return _steps_and_widths(spans, slots)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
+                    chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
+    """(steps, summed width / slots) of a partial-rollout stream (`run.generator`, `models.streaming`)
+    between one batch's completion and the next's, per batch of `lengths` [batches][rows], in steady state
+    (the batches run three times over; the middle round's are returned: work enters it from the round
+    before and leaves it for the round after). As the runtime runs it: `group_slots`
+    group slots per shard (staleness + 1 batches' groups), groups admitted in order to the shard with the
+    most free ones, batch k's only once batch k - 1 - staleness is trained (admission pacing; an update
+    counts as instant here: the simulator schedules it); a group's rows wait for the shard's `slots`
+    decode slots in admission order; a done group's slot frees at the end of the chunk it ended in (the
+    stream is read every `chunk` steps); a batch is complete when its last group is taken."""
+    batches = [np.asarray(b, dtype=np.int64).reshape(-1, group) for b in lengths] * 3
+    queue = [(k, g) for k, b in enumerate(batches) for g in b]
+    free_slots = [[0] * slots for _ in range(ways)]  # when each decode slot frees, per shard (heaps)
+    free_groups = [group_slots] * ways
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(ways)]
+    running: list[tuple[int, int, int]] = []  # (done at, shard, batch) of admitted groups not yet taken
+    left = [len(b) for b in batches]  # groups of each batch not yet taken
+    done_at = [0] * len(batches)
+    t, nxt = 0, 0
+    while nxt < len(queue) or running:
+        for item in [r for r in running if r[0] <= t]:  # taken at the end of this chunk
+            running.remove(item)
+            free_groups[item[1]] += 1
+            left[item[2]] -= 1
+            if not left[item[2]]:
+                done_at[item[2]] = t
+        while nxt < len(queue) and max(free_groups) > 0:
+            k, rows = queue[nxt]
+            if k - 1 - staleness >= 0 and left[k - 1 - staleness]:
+                break  # paced: that batch is not trained yet
+            shard = int(np.argmax(free_groups))
+            free_groups[shard] -= 1
+            ends = []
+            for n in rows:
+                start = max(t, heapq.heappop(free_slots[shard]))
+                heapq.heappush(free_slots[shard], start + int(n))
+                spans[shard].append((start, start + int(n)))
+                ends.append(start + int(n))
+            running.append((max(ends), shard, k))
+            nxt += 1
+        t = (t // chunk + 1) * chunk if not running else max(t + chunk, -(-min(r[0] for r in running) // chunk) * chunk)
+    shards = [(np.array([a for a, _ in s], dtype=np.int64), np.array([b for _, b in s], dtype=np.int64))
+              for s in spans if s]
+    parts = _steps_and_widths(shards, slots, np.array(done_at))  # part k: batch k's, up to its completion
+    return tuple(parts[len(lengths):2 * len(lengths)])
+
 
 
 CALL_COSTS = {"generate": generate_cost, "inference": inference_cost, "train": train_cost}
@@ -821,8 +931,14 @@ def measured_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: 
         return None
     parts = _table_parts(call, cfg, group.size, layout, wl, hw)
     if parts is not None:
+        share = formula.decode_width_share
+        if call.kind == "generate":  # a full-width step against a half-width one, both timed
+            step = lambda rows: hw.measured.find(model_key(cfg, call.head), "decode", group.size,  # noqa: E731
+                                                 str(layout)).seconds(rows, wl.seq_len)
+            rows = wl.call_seqs(call)
+            share = _share(2 * (step(rows) - step(rows / 2)), step(rows))
         return CallCost(sum(parts.values()), formula.flops, formula.hbm_bytes, formula.collective_bytes, parts,
-                        source="measured")
+                        source="measured", decode_width_share=share)
     factor = _layout_calibration(call, cfg, group, layout, wl, hw)
     if factor is None:
         return None

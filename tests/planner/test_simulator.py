@@ -218,6 +218,7 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
     pool of 4 slots for 16 rows: the tokens over the pool plus the last round's tail, below the cap."""
     import numpy as np
 
+    from jaxrlhf.models.slots import pool_size
     from jaxrlhf.planner.cost import LENGTH_BATCHES, CostCache, generate_durations
     from jaxrlhf.planner.simulator import estimate_plan
 
@@ -237,11 +238,55 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
             assert durations == pytest.approx(list(expect))
             assert durations[int(lengths.max(axis=1).argmax())] == pytest.approx(max(durations))
         else:
-            steps = lengths.sum(axis=1) / 4 + lengths.max(axis=1) - lengths.mean(axis=1)
-            assert durations == pytest.approx(list(prefill + (cost.seconds - prefill) * steps / (4 * 512)))
+            share = cost.decode_width_share
+            assert 0.0 < share <= 1.0
+            slots = pool_size(16, 4, ways) // ways
+            steps = [_continuous_by_step(batch, ways, slots, share) for batch in lengths]
+            assert durations == pytest.approx(list(prefill + (cost.seconds - prefill) * np.array(steps) / (4 * 512)))
             assert max(durations) < cost.seconds
         est = estimate_plan(p, graph, models, wl, hw)
         assert est.timeline.period() == LENGTH_BATCHES and np.mean(durations) <= est.step_s < cost.seconds
+
+
+def _continuous_by_step(lengths, ways: int, slots: int, share: float) -> float:
+    """The continuous engine step by step (an independent count for the planner's): each shard's rows
+    (contiguous blocks) enter its slots in order as slots free; every step each active row decodes a token
+    and the step runs the narrowest of the slot count halved up to 3 times that holds the busiest shard's
+    rows, costing (1 - share) + share x width / slots of a full step."""
+    import numpy as np
+
+    shards = np.asarray(lengths).reshape(ways, -1)
+    left = [list(s) for s in shards]  # rows still to enter, per shard
+    running = [[] for _ in range(ways)]  # tokens left of the rows in slots
+    widths = sorted({-(-slots // 2**k) for k in range(4)})
+    total = 0.0
+    while any(left) or any(running):
+        for k in range(ways):
+            while left[k] and len(running[k]) < slots:
+                running[k].append(int(left[k].pop(0)))
+        busiest = max(len(r) for r in running)
+        width = next(w for w in widths if w >= busiest)
+        total += (1 - share) + share * width / slots
+        running = [[n - 1 for n in r if n > 1] for r in running]
+    return total
+
+
+def test_decode_steps_of_the_engines_by_hand():
+    """Four rows of 5, 1, 1, 1 tokens in 4 slots: one step at width 4, then four at width 1 (widths 4, 2,
+    1): 5 steps, 2 full steps' worth of width. A stream (G = 2, one group per batch, 2 decode slots, 2
+    group slots: eta = 1) over batches [3, 1] and [1, 1]: batch 0's rows take both slots, batch 1's wait
+    for them and finish with it at step 3 (read every step); the second round alike: 3 full-width steps
+    for the first batch of a round, none left for the second."""
+    from jaxrlhf.planner.cost import _continuous_batch, _stream_batches
+
+    assert _continuous_batch((5, 1, 1, 1), 1, 4) == (5.0, 2.0)
+    assert _continuous_by_step((5, 1, 1, 1), 1, 4, 1.0) == 2.0 and _continuous_by_step((5, 1, 1, 1), 1, 4, 0.0) == 5.0
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 1) == ((3.0, 3.0), (0.0, 0.0))
+    # read every 4 steps: the groups done at step 3 are taken at 4, the next round decodes 4-6 (3 steps)
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 4, 1) == ((3.0, 3.0), (0.0, 0.0))
+    # eta = 0: batch 1 enters only once batch 0 is taken: batch 0's 3-token row runs alone for 2 of its
+    # 3 steps (width 1 of 2), then batch 1's two rows take one step
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 0) == ((3.0, 2.0), (1.0, 1.0))
 
 
 def test_a_streaming_generator_has_no_tail():
@@ -263,7 +308,11 @@ def test_a_streaming_generator_has_no_tail():
     lengths = streamed.response_lengths(streamed.call_seqs(call))
     prefill = cost.parts["prefill"]
     durations = generate_durations(cost, streamed, call, lay.data * lay.fsdp, streamed=True)
-    assert durations == pytest.approx(list(prefill + (cost.seconds - prefill) * lengths.sum(axis=1) / 4 / (4 * 512)))
+    synchronous = generate_durations(cost, streamed, call, lay.data * lay.fsdp)
+    # over the cycle, the stream decodes at least the tokens over the pool, and less than the batches
+    # one at a time, each with its tail
+    tokens = prefill + (cost.seconds - prefill) * lengths.sum(axis=1) / 4 / (4 * 512)
+    assert sum(tokens) <= sum(durations) * (1 + 1e-9) and sum(durations) < sum(synchronous)
     assert p.offpolicy
     assert estimate_plan(p, graph, models, streamed, hw).step_s < estimate_plan(p, graph, models, wl, hw).step_s
     serial = dataclasses.replace(p, offpolicy=False, shadow_roles=())
