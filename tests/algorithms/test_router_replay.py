@@ -160,7 +160,24 @@ def test_router_replay_refusals():
         _config("algorithm.pack_sequences=true")
     with pytest.raises(cfglib.ConfigError, match="set generation.partial_rollout=false"):
         _config("generation.engine=continuous", "generation.partial_rollout=true")
-    moe_cfg = _config("model.actor.preset=tiny-qwen3-moe", "generation.max_new_tokens=8")
-    graph = declare(moe_cfg).graph()
+
+
+def test_the_recorded_experts_travel_with_the_batch():
+    """In the graph from the generate call through `trim_responses` to the actor's train and inference calls
+    (not the reference's or the critic's); cut with the batch's sequences."""
+    graph = declare(_config("model.actor.preset=tiny-qwen3-moe", "generation.max_new_tokens=16",
+                            "algorithm.rollout_correction=tis", "algorithm.kl_coef=0.01")).graph()
     calls = {c.name: c for c in graph.calls}
-    assert ROUTED in calls["actor.generate"].outputs and ROUTED in calls["actor.train"].inputs
+    assert "full_" + ROUTED in calls["actor.generate"].outputs
+    trim = next(h for h in graph.host_steps if h.name == "trim_responses")
+    assert "full_" + ROUTED in trim.inputs and ROUTED in trim.outputs
+    assert ROUTED in calls["actor.train"].inputs and ROUTED in calls["actor.inference"].inputs
+    assert ROUTED not in calls["ref.inference"].inputs
+    b, p, n = 2, 3, 16
+    mask = np.zeros((b, n), bool)
+    mask[0, :5] = True
+    experts = np.arange(b * (p + n) * 2 * 2).reshape(b, p + n, 2, 2).astype(np.int8)
+    batch = {"tokens": np.zeros((b, p + n), np.int32), "response_mask": mask, ROUTED: experts}
+    cut = rollout.trim_responses(batch, n)
+    assert cut["tokens"].shape == (b, p + 8)
+    np.testing.assert_array_equal(cut[ROUTED], experts[:, :p + 8])
