@@ -244,7 +244,7 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
                 if not phases:
                     continue
                 timer = Timer(cfg_m, call.head, group, lay, repeats)
-                split = lay.data * lay.fsdp
+                split = lay.batch_ways  # data x fsdp x expert
                 for phase in phases:
                     rows_all, full = wl.call_seqs(call), {"prefill": wl.prompt_len, "decode": wl.seq_len}.get(
                         phase, wl.seq_len)

@@ -959,7 +959,7 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
     key = model_key(cfg, call.head)
     rows, length, micro = wl.call_seqs(call), wl.seq_len, wl.micro_batches(call)
     if wl.packed and call.kind != "generate":  # the packed rows of every micro-batch, as wide as they are
-        ways = layout.data * layout.fsdp
+        ways = layout.batch_ways
         shape = wl.packed_shape(call, ways)
         rows, length, micro = shape.micro_batches * shape.rows * ways, shape.width, shape.micro_batches
     stages = layout.stage
@@ -979,7 +979,7 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
         pre, dec = table("prefill"), table("decode")
         if pre is None or dec is None:
             return None
-        ways = layout.data * layout.fsdp
+        ways = layout.batch_ways
         prompts = wl.generate_shape(call, ways)[0] * ways  # each group's prompt prefilled once
         return {"prefill": pre.seconds(prompts, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
     t = table(call.kind)
