@@ -60,6 +60,7 @@ from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
 from jaxrlhf.models.engines import GENERATION_ENGINES
+from jaxrlhf.models import pipeline
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.moe import forward_with_router_logits, load_balancing_loss, replaying, router_statistics
 from jaxrlhf.models.sampling import SamplingParams, entropy, token_logprobs
@@ -135,6 +136,11 @@ def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -
         logits = packed_output(model, {"packed": {**pk, "take": pk["take"][:, None]}}, "take")
         return logits.reshape(-1, logits.shape[-1])
     experts = batch.get(ROUTED)
+    if experts is not None and pipeline.is_pipelined():  # a pipeline splits the batch inside the forward
+        raise AlgorithmConfigError(
+            "algorithm.router_replay=true replays each row's experts in one forward, but this call's placement is "
+            "pipelined (stage > 1): give the actor's train and inference calls a layout with stage=1 (or set "
+            "algorithm.router_replay=false)")
     with replaying(None if experts is None else jnp.moveaxis(experts, 2, 0)):  # [layers, batch, length, k]
         logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
     return logits[:, :-1]

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrlhf import config as cfglib
 from jaxrlhf.algorithms import AlgorithmConfigError, build_algorithm, declare, rollout
 from jaxrlhf.algorithms.rl import ROUTED
-from jaxrlhf.models import moe
+from jaxrlhf.models import moe, pipeline
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.generation import routed_experts
 from jaxrlhf.models.sampling import SamplingParams
@@ -156,6 +156,11 @@ def test_router_replay_refusals():
     with pytest.raises(AlgorithmConfigError, match=r"algorithm.router_replay=true .* has no experts .* "
                                                    r"set algorithm.router_replay=false"):
         algorithm.settings()
+    # a pipelined train or inference call: refused before any forward (so no model is needed to see it)
+    batch = {"tokens": jnp.ones((2, 4), jnp.int32), "positions": jnp.zeros((2, 4), jnp.int32),
+             "mask": jnp.ones((2, 4), bool), ROUTED: jnp.zeros((2, 4, 2, 2), jnp.int8)}
+    with pipeline.staged(2), pytest.raises(AlgorithmConfigError, match="pipelined .* layout with stage=1"):
+        rollout.response_logits(None, batch, 2)
     with pytest.raises(cfglib.ConfigError, match="set algorithm.pack_sequences=false"):
         _config("algorithm.pack_sequences=true")
     with pytest.raises(cfglib.ConfigError, match="set generation.partial_rollout=false"):
