@@ -638,6 +638,10 @@ class GenerationConfig:
     # their KV cache; every token records the weight version that sampled it. Needs engine=continuous
     partial_rollout: Bool = False
     stream_chunk: Int = _field(16, check=positive)  # partial rollouts: decode steps between looks for new weights
+    # partial rollouts: when new weights arrive, recompute the KV cache of the rows in flight (a prefill of
+    # prompt + tokens so far) so they decode on exactly as the new weights would; false keeps the old
+    # weights' cache, as AReaL and verl do (docs/placement.md#partial-rollouts). Needs partial_rollout=true
+    partial_recompute: Bool = False
     # responses end at lengths drawn from plan.response_length_median / response_length_sigma (the planner's
     # own draws), not at EOS: a synthetic workload to measure throughput and check the planner's estimates
     # with a model that does not yet answer at realistic lengths. Needs ignore_eos=true (nothing learns)
@@ -649,12 +653,12 @@ class GenerationConfig:
         for key in ("partial_rollout", "simulated_lengths"):
             if getattr(self, key) and not rollout:
                 yield f"generation.{key}=true applies to rollouts, and algorithm.name={name} has none; set it false"
+        if self.partial_recompute and not self.partial_rollout:
+            yield ("generation.partial_recompute=true recomputes the KV cache of rows a stream keeps in flight "
+                   "across weight updates: set generation.partial_rollout=true (or partial_recompute=false)")
         if self.partial_rollout and self.engine != "continuous":
             yield ("generation.partial_rollout=true streams rollouts through the continuous engine's paged pool; "
                    f"set generation.engine=continuous (not {self.engine})")
-        if self.partial_rollout and getattr(config.algorithm, "dynamic_sampling", False):
-            yield ("generation.partial_rollout=true trains every group it admits, in order; "
-                   "algorithm.dynamic_sampling drops groups from a larger pool: set one of them false")
         if self.partial_rollout and config.plan.replan_every:
             yield ("generation.partial_rollout=true keeps rollouts in flight across steps, so there is no step "
                    "boundary to switch plans at; set plan.replan_every=0")
@@ -664,6 +668,9 @@ class GenerationConfig:
         if self.simulated_lengths and not self.ignore_eos:
             yield ("generation.simulated_lengths=true ends responses at drawn lengths, not at EOS: set "
                    "generation.ignore_eos=true (and rewards.eos_only=false)")
+
+
+AGENT_ENVIRONMENT = "openai_agent"  # env.name whose rows are played by env.agent through the endpoint
 
 
 def tcp_port(value: Any) -> str | None:
@@ -716,7 +723,7 @@ class RewardsConfig:
     clip: Float | None = _field(20.0, check=positive)  # |reward| bound; null = no clipping
     eos_only: Bool = True  # sequences that did not end with EOS get no score
     # worker processes scoring the rules beside the step (docs/agentic.md): a batch spread over them, and with
-    # generation.partial_rollout each group scored as soon as it is done, while the rest decode; 0 = in the step
+    # generation.partial_rollout each sample scored as soon as it ends, while the rest decode; 0 = in the step
     workers: Int = _field(0, check=non_negative)
 
 
@@ -739,14 +746,21 @@ class EnvConfig:
     max_turn_tokens: Int | None = _field(None, check=positive)
     max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
+    # env.name=openai_agent: the agent playing each row, "module:function"; function(client, row) -> reward or
+    # None, with an openai.OpenAI client on the run's endpoint (docs/agentic.md#the-agent-endpoint)
+    agent: str | None = None
+    server: AgentServerConfig = _field(factory=AgentServerConfig)  # env.name=openai_agent: the endpoint agents talk to
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        if (self.name == AGENT_ENVIRONMENT) != (self.agent is not None):
+            yield (f"env.name={AGENT_ENVIRONMENT} plays rows with env.agent (\"module:function\"), and only it does: "
+                   f"set both, or neither (env.name={self.name}, env.agent={self.agent})")
         if self.name is None:  # an unknown name: the rollout algorithms' validation (the registry is above)
             return
         if not hasattr(config.algorithm, "max_staleness"):
             yield (f"env.name={self.name} runs multi-turn rollouts, and algorithm.name={config.algorithm.name} has "
                    "none; set env.name=null")
-        if config.generation.engine != "continuous":
+        if config.generation.engine != "continuous" and self.name != AGENT_ENVIRONMENT:
             yield (f"env.name={self.name} runs episodes on the continuous engine's paged KV cache (an observation is "
                    f"prefilled onto its row's pages): set generation.engine=continuous (not {config.generation.engine})")
         if config.generation.partial_rollout:

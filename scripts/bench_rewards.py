@@ -11,14 +11,21 @@ a reward whose time per step is about the step's generation time (the table says
 goes twice, side by side:
 
 - in the step: `rewards.workers=0`, the batch scored by the `score_rules` host step after generation;
-- beside it: `rewards.workers=N`, each group scored by N worker processes as soon as it is done.
+- beside it: `rewards.workers=N`, each sample scored by N worker processes as soon as it ends (not when
+  its group does), the pool working on the oldest step's samples first, and the stream decoding the
+  next step while a batch waits for its last scores (docs/agentic.md).
 
 Per run, after one warm-up step: the median `time/step_s`, the median generation time (the trainer's
-wait for its batch, `time/generate_wait_s`), the reward time (in the step: the step's host work,
-`time/step/host_s`, nearly all of it scoring; beside it: the workers' `time/reward_work_s`) and, for the workers, `reward/hidden_frac` (1 - the trainer's wait
-for the last groups' scores / the workers' time): the JSON key `hidden_fraction` is its mean over the
-measured steps. Scores are the same in both runs (the `remote` service scores the text). Run it alone on
-a quiet machine; `--quick` (tiny model, 2 steps) is a smoke test.
+wait for its batch, `time/generate_wait_s`, which beside it includes `time/reward_decode_s`: decoding
+the next step while the last scores come in), the reward time (in the step: the step's host work,
+`time/step/host_s`, nearly all of it scoring; beside it: the workers' `time/reward_work_s`) and, for
+the workers, `reward/hidden_frac` (1 - the trainer's idle wait for the last samples' scores / the
+workers' time): the JSON key `hidden_fraction` is its mean over the measured steps. The workers' time
+grows with the number of tasks (small tasks use less of the rule's concurrency), which flatters that
+ratio, so `hidden_of_step_reward` measures against the other run instead: 1 - the trainer's median wait
+beside it / the median reward time in the step. `speedup` is the step time in the step over beside it.
+Scores are the same in both runs (the `remote` service scores the text). Run it alone on a quiet
+machine; `--quick` (tiny model, 2 steps) is a smoke test.
 """
 
 from __future__ import annotations
@@ -109,11 +116,14 @@ def main(argv=None) -> int:
             reward_s = med("time/reward_work_s") if workers else med("time/step/host_s")
             rows[name] = {"workers": workers, "step_s": med("time/step_s"), "generate_s": med("time/generate_wait_s"),
                           "reward_s": reward_s, "reward_wait_s": med("time/reward_wait_s") if workers else reward_s,
+                          "reward_decode_s": med("time/reward_decode_s") if workers else 0.0,
                           "hidden_fraction": statistics.mean(r["reward/hidden_frac"] for r in records) if workers
                           else 0.0, "reward_mean": statistics.mean(r["reward/mean"] for r in records)}
     server.shutdown()
     step, beside = rows["in the step"], rows["beside it"]
-    summary = {"hidden_fraction": beside["hidden_fraction"], "speedup": step["step_s"] / beside["step_s"],
+    summary = {"hidden_fraction": beside["hidden_fraction"],
+               "hidden_of_step_reward": max(0.0, 1.0 - beside["reward_wait_s"] / step["reward_s"]),
+               "speedup": step["step_s"] / beside["step_s"],
                "delay_ms": args.delay_ms, "workers": args.workers, "concurrency": args.concurrency,
                "steps": args.steps, "runs": rows}
     print(f"{'rewards':<12} {'workers':>7} {'step s':>8} {'generate s':>11} {'reward s':>9} {'reward wait s':>14} "

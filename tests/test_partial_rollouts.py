@@ -56,6 +56,23 @@ def test_streaming_with_no_staleness_is_the_synchronous_step(tmp_path):
         assert 0.0 <= got["reward/hidden_frac"] <= 1.0 and "reward/hidden_frac" not in ref
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_streams_prompts_until_every_group_is_informative(tmp_path):
+    """DAPO streamed (eta = 1, rewards from two workers as samples end): groups whose scores are all
+    equal are dropped as they are scored and the next prompts of the step's feed (dynamic_sampling_factor
+    x B) admitted in their place, so every trained group has reward variance (kept = B), fewer prompts are
+    generated than the synchronous pool's, and no token is older than eta."""
+    records = _run(tmp_path, "dapo", "algorithm.name=dapo", "algorithm.group_size=4", "plan.strategy=colocated",
+                   "algorithm.max_staleness=1", "algorithm.dynamic_sampling_factor=4", "rewards.workers=2", *STREAM,
+                   'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-m]"}}]', "run.steps=3")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["dynamic_sampling/kept_groups"] == 8 == r["dynamic_sampling/informative_groups"]
+        assert 8 <= r["dynamic_sampling/pool_groups"] < 32
+        assert 0 <= r["rollout/staleness"] <= 1 and np.isfinite(r["loss/policy"])
+    assert any(r["dynamic_sampling/pool_groups"] > 8 for r in records)  # some groups were dropped and replaced
+
+
 RANDOM_LENGTHS = ["generation.max_new_tokens=32", "generation.ignore_eos=true", "generation.simulated_lengths=true",
                   "plan.response_length_median=8", "plan.response_length_sigma=1.0", "generation.stream_chunk=2"]
 
@@ -77,11 +94,15 @@ def test_no_trained_token_is_older_than_the_budget(tmp_path):
     """Random generation times (log-normal response lengths, drawn per step from the run's keys) and
     2-token decode chunks on a generator of its own, which decodes during training: rows run across
     weight updates (partial rollouts), yet no trained token is more than eta = 2 updates old. GRPO:
-    its group advantages need every sample of a group, which the stream hands over only together."""
+    its group advantages need every sample of a group, which the stream hands over only together. The
+    rows in flight get their KV recomputed at each update (`generation.partial_recompute`; its
+    arithmetic: test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights)."""
     records = _run(tmp_path, "eta2", "algorithm.name=grpo", "algorithm.group_size=4", "plan.strategy=disaggregated",
-                   "algorithm.max_staleness=2", *STREAM, *RANDOM_LENGTHS, "run.steps=5", "run.seed=1")
+                   "algorithm.max_staleness=2", *STREAM, *RANDOM_LENGTHS, "run.steps=5", "run.seed=1",
+                   "generation.partial_recompute=true")
     _check_bound(records, 2, 5)
     assert sum(r["time/generate_overlap_s"] for r in records) > 0
+    assert sum(r["time/kv_recompute_s"] for r in records) > 0
 
 
 @pytest.mark.slow
@@ -100,7 +121,7 @@ def test_a_stream_without_a_generator_of_its_own_runs_ahead_between_updates(tmp_
     (["generation.partial_rollout=true", "generation.engine=static"], "set generation.engine=continuous"),
     (["generation.simulated_lengths=true", "generation.ignore_eos=true"], "set plan.response_length_median"),
     (["generation.simulated_lengths=true", "plan.response_length_median=8"], "set generation.ignore_eos=true"),
-    (["generation.partial_rollout=true", "algorithm.name=dapo", "algorithm.group_size=4"], "set one of them false"),
+    (["generation.partial_recompute=true"], "set generation.partial_rollout=true"),
 ])
 def test_a_streaming_key_that_cannot_apply_is_refused(overrides, needle):
     with pytest.raises(cfglib.ConfigError, match=needle.replace(".", r"\.")):
@@ -110,3 +131,55 @@ def test_a_streaming_key_that_cannot_apply_is_refused(overrides, needle):
 def test_a_streaming_key_without_rollouts_is_refused():
     with pytest.raises(cfglib.ConfigError, match=r"algorithm\.name=sft has none"):
         cfglib.load_config(None, ["algorithm.name=sft", "generation.partial_rollout=true"])
+
+
+@pytest.mark.slow
+def test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights():
+    """`generation.partial_recompute`: rows run 3 steps on model A, then the weights change to model B.
+    With the KV recomputed (`streaming.recompute`), every token sampled after the change has B's
+    log-prob given the row's tokens, as one full forward of B over prompt + tokens computes it; the
+    group still waiting for a decode slot samples its first token from B's prefill. Kept, the cache
+    is A's and the log-probs are not B's: the difference the option makes."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrlhf.models import generation as gen
+    from jaxrlhf.models import streaming as sm
+    from jaxrlhf.models.config import preset
+    from jaxrlhf.models.sampling import GREEDY, token_logprobs
+    from jaxrlhf.models.transformer import build_model, positions_from_mask
+
+    prompts, G, N, P = [[1, 40, 41, 42], [1, 50, 51], [1, 60]], 2, 10, 16
+    graphdef, params_a = nnx.split(build_model(preset("tiny"), seed=0))
+    _, params_b = nnx.split(build_model(preset("tiny"), seed=1))
+    spec = sm.StreamSpec.make(groups=3, group_size=G, max_new_tokens=N, prompt_bucket=P, sampling=GREEDY,
+                              eos_id=None, pad_id=0, slots=4)  # 4 decode slots: the third group waits
+    tokens, mask = gen.pad_prompts(prompts, 0, min_bucket=P)
+    state = sm.init(graphdef, params_a, spec=spec)
+    state, _ = sm.admit_fn(graphdef, params_a, state, jnp.asarray(tokens), jnp.asarray(mask),
+                           jnp.arange(3, dtype=jnp.int32), jax.random.key(0), spec=spec, version=0)
+    state = sm.run_fn(graphdef, params_a, state, spec=spec, version=0, max_steps=3, until_done_groups=4)
+    kept = jax.tree.map(jnp.copy, state)
+    state = sm.recompute_fn(graphdef, params_b, state, spec=spec, version=1)
+    outputs = {}
+    for name, st in (("recomputed", state), ("kept", kept)):
+        st = sm.run_fn(graphdef, params_b, st, spec=spec, version=1, max_steps=100, until_done_groups=4)
+        outputs[name], st = sm.take(st, spec=spec)
+
+    def gap(taken):
+        """Largest |recorded log-prob - B's full forward| over the tokens B sampled."""
+        out = taken.output
+        seq = np.concatenate([np.repeat(tokens, G, axis=0), out.response_tokens], axis=1)
+        seq_mask = np.concatenate([np.repeat(mask, G, axis=0), out.response_mask], axis=1)
+        logits, _ = nnx.merge(graphdef, params_b)(jnp.asarray(seq), positions_from_mask(jnp.asarray(seq_mask)),
+                                                  jnp.asarray(seq_mask))
+        reference = np.asarray(token_logprobs(logits[:, P - 1:-1], jnp.asarray(out.response_tokens), GREEDY))
+        by_b = taken.versions == 1
+        assert by_b.any()
+        return np.abs(out.logprobs - reference)[by_b].max()
+
+    assert outputs["recomputed"].versions[4:, 0].tolist() == [1, 1]  # the waiting group: B's prefill
+    assert outputs["kept"].versions[4:, 0].tolist() == [0, 0]  # A's
+    assert gap(outputs["recomputed"]) < 1e-4
+    assert gap(outputs["kept"]) > 1e-2

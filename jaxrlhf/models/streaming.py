@@ -402,18 +402,24 @@ def recompute(
 recompute_fn = jax.jit(recompute, static_argnums=0, static_argnames=("spec", "tag"), donate_argnames=("state",))
 
 
-def finished_rows(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> dict[str, jax.Array]:
-    """Which rows have ended (`done` [R], row q x G + j of group slot q), with every row's response
-    `tokens` and `valid` mask [R, N] and each group slot's admission `serial`: a row's output is final
-    once it is done (a done row is never preempted), so it can be scored before its group ends. A read:
-    the state is left as it is."""
+def finished_rows(state: StreamState, *, spec: StreamSpec, tag: Hashable = None
+                  ) -> tuple[Bool[Array, "rows"], Int[Array, "groups"]]:
+    """Which rows have ended (row q x G + j of group slot q) and each group slot's admission serial: a
+    row's output is final once it is done (a done row is never preempted), so it can be scored before
+    its group ends (`response_rows` reads it). A read: the state is left as it is."""
+    return state.rows["status"].reshape(spec.rows) == DONE, state.serial
+
+
+def response_rows(state: StreamState, rows: Int[Array, "k"], *, spec: StreamSpec, tag: Hashable = None
+                  ) -> tuple[Int[Array, "k new"], Bool[Array, "k new"]]:
+    """The response tokens and valid mask of `rows` (indices as `finished_rows` numbers them): only
+    those rows cross to the host, not the whole stream's."""
     flat = lambda x: x.reshape(spec.rows, *x.shape[2:])  # noqa: E731  [shards, R / shards, ...] -> [R, ...]
-    st = state.rows
-    return {"done": flat(st["status"]) == DONE, "tokens": flat(st["tokens"]), "valid": flat(st["out_valid"]),
-            "serial": state.serial}
+    return flat(state.rows["tokens"])[rows], flat(state.rows["out_valid"])[rows]
 
 
 finished_rows_fn = jax.jit(finished_rows, static_argnames=("spec", "tag"))
+response_rows_fn = jax.jit(response_rows, static_argnames=("spec", "tag"))
 
 
 def free_groups(state: StreamState) -> int:

@@ -5,7 +5,9 @@ and the decode pool empties as rows finish. The streaming generator keeps the co
 full instead: it admits the prompts of the next steps as groups finish (`models.streaming`), hands the
 trainer each step's batch when its last group is done, and applies new weights at the next decode chunk
 while the rows in flight go on with their KV cache (partial rollouts, as AReaL and verl's asynchronous
-trainer do). Every token records the weight version (trainer updates) that sampled it.
+trainer do), or with a cache recomputed under the new weights (`generation.partial_recompute`). Every
+token records the weight version (trainer updates) that sampled it. With reward workers
+(`rewards.workers`) each sample is scored as soon as it ends.
 
 Staleness is enforced by admission pacing, never by discarding work: batches are trained in admission
 order (prompt k of the run belongs to step k // B + 1, B = data.batch_size), and a step's prompts are
@@ -51,6 +53,11 @@ class _Drawn:
     done: dict[int, tuple[dict[str, np.ndarray], np.ndarray]] = dataclasses.field(default_factory=dict)
     # row of the batch -> (the reward workers' future for the rows it was sent with, its place among them)
     scores: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
+    # dynamic sampling: row -> its rule components scored here (no workers); prompt index -> whether the
+    # done group's shaped scores differ (informative), once its rows are scored
+    parts: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    informative: dict[int, bool] = dataclasses.field(default_factory=dict)
+    blocked_s: float = 0.0  # dynamic sampling: seconds the trainer waited for scores to decide on groups
 
 
 class StreamingGenerator:
@@ -67,9 +74,16 @@ class StreamingGenerator:
         self.executor, self.eta, self.stop, self.draw_step = executor, eta, stop, draw
         self.version = start  # trainer updates in the weights the generator holds
         self.next_step = start + 1  # the next step to draw
-        self.prompts = cfg.data.batch_size
+        self.prompts = cfg.data.batch_size  # groups trained per step
         self.group = algorithm.group_size
         self.prefix = algorithm.generated_prefix
+        # dynamic sampling (`algorithm.dynamic_sampling`): a step's feed holds factor x B prompts; the
+        # stream admits them in order, B at first, and one more for each group whose scores are all equal,
+        # until B informative groups are done (or the feed runs out: then the batch is filled as the
+        # synchronous `select_groups` fills it). Admission pacing is unchanged, so eta still bounds staleness
+        self.dynamic = algorithm.dynamic_sampling
+        self.pool_prompts = self.prompts * algorithm.pool_factor  # prompts in a step's feed
+        self.algorithm = algorithm
         self.chunk = cfg.generation.stream_chunk
         s = algorithm.settings()
         placed = executor.placed(GENERATE_CALL)
@@ -104,13 +118,15 @@ class StreamingGenerator:
         self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
         self.in_stream: dict[int, tuple[int, int]] = {}  # serial -> (step, prompt index) of a group in the stream
         self.busy_s = 0.0  # seconds decoding while the trainer trained (since the last `batch`)
+        self.recompute = cfg.generation.partial_recompute  # rows in flight re-prefilled under new weights
+        self.recompute_s = 0.0  # seconds recomputing KV (since the last `batch`)
         # rule rewards scored by worker processes as each sample ends (`rewards.workers`); the step's
         # `score_rules` host step is then skipped (its outputs come in the feed). A greedy baseline's
         # responses come from another call, scored in the step as before.
         self.pool = None if algorithm.greedy_baseline else algorithm.reward_pool
         self.scored: set[int] = set()  # stream rows (serial x G + j) handed to the workers, until taken
         self.reward_decode_s = 0.0  # seconds decoding the next steps while waiting for a batch's scores
-        if self.pool is not None:
+        if self.pool is not None or self.dynamic:
             from jaxrlhf.algorithms.rules import CombinedReward
 
             self.rules, self.tokenizer = CombinedReward(algorithm.rules_spec), algorithm.tokenizer
@@ -134,7 +150,7 @@ class StreamingGenerator:
     def _admit_ready(self) -> None:
         """Admit waiting prompts, oldest step first, into free group slots while their step is admissible."""
         while self.free:
-            pending = next((d for d in self.steps.values() if d.admitted < self.prompts), None)
+            pending = next((d for d in self.steps.values() if self._wanted(d)), None)
             if pending is None:
                 if self.next_step > self.stop or not self._admissible(self.next_step):
                     return
@@ -143,10 +159,57 @@ class StreamingGenerator:
                 self.next_step += 1
             if not self._admissible(pending.step):
                 return
-            self._admit_from(pending, min(self.free, self.prompts - pending.admitted))
+            self._admit_from(pending, min(self.free, self._wanted(pending)))
+
+    def _wanted(self, drawn: _Drawn) -> int:
+        """Prompts of the step to admit now: the rest of its batch, or, with dynamic sampling, one for
+        each of its B groups not yet informative nor in flight (done but unscored counts as in flight)."""
+        if not self.dynamic:
+            return self.prompts - drawn.admitted
+        self._classify(drawn)
+        kept = sum(drawn.informative.values())
+        open_ = drawn.admitted - len(drawn.informative)  # admitted, not yet decided
+        return max(0, min(self.pool_prompts - drawn.admitted, self.prompts - kept - open_))
+
+    def _complete(self, drawn: _Drawn) -> bool:
+        """Every group of the batch done, or, with dynamic sampling, B informative groups done (then none
+        is in flight) or the feed's prompts all decided."""
+        if not self.dynamic:
+            return len(drawn.done) == self.prompts
+        self._classify(drawn)
+        decided = len(drawn.informative) == drawn.admitted
+        return decided and (sum(drawn.informative.values()) >= self.prompts or drawn.admitted == self.pool_prompts)
+
+    def _group_parts(self, drawn: _Drawn, i: int) -> list[dict[str, float]] | None:
+        """Prompt i's rows' rule components, or None while a worker still scores one."""
+        rows = range(i * self.group, (i + 1) * self.group)
+        if self.pool is None:
+            return [drawn.parts[r] for r in rows]
+        if not all(r in drawn.scores and drawn.scores[r][0].done() for r in rows):
+            return None
+        return [drawn.scores[r][0].result()[0][drawn.scores[r][1]] for r in rows]
+
+    def _shaped(self, parts: list[dict[str, float]], ended: np.ndarray) -> np.ndarray:
+        """The score dynamic sampling filters on, as `select_groups` sees it (EOS gate and clip, no
+        overlong penalty)."""
+        from jaxrlhf.algorithms.rewards import shape_scores
+
+        s = self.algorithm.settings()
+        scores = np.asarray([self.rules.combine(c) for c in parts], np.float32)
+        return np.asarray(shape_scores(scores, ended, bias=s.reward_bias, scale=s.reward_scale,
+                                       clip=s.reward_clip, eos_only=s.eos_only))
+
+    def _classify(self, drawn: _Drawn) -> None:
+        """Decide each done, scored group of the step: informative when its shaped scores differ."""
+        for i, (values, _) in drawn.done.items():
+            if i not in drawn.informative:
+                parts = self._group_parts(drawn, i)
+                if parts is not None:
+                    shaped = self._shaped(parts, values["ended_with_eos"])
+                    drawn.informative[i] = bool(np.any(shaped != shaped[0]))
 
     def _admit_from(self, drawn: _Drawn, k: int) -> None:
-        B, G, first = self.prompts, self.group, drawn.admitted
+        B, G, first = self.pool_prompts, self.group, drawn.admitted
         feed = drawn.feed
         rows = np.arange(B) * G  # the first row of each group (`repeat_rows`: G adjacent copies)
         uids = np.where((np.arange(B) >= first) & (np.arange(B) < first + k), np.arange(B), -1).astype(np.int32)
@@ -186,9 +249,20 @@ class StreamingGenerator:
                       "response_tokens": out.response_tokens[rows], "response_mask": out.response_mask[rows],
                       "behaviour_logp": out.logprobs[rows], "ended_with_eos": out.ended_with_eos[rows]}
             self.steps[step].done[i] = (values, taken.versions[rows])
+            if self.dynamic and self.pool is None:  # scored here: the group decides what is admitted next
+                self._score_here(self.steps[step], i, values)
             self.scored.difference_update(int(serial) * G + j for j in range(G))
         self.free += len(taken.serials)
         return True
+
+    def _score_here(self, drawn: _Drawn, i: int, values: dict[str, np.ndarray]) -> None:
+        from jaxrlhf.algorithms.rollout import decode_responses
+
+        rows = range(i * self.group, (i + 1) * self.group)
+        texts = decode_responses(self.tokenizer, values["response_tokens"], values["response_mask"])
+        parts = self.rules.batch_components([drawn.feed["prompts"][r] for r in rows], texts,
+                                            [drawn.feed["answers"][r] for r in rows])
+        drawn.parts.update(zip(rows, parts))
 
     def _score_finished(self) -> None:
         """Hand every sample that ended since the last look to the reward workers, whether or not its
@@ -197,20 +271,28 @@ class StreamingGenerator:
         concurrently, as `remote` does, keeps that concurrency), queued by step: the oldest first."""
         from jaxrlhf.algorithms.rollout import decode_responses
 
-        rows = jax.device_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
+        done, serials = jax.device_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
         G = self.group
         fresh: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # step -> (stream row, batch row)
-        for r in np.flatnonzero(rows["done"]):
-            serial = int(rows["serial"][r // G])
+        for r in np.flatnonzero(done):
+            serial = int(serials[r // G])
             if serial * G + r % G in self.scored:
                 continue
             self.scored.add(serial * G + r % G)
             step, i = self.in_stream[serial]
             fresh[step].append((int(r), i * G + r % G))
+        if not fresh:
+            return
+        stream_rows = [r for picked in fresh.values() for r, _ in picked]
+        width = 1 << (len(stream_rows) - 1).bit_length()  # a power of two: few gather programs
+        tokens, valid = jax.device_get(streaming.response_rows_fn(
+            self.state, np.asarray(stream_rows + [0] * (width - len(stream_rows)), np.int32), spec=self.spec,
+            tag=self.tag))
+        at = {r: k for k, r in enumerate(stream_rows)}
         for step, picked in fresh.items():
             drawn = self.steps[step]
-            texts = decode_responses(self.tokenizer, rows["tokens"][[r for r, _ in picked]],
-                                     rows["valid"][[r for r, _ in picked]])
+            texts = decode_responses(self.tokenizer, tokens[[at[r] for r, _ in picked]],
+                                     valid[[at[r] for r, _ in picked]])
             size = -(-len(picked) // self.pool.workers)
             for start in range(0, len(picked), size):
                 batch_rows = [b for _, b in picked[start:start + size]]
@@ -251,29 +333,76 @@ class StreamingGenerator:
         while True:
             self._admit_ready()
             drawn = self.steps.get(step)
-            if drawn is not None and len(drawn.done) == self.prompts:
+            if drawn is not None and self._complete(drawn):
                 break
-            if not self._decode_chunk():
+            if self._decode_chunk():
+                continue
+            scoring = [] if drawn is None else [f for f, _ in drawn.scores.values() if not f.done()]
+            if not (self.dynamic and scoring):
                 raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
+            t1 = time.perf_counter()  # dynamic sampling: the next admissions wait for these scores
+            concurrent.futures.wait(scoring, return_when=concurrent.futures.FIRST_COMPLETED)
+            drawn.blocked_s += time.perf_counter() - t1
         del self.steps[step]
-        waited = time.perf_counter() - t0
+        waited = time.perf_counter() - t0 - drawn.blocked_s
         feed = dict(drawn.feed)
-        groups = [drawn.done[i] for i in range(self.prompts)]
+        order = sorted(drawn.done)  # the generated groups, in the feed's order
+        groups = [drawn.done[i] for i in order]
         values = {k: np.concatenate([g[0][k] for g in groups]) for k in groups[0][0]}
         versions = np.concatenate([g[1] for g in groups])
         prompt_mask = values.pop("prompt_mask")
         mask = np.concatenate([prompt_mask, values["response_mask"]], axis=1)
         values.update(mask=mask, positions=np.asarray(positions_from_mask(mask)))  # the training forward's rule
-        feed.update({self.prefix + k: v for k, v in values.items()})
+        if self.dynamic:
+            feed, values, versions = self._selected(drawn, order, values, versions)
+        else:
+            feed.update({self.prefix + k: v for k, v in values.items()})
         metrics = self._metrics(step, versions, values["response_mask"])
         metrics.update({"time/generate_wait_s": waited, "time/generate_overlap_s": self.busy_s})
-        if self.pool is not None:
+        if self.recompute:  # the trainer waited for it too (after the last update)
+            metrics["time/kv_recompute_s"] = self.recompute_s
+            metrics["time/generate_wait_s"] += self.recompute_s
+            self.recompute_s = 0.0
+        if self.pool is not None and self.dynamic:  # every score is in: the groups were decided on them
+            futures = {id(f): f for f, _ in drawn.scores.values()}
+            work = sum(f.result()[1] for f in futures.values()) / self.pool.workers
+            metrics.update({"time/reward_wait_s": drawn.blocked_s, "time/reward_work_s": work,
+                            "reward/hidden_frac": max(0.0, 1.0 - drawn.blocked_s / work) if work > 0 else 1.0})
+        elif self.pool is not None:
             rewards, timing = self._rewards(drawn)
             feed.update(rewards)
             metrics.update(timing)
             metrics["time/generate_wait_s"] += timing["time/reward_decode_s"]  # the trainer's time in the stream
         self.busy_s = 0.0
         return feed, drawn.data_state, metrics
+
+    def _selected(self, drawn: _Drawn, order: list[int], values: dict[str, np.ndarray], versions: np.ndarray
+                  ) -> tuple[dict[str, Any], dict[str, np.ndarray], np.ndarray]:
+        """Dynamic sampling: the step's batch chosen from its generated groups by `select_groups` (as the
+        synchronous step chooses from its whole pool: informative groups first, in the feed's order), in
+        the feed as the outputs of the generate call, `score_rules` and `select_groups` (all three
+        skipped in the step), with the feed's prompt rows cut to the chosen ones."""
+        from jaxrlhf.algorithms.rollout import select_groups
+
+        G, feed = self.group, dict(drawn.feed)
+        rows = np.asarray([i * G + j for i in order for j in range(G)])
+        parts = [c for i in order for c in self._group_parts(drawn, i)]
+        shaped = self._shaped(parts, values["ended_with_eos"])
+        rules = {"rule_scores": np.asarray([self.rules.combine(c) for c in parts], np.float32),
+                 "rule_components": {n: np.asarray([c[n] for c in parts], np.float32) for n in self.rules.names}}
+        rowwise = [k for k in ("prompts", "answers", "prompt_tokens", "prompt_mask", "max_lengths") if k in feed]
+        pool = {**values, **rules, "versions": versions, **{k: np.asarray(feed[k])[rows] for k in rowwise}}
+        out, stats = select_groups(pool, shaped, G, self.prompts)
+        for k in rowwise:
+            feed[k] = out.pop(k).tolist() if isinstance(feed[k], (list, tuple)) else out.pop(k)
+        versions = out.pop("versions")
+        chosen = {k: out[k] for k in values}
+        generated = {self.prefix + k: v for k, v in chosen.items()}  # the generate call's outputs (`pool_`)
+        generated.update({self.algorithm.uncut_prefix + k: v for k, v in chosen.items()})  # select_groups'
+        feed.update(generated, rule_scores=out["rule_scores"], rule_components=out["rule_components"],
+                    pool_rule_scores=out["rule_scores"], pool_rule_components=out["rule_components"],
+                    sampling_stats={k: np.float32(v) for k, v in stats.items()})
+        return feed, chosen, versions
 
     def _metrics(self, step: int, versions: np.ndarray, response_mask: np.ndarray) -> dict[str, float]:
         """Staleness of the batch's tokens: trainer updates (step - 1) minus the version that sampled each."""
@@ -304,5 +433,14 @@ class StreamingGenerator:
         self.busy_s += time.perf_counter() - t0
 
     def updated(self) -> None:
-        """The trainer finished an update and synced it: the next chunk samples with the new weights."""
+        """The trainer finished an update and synced it: the next chunk samples with the new weights,
+        over the old weights' KV cache, or (`generation.partial_recompute`) over a cache recomputed
+        with them (every admitted prompt and every decoding row's tokens so far)."""
         self.version += 1
+        if self.recompute and self.free < self.spec.groups:
+            t0 = time.perf_counter()
+            with ax.activation_sharding(self.resolver):
+                self.state = streaming.recompute_fn(self.graphdef, self._params(), self.state, spec=self.spec,
+                                                    version=np.int32(self.version), tag=self.tag)
+            jax.block_until_ready(self.state.pool)
+            self.recompute_s += time.perf_counter() - t0
