@@ -670,9 +670,6 @@ class GenerationConfig:
                    "generation.ignore_eos=true (and rewards.eos_only=false)")
 
 
-AGENT_ENVIRONMENT = "openai_agent"  # env.name whose rows are played by env.agent through the endpoint
-
-
 def tcp_port(value: Any) -> str | None:
     return None if value is None or 0 <= value <= 65535 else "must be a TCP port in [0, 65535] (0 = any free port)"
 
@@ -746,21 +743,14 @@ class EnvConfig:
     max_turn_tokens: Int | None = _field(None, check=positive)
     max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
-    # env.name=openai_agent: the agent playing each row, "module:function"; function(client, row) -> reward or
-    # None, with an openai.OpenAI client on the run's endpoint (docs/agentic.md#the-agent-endpoint)
-    agent: str | None = None
-    server: AgentServerConfig = _field(factory=AgentServerConfig)  # env.name=openai_agent: the endpoint agents talk to
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
-        if (self.name == AGENT_ENVIRONMENT) != (self.agent is not None):
-            yield (f"env.name={AGENT_ENVIRONMENT} plays rows with env.agent (\"module:function\"), and only it does: "
-                   f"set both, or neither (env.name={self.name}, env.agent={self.agent})")
         if self.name is None:  # an unknown name: the rollout algorithms' validation (the registry is above)
             return
         if not hasattr(config.algorithm, "max_staleness"):
             yield (f"env.name={self.name} runs multi-turn rollouts, and algorithm.name={config.algorithm.name} has "
                    "none; set env.name=null")
-        if config.generation.engine != "continuous" and self.name != AGENT_ENVIRONMENT:
+        if config.generation.engine != "continuous":
             yield (f"env.name={self.name} runs episodes on the continuous engine's paged KV cache (an observation is "
                    f"prefilled onto its row's pages): set generation.engine=continuous (not {config.generation.engine})")
         if config.generation.partial_rollout:
