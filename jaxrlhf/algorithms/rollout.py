@@ -732,8 +732,17 @@ class RolloutRuntime:
         prefix = [] if template is not None else list(tok.special_prefix)  # a rendered template holds its BOS
         prompt_ids = [prefix + tok.encode(e.reset(row).text) for e, row in zip(envs, rows)]
         budget = env.max_tokens or s.max_new_tokens
+        longest = max(len(p) for p in prompt_ids)
+        actor = getattr(self, "model_configs", {}).get("actor")
+        positions = actor.max_position_embeddings if actor is not None else longest + budget + 16
+        room = (positions - budget) // 16 * 16  # prompt columns left beside the trajectory, in pages of 16
+        if longest > room:
+            raise ValueError(
+                f"env.name={env.name}: a first observation (the environment's prompt, e.g. with its tools described) "
+                f"of {longest} tokens and a trajectory of env.max_tokens={budget} exceed the actor's "
+                f"{positions} positions: shorten the prompts (data.max_prompt_len) or env.max_tokens")
         spec = multiturn.MultiTurnSpec(
-            rows=len(rows), prompt_bucket=bucket_length(max(len(p) for p in prompt_ids)), max_tokens=budget,
+            rows=len(rows), prompt_bucket=bucket_length(longest, cap=room), max_tokens=budget,
             max_turn_tokens=env.max_turn_tokens or budget, sampling=s.sampling, eos_ids=tuple(tok.eos_ids),
             pad_id=tok.pad_id, max_observation_tokens=env.max_observation_tokens)
         graphdef = self.models["actor"].graphdef

@@ -260,3 +260,33 @@ def test_grpo_run_with_an_environment_completes_and_logs_env_metrics(tmp_path):
         if "env/turns" in r:
             assert r["env/turns"] == 2 and r["env/retries"] == 1 and r["env/finish/done"] == 1
             assert r["env/observation_tokens"] > len("\nAgain:\n") - 1 and np.isfinite(r["loss/policy"])
+
+
+@pytest.mark.slow
+def test_grpo_run_with_the_calculator_tool_environment(tmp_path):
+    """env.name=tools in a one-step GRPO run on a checkpoint tokenizer with a tool-calling chat template: the
+    prompts are rendered with the calculator described, turns end on <|im_end|> (or are cut and closed with
+    it), the model's text goes through the template family's parser, and the run logs env metrics. (A random
+    tiny model writes no well-formed call; the calls themselves are tested above.)"""
+    import json
+
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import train
+    from jaxrlhf.metrics import read_metrics
+    from jaxrlhf.testing.models import save_tiny_tokenizer
+
+    folder = save_tiny_tokenizer(tmp_path / "tok", "qwen2", corpus=["<tool_call> calculator expression"])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN25,
+                                                              "eos_token": "<|im_end|>"}))
+    cfg = cfglib.load_config(None, [
+        "algorithm.name=grpo", "model.actor.preset=tiny", f"model.tokenizer={folder}", "run.steps=1",
+        "run.checkpoint_every=0", "run.tensorboard=false", "run.export_hf=false", "run.save_checkpoints=false",
+        "sft.steps=0", "data.batch_size=2", "algorithm.group_size=2", "algorithm.minibatches=1",
+        "data.max_prompt_len=32", "generation.max_new_tokens=32", "generation.engine=continuous",
+        "plan.strategy=colocated", "env.name=tools", "env.max_turn_tokens=8", "env.max_turns=2",
+        "rewards.rules=[]", "rewards.eos_only=false", f"run.output_dir={tmp_path / 'run'}"])
+    train.run(cfg)
+    [row] = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "env/turns" in r]
+    assert 1 <= row["env/turns"] <= 2 and np.isfinite(row["loss/policy"])
+    assert row["env/finish/done"] + row["env/finish/max_turns"] + row["env/finish/max_tokens"] == 1
