@@ -756,6 +756,9 @@ class EnvConfig:
         if config.generation.partial_rollout:
             yield (f"env.name={self.name}: partial rollouts (generation.partial_rollout=true) do not run environments "
                    "yet; set generation.partial_rollout=false")
+        for key in ("ignore_eos", "simulated_lengths"):
+            if getattr(config.generation, key):
+                yield f"env.name={self.name}: a turn ends on an EOS token; set generation.{key}=false"
         if config.staleness_budget:
             yield (f"env.name={self.name}: episodes are generated in the step, by the trainer's current weights; set "
                    "algorithm.max_staleness=0 and plan.offpolicy=false")

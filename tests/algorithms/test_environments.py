@@ -206,6 +206,8 @@ def test_single_turn_gae_is_bit_identical_to_the_plain_recursion():
     (["env.name=tools", "generation.engine=continuous", "algorithm.max_staleness=1", "plan.strategy=disaggregated"],
      "set algorithm.max_staleness=0 and plan.offpolicy=false"),
     (["env.name=tools", "generation.engine=continuous", "algorithm.name=remax"], "greedy baseline"),
+    (["env.name=tools", "generation.engine=continuous", "generation.ignore_eos=true", "rewards.eos_only=false"],
+     "set generation.ignore_eos=false"),
     (["env.max_turns=0"], "env.max_turns"),
 ])
 def test_env_config_refusals(overrides, message):
