@@ -301,19 +301,17 @@ def generate_multiturn(
     spec: MultiTurnSpec, max_turns: int, chunk: int = 16, threads: int = 4,
     prompt_ids: Sequence[Sequence[int]] | None = None,
 ) -> MultiTurnOutput:
-    """Run one episode per row: `envs[i].reset(rows[i])` gives its prompt (`encode`d, unless `prompt_ids`
-    gives the tokens), then turns until the environment says done, `max_turns` turns, or a budget. A row that
-    ended a turn is stepped on a thread pool while the other rows decode the next `chunk` steps; an
-    observation that does not fit the trajectory's budget (or `spec.max_observation_tokens`) ends the row
-    (`max_tokens`)."""
+    """Run one episode per row: `envs[i].reset(rows[i])` gives its prompt (`encode`d), or, when the caller
+    has reset the environments itself, `prompt_ids` gives the first observations' tokens (reset is not
+    called again: an environment may draw its task there). Then turns until the environment says done,
+    `max_turns` turns, or a budget. A row that ended a turn is stepped on a thread pool while the other
+    rows decode the next `chunk` steps; an observation that does not fit the trajectory's budget (or
+    `spec.max_observation_tokens`) ends the row (`max_tokens`)."""
     R, P = spec.rows, spec.prompt_bucket
     if len(envs) != R or len(rows) != R:
         raise ValueError(f"{len(envs)} environments and {len(rows)} rows for a spec of {R} rows")
     if prompt_ids is None:
         prompt_ids = [encode(env.reset(row).text) for env, row in zip(envs, rows)]
-    else:
-        for env, row in zip(envs, rows):
-            env.reset(row)
     if max(len(p) for p in prompt_ids) > P:
         raise ValueError(f"a prompt of {max(len(p) for p in prompt_ids)} tokens does not fit prompt_bucket={P}")
     prompt = np.full((R, P), spec.pad_id, np.int32)
