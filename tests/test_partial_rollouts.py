@@ -56,23 +56,6 @@ def test_streaming_with_no_staleness_is_the_synchronous_step(tmp_path):
         assert 0.0 <= got["reward/hidden_frac"] <= 1.0 and "reward/hidden_frac" not in ref
 
 
-@pytest.mark.slow
-def test_dynamic_sampling_streams_prompts_until_every_group_is_informative(tmp_path):
-    """DAPO streamed (eta = 1, rewards from two workers as samples end): groups whose scores are all
-    equal are dropped as they are scored and the next prompts of the step's feed (dynamic_sampling_factor
-    x B) admitted in their place, so every trained group has reward variance (kept = B), fewer prompts are
-    generated than the synchronous pool's, and no token is older than eta."""
-    records = _run(tmp_path, "dapo", "algorithm.name=dapo", "algorithm.group_size=4", "plan.strategy=colocated",
-                   "algorithm.max_staleness=1", "algorithm.dynamic_sampling_factor=4", "rewards.workers=2", *STREAM,
-                   'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-m]"}}]', "run.steps=3")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:
-        assert r["dynamic_sampling/kept_groups"] == 8 == r["dynamic_sampling/informative_groups"]
-        assert 8 <= r["dynamic_sampling/pool_groups"] < 32
-        assert 0 <= r["rollout/staleness"] <= 1 and np.isfinite(r["loss/policy"])
-    assert any(r["dynamic_sampling/pool_groups"] > 8 for r in records)  # some groups were dropped and replaced
-
-
 RANDOM_LENGTHS = ["generation.max_new_tokens=32", "generation.ignore_eos=true", "generation.simulated_lengths=true",
                   "plan.response_length_median=8", "plan.response_length_sigma=1.0", "generation.stream_chunk=2"]
 
@@ -93,16 +76,24 @@ def _check_bound(records: list[dict], eta: int, steps: int) -> None:
 def test_no_trained_token_is_older_than_the_budget(tmp_path):
     """Random generation times (log-normal response lengths, drawn per step from the run's keys) and
     2-token decode chunks on a generator of its own, which decodes during training: rows run across
-    weight updates (partial rollouts), yet no trained token is more than eta = 2 updates old. GRPO:
-    its group advantages need every sample of a group, which the stream hands over only together. The
-    rows in flight get their KV recomputed at each update (`generation.partial_recompute`; its
-    arithmetic: test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights)."""
-    records = _run(tmp_path, "eta2", "algorithm.name=grpo", "algorithm.group_size=4", "plan.strategy=disaggregated",
+    weight updates (partial rollouts), yet no trained token is more than eta = 2 updates old. The rows
+    in flight get their KV recomputed at each update (`generation.partial_recompute`; its arithmetic:
+    test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights). DAPO with dynamic sampling, its
+    rewards from two workers as samples end: groups whose scores are all equal are dropped as they are
+    scored and the next prompts of the step's feed (dynamic_sampling_factor x B) admitted in their
+    place, so every trained group has reward variance (kept = B) from fewer prompts than the
+    synchronous pool's, under the same bound."""
+    records = _run(tmp_path, "eta2", "algorithm.name=dapo", "algorithm.group_size=4", "plan.strategy=disaggregated",
                    "algorithm.max_staleness=2", *STREAM, *RANDOM_LENGTHS, "run.steps=5", "run.seed=1",
-                   "generation.partial_recompute=true")
+                   "generation.partial_recompute=true", "algorithm.dynamic_sampling_factor=4", "rewards.workers=2",
+                   'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-m]"}}]')
     _check_bound(records, 2, 5)
     assert sum(r["time/generate_overlap_s"] for r in records) > 0
     assert sum(r["time/kv_recompute_s"] for r in records) > 0
+    for r in records:
+        assert r["dynamic_sampling/kept_groups"] == 8 == r["dynamic_sampling/informative_groups"]
+        assert 8 <= r["dynamic_sampling/pool_groups"] < 32
+    assert any(r["dynamic_sampling/pool_groups"] > 8 for r in records)  # some groups were dropped and replaced
 
 
 @pytest.mark.slow
