@@ -50,7 +50,9 @@ padding mask, packed `segment_ids` (never across a segment), the sliding window 
 traced flag where local and global layers alternate in one scanned body), every query attending to
 itself at least (a padding query's output is finite garbage), grouped-query heads (kv_heads < heads).
 Only forwards without a KV cache take this path; prefill and decode keep dense attention (generation is
-never context-parallel: `planner.plan.layout_misfit` refuses it).
+never context-parallel: `planner.plan.layout_misfit` refuses it). Under pipeline stages the ring runs in
+each stage's layers: a `shard_map` over the context axis under `models.pipeline.gpipe`'s `vmap` over the
+stage axis.
 """
 
 from __future__ import annotations
@@ -239,6 +241,19 @@ def _mask(q_slot, k_slot, valid_k, seg_q, seg_k, window):
     return (allowed | (ks == qs))[:, None, None]
 
 
+def _masked(s, allowed):
+    """Scores `s` [B, kv_heads, groups, tq, tk] where `allowed` ([B, 1, 1, tq, tk]), -inf elsewhere.
+
+    The mask depends on slots, padding and segments only: for autodiff's partial evaluation a known
+    value, the same in every layer, so anything built from it alone (its broadcast over the heads, a
+    constant filled to the scores' shape) would be computed once and kept for the backward, stacked
+    over the ring's steps (~7 GiB per device at context 8, 16k tokens). Tied to the scores first (a
+    NaN score, only, allows its row: its output is NaN either way), the mask is only ever broadcast in
+    the step that uses it, and what is kept is the small [B, 1, 1, tq, tk] mask per chunk pair."""
+    live = allowed | jnp.isnan(s[:1, :1, :1, :1, :1])
+    return s + jnp.where(live, 0.0, -jnp.inf)
+
+
 def _scores(st: _Statics, qg, k_blk):
     """Scaled, soft-capped float32 scores [B, kv_heads, groups, tq, tk] and the tanh of the cap (or None)."""
     s = _scale(jnp.einsum("btkgh,bskh->bkgts", qg, k_blk.astype(qg.dtype), preferred_element_type=jnp.float32),
@@ -284,8 +299,10 @@ def _attend(st: _Statics, qg, k_blk, v_blk, allowed, m, l, acc):
 
     def update(m, l, acc):
         s, _ = _scores(st, qg, k_blk)
-        m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
-        p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+        s = _masked(s, allowed)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # exp(-inf) = 0 where masked; a row with no key yet (m_new = -inf) subtracts 0, never -inf
+        p = jnp.exp(s - jnp.where(m_new == -jnp.inf, 0.0, m_new)[..., None])
         # 0 where m was -inf (no key yet); 1 where the row still has none (a chunk in zig-zag order may allow
         # some rows' keys and not others', before those rows met their own slot): never exp(-inf + inf)
         alpha = jnp.exp(jnp.where(m_new == -jnp.inf, 0.0, m - m_new))
@@ -334,7 +351,7 @@ def _block_grads(st: _Statics, qg, dog, delta, lse, k_blk, v_blk, allowed, dq, d
 
     def grads(dq, dk, dv):
         s, th = _scores(st, qg, k_blk)
-        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
+        p = jnp.exp(_masked(s, allowed) - lse[..., None])  # 0 where masked
         dv = dv + jnp.einsum("bkgts,btkgh->bskh", p, dog)
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, v_blk.astype(jnp.float32))
         ds = p * (dp - delta[..., None])

@@ -48,12 +48,13 @@ LONG_SCORES_KEYS = 8192
 def dense_score_copies(keys: float) -> float:
     """Float32 [T, S] score matrices per head a dense attention forward holds at `keys` keys."""
     return SCORE_COPIES_INFER if keys >= LONG_SCORES_KEYS else 1
-# Ring attention under a train call (models/context.py): every ring step's `lax.cond` per chunk pair has its
-# key mask, broadcast over the heads, evaluated ahead of the layers' loop (it does not depend on the layer,
-# so autodiff's partial evaluation computes it once and keeps it as a residual) as bool and float32 arrays,
-# stacked over the ring's steps: bytes per score element of each of the c blocks a device's queries meet
-# (fitted on XLA:CPU at 16k tokens, c = 4 and 8; at c = 2 XLA keeps about half). A forward keeps none.
-RING_MASK_BYTES = 9.0
+# Ring attention under a train call (models/context.py): each chunk pair's mask depends only on slots, padding
+# and segments, so autodiff's partial evaluation computes it once, ahead of the layers' loop, and keeps it
+# for the backward, stacked over the ring's steps: one bool per query-key pair of each of the c blocks a
+# device's queries meet (`context._masked` ties the mask to the scores before it is broadcast over the heads:
+# kept broadcast, as bool and float32, it was 9 bytes per score element: XLA's total per device for
+# llama3.2-1b's train call at 16k tokens, context 8, fell from 31.24 to 23.02 GiB). A forward keeps none.
+RING_MASK_BYTES = 1.0
 # Expert parallelism (models/moe.py `expert_parallel`): a device's sparse MLP runs on its expert group's tokens,
 # e x its own, gathered over the expert axis. Its intermediates per token are the dense dispatch's (num_experts
 # / e experts for e x the tokens), so they are counted as they were; what is new is gathered-token sized: a
@@ -162,8 +163,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     Context parallelism (layout.context = c > 1, train and inference) divides every activation by c: a
     device holds T / c tokens of each sequence, and ring attention scores its queries against one block
     of T / c keys at a time (its backward recomputes them, keeping no score matrix), with a second
-    key/value block arriving beside the one it attends to. A train call adds the ring's key masks, c blocks of
-    them, which autodiff hoists out of the layers' loop (`RING_MASK_BYTES`)."""
+    key/value block arriving beside the one it attends to. A train call adds the ring's masks, c blocks of
+    them (a bool per query-key pair), which autodiff hoists out of the layers' loop (`RING_MASK_BYTES`)."""
     head = call.head
     t = layout.tensor
     batch_ways = layout.batch_ways
@@ -243,8 +244,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
     if layout.expert > 1:
         out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=True)
-    if layout.context > 1:  # every block's key mask, hoisted out of the layers (RING_MASK_BYTES)
-        out["ring_masks"] = layout.context * tok * keys * cfg.num_heads / t * RING_MASK_BYTES
+    if layout.context > 1:  # every block's mask, hoisted out of the layers (RING_MASK_BYTES; not per head)
+        out["ring_masks"] = layout.context * tok * keys * RING_MASK_BYTES
     if micro > 1 and staged_micro == 1:
         # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
         out["gradient_accumulator"] = trained_shard_count(cfg, head, layout) * 4
