@@ -849,32 +849,34 @@ def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int,
     free_slots = [[0] * slots for _ in range(ways)]  # when each decode slot frees, per shard (heaps)
     free_groups = [group_slots] * ways
     spans: list[list[tuple[int, int]]] = [[] for _ in range(ways)]
-    running: list[tuple[int, int, int]] = []  # (done at, shard, batch) of admitted groups not yet taken
+    running: list[tuple[int, int, int]] = []  # heap of (read at, shard, batch) of admitted groups not yet taken
     left = [len(b) for b in batches]  # groups of each batch not yet taken
     done_at = [0] * len(batches)
     t, nxt = 0, 0
     while nxt < len(queue) or running:
-        for item in [r for r in running if r[0] <= t]:  # taken at the end of this chunk
-            running.remove(item)
-            free_groups[item[1]] += 1
-            left[item[2]] -= 1
-            if not left[item[2]]:
-                done_at[item[2]] = t
-        while nxt < len(queue) and max(free_groups) > 0:
+        while running and running[0][0] <= t:  # read at the end of the chunk they ended in
+            _, shard, k = heapq.heappop(running)
+            free_groups[shard] += 1
+            left[k] -= 1
+            if not left[k]:
+                done_at[k] = t
+        while nxt < len(queue):
             k, rows = queue[nxt]
             if k - 1 - staleness >= 0 and left[k - 1 - staleness]:
                 break  # paced: that batch is not trained yet
-            shard = int(np.argmax(free_groups))
+            shard = max(range(ways), key=free_groups.__getitem__)
+            if not free_groups[shard]:
+                break
             free_groups[shard] -= 1
-            ends = []
+            end = 0
             for n in rows:
                 start = max(t, heapq.heappop(free_slots[shard]))
                 heapq.heappush(free_slots[shard], start + int(n))
                 spans[shard].append((start, start + int(n)))
-                ends.append(start + int(n))
-            running.append((max(ends), shard, k))
+                end = max(end, start + int(n))
+            heapq.heappush(running, (max(t + chunk, -(-end // chunk) * chunk), shard, k))
             nxt += 1
-        t = (t // chunk + 1) * chunk if not running else max(t + chunk, -(-min(r[0] for r in running) // chunk) * chunk)
+        t = running[0][0] if running else t + chunk
     shards = [(np.array([a for a, _ in s], dtype=np.int64), np.array([b for _, b in s], dtype=np.int64))
               for s in spans if s]
     parts = _steps_and_widths(shards, slots, np.array(done_at))  # part k: batch k's, up to its completion
