@@ -670,6 +670,9 @@ class GenerationConfig:
                    "generation.ignore_eos=true (and rewards.eos_only=false)")
 
 
+AGENT_ENVIRONMENT = "openai_agent"  # env.name whose rows are played by env.agent through the endpoint
+
+
 def tcp_port(value: Any) -> str | None:
     return None if value is None or 0 <= value <= 65535 else "must be a TCP port in [0, 65535] (0 = any free port)"
 
@@ -743,14 +746,25 @@ class EnvConfig:
     max_turn_tokens: Int | None = _field(None, check=positive)
     max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
+    # env.name=openai_agent: the agent playing each row, "module:function"; function(client, row) -> reward or
+    # None, with an openai.OpenAI client on the run's endpoint (docs/agentic.md#the-agent-endpoint)
+    agent: str | None = None
+    # env.name=openai_agent: the endpoint the agents talk to, {port: 0 = any free one, host: 127.0.0.1 (another is
+    # reachable from other machines; a warning says so), window_ms: a generate call's wait for more requests,
+    # agent_timeout_s: an agent running longer fails its episode (null = no limit), failure: a failed episode's
+    # reward}; null = those defaults
+    server: AgentServerConfig | None = None
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
+        if (self.name == AGENT_ENVIRONMENT) != (self.agent is not None):
+            yield (f"env.name={AGENT_ENVIRONMENT} plays rows with env.agent (\"module:function\"), and only it does: "
+                   f"set both, or neither (env.name={self.name}, env.agent={self.agent})")
         if self.name is None:  # an unknown name: the rollout algorithms' validation (the registry is above)
             return
         if not hasattr(config.algorithm, "max_staleness"):
             yield (f"env.name={self.name} runs multi-turn rollouts, and algorithm.name={config.algorithm.name} has "
                    "none; set env.name=null")
-        if config.generation.engine != "continuous":
+        if config.generation.engine != "continuous" and self.name != AGENT_ENVIRONMENT:
             yield (f"env.name={self.name} runs episodes on the continuous engine's paged KV cache (an observation is "
                    f"prefilled onto its row's pages): set generation.engine=continuous (not {config.generation.engine})")
         if config.generation.partial_rollout:

@@ -835,8 +835,8 @@ class AgentRollout:
 
     def __init__(self, endpoint: ChatEndpoint, agent: AgentFn, *, prompt_width: int | None, response_width: int,
                  pad_id: int, failure: float = 0.0, timeout_s: float | None = None,
-                 client: Callable[[str], Any] = openai_client):
-        self.endpoint, self.agent, self.client = endpoint, agent, client
+                 client: Callable[[str], Any] = openai_client, warn: Callable[[str], None] = print):
+        self.endpoint, self.agent, self.client, self.warn = endpoint, agent, client, warn
         self.prompt_width, self.response_width, self.pad_id = prompt_width, response_width, pad_id
         self.failure, self.timeout_s = failure, timeout_s
         endpoint.max_prompt_tokens = min(endpoint.max_prompt_tokens, prompt_width or endpoint.max_prompt_tokens)
@@ -867,7 +867,10 @@ class AgentRollout:
         results = run_agents(self.endpoint, self.agent, rows, client=self.client, timeout_s=self.timeout_s)
         output = agent_output(results, prompt_width=self.prompt_width, response_width=self.response_width,
                               pad_id=self.pad_id, failure=self.failure)
-        failed = sum(r.error is not None for r in results)
+        errors = [r.error for r in results if r.error is not None]
+        failed = len(errors)
+        if errors:  # one line a step: a broken agent shows in the log, not only as a failure rate
+            self.warn(f"{failed} of {len(results)} agents failed this step (env.agent); the first: {errors[0]}")
         metrics = {**self.endpoint.metrics(), **output.metrics(), "env/agent_failed": failed / max(len(rows), 1)}
         return AgentBatch(output, [r.episode.final_text for r in results], metrics)
 
@@ -876,11 +879,13 @@ class AgentEpisodes:
     """env.name=openai_agent in the step loop: the step's prompts played by agents, generating with the actor's
     parameters as the step loop hands them over (on the generate call's placement, as for environment
     episodes), returned as the generate call's outputs (the multi-turn layout: `action_mask`, `env_reward`,
-    responses padded to `max_new_tokens`) and metrics. The server lives across steps; each call swaps in the
-    step's parameters. A row given to an agent is {"prompt": ..., "answer": ...}."""
+    responses padded to `max_new_tokens`) and metrics. Each request generates up to `turn_tokens` (default
+    `max_new_tokens`); an episode's answers and observations together fit `response_budget`. The server lives
+    across steps; each call swaps in the step's parameters. A row given to an agent is {"prompt", "answer"}."""
 
     def __init__(self, server: Any, agent: AgentFn | str, *, graphdef: Any, tokenizer: Tokenizer, sampling: Any,
                  max_new_tokens: int, response_budget: int | None, batch_size: int, max_positions: int,
+                 turn_tokens: int | None = None,
                  max_prompt_tokens: int | None = None, eos_ids: Sequence[int] | None = None, seed: int = 0,
                  min_bucket: int = 16, warn: Callable[[str], None] = print):
         from jaxrlhf.models.generation import Generator
@@ -889,7 +894,8 @@ class AgentEpisodes:
         self.max_new_tokens, self.pad_id = max_new_tokens, tokenizer.pad_id
         eos = tuple(tokenizer.eos_ids if eos_ids is None else eos_ids)  # the rollout's: the tokenizer's EOS ids
         generator = Generator(graphdef, eos_id=eos, pad_id=tokenizer.pad_id, min_bucket=min_bucket)
-        backend = ModelBackend(generator, lambda: self.params, max_new_tokens=max_new_tokens, sampling=sampling,
+        backend = ModelBackend(generator, lambda: self.params, max_new_tokens=turn_tokens or max_new_tokens,
+                               sampling=sampling,
                                max_positions=max_positions, batch_size=batch_size, seed=seed)
         endpoint = ChatEndpoint(backend, tokenizer, host=server.host, port=server.port, batch_size=batch_size,
                                 window_s=server.window_ms / 1000, max_prompt_tokens=max_prompt_tokens, warn=warn)
@@ -918,3 +924,33 @@ class AgentEpisodes:
                                   constant_values=self.pad_id if name.endswith("tokens") else 0)
         values["positions"] = np.maximum(np.cumsum(values["mask"], axis=1) - 1, 0).astype(np.int32)
         return {prefix + k: v for k, v in values.items()}, step.metrics
+
+
+def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], tuple[dict[str, np.ndarray], dict[str, float]]]:
+    """What plays a step's episodes for the step loop (`env.name`): the rollout's own environments
+    (`algorithm.episode_values`), or with env.name=openai_agent the run's `AgentEpisodes`, built at the first
+    step (its batch size is the feed's rows) and kept on the algorithm for the next ones."""
+    from jaxrlhf.config_schema import AGENT_ENVIRONMENT
+
+    cfg = algorithm.cfg
+    if cfg.env.name != AGENT_ENVIRONMENT:
+        return algorithm.episode_values
+
+    def play(params: Any, feed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        episodes = getattr(algorithm, "_agent_episodes", None)
+        if episodes is None:
+            from flax import nnx
+
+            graphdef, s = algorithm.models["actor"].graphdef, algorithm.settings()
+            budget = cfg.env.max_tokens or s.max_new_tokens
+            from jaxrlhf.config_schema import AgentServerConfig
+
+            episodes = AgentEpisodes(
+                cfg.env.server or AgentServerConfig(), cfg.env.agent, graphdef=graphdef, tokenizer=algorithm.tokenizer, sampling=s.sampling,
+                max_new_tokens=s.max_new_tokens, turn_tokens=cfg.env.max_turn_tokens or budget, response_budget=budget,
+                batch_size=len(feed["prompts"]),
+                max_positions=nnx.merge(graphdef, params).config.max_position_embeddings)
+            algorithm._agent_episodes = episodes
+        return episodes(params, feed, prefix=algorithm.generated_prefix)
+
+    return play

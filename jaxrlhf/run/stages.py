@@ -75,7 +75,9 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
         feed, episodes = this["feed"], {}
         if getattr(algorithm, "runs_environments", False):  # env.name: the episodes are the generate call's outputs
             began = time.perf_counter()
-            values, episodes = algorithm.episode_values(executor.params_for("actor", "actor.generate")[0], feed)
+            from jaxrlhf.run.endpoint import episode_player  # env.name=openai_agent: agents, else environments
+
+            values, episodes = episode_player(algorithm)(executor.params_for("actor", "actor.generate")[0], feed)
             feed = {**feed, **values}  # the step skips actor.generate (its outputs are given)
             episodes["time/episodes_s"] = time.perf_counter() - began
         with around(step):
