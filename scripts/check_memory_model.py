@@ -33,12 +33,12 @@ import time
 
 LAYOUTS = {"fsdp8": dict(fsdp=8), "fsdp2_tp4": dict(fsdp=2, tensor=4)}
 _AXES = {"d": "data", "data": "data", "f": "fsdp", "fsdp": "fsdp", "t": "tensor", "tp": "tensor",
-         "c": "context", "ctx": "context", "p": "stage", "pp": "stage"}
+         "c": "context", "ctx": "context", "p": "stage", "pp": "stage", "e": "expert", "ep": "expert"}
 
 
 def parse_layout(name: str) -> dict[str, int]:
     """Axis sizes of a layout name: an entry of LAYOUTS, or `_`-joined axis-size pairs such as `ctx8`,
-    `fsdp2_ctx4`, `d8`, `f8`, `fsdp2_tp4` (d/data, f/fsdp, t/tp, c/ctx, p/pp)."""
+    `fsdp2_ctx4`, `d8`, `f8`, `fsdp2_tp4`, `ep8`, `d2_ep4` (d/data, f/fsdp, t/tp, c/ctx, p/pp, e/ep: expert)."""
     if name in LAYOUTS:
         return LAYOUTS[name]
     sizes = {}
