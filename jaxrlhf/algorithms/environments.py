@@ -100,7 +100,7 @@ class Trajectory:
     (`logprobs`, 0 on observation tokens) and `loss_mask` (1 on tokens the model sampled, 0 on observation
     tokens: only the model's tokens carry loss). `reward` is the environment's (summed over steps), `turns`
     the model turns taken, `counters` the steps' `info` summed, `finish` why it ended ("done": the
-    environment said so, "max_turns", "max_tokens": the trajectory's budget)."""
+    environment said so, "max_turns", "max_tokens": the trajectory's budget, "env_error": a step raised)."""
 
     prompt_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)

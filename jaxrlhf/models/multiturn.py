@@ -51,8 +51,9 @@ from jaxrlhf.models.transformer import PagedKVCache, split_layers, write_pages
 
 RUNNING, AWAIT, DONE = 0, 1, 2  # a row's status
 # why a row is done (MultiTurnState.finish): the host's reasons (the environment ended it) come after
-NOT_DONE, MAX_TOKENS, ENV_DONE, MAX_TURNS = 0, 1, 2, 3
-FINISH_NAMES = {NOT_DONE: "", MAX_TOKENS: "max_tokens", ENV_DONE: "done", MAX_TURNS: "max_turns"}
+NOT_DONE, MAX_TOKENS, ENV_DONE, MAX_TURNS, ENV_ERROR = 0, 1, 2, 3, 4
+FINISH_NAMES = {NOT_DONE: "", MAX_TOKENS: "max_tokens", ENV_DONE: "done", MAX_TURNS: "max_turns",
+                ENV_ERROR: "env_error"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +307,8 @@ def generate_multiturn(
     called again: an environment may draw its task there). Then turns until the environment says done,
     `max_turns` turns, or a budget. A row that ended a turn is stepped on a thread pool while the other
     rows decode the next `chunk` steps; an observation that does not fit the trajectory's budget (or
-    `spec.max_observation_tokens`) ends the row (`max_tokens`)."""
+    `spec.max_observation_tokens`) ends the row (`max_tokens`), and so does a step that raises
+    (`env_error`, counted: one environment's fault is not the run's)."""
     R, P = spec.rows, spec.prompt_bucket
     if len(envs) != R or len(rows) != R:
         raise ValueError(f"{len(envs)} environments and {len(rows)} rows for a spec of {R} rows")
@@ -349,7 +351,12 @@ def generate_multiturn(
             length = np.zeros(R, np.int32)
             go, end, reason = np.zeros(R, bool), np.zeros(R, bool), np.zeros(R, np.int32)
             for i in ready:
-                result = stepping.pop(i).result()
+                try:
+                    result = stepping.pop(i).result()
+                except Exception:  # an environment that raised ends its own episode (counted), not the run
+                    counters[i]["env_error"] = counters[i].get("env_error", 0.0) + 1.0
+                    end[i], reason[i] = True, ENV_ERROR
+                    continue
                 reward[i] += float(result.reward)
                 for key, value in result.info.items():
                     counters[i][key] = counters[i].get(key, 0.0) + float(value)

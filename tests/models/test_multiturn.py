@@ -47,6 +47,16 @@ class Echo:
         return StepResult(Observation(f"<{self.k}:{len(action_text)}>"), 0.0, False, {"steps": 1.0})
 
 
+class Faulty(Echo):
+    """An Echo whose second step raises: its episode ends (`env_error`), the others go on."""
+
+    def step(self, action_text):
+        if self.k == 1:
+            self.actions.append(action_text)
+            raise RuntimeError("the environment broke")
+        return super().step(action_text)
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model(preset("tiny"), seed=0)
@@ -69,7 +79,7 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
     extend's logits) equals a dense forward over prompt + the whole trajectory; observation tokens are the
     encoded observations, loss_mask 0; the environments saw exactly the sampled turns' text."""
     graphdef, params = nnx.split(model)
-    envs = [Echo(t) for t in (3, 1, 2, 3)]
+    envs = [Echo(3), Echo(1), Faulty(3), Echo(3)]
     rows = [{"prompt": p} for p in ("hi", "what is 2+2", "x", "tell me")]
     out = mt.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=TOK.encode, decode_text=TOK.decode,
                                 rng=jax.random.key(0), spec=SPEC, max_turns=4, chunk=4)
@@ -96,7 +106,9 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
         if out.finish[i] == "done":
             assert out.env_reward[i] == pytest.approx(env.turns + len(env.actions[-1]) / 100)
             assert out.turns[i] == env.turns == len(turns)
-    assert set(out.finish) <= {"done", "max_tokens"} and "done" in out.finish
+    assert set(out.finish) <= {"done", "max_tokens", "env_error"} and "done" in out.finish
+    # two turns of at most 12 tokens and an observation fit the 64-token budget: the second step raised
+    assert out.finish[2] == "env_error" and out.counters[2]["env_error"] == 1 and out.turns[2] == 2
     dense, _ = _dense_logprobs(model, out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
     sampled = out.loss_mask
     np.testing.assert_allclose(out.logprobs[sampled], dense[sampled], atol=2e-4)
