@@ -14,7 +14,6 @@ from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
 from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
-from jaxrlhf.config_schema import AGENT_ENVIRONMENT
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.lengths import response_widths
 
@@ -195,7 +194,7 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
-        if cfg.env.name not in (None, AGENT_ENVIRONMENT) and cfg.env.name not in ENVIRONMENTS:
+        if cfg.env.name is not None and cfg.env.name not in ENVIRONMENTS:
             raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
         if cfg.env.name is not None and (self.dynamic_sampling or self.greedy_baseline):
             raise AlgorithmConfigError(
@@ -203,10 +202,6 @@ class RolloutAlgorithm(Algorithm):
                 + ("algorithm.dynamic_sampling=true draws a larger pool: set it false" if self.dynamic_sampling
                    else f"algorithm.name={cfg.algorithm.name}'s greedy baseline is a second generation: use grpo, "
                         "rloo, reinforce_pp or ppo"))
-        if alg.router_replay and alg.pack_sequences:
-            raise AlgorithmConfigError(
-                "algorithm.router_replay=true replays each token's experts in padded rows; packed calls do not carry "
-                "them yet: set algorithm.pack_sequences=false (or algorithm.router_replay=false)")
         if alg.router_replay and cfg.generation.partial_rollout:
             raise AlgorithmConfigError(
                 "algorithm.router_replay=true records experts in the generate call; partial rollouts "
@@ -267,7 +262,7 @@ class RolloutAlgorithm(Algorithm):
         if self.greedy_baseline:
             train_in.append("greedy_ended_with_eos")
         if self.corrects:  # pi_old: the trainer's log-probs of the rollout before this step's update
-            replayed = (ROUTED,) if self.replays else ()
+            replayed = (ROUTED,) if self.replays and not packings else ()  # a packing carries them packed
             calls.append(CallSpec("actor.inference", "actor", "inference", inputs=(*sequences, *RESPONSE, *replayed),
                                   outputs=("old_logp",), fresh_weights=True))
             train_in.append("old_logp")
@@ -282,9 +277,10 @@ class RolloutAlgorithm(Algorithm):
             train_in += ["values", "value_moments"]
             state.append("value_moments")
         if packings:  # the train calls read their own packings instead of the padded sequences
-            train_in = [v for v in train_in if v not in SEQUENCE] + ["packed_actor"]
+            train_in = [v for v in train_in if v not in (*SEQUENCE, ROUTED)] + ["packed_actor"]
             rngs = ("rng_actor", "rng_critic") if self.uses_critic else ("rng_actor",)
-            host.append(HostStep("pack_sequences", (*SEQUENCE, "response_mask", *rngs),
+            replayed = (ROUTED,) if self.replays else ()  # packed beside the tokens
+            host.append(HostStep("pack_sequences", (*SEQUENCE, "response_mask", *rngs, *replayed),
                                  (*packings, "packing_stats"),
                                  shards_of=tuple(c for calls_of in packings.values() for c in calls_of)))
         calls.append(CallSpec("actor.train", "actor", "train", inputs=tuple(train_in),

@@ -133,17 +133,24 @@ def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -
     the rollout's experts (`ROUTED`, router replay) routes every token to them (`moe.replaying`)."""
     if "packed" in batch:  # [s, P] read as [s, 1, P]: rows of the matmul-shaped [s, P, vocab]
         pk = batch["packed"]
-        logits = packed_output(model, {"packed": {**pk, "take": pk["take"][:, None]}}, "take")
+        with replaying(_replayed(pk.get("experts"))):  # packed rows' experts, packed as their tokens
+            logits = packed_output(model, {"packed": {**pk, "take": pk["take"][:, None]}}, "take")
         return logits.reshape(-1, logits.shape[-1])
-    experts = batch.get(ROUTED)
-    if experts is not None and pipeline.is_pipelined():  # a pipeline splits the batch inside the forward
+    with replaying(_replayed(batch.get(ROUTED))):
+        logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
+    return logits[:, :-1]
+
+
+def _replayed(experts: jax.Array | None) -> jax.Array | None:
+    """Recorded experts [rows, length, layers, k] as `moe.replaying` takes them ([layers, rows, length, k])."""
+    if experts is None:
+        return None
+    if pipeline.is_pipelined():  # a pipeline splits the batch inside the forward
         raise AlgorithmConfigError(
             "algorithm.router_replay=true replays each row's experts in one forward, but this call's placement is "
             "pipelined (stage > 1): give the actor's train and inference calls a layout with stage=1 (or set "
             "algorithm.router_replay=false)")
-    with replaying(None if experts is None else jnp.moveaxis(experts, 2, 0)):  # [layers, batch, length, k]
-        logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
-    return logits[:, :-1]
+    return jnp.moveaxis(experts, 2, 0)
 
 
 def response_targets(batch: dict[str, Any]) -> Int[Array, "..."]:
@@ -203,11 +210,17 @@ def generate_call(
 
 def policy_logprobs(
     graphdef: nnx.GraphDef, sampling: SamplingParams, micro_batch: int | None, params: nnx.State,
-    inputs: dict[str, Any], *, output: str = "ref_logp",
+    inputs: dict[str, Any], *, output: str = "ref_logp", replay: bool = False,
 ) -> dict[str, Float[Array, "batch new"]]:
     """Log-probs of the response under a policy, same logits processing as sampling, named `output`: the
-    reference model's (`ref_logp`), or the actor's before its update (`old_logp`, a rollout correction's)."""
+    reference model's (`ref_logp`), or the actor's before its update (`old_logp`, a rollout correction's).
+    `replay` (the actor's, under router replay): its forward routes the tokens to the rollout's experts; the
+    reference routes its own way even where a shared packing carries them."""
     model = nnx.merge(graphdef, params)
+    if not replay:
+        inputs = {k: v for k, v in inputs.items() if k != ROUTED}
+        if "packed_inference" in inputs:
+            inputs["packed_inference"] = {k: v for k, v in inputs["packed_inference"].items() if k != "experts"}
     packed = inputs.get("packed_inference")
     p = 0 if packed is not None else inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
 
@@ -385,7 +398,7 @@ def actor_train(
         data.update(tokens=inputs["tokens"], mask=inputs["mask"], positions=inputs["positions"])
     if ACTION_MASK in inputs:  # a multi-turn batch: its observation tokens carry no loss
         data[ACTION_MASK] = inputs[ACTION_MASK]
-    if ROUTED in inputs:  # router replay: each minibatch's forward routes its rows as the rollout did
+    if ROUTED in inputs and packed is None:  # router replay (packed: in the packing, as the tokens)
         data[ROUTED] = inputs[ROUTED]
     correction_stats: dict[str, Any] = {}
     if correction.active:
@@ -591,7 +604,7 @@ class RolloutRuntime:
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if s.correction.active:  # pi_old: the actor's log-probs of the rollout before this step's update
             fns["actor.inference"] = functools.partial(policy_logprobs, m["actor"].graphdef, s.sampling,
-                                                       s.micro_batch, output="old_logp")
+                                                       s.micro_batch, output="old_logp", replay=s.router_replay)
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
         if "critic" in m:
@@ -673,10 +686,12 @@ class RolloutRuntime:
 
         return RewardPool(self.rules_spec, self.cfg.rewards.workers)
 
-    def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None):
+    def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None,
+                        router_experts=None):
         """The host step `pack_sequences`: the batch packed for each call that reads it (`models.packing`):
         the inference calls' packing over the whole batch, each train call's over the minibatches its key
-        draws (`update.minibatch_indices`, as the unpacked call draws them in its program)."""
+        draws (`update.minibatch_indices`, as the unpacked call draws them in its program); with router
+        replay the recorded experts packed beside the tokens of the packings an actor call reads."""
         alg = self.cfg.algorithm
         mask = np.asarray(mask)
         rows, width = mask.shape[0], np.asarray(response_mask).shape[1]
@@ -688,9 +703,11 @@ class RolloutRuntime:
                 updates = np.asarray(minibatch_indices(keys[name], rows, alg.minibatches, alg.epochs))
             else:
                 updates = np.arange(rows)[None]
+            replayed = router_experts is not None and any(c.startswith("actor.") for c in readers)
             out[name], packed = pack_batch(mask, tokens, positions, width, updates,
                                            shards=math.lcm(*(shards[c] for c in readers)),
-                                           budget=alg.max_tokens_per_micro_batch)
+                                           budget=alg.max_tokens_per_micro_batch,
+                                           experts=np.asarray(router_experts) if replayed else None)
             short = name.removeprefix("packed_")
             stats.update({k: np.float32(v) for k, v in packed.metrics(f"packing/{short}").items()})
             stats[f"packing/{short}/micro_batches"] = np.float32(out[name]["slots"].shape[2])

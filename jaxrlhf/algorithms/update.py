@@ -141,7 +141,8 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
     if k is None:  # [s, K, R, T] -> [s, K * R, T]; a slot's flat index moves by its micro-batch's rows
         kk, r, t = packed["tokens"].shape[1:4]
         offset = (jnp.arange(kk) * r * t).astype(jnp.int32)
-        part = {name: x.reshape(s, -1, *x.shape[3:]) for name, x in packed.items() if name in ("tokens", "positions", "segments")}
+        part = {name: x.reshape(s, -1, *x.shape[3:]) for name, x in packed.items()
+                if name in ("tokens", "positions", "segments", "experts")}
         part["read"] = (packed["read"] + offset[None, :, None, None]).reshape(s, -1, packed["read"].shape[-1])
         part["last"] = (packed["last"] + offset[None, :, None]).reshape(s, -1)
         part["take"] = (packed["take"] + offset[None, :, None]).reshape(s, -1)
@@ -163,6 +164,8 @@ def packed_micro_batch(data: Any, packed: dict[str, jax.Array], k: int | jax.Arr
     gathered["packed"] = {"tokens": flat("tokens"), "positions": flat("positions"), "segments": flat("segments"),
                           "read": part["read"], "last": part["last"], "slots": slots,
                           "take": part["take"], "take_from": take_from}
+    if "experts" in part:  # router replay: [s * R, T, layers, k], as the tokens
+        gathered["packed"]["experts"] = part["experts"].reshape(-1, *part["experts"].shape[-3:])
     gathered["row_valid"] = slots < rows
     return gathered
 

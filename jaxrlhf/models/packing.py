@@ -27,6 +27,8 @@ per update, `R` rows and `M` sequence slots per shard and micro-batch, `N` respo
                                                     compacted (0 past the last): an LM head reads these
     take_from                     [s, U, K, P]      where each `take` entry sits in the shard's [M, N]
                                                     slot grid (slot * N + n; M * N = none)
+    experts (router replay only)  [s, U, K, R, T, layers, k]  each token's recorded experts, packed as
+                                                    its token is (-1 = padding: routed afresh)
 
 An LM's loss and log-probs read `take`, not the [M, N] grid: the grid holds every slot's whole response
 width (a long tail's longest), while `take` holds the P real response tokens (`size_bucket` of the most
@@ -180,12 +182,14 @@ def pack_batch(
     shards: int,
     budget: int | None = None,
     group: int = 1,
+    experts: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], PackStats]:
     """Pack the [B, L] batch (`mask` marks real tokens; the last `response_width` columns are the
     response) for calls that run `updates` ([U, rows]: the batch rows of each update; every `group`
     consecutive rows in one micro-batch), in rows as wide
     as the batch (L: the longest sequence fits, and a row attends over no more keys than an unpacked
-    row would). See the module docstring for the layout."""
+    row would). `experts` ([B, L, layers, k], router replay): packed beside the tokens. See the module
+    docstring for the layout."""
     mask = np.asarray(mask, bool)
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, l = mask.shape
@@ -204,6 +208,9 @@ def pack_batch(
         "take": np.zeros((shards, u, k, shape.reads), np.int32),
         "take_from": np.full((shards, u, k, shape.reads), m_slots * response_width, np.int32),
     }
+    if experts is not None:
+        experts = np.asarray(experts)
+        out["experts"] = np.full((shards, u, k, r, width, *experts.shape[2:]), -1, experts.dtype)
     cols = np.arange(l)
     for ui, update in enumerate(plan):
         for ki, mb in enumerate(update):
@@ -217,6 +224,8 @@ def pack_batch(
                         out["tokens"][si, ui, ki, ri, at:at + n] = tokens[i, real]
                         out["positions"][si, ui, ki, ri, at:at + n] = positions[i, real]
                         out["segments"][si, ui, ki, ri, at:at + n] = seg
+                        if experts is not None:
+                            out["experts"][si, ui, ki, ri, at:at + n] = experts[i, real]
                         # where each padded column sits in the packed row (-1: padding)
                         where = np.full(l, -1, np.int64)
                         where[real] = ri * width + at + np.arange(n)

@@ -15,11 +15,12 @@ import pytest
 from flax import nnx
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.algorithms import AlgorithmConfigError, build_algorithm, declare, rollout
+from jaxrlhf.algorithms import AlgorithmConfigError, build_algorithm, declare, rollout, update
 from jaxrlhf.algorithms.rl import ROUTED
 from jaxrlhf.models import moe, pipeline
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.generation import routed_experts
+from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.models.transformer import build_model
 
@@ -124,15 +125,13 @@ def test_the_train_call_replays_the_rollouts_routing(engine):
 
     # a router moved since the rollout (as after an update): its own top k differs from the recorded experts
     # on some tokens, but the replayed forward's log-probs are those of the recorded routing
-    moved = jax.tree_util.tree_map(lambda x: x, params)
-    layer_mlp = moved["model"]["layers"]["mlp"]
-    layer_mlp["router"].value = layer_mlp["router"].value + 0.5 * jax.random.normal(
-        jax.random.key(7), layer_mlp["router"].value.shape)
+    moved = _moved_router(params)
     _, moved_router = moe.forward_with_router_logits(nnx.merge(graphdef, moved), out["tokens"], out["positions"],
                                                      out["mask"])
     moved_fresh = np.asarray(routed_experts(cfg, moved_router, out["mask"]))
     assert np.any(moved_fresh[recorded] != experts[recorded])
-    logp = functools.partial(rollout.policy_logprobs, graphdef, SamplingParams(), None, output="old_logp")
+    logp = functools.partial(rollout.policy_logprobs, graphdef, SamplingParams(), None, output="old_logp",
+                             replay=True)
     replayed = logp(moved, out)["old_logp"]
     unreplayed = logp(moved, {k_: v for k_, v in out.items() if k_ != ROUTED})["old_logp"]
     with moe.replaying(jnp.moveaxis(jnp.asarray(np.where(recorded, experts, moved_fresh)), 2, 0)):
@@ -143,6 +142,52 @@ def test_the_train_call_replays_the_rollouts_routing(engine):
                                                          SamplingParams()), 0.0)
     np.testing.assert_allclose(replayed, want, atol=1e-5)
     assert float(jnp.abs(replayed - unreplayed).max()) > 1e-4
+
+
+def _moved_router(params):
+    """The actor's router after it moved (as after an update): its own top k differs from the rollout's."""
+    moved = jax.tree_util.tree_map(lambda x: x, params)
+    mlp = moved["model"]["layers"]["mlp"]
+    mlp["router"].value = mlp["router"].value + 0.5 * jax.random.normal(jax.random.key(7), mlp["router"].value.shape)
+    return moved
+
+
+@pytest.mark.slow
+def test_packed_calls_replay_as_the_padded_ones():
+    """`algorithm.pack_sequences` with router replay: the recorded experts are packed beside the tokens, and
+    the packed train call (two budgeted micro-batches) and the actor's packed log-probs equal the padded
+    ones under a router that moved since the rollout; the reference's log-probs ignore them."""
+    cfg = preset("tiny-qwen3-moe")
+    graphdef, params = nnx.split(build_model(cfg, seed=0))
+    out = jax.device_get(_rollout(cfg, params, graphdef, "static"))
+    moved = _moved_router(params)
+    n = out["response_tokens"].shape[1]
+    s = rollout.RLSettings(estimator="grpo", loss="grpo", group_size=2, minibatches=2, max_new_tokens=n,
+                           kl_in_reward=False, router_top_k=cfg.num_experts_per_tok, router_replay=True)
+    inputs = dict(out, rule_scores=np.asarray([1.0, 0.0, 0.5, 0.2], np.float32), kl_coef=np.float32(0.0),
+                  rng_actor=jax.random.key(0))
+    updates = np.asarray(update.minibatch_indices(inputs["rng_actor"], 4, 2, 1))
+    packed, _ = pack_batch(out["mask"], out["tokens"], out["positions"], n, updates, shards=1, budget=12,
+                           experts=out[ROUTED])
+    assert packed["experts"].shape[-2:] == (cfg.num_layers, cfg.num_experts_per_tok) and packed["tokens"].shape[2] == 2
+    opt = optax.sgd(0.1)
+    train = jax.jit(functools.partial(rollout.actor_train, graphdef, opt, s))
+    padded = train(moved, opt.init(moved), inputs)
+    by_packing = train(moved, opt.init(moved), {**{k: v for k, v in inputs.items() if k != ROUTED},
+                                                "packed_actor": packed})
+    for key in ("loss/policy", "ratio/mean", "ratio/max", "entropy"):  # (the balancing loss is per micro-batch)
+        np.testing.assert_allclose(by_packing[2]["actor_stats"][key], padded[2]["actor_stats"][key], rtol=1e-5)
+    np.testing.assert_allclose(jax.tree_util.tree_leaves(by_packing[0])[0], jax.tree_util.tree_leaves(padded[0])[0],
+                               atol=1e-6)
+    inference, _ = pack_batch(out["mask"], out["tokens"], out["positions"], n, np.arange(4)[None], shards=1,
+                              experts=out[ROUTED])
+    logp = functools.partial(rollout.policy_logprobs, graphdef, SamplingParams(), None, output="old_logp")
+    packed_in = {k: out[k] for k in ("response_tokens", "response_mask")} | {"packed_inference": inference}
+    replayed = logp(moved, packed_in, replay=True)["old_logp"]
+    np.testing.assert_allclose(replayed, logp(moved, out, replay=True)["old_logp"], atol=1e-5)
+    own = logp(moved, packed_in)["old_logp"]  # the reference's: its own routing
+    np.testing.assert_allclose(own, logp(moved, {k: v for k, v in out.items() if k != ROUTED})["old_logp"], atol=1e-5)
+    assert float(jnp.abs(replayed - own).max()) > 1e-4
 
 
 def _config(*overrides):
@@ -161,8 +206,6 @@ def test_router_replay_refusals():
              "mask": jnp.ones((2, 4), bool), ROUTED: jnp.zeros((2, 4, 2, 2), jnp.int8)}
     with pipeline.staged(2), pytest.raises(AlgorithmConfigError, match="pipelined .* layout with stage=1"):
         rollout.response_logits(None, batch, 2)
-    with pytest.raises(cfglib.ConfigError, match="set algorithm.pack_sequences=false"):
-        _config("algorithm.pack_sequences=true")
     with pytest.raises(cfglib.ConfigError, match="set generation.partial_rollout=false"):
         _config("generation.engine=continuous", "generation.partial_rollout=true")
 
@@ -186,3 +229,10 @@ def test_the_recorded_experts_travel_with_the_batch():
     cut = rollout.trim_responses(batch, n)
     assert cut["tokens"].shape == (b, p + 8)
     np.testing.assert_array_equal(cut[ROUTED], experts[:, :p + 8])
+    # packed calls: the packing carries them (packed as the tokens), not the train call's padded inputs
+    graph = declare(_config("model.actor.preset=tiny-qwen3-moe", "algorithm.pack_sequences=true",
+                            "algorithm.rollout_correction=tis")).graph()
+    calls = {c.name: c for c in graph.calls}
+    pack = next(h for h in graph.host_steps if h.name == "pack_sequences")
+    assert ROUTED in pack.inputs and ROUTED not in calls["actor.train"].inputs
+    assert ROUTED not in calls["actor.inference"].inputs and "packed_inference" in calls["actor.inference"].inputs
