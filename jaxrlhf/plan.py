@@ -231,7 +231,7 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
     expert axis' token gathers and scatters take, and its memory, against the same call with the expert
     devices on the FSDP axis instead (every device a shard of every expert), where that layout can run."""
     from jaxrlhf.planner.cost import call_cost
-    from jaxrlhf.planner.memory import params_per_device, working_set
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
     from jaxrlhf.planner.plan import Layout, layout_misfit
 
     plan, wl, hw = res.best.plan, run_setup.algorithm.workload(), run_setup.hardware
@@ -246,13 +246,15 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
         # generation is never FSDP: there the expert devices go to the data axis
         other = Layout(lay.data * lay.expert, lay.fsdp, lay.tensor, lay.stage, lay.context) if call.kind == "generate" \
             else Layout(lay.data, lay.fsdp * lay.expert, lay.tensor, lay.stage, lay.context)
+        # the call alone: its parameters (and optimizer state, training) and working set
         need = {layout: sum(working_set(call, cfg, layout, wl).values()) + params_per_device(cfg, call.head, layout)
+                + (optimizer_per_device(cfg, call.head, layout, wl, call.role) if call.kind == "train" else 0.0)
                 for layout in (lay, other)}
         cost = call_cost(call, cfg, group, lay, wl, hw)
         comm = cost.parts.get("expert_comm", 0.0)
         head = (f"  {name}: {cfg.num_experts} experts over {lay.expert} devices ({cfg.num_experts // lay.expert} "
                 f"each): {cost.seconds:.3g} s, of which the expert axis' token gathers and scatters {comm:.3g} s, "
-                f"{need[lay] / GiB:.1f} GiB per device; ")
+                f"{need[lay] / GiB:.1f} GiB per device alone; ")
         if layout_misfit(other, cfg, wl.call_batch(call.kind), kind=call.kind):
             lines.append(head + f"{other} cannot run this call")
         elif need[other] > hw.usable_memory:
