@@ -1,7 +1,7 @@
 """Layouts become meshes; logical axis names become PartitionSpecs.
 
-A `Layout` (stage x data x fsdp x context x tensor) over a `DeviceGroup` is a
-`jax.sharding.Mesh` with axes ("stage", "data", "fsdp", "context", "tensor"), tensor
+A `Layout` (stage x data x fsdp x expert x context x tensor) over a `DeviceGroup` is a
+`jax.sharding.Mesh` with axes ("stage", "data", "fsdp", ["expert",] ["context",] "tensor"), tensor
 innermost so tensor-parallel peers are neighbouring devices (same host), context
 next (a ring's neighbours close), stage outermost. The stage axis shards only the
 stacked decoder layers ("layers"); everything else is replicated over it (see
