@@ -56,10 +56,10 @@ def model():
 
 # expert parallelism on 2, 4 and 8 devices: alone, beside tensor parallelism (each local expert's MLP split
 # too), beside FSDP (expert weights split over both) and the batch over 8 devices
-LAYOUTS = [Layout(expert=2), pytest.param(Layout(tensor=2, expert=2), marks=pytest.mark.slow),
-           pytest.param(Layout(fsdp=2, expert=4), marks=pytest.mark.slow)]
+LAYOUTS = [Layout(expert=2), Layout(tensor=2, expert=2), Layout(fsdp=2, expert=4)]
 
 
+@pytest.mark.slow  # each a compile of the placed model's gradient: 14-18 s on 2 shared cores (~5 s of CPU)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_model_logits_and_gradients_match_the_single_device_dispatch(model, layout):
     graphdef, params, batch, want_logits, want_grads = model
@@ -130,6 +130,7 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_one_clear_line():
         validate(ExecutionPlan.from_yaml(text), graph, models=models, batch_size=12)
 
 
+@pytest.mark.slow
 def test_reallocation_into_and_out_of_the_expert_axis_is_bit_identical():
     from jaxrlhf.transfer.realloc import reallocate
 
