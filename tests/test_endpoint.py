@@ -174,7 +174,8 @@ def test_two_requests_are_recorded_token_in_token_out(server, model, tokenizer):
     assert len(record.segments) == 2 and record.matches["rewrite"] == 1
     assert record.segments[1].prompt == prompt1
     metrics = server.metrics()
-    assert metrics["endpoint/match_rewrite"] >= 1 and metrics["endpoint/match_tokens"] + metrics["endpoint/match_text"] >= 1
+    assert metrics["endpoint/match_rewrite"] >= 1
+    assert metrics["endpoint/match_tokens"] + metrics["endpoint/match_text"] >= 1
 
 
 def test_a_prompt_whose_text_extends_the_record_keeps_the_sampled_spelling(tokenizer):
@@ -197,8 +198,8 @@ def test_a_prompt_whose_text_extends_the_record_keeps_the_sampled_spelling(token
     assert how == "text" and observation == tokenizer.encode("\n<|im_start|>user\na dog<|im_end|>\n"
                                                               "<|im_start|>assistant\n")
     context = episode.extend(how, observation)
-    assert context == prompt + sampled + observation and episode.segments[-1].loss_mask == [1] * len(sampled) + [0] * len(
-        observation)
+    assert context == prompt + sampled + observation
+    assert episode.segments[-1].loss_mask == [1] * len(sampled) + [0] * len(observation)
     # a history the record's text is not a prefix of starts a new segment
     other = render([{"role": "user", "content": "a dog"}], add_generation_prompt=True)
     assert episode.match(tokenizer.encode(other), other, tokenizer, []) == ("rewrite", tokenizer.encode(other))
@@ -248,7 +249,8 @@ def test_concurrent_agents_share_generate_calls_and_a_failing_agent_is_counted(s
         content = tokenizer.decode([t for t in tokens if t != IM_END])
         assert result.reward == (float(len(content)) if row.get("score") else None)
         trajectory, = episode_trajectories(result, failure=-1.0)
-        assert trajectory.prompt_ids == ids and trajectory.token_ids == tokens and trajectory.loss_mask == [1] * len(tokens)
+        assert trajectory.prompt_ids == ids and trajectory.token_ids == tokens
+        assert trajectory.loss_mask == [1] * len(tokens)
         assert trajectory.reward == (-1.0 if row.get("fail") else float(len(content)) if row.get("score") else 0.0)
         assert trajectory.counters["agent_error"] == float(bool(row.get("fail"))) and trajectory.turns == 1
     assert load_agent("json:dumps") is json.dumps
@@ -411,6 +413,9 @@ def test_binds_to_localhost_unless_told(model, tokenizer):
         assert endpoint.host == "127.0.0.1" and not warnings
     with _server(model, tokenizer, host="0.0.0.0", warn=warnings.append) as endpoint:
         assert endpoint.host == "0.0.0.0" and "reachable from other machines" in warnings[0]
+        assert endpoint.base_url("e").startswith("http://127.0.0.1:")  # the agents on this machine go through loopback
+        with pytest.raises(ValueError, match="choose another env.server.port"):
+            _server(model, tokenizer, host="0.0.0.0", port=endpoint.port, warn=warnings.append)
 
 
 def _taught(model, ids, target, steps=120):
@@ -497,8 +502,10 @@ def test_placed_backend_answers_on_the_generate_placement(model, tokenizer, devi
     cache = CallCache(plan)
     graphdef, state = nnx.split(model)
     placed = cache.placed(plan.home_call("actor"))
-    generate_fn = functools.partial(generate_call, graphdef, GREEDY, NEW_TOKENS, IM_END, 0, ("static", 1, None, None), "")
-    executor = Executor(plan, graph, {"actor": Role("actor", graphdef, jax.device_put(state, placed.param_shardings(state)))},
+    generate_fn = functools.partial(generate_call, graphdef, GREEDY, NEW_TOKENS, IM_END, 0,
+                                    ("static", 1, None, None), "")
+    actor = Role("actor", graphdef, jax.device_put(state, placed.param_shardings(state)))
+    executor = Executor(plan, graph, {"actor": actor},
                         cache=cache, functions={"actor.generate": generate_fn})
     backend = PlacedBackend(executor, generate_fn, pad_id=0, max_new_tokens=NEW_TOKENS, batch_size=2,
                             max_positions=model.config.max_position_embeddings, min_bucket=BUCKET)
@@ -565,16 +572,17 @@ def test_grpo_run_with_openai_agents(tokenizer, tmp_path, monkeypatch):
 def test_openai_agent_config_needs_its_agent():
     from jaxrlhf import config as cfglib
 
+    grpo = ["algorithm.name=grpo", "algorithm.group_size=2"]
     with pytest.raises(cfglib.ConfigError, match="env.agent"):
-        cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "env.name=openai_agent"])
+        cfglib.load_config(None, [*grpo, "env.name=openai_agent"])
     with pytest.raises(cfglib.ConfigError, match="env.agent"):
-        cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "env.agent=m:f"])
+        cfglib.load_config(None, [*grpo, "env.agent=m:f"])
     with pytest.raises(cfglib.ConfigError, match="env.server.port"):
-        cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "env.name=openai_agent", "env.agent=m:f",
+        cfglib.load_config(None, [*grpo, "env.name=openai_agent", "env.agent=m:f",
                                   "env.server.port=70000"])
-    cfg = cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "env.name=openai_agent", "env.agent=m:f",
+    cfg = cfglib.load_config(None, [*grpo, "env.name=openai_agent", "env.agent=m:f",
                                     "rewards.rules=[]"])
     assert cfg.env.server is None and cfg.generation.engine == "static"  # the server's defaults
-    cfg = cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=2", "env.name=openai_agent",
+    cfg = cfglib.load_config(None, [*grpo, "env.name=openai_agent",
                                     "env.agent=m:f", "rewards.rules=[]", "env.server.port=8123"])
     assert cfg.env.server.port == 8123 and cfg.env.server.host == "127.0.0.1"

@@ -415,8 +415,8 @@ class ChatEndpoint:
 
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, *, template: ChatTemplate | None = None,
                  host: str = "127.0.0.1", port: int = 0, batch_size: int = 8, window_s: float = 0.01,
-                 max_prompt_tokens: int | None = None, max_response_tokens: int | None = None, tool_format: str | None = None, model_name: str = "policy",
-                 warn: Callable[[str], None] = print):
+                 max_prompt_tokens: int | None = None, max_response_tokens: int | None = None,
+                 tool_format: str | None = None, model_name: str = "policy", warn: Callable[[str], None] = print):
         template = template if template is not None else getattr(tokenizer, "chat_template", None)
         if template is None:
             raise ValueError(f"the endpoint renders chat messages with the tokenizer's chat template, and "
@@ -433,10 +433,15 @@ class ChatEndpoint:
         if host not in LOCAL_HOSTS and not _is_loopback(host):
             warn(f"warning: the agent endpoint listens on {host}:{port}, reachable from other machines "
                  "(env.server.host); anyone who can reach it can sample from the policy")
-        self.batcher = Batcher(backend, batch_size=batch_size, window_s=window_s)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        except OSError as e:
+            raise ValueError(f"the agent endpoint cannot listen on {host}:{port} ({e}): choose another "
+                             "env.server.port (0 = any free port) or env.server.host") from None
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="endpoint-http", daemon=True)
+        self.batcher = Batcher(backend, batch_size=batch_size, window_s=window_s)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="endpoint-http",
+                                        daemon=True)
         self._thread.start()
 
     @property
@@ -450,7 +455,8 @@ class ChatEndpoint:
     def base_url(self, episode: Episode | str) -> str:
         """What an agent's client takes as `base_url` for this episode."""
         episode_id = episode if isinstance(episode, str) else episode.episode_id
-        host = self.host if ":" not in self.host else f"[{self.host}]"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)  # all interfaces: reach it locally
+        host = host if ":" not in host else f"[{host}]"
         return f"http://{host}:{self.port}/episodes/{episode_id}/v1"
 
     def open_episode(self, row: Any = None, episode_id: str | None = None) -> Episode:
@@ -926,7 +932,10 @@ class AgentEpisodes:
         return {prefix + k: v for k, v in values.items()}, step.metrics
 
 
-def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], tuple[dict[str, np.ndarray], dict[str, float]]]:
+EpisodeValues = tuple[dict[str, np.ndarray], dict[str, float]]  # the generate call's outputs, the episodes' metrics
+
+
+def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], EpisodeValues]:
     """What plays a step's episodes for the step loop (`env.name`): the rollout's own environments
     (`algorithm.episode_values`), or with env.name=openai_agent the run's `AgentEpisodes`, built at the first
     step (its batch size is the feed's rows) and kept on the algorithm for the next ones."""
@@ -936,7 +945,7 @@ def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], tuple[d
     if cfg.env.name != AGENT_ENVIRONMENT:
         return algorithm.episode_values
 
-    def play(params: Any, feed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    def play(params: Any, feed: Mapping[str, Any]) -> EpisodeValues:
         episodes = getattr(algorithm, "_agent_episodes", None)
         if episodes is None:
             from flax import nnx
@@ -946,7 +955,8 @@ def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], tuple[d
             from jaxrlhf.config_schema import AgentServerConfig
 
             episodes = AgentEpisodes(
-                cfg.env.server or AgentServerConfig(), cfg.env.agent, graphdef=graphdef, tokenizer=algorithm.tokenizer, sampling=s.sampling,
+                cfg.env.server or AgentServerConfig(), cfg.env.agent, graphdef=graphdef, tokenizer=algorithm.tokenizer,
+                sampling=s.sampling,
                 max_new_tokens=s.max_new_tokens, turn_tokens=cfg.env.max_turn_tokens or budget, response_budget=budget,
                 batch_size=len(feed["prompts"]),
                 max_positions=nnx.merge(graphdef, params).config.max_position_embeddings)
