@@ -242,14 +242,15 @@ if "test_retry" not in envs.ENVIRONMENTS:
 
 @pytest.mark.slow
 def test_grpo_run_with_an_environment_completes_and_logs_env_metrics(tmp_path):
-    """A two-step GRPO run whose rollouts are two-turn episodes (env.name): the step trains on them (the
-    generate call's outputs come from the multi-turn engine) and logs the env/... metrics."""
+    """A GRPO run whose rollouts are two-turn episodes (env.name): the step trains on them (the generate
+    call's outputs come from the multi-turn engine) and logs the env/... metrics. (~2.5 min on a shared
+    2-core machine, most of it compiling.)"""
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
     from jaxrlhf.metrics import read_metrics
 
     cfg = cfglib.load_config(None, [
-        "algorithm.name=grpo", "model.actor.preset=tiny", "run.steps=2", "run.checkpoint_every=0",
+        "algorithm.name=grpo", "model.actor.preset=tiny", "run.steps=1", "run.checkpoint_every=0",
         "run.tensorboard=false", "run.export_hf=false", "run.save_checkpoints=false", "sft.steps=0",
         "data.batch_size=2", "algorithm.group_size=4", "algorithm.minibatches=1", "data.max_prompt_len=16",
         "generation.max_new_tokens=32", "generation.engine=continuous", "plan.strategy=colocated",
@@ -257,7 +258,7 @@ def test_grpo_run_with_an_environment_completes_and_logs_env_metrics(tmp_path):
         "rewards.eos_only=false", f"run.output_dir={tmp_path}"])
     train.run(cfg)
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
-    assert [r["step"] for r in rows if "env/turns" in r] == [1, 2]
+    assert [r["step"] for r in rows if "env/turns" in r] == [1]
     for r in rows:
         if "env/turns" in r:
             assert r["env/turns"] == 2 and r["env/retries"] == 1 and r["env/finish/done"] == 1
