@@ -117,6 +117,7 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
     assert metrics["env/steps"] > 1 and 0 < metrics["env/finish/done"] <= 1
 
 
+@pytest.mark.slow  # ~30 s alone (compiles start, decode, extend); under a second after the test above
 def test_extend_logits_equal_a_full_recompute(model):
     """The logits an extend returns (after a row's observation) are those of a dense forward over the whole
     sequence, for every row extended at once, each at its own length."""
