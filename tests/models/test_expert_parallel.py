@@ -226,3 +226,26 @@ def test_a_grpo_run_with_expert_parallel_calls_trains_like_colocated(tmp_path):
     for ref, got in zip(runs["colocated"], runs["experts"]):
         for key in ("reward/mean", "kl/mean", "loss/policy", "entropy", "grad_norm"):
             assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (ref["step"], key)
+
+
+@pytest.mark.slow
+def test_a_batch_the_expert_axis_cannot_split_sums_its_partial_outputs_instead(model):
+    """2 rows over expert 4: the rows cannot be split over the axis, so every expert device holds them all and
+    the partial sums are psum'd (no gather, no scatter): the first two rows' logits and the gradients of a
+    loss on them as on one device."""
+    graphdef, params, batch, _, _ = model
+    rows = tuple(x[:2] for x in batch)
+    want_logits, want_grads = jax.jit(_loss_and_grad(graphdef))(params, *rows)
+    mesh = make_mesh(DeviceGroup("g", 0, 4), Layout(expert=4))
+    placed = jax.device_put(params, param_shardings(params, mesh))
+
+    def run(p, *xs):
+        with ax.activation_sharding(activation_resolver(mesh)):
+            return _loss_and_grad(graphdef)(p, *xs)
+
+    logits, grads = jax.jit(run)(placed, *rows)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=2e-5, rtol=0)
+    want = [np.asarray(g) for g in jax.tree_util.tree_leaves(want_grads)]
+    scale = max(np.abs(g).max() for g in want)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), want):
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-5 * scale, rtol=0)
