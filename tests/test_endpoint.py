@@ -560,7 +560,12 @@ def test_grpo_run_with_openai_agents(tokenizer, tmp_path, monkeypatch):
         "data.max_prompt_len=16", "generation.max_new_tokens=48", "plan.strategy=colocated",
         "env.name=openai_agent", "env.agent=endpoint_test_agent:play", "env.max_turn_tokens=8",
         "rewards.rules=[]", "rewards.eos_only=false", f"run.output_dir={out}"])
+    servers = sum(t.name == "endpoint-http" for t in threading.enumerate())
     train.run(cfg)
+    import gc
+
+    gc.collect()  # the run's algorithm is gone, and its endpoint stopped with it
+    assert sum(t.name == "endpoint-http" for t in threading.enumerate()) == servers
     rows = [r for r in read_metrics(str(out / "metrics.jsonl")) if "env/turns" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # a random model may write a special token the template does not render back: a rewrite

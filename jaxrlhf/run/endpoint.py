@@ -34,6 +34,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -961,6 +962,7 @@ def episode_player(algorithm: Any) -> Callable[[Any, Mapping[str, Any]], Episode
                 batch_size=len(feed["prompts"]),
                 max_positions=nnx.merge(graphdef, params).config.max_position_embeddings)
             algorithm._agent_episodes = episodes
+            weakref.finalize(algorithm, episodes.close)  # the server stops with the run that made it
         return episodes(params, feed, prefix=algorithm.generated_prefix)
 
     return play
