@@ -828,7 +828,7 @@ def agent_output(results: Sequence[AgentResult], *, prompt_width: int | None, re
 class AgentBatch:
     """One step's agent episodes: the rollout's rows (`output.rollout_batch()` is the generate call's layout plus
     `action_mask` and `env_reward`), each episode's final answer (what rule rewards score) and the step's
-    `endpoint/*` and `env/*` metrics."""
+    `endpoint/*` (this step's counts) and `env/*` metrics."""
 
     output: Any  # models.multiturn.MultiTurnOutput
     final_texts: list[str]
@@ -871,6 +871,7 @@ class AgentRollout:
         self.endpoint.close()
 
     def __call__(self, rows: Sequence[Any]) -> AgentBatch:
+        before = self.endpoint.metrics()
         results = run_agents(self.endpoint, self.agent, rows, client=self.client, timeout_s=self.timeout_s)
         output = agent_output(results, prompt_width=self.prompt_width, response_width=self.response_width,
                               pad_id=self.pad_id, failure=self.failure)
@@ -878,7 +879,10 @@ class AgentRollout:
         failed = len(errors)
         if errors:  # one line a step: a broken agent shows in the log, not only as a failure rate
             self.warn(f"{failed} of {len(results)} agents failed this step (env.agent); the first: {errors[0]}")
-        metrics = {**self.endpoint.metrics(), **output.metrics(), "env/agent_failed": failed / max(len(rows), 1)}
+        after = self.endpoint.metrics()  # this step's counts: the endpoint's run totals less those before it
+        step = {k: v - before[k] for k, v in after.items() if k != "endpoint/rows_per_call"}
+        step["endpoint/rows_per_call"] = step["endpoint/requests"] / max(step["endpoint/generate_calls"], 1)
+        metrics = {**step, **output.metrics(), "env/agent_failed": failed / max(len(rows), 1)}
         return AgentBatch(output, [r.episode.final_text for r in results], metrics)
 
 
