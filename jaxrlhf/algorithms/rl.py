@@ -14,6 +14,7 @@ from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
 from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
+from jaxrlhf.config_schema import AGENT_ENVIRONMENT
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.lengths import response_widths
 
@@ -194,7 +195,7 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
-        if cfg.env.name is not None and cfg.env.name not in ENVIRONMENTS:
+        if cfg.env.name not in (None, AGENT_ENVIRONMENT) and cfg.env.name not in ENVIRONMENTS:
             raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
         if cfg.env.name is not None and (self.dynamic_sampling or self.greedy_baseline):
             raise AlgorithmConfigError(
