@@ -218,10 +218,11 @@ class PlanConfig:
         if self.replan_every and (self.file is not None or self.strategy != "auto"):
             yield (f"plan.replan_every={self.replan_every} re-runs the planner's search, which only "
                    f"plan.strategy=auto uses (and no plan.file); set plan.strategy=auto or plan.replan_every=0")
-        if self.replan_every and (self.offpolicy or eta):
+        if self.replan_every and (self.offpolicy or eta) and not streamed:
             yield (f"plan.replan_every with {ahead} is not supported: an off-policy plan always "
                    "has the next rollout in flight, so there is no step boundary to switch plans at; "
-                   "set one of them off")
+                   "set one of them off, or stream the rollouts (generation.partial_rollout=true: the "
+                   "stream is drained at the switch)")
         cap = config.generation.max_new_tokens
         if self.response_length_median is not None and self.response_length_median > cap:
             yield (f"plan.response_length_median={self.response_length_median} is above the response length cap "
@@ -659,9 +660,6 @@ class GenerationConfig:
         if self.partial_rollout and self.engine != "continuous":
             yield ("generation.partial_rollout=true streams rollouts through the continuous engine's paged pool; "
                    f"set generation.engine=continuous (not {self.engine})")
-        if self.partial_rollout and config.plan.replan_every:
-            yield ("generation.partial_rollout=true keeps rollouts in flight across steps, so there is no step "
-                   "boundary to switch plans at; set plan.replan_every=0")
         if self.simulated_lengths and config.plan.response_length_median is None:
             yield ("generation.simulated_lengths=true draws response lengths from the planner's distribution: "
                    "set plan.response_length_median (and plan.response_length_sigma)")

@@ -85,35 +85,11 @@ class StreamingGenerator:
         self.pool_prompts = self.prompts * algorithm.pool_factor  # prompts in a step's feed
         self.algorithm = algorithm
         self.chunk = cfg.generation.stream_chunk
-        s = algorithm.settings()
-        placed = executor.placed(GENERATE_CALL)
         if jax.process_count() > 1:
             raise RunError("generation.partial_rollout=true streams rollouts in one process; a run of "
                            f"{jax.process_count()} processes generates a batch at a time: set it false")
-        with ax.activation_sharding(placed.resolver()):
-            ways = ax.batch_ways()
-        # Decode during training only on devices no train call of the actor uses (a disaggregated plan's
-        # generator): elsewhere the chunks would compete with the update for the same devices, and on the
-        # actor's home placement they would read the weights the update is donating.
-        trained = executor.placed(executor.plan.home_call("actor"))
-        self.overlaps = not ({d.id for d in placed.mesh.devices.flat} & {d.id for d in trained.mesh.devices.flat})
-        groups = (eta + 1) * self.prompts  # every group admitted and not yet trained may be in the stream
-        groups = -(-groups // ways) * ways
-        tok = algorithm.tokenizer
-        self.spec = streaming.StreamSpec.make(
-            groups=groups, group_size=self.group, max_new_tokens=s.max_new_tokens,
-            prompt_bucket=bucket_length(cfg.data.max_prompt_len, multiple=16),
-            sampling=s.sampling, eos_id=() if s.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
-            slots=s.slots or self.prompts * self.group,  # the synchronous engine's pool: the same memory
-            kv_pages=s.kv_pages, batch_ways=ways)
-        self._weights: tuple[int, Any] | None = None  # (version, a reallocated copy of the weights)
         self.graphdef = algorithm.models["actor"].graphdef
-        # the stream's programs are traced with the generate placement's activation rules (`tag` keeps
-        # their compiled programs apart from those of another placement)
-        self.resolver, self.tag = placed.resolver(), (GENERATE_CALL, placed.placement)
-        with ax.activation_sharding(self.resolver):
-            self.state = streaming.init(self.graphdef, self._params(), spec=self.spec)
-        self.free = groups  # group slots free in the stream
+        self._place(executor)
         self.serials = 0  # groups admitted so far (the stream numbers them in the same order)
         self.steps: collections.OrderedDict[int, _Drawn] = collections.OrderedDict()  # drawn, not yet trained
         self.in_stream: dict[int, tuple[int, int]] = {}  # serial -> (step, prompt index) of a group in the stream
@@ -130,6 +106,54 @@ class StreamingGenerator:
             from jaxrlhf.algorithms.rules import CombinedReward
 
             self.rules, self.tokenizer = CombinedReward(algorithm.rules_spec), algorithm.tokenizer
+
+    def _place(self, executor) -> None:
+        """Put an empty stream on `executor`'s generate placement (at the start, and after a re-plan's
+        switch: `moved_to`)."""
+        cfg, s, tok = self.algorithm.cfg, self.algorithm.settings(), self.algorithm.tokenizer
+        self.executor = executor
+        placed = executor.placed(GENERATE_CALL)
+        with ax.activation_sharding(placed.resolver()):
+            ways = ax.batch_ways()
+        # Decode during training only on devices no train call of the actor uses (a disaggregated plan's
+        # generator): elsewhere the chunks would compete with the update for the same devices, and on the
+        # actor's home placement they would read the weights the update is donating.
+        trained = executor.placed(executor.plan.home_call("actor"))
+        self.overlaps = not ({d.id for d in placed.mesh.devices.flat} & {d.id for d in trained.mesh.devices.flat})
+        groups = (self.eta + 1) * self.prompts  # every group admitted and not yet trained may be in the stream
+        groups = -(-groups // ways) * ways
+        self.spec = streaming.StreamSpec.make(
+            groups=groups, group_size=self.group, max_new_tokens=s.max_new_tokens,
+            prompt_bucket=bucket_length(cfg.data.max_prompt_len, multiple=16),
+            sampling=s.sampling, eos_id=() if s.ignore_eos else tok.eos_ids, pad_id=tok.pad_id,
+            slots=s.slots or self.prompts * self.group,  # the synchronous engine's pool: the same memory
+            kv_pages=s.kv_pages, batch_ways=ways)
+        self._weights: tuple[int, Any] | None = None  # (version, a reallocated copy of the weights)
+        # the stream's programs are traced with the generate placement's activation rules (`tag` keeps
+        # their compiled programs apart from those of another placement)
+        self.resolver, self.tag = placed.resolver(), (GENERATE_CALL, placed.placement)
+        with ax.activation_sharding(self.resolver):
+            self.state = streaming.init(self.graphdef, self._params(), spec=self.spec)
+        self.free = groups  # group slots free in the stream
+
+    def drain(self) -> dict[str, float]:
+        """Decode until no admitted group is in flight, admitting nothing (a re-plan is about to move the
+        weights to another plan, `Replanner.before_switch`): every group admitted so far finishes on the
+        weights it started with and waits on host with the others; no sample is lost or restarted. The
+        pause this costs, and the groups it finished, go to the metrics."""
+        t0, groups = time.perf_counter(), self.spec.groups - self.free
+        while self._decode_chunk():
+            pass
+        return {"replan/drain_s": time.perf_counter() - t0, "replan/drained_groups": float(groups)}
+
+    def moved_to(self, executor) -> None:
+        """Go on on `executor` (the plan a re-plan switched to) from a drained stream: a new, empty stream
+        on its generate placement; the batches on host, their scores, the data position and the weight
+        version carry over, and admission resumes where it stopped."""
+        if self.free != self.spec.groups:
+            raise RuntimeError("the stream must be drained before it moves to another plan")
+        self._place(executor)
+        self.serials = 0  # the new stream numbers its groups from 0 (none is in flight: `in_stream` is empty)
 
     def _params(self):
         """The actor's weights on the generator at `version`: its home copy or the plan's shadow as they

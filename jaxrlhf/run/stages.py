@@ -99,11 +99,14 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
 
 def _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, around, after):
     """`run_steps` with a streaming generator (partial rollouts): each step's batch comes from the
-    stream, and the stream decodes on while the step trains."""
+    stream, and the stream decodes on while the step trains. A re-plan (`after`, a `Replanner`) drains
+    the stream before the weights move and the stream goes on on the plan switched to."""
     from jaxrlhf.run.generator import StreamingGenerator
     from jaxrlhf.transfer.host import HostValues
 
     generator = StreamingGenerator(algorithm, executor, eta=staleness, start=start, stop=stop, draw=draw)
+    if hasattr(after, "before_switch"):  # a re-plan drains the stream before the weights move
+        after.before_switch = generator.drain
     for step in range(start + 1, stop + 1):
         feed, data_state, rollout = generator.batch(step)
         with around(step):
@@ -117,7 +120,10 @@ def _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, aro
         # the trainer waited for the stream first, and for the reward workers' last groups
         metrics["time/step_s"] += rollout["time/generate_wait_s"] + rollout.get("time/reward_wait_s", 0.0)
         if after is not None:
-            executor = after(step, metrics, executor)
+            moved = after(step, metrics, executor)
+            if moved is not executor:  # a re-plan switched (the stream was drained first): go on there
+                generator.moved_to(moved)
+                executor = moved
         yield step, metrics, data_state
 
 
@@ -132,7 +138,8 @@ class Replanner:
     roles' parameters, optimizer states and carried values onto the new plan device to device
     (`Executor.moved_to`) and the run goes on there: no restart, the same math. Each check adds
     `replan/*` metrics and a console line; the first check after a switch reports the gain then
-    measured (median step time on the old plan / on the new one - 1). No switch at the last step. The plans switched to and the
+    measured (median step time on the old plan / on the new one - 1). No switch at the last step. A
+    streamed run's generator is drained first (`before_switch`). The plans switched to and the
     corrected profile are written to `<output_dir>/replan/`. The decision is made from process 0's
     times, so every process switches alike.
     """
@@ -150,18 +157,28 @@ class Replanner:
         self.before: float | None = None  # median step time on the plan switched away from
         self.switches = 0
         self.executor = None  # the executor the run is on after the latest step
+        # called just before the weights move to the plan switched to (a streaming generator's `drain`:
+        # nothing in flight may be left on the old placement); returns metrics
+        self.before_switch: Callable[[], dict[str, float]] | None = None
 
     def __call__(self, step: int, metrics: dict[str, Any], executor):
         """After `step`: keep its times; every K steps, the check. Returns (and keeps, as `executor`)
         the executor the next steps run on."""
         if not self.fresh:
-            self.samples.append((float(metrics["time/step_s"]),
-                                 [float(metrics.get(f"time/{c}_s", 0.0)) for c in self.calls]))
+            self.samples.append((float(metrics["time/step_s"]), [self._call_s(metrics, c) for c in self.calls]))
         self.fresh = False
         self.executor = executor
         if step % self.cfg.plan.replan_every == 0 and self.samples:
             self.executor = self.check(step, metrics, executor)
         return self.executor
+
+    @staticmethod
+    def _call_s(metrics: dict[str, Any], call: str) -> float:
+        """A call's seconds in the step; a streamed generate call (no `time/actor.generate_s`: the stream
+        supplies its outputs) by the stream's decoding for the step, waited for or beside the update."""
+        if f"time/{call}_s" not in metrics and call.endswith(".generate") and "time/generate_wait_s" in metrics:
+            return float(metrics["time/generate_wait_s"] + metrics.get("time/generate_overlap_s", 0.0))
+        return float(metrics.get(f"time/{call}_s", 0.0))
 
     def check(self, step: int, metrics: dict[str, Any], executor):
         """Feed the medians of the samples into the profile, search again, switch if worth it."""
@@ -202,6 +219,8 @@ class Replanner:
         print(decision.line(step), flush=True)
         if not decision.switch:
             return executor
+        if self.before_switch is not None:
+            metrics.update(self.before_switch())
         t0 = time.perf_counter()
         plan = decision.plan
         new = executor.moved_to(plan, self.make_cache(plan))
