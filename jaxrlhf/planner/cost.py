@@ -901,7 +901,9 @@ def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layo
     run = hw.measured.run(call.name, key, group.size, str(layout), wl.call_seqs(call), wl.seq_len,
                           wl.micro_batches(call))
     if run is not None:
-        return dataclasses.replace(base, seconds=run.seconds, parts={"run": run.seconds}, source="run")
+        scale = run.seconds / base.seconds if base.seconds > 0 else 0.0  # the estimate's parts, in the run's time
+        parts = {k: v * scale for k, v in base.parts.items()} if scale else {"run": run.seconds}
+        return dataclasses.replace(base, seconds=run.seconds, parts=parts, source="run")
     factor = hw.measured.correction(call.name, key, base.source)
     if factor is None:
         return base

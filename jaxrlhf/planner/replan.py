@@ -21,7 +21,7 @@ from jaxrlhf.planner.cost import Workload, profile_call_cost
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import Measured, Run, model_key
 from jaxrlhf.planner.plan import ExecutionPlan
-from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan
+from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan, generate_seconds
 
 DEFAULT_THRESHOLD = 0.1  # plan.replan_threshold's default: switch for a predicted gain over 10 %
 
@@ -30,7 +30,10 @@ def timed_runs(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
                hw: HardwareProfile, call_seconds: Mapping[str, float]) -> list[Run]:
     """The calls a run timed on `plan` (`call_seconds`: call -> seconds per step) as `Run`s, each beside
     the profile's own estimate of it (tables or formulas, never earlier runs: the correction a run
-    gives is against the profile, not against a corrected estimate)."""
+    gives is against the profile, not against a corrected estimate). A generate call of drawn
+    response lengths is priced as if every response ran to the cap, and each step's batch then by its
+    lengths (`simulator.generate_seconds`): its timed mean is put on the cap's scale (times the
+    estimate over its mean per-batch estimate), so the lengths are not counted twice."""
     out = []
     for call in graph.calls:
         seconds = call_seconds.get(call.name)
@@ -38,6 +41,9 @@ def timed_runs(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             continue
         group, layout = plan.group_of(call.name), plan.calls[call.name].layout
         base = profile_call_cost(call, models[call.role], group, layout, wl, hw)
+        if call.kind == "generate" and wl.lengths_vary:
+            per_batch = generate_seconds(base, plan, wl, call)
+            seconds = seconds * base.seconds / max(sum(per_batch) / len(per_batch), 1e-12)
         out.append(Run(call.name, model_key(models[call.role], call.head), group.size, str(layout),
                        wl.call_seqs(call), wl.seq_len, wl.micro_batches(call), base.source,
                        max(base.seconds, 1e-12), float(seconds)))

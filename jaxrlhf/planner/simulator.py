@@ -398,6 +398,15 @@ def plan_staleness(plan: ExecutionPlan, wl: Workload) -> int:
     return plan.staleness or wl.staleness
 
 
+def generate_seconds(cost: CallCost, plan: ExecutionPlan, wl: Workload, call: CallSpec) -> tuple[float, ...]:
+    """A generate call's seconds on `plan` for each batch of drawn response lengths (`cost.generate_durations`,
+    a stream paced by the plan's eta); the call's own seconds when the lengths do not vary."""
+    if not wl.lengths_vary:
+        return (cost.seconds,)
+    paced = dataclasses.replace(wl, staleness=plan_staleness(plan, wl))
+    return generate_durations(cost, paced, call, plan.calls[call.name].layout.batch_ways, wl.gen_stream)
+
+
 def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
                   hw: HardwareProfile, steps: int = MIN_STEPS, cache: CostCache | None = None) -> PlanEstimate:
     """Cost, memory and a steady-state schedule (`steady_state`, from `steps` steps) of `plan`;
@@ -416,11 +425,8 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
     if wl.lengths_vary:
-        paced = dataclasses.replace(wl, staleness=plan_staleness(plan, wl))  # the stream's eta on this plan
         for c in graph.calls:
             if c.kind == "generate":
-                lay = plan.calls[c.name].layout
-                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_durations(
-                    costs[c.name], paced, c, lay.batch_ways, wl.gen_stream))
+                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, wl, c))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)

@@ -9,6 +9,7 @@ free. What a run on a plan would time is the truth's estimate of each call there
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxrlhf import config as cfglib
@@ -19,7 +20,7 @@ from jaxrlhf.planner.hardware import HardwareProfile, get_profile
 from jaxrlhf.planner.measured import Measured, Run, Table, model_key
 from jaxrlhf.planner.presets import build_plan
 from jaxrlhf.planner.replan import decide, placements, timed_runs, with_runs
-from jaxrlhf.planner.simulator import estimate_plan
+from jaxrlhf.planner.simulator import estimate_plan, generate_seconds
 from jaxrlhf.testing.replan import WRONG_LAYOUT, wrong_profile
 
 GRPO = ["model.actor.preset=tiny", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",
@@ -128,3 +129,25 @@ def test_a_wrong_profile_is_overturned_by_the_run_times_and_the_new_plan_holds()
                                     timed_on(decision.plan, graph, models, wl, truth)))
     again, _ = planning.replan(cfg, algorithm, models, decision.plan, fed, 8)
     assert not again.switch
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["batch", "stream"])
+def test_a_run_that_times_what_the_planner_predicts_changes_no_estimate(streamed):
+    """Drawn response lengths (the continuous engine, log-normal lengths): a generate call is priced at the
+    cap and each step's batch by its lengths, so a run's mean time of it is the per-batch estimates' mean.
+    Fed back as the run's times, the planner's own predictions leave every estimate as it was (the
+    lengths are not counted a second time), on a whole-batch plan and on a stream."""
+    extra = ["generation.engine=continuous", "generation.max_new_tokens=64", "plan.response_length_median=8",
+             "plan.response_length_sigma=1.0"]
+    if streamed:
+        extra += ["generation.partial_rollout=true", "algorithm.max_staleness=1", "plan.replan_every=0"]
+    cfg, algorithm, graph, models, wl = setup(*extra)
+    hw = get_profile("cpu")
+    plan = build_plan("colocated", 8, models, graph, batch_size=algorithm.batch_rows)
+    before = estimate_plan(plan, graph, models, wl, hw)
+    predicted = {c.name: float(np.mean(generate_seconds(before.calls[c.name], plan, wl, c))) if c.kind == "generate"
+                 else before.calls[c.name].seconds for c in graph.calls}
+    fed = with_runs(hw, timed_runs(plan, graph, models, wl, hw, predicted))
+    after = estimate_plan(plan, graph, models, wl, fed)
+    assert {c.source for c in after.calls.values()} == {"run"}
+    assert after.step_s == pytest.approx(before.step_s, rel=1e-9)
