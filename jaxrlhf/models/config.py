@@ -135,6 +135,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     router_order: str = "softmax_then_topk"
+    # "dense": every token through every expert, one-hot combine (num_experts / k times the useful FLOPs);
+    # "grouped": assignments sorted by expert, `jax.lax.ragged_dot` (only the k picked experts' FLOPs; moe.py)
+    moe_dispatch: str = "dense"
     norm_topk_prob: bool = False  # the k picked probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE: per config)
     # A shared expert every token goes through beside its k, of this width, its output scaled by
     # sigmoid(x @ shared_expert_gate) (Qwen2-MoE); None: none.
@@ -195,6 +198,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"model.{name}={value!r} must be a non-negative integer")
+        if self.moe_dispatch not in ("dense", "grouped"):
+            raise ValueError(f"model.moe_dispatch={self.moe_dispatch!r}: choose 'dense' or 'grouped'")
         if self.router_order not in ROUTER_ORDERS:
             raise ValueError(f"model.router_order={self.router_order!r}: choose one of {list(ROUTER_ORDERS)}")
         if not self.router_aux_loss_coef >= 0:

@@ -120,6 +120,7 @@ class SparseMLP(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.order = config.router_order
         self.normalize = config.norm_topk_prob
+        self.dispatch = config.moe_dispatch
         e, d, f, pd = config.num_experts, config.hidden_size, config.expert_intermediate_size, config.jnp_param_dtype
 
         def param(shape, names):
@@ -149,7 +150,12 @@ class SparseMLP(nnx.Module):
         weights, experts = route(logits, self.top_k, self.order, self.normalize, _replayed(layer, b, t))
         combine = combine_weights(weights, experts, logits.shape[-1]).astype(dt)  # [tokens, experts]
         weights3 = tuple(w.value.astype(dt) for w in (self.gate, self.up, self.down))
-        if ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
+        if self.dispatch == "grouped":
+            if ax.expert_ways() > 1:
+                raise ValueError("model.moe_dispatch='grouped' does not run on an expert axis yet: use "
+                                 "moe_dispatch='dense' with layout expert > 1, or expert=1")
+            y = grouped(xs, weights.astype(dt), experts, *weights3, self.activation).reshape(b, t, d)
+        elif ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
             y = expert_parallel(x, combine.reshape(b, t, -1), *weights3, self.activation)
         else:
             g = jnp.einsum("nd,edf->nef", xs, weights3[0])
@@ -163,6 +169,26 @@ class SparseMLP(nnx.Module):
             scale = jax.nn.sigmoid(xs @ self.shared_expert_gate.value.astype(dt))[:, None]
             y = y + (scale * (hs @ self.shared_down.value.astype(dt))).reshape(b, t, d)
         return y, logits.reshape(b, t, -1)
+
+
+def grouped(
+    xs: Float[Array, "tokens embed"], weights: Float[Array, "tokens k"], experts: Int[Array, "tokens k"],
+    gate: Float[Array, "experts embed mlp"], up: Float[Array, "experts embed mlp"],
+    down: Float[Array, "experts mlp embed"], activation: str,
+) -> Float[Array, "tokens embed"]:
+    """The grouped dispatch: the tokens x k (token, expert) assignments sorted by expert (stable), each
+    token's row gathered once per assignment, `jax.lax.ragged_dot` against the stacked expert weights with
+    group sizes = assignments per expert (static shapes, nothing dropped), and the rows scattered back onto
+    their tokens weighted by the router. Only the k picked experts' FLOPs, unlike the dense dispatch."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # assignment i of the sorted order is token order[i] // k's choice order[i] % k
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    rows = xs[token]
+    h = _ACTIVATIONS[activation](jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(xs).at[token].add(out.astype(xs.dtype))
 
 
 # ---------------------------------------------------------------- router replay
