@@ -150,13 +150,11 @@ class SparseMLP(nnx.Module):
         weights, experts = route(logits, self.top_k, self.order, self.normalize, _replayed(layer, b, t))
         combine = combine_weights(weights, experts, logits.shape[-1]).astype(dt)  # [tokens, experts]
         weights3 = tuple(w.value.astype(dt) for w in (self.gate, self.up, self.down))
-        if self.dispatch == "grouped":
-            if ax.expert_ways() > 1:
-                raise ValueError("model.moe_dispatch='grouped' does not run on an expert axis yet: use "
-                                 "moe_dispatch='dense' with layout expert > 1, or expert=1")
+        if ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
+            grouped_k = self.top_k if self.dispatch == "grouped" else None
+            y = expert_parallel(x, combine.reshape(b, t, -1), *weights3, self.activation, grouped_k)
+        elif self.dispatch == "grouped":
             y = grouped(xs, weights.astype(dt), experts, *weights3, self.activation).reshape(b, t, d)
-        elif ax.expert_ways() > 1:  # expert parallelism: each device runs its own experts (see the module docstring)
-            y = expert_parallel(x, combine.reshape(b, t, -1), *weights3, self.activation)
         else:
             g = jnp.einsum("nd,edf->nef", xs, weights3[0])
             u = jnp.einsum("nd,edf->nef", xs, weights3[1])
@@ -243,7 +241,7 @@ def _fit(entry: Any, size: int, mesh_shape: Any) -> Any:
 def expert_parallel(
     x: Float[Array, "batch length embed"], combine: Float[Array, "batch length experts"],
     gate: Float[Array, "experts embed mlp"], up: Float[Array, "experts embed mlp"],
-    down: Float[Array, "experts mlp embed"], activation: str,
+    down: Float[Array, "experts mlp embed"], activation: str, grouped_k: int | None = None,
 ) -> Float[Array, "batch length embed"]:
     """The experts' weighted sum for every token with the experts split over the mesh axis the current
     activation rules give "expert" (`axes.expert_ways` > 1): inside a `shard_map`, each device gathers the
@@ -251,7 +249,9 @@ def expert_parallel(
     (each token's unpicked experts weighted 0, as the dense dispatch), and the partial sums are reduce-
     scattered back to the devices that own the tokens (a psum where the batch is not split over the axis).
     Under tensor parallelism each device holds its slice of every local expert's MLP and the partial sums
-    are also summed over the tensor axis. Exact: the same sums as the dense dispatch, in another order."""
+    are also summed over the tensor axis. Exact: the same sums as the dense dispatch, in another order.
+    `grouped_k` (the router's k): each device runs the grouped dispatch over its local experts instead, a
+    token's picks of other devices' experts going to no group (nothing computed for them)."""
     sharding = ax.resolved((ax.EXPERT,))
     mesh, shape = sharding.mesh, sharding.mesh.shape
     axis = _entry(sharding.spec[0])
@@ -277,8 +277,15 @@ def expert_parallel(
             x = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
             combine = jax.lax.all_gather(combine, axis_name, axis=0, tiled=True)
         mine = jax.lax.dynamic_slice_in_dim(combine, jax.lax.axis_index(axis_name) * local, local, axis=-1)
-        h = act(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up) * mine[..., None]
-        y = jnp.einsum("btef,efd->btd", h, down)
+        if grouped_k is not None:  # this device's picks; a token's other picks get id `local`: no group
+            picked, ids = jax.lax.top_k(mine, min(grouped_k, local))
+            ids = jnp.where(picked != 0, ids, local)
+            bb, tt, dd = x.shape
+            y = grouped(x.reshape(bb * tt, dd), picked.reshape(bb * tt, -1), ids.reshape(bb * tt, -1),
+                        gate, up, down, activation).reshape(bb, tt, dd)
+        else:
+            h = act(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up) * mine[..., None]
+            y = jnp.einsum("btef,efd->btd", h, down)
         if mlp is not None:  # each tensor peer summed its slice of the MLP width
             y = jax.lax.psum(y, mlp)
         if gathered:

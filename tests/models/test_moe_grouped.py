@@ -67,3 +67,34 @@ def test_grouped_model_logits_equal_dense():
 def test_unknown_dispatch_is_one_line():
     with pytest.raises(ValueError, match="model.moe_dispatch='sorted'"):
         dataclasses.replace(preset("tiny-qwen3-moe"), moe_dispatch="sorted")
+
+
+@pytest.mark.parametrize("layout", [dict(expert=2), dict(expert=4), dict(tensor=2, expert=2)], ids=str)
+def test_grouped_on_an_expert_axis_equals_the_single_device_dense_dispatch(layout):
+    """Each device groups its gathered tokens over its local experts only (other devices' picks go to no
+    group): the layer's output and gradients as the dense dispatch's on one device."""
+    from jaxrlhf.models import axes as ax
+    from jaxrlhf.placement.layout import activation_resolver, make_mesh, param_shardings
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    name = "tiny-qwen2-moe"  # 8 experts, top 2, a shared expert
+    dense, grouped = _pair(name)
+    x = jnp.asarray(np.random.RandomState(3).randn(4, 6, preset(name).hidden_size).astype(np.float32))
+    want_y, _ = dense(x, 0)
+    want_g = nnx.grad(_loss)(dense, x)
+    lay = Layout(**layout)
+    mesh = make_mesh(DeviceGroup("g", 0, lay.num_devices), lay)
+    graphdef, params = nnx.split(grouped)
+    placed = jax.device_put(params, param_shardings(params, mesh))
+
+    @jax.jit
+    def run(p, x):
+        with ax.activation_sharding(activation_resolver(mesh)):
+            assert ax.expert_ways() == lay.expert
+            y = nnx.merge(graphdef, p)(x, 0)[0]
+            return y, jax.grad(lambda q: _loss(nnx.merge(graphdef, q), x))(p)
+
+    y, grads = run(placed, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.state(want_g))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
