@@ -363,6 +363,17 @@ def matmul_params(cfg: ModelConfig, head: str) -> int:
     return cfg.num_layers * layer + out
 
 
+def flop_params(cfg: ModelConfig, head: str) -> int:
+    """Weights each token multiplies (2 FLOPs each): `matmul_params`, less the experts a grouped dispatch
+    (`model.moe_dispatch="grouped"`, `models.moe.grouped`) does not run for a token (all but its k picked).
+    Memory still holds every expert: weight bytes come from `matmul_params`."""
+    skipped = 0
+    if cfg.num_experts and cfg.moe_dispatch == "grouped":
+        skipped = cfg.num_layers * 3 * cfg.hidden_size * cfg.expert_intermediate_size * \
+            (cfg.num_experts - cfg.num_experts_per_tok)
+    return matmul_params(cfg, head) - skipped
+
+
 def param_count(cfg: ModelConfig, head: str) -> int:
     """All parameters of the model with the given head."""
     if head == "lm":
@@ -543,7 +554,7 @@ class _Ctx:
         self.w_rest = (param_count(cfg, head) - layer_param_count(cfg)) * pb / self.t  # embedding, norm, head
         self.act_bytes = DTYPE_BYTES[cfg.dtype]
         self.mm_head = cfg.hidden_size * cfg.vocab_size if head == "lm" else cfg.hidden_size
-        self.mm_layer = (matmul_params(cfg, head) - self.mm_head) / cfg.num_layers
+        self.mm_layer = (flop_params(cfg, head) - self.mm_head) / cfg.num_layers
 
     def _block(self, tokens: float, keys: float, layers: float, runs: int) -> dict[str, float]:
         """`runs` passes of `tokens` tokens per device through `layers` decoder layers."""
@@ -659,7 +670,7 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
 
     def steps(rows: float) -> tuple[np.ndarray, np.ndarray, float, float]:
         """FLOPs and bytes per decode step of `rows` rows, the steps' seconds and the tensor collectives'."""
-        flops = (2 * matmul_params(cfg, c.head) * rows + attention_flops(cfg, rows, ctx_len)) / c.t
+        flops = (2 * flop_params(cfg, c.head) * rows + attention_flops(cfg, rows, ctx_len)) / c.t
         hbm = w_tensor + rows * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
         seconds = float(np.maximum(flops / c.flops_s, hbm / c.mem_bw).sum())
         tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * rows * cfg.hidden_size * c.act_bytes * n,

@@ -52,7 +52,8 @@ def model_key(cfg, head: str) -> str:
     width = "" if cfg.dim_per_head * cfg.num_heads == cfg.hidden_size else f"-d{cfg.dim_per_head}"
     experts = "" if not getattr(cfg, "num_experts", 0) else (
         f"-e{cfg.num_experts}k{cfg.num_experts_per_tok}f{cfg.expert_intermediate_size}"
-        f"s{cfg.shared_expert_intermediate_size or 0}")  # a mixture of experts' MLP: its own key
+        f"s{cfg.shared_expert_intermediate_size or 0}"
+        + ("g" if getattr(cfg, "moe_dispatch", "dense") == "grouped" else ""))  # a mixture of experts' MLP: its own key
     return (f"{cfg.architecture}-h{cfg.hidden_size}-l{cfg.num_layers}-q{cfg.num_heads}-kv{cfg.num_kv_heads}{width}"
             f"-f{cfg.intermediate_size}{experts}-v{cfg.vocab_size}-{cfg.param_dtype}-{cfg.dtype}-{head}")
 

@@ -11,7 +11,7 @@ from pytest import approx
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.cost import matmul_params, mlp_width, param_count
+from jaxrlhf.planner.cost import flop_params, matmul_params, mlp_width, param_count
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import ExecutionPlan, Layout, layout_misfit
 
@@ -29,6 +29,20 @@ def test_experts_count_in_memory_and_in_the_dense_dispatchs_flops():
     assert matmul_params(moe, "lm") - matmul_params(dense, "lm") == extra
     assert 29e9 < param_count(moe, "lm") < 32e9  # Qwen3-30B-A3B: 30.5B parameters
     assert model_key(moe, "lm") != model_key(dense, "lm")
+
+
+def test_a_grouped_dispatch_prices_the_k_picked_experts_flops_and_holds_every_expert():
+    dense = preset("qwen3-30b-a3b")
+    grouped = dataclasses.replace(dense, moe_dispatch="grouped")
+    d, e, k, f, layers = 2048, 128, 8, 768, 48  # Qwen3-30B-A3B's published sizes, by hand
+    assert (dense.hidden_size, dense.num_experts, dense.num_experts_per_tok, dense.expert_intermediate_size,
+            dense.num_layers) == (d, e, k, f, layers)
+    assert flop_params(dense, "lm") == matmul_params(dense, "lm")  # dense: every expert runs
+    assert matmul_params(dense, "lm") - flop_params(grouped, "lm") == layers * 3 * d * f * (e - k)
+    assert 3.0e9 < flop_params(grouped, "lm") < 3.6e9  # "A3B": ~3.3B active parameters
+    assert matmul_params(grouped, "lm") == matmul_params(dense, "lm")  # every expert's weights still held
+    assert param_count(grouped, "lm") == param_count(dense, "lm")
+    assert model_key(grouped, "lm") != model_key(dense, "lm")  # measured times are the dispatch's own
 
 
 def test_a_tensor_split_must_divide_each_experts_mlp():
