@@ -16,8 +16,12 @@ combine). So each token's output is exactly the weighted sum over its k experts 
 0 * a finite value), no token is ever dropped (no expert capacity, no capacity factor), and the program
 has static shapes and no gathers or sorts, which makes it simple to differentiate and to shard by the
 existing logical axes. Its cost is num_experts / k times the useful FLOPs and a [tokens, experts, mlp]
-intermediate: right for the tiny and small models this runs today; real-size MoE training wants a
-grouped (sorted, `jax.lax.ragged_dot`) dispatch, which is not here yet (docs/models.md).
+intermediate: right for the tiny and small models, and the default (`ModelConfig.moe_dispatch="dense"`).
+Real-size MoE training wants the *grouped* dispatch (`moe_dispatch="grouped"`, `grouped`): the (token, k)
+assignments sorted by expert, `jax.lax.ragged_dot` against the stacked experts with group sizes = tokens per
+expert, scattered back weighted by the router; still exact and static-shaped (tokens x k rows, nothing
+dropped), with only the k picked experts' FLOPs. CPU's ragged_dot does not exploit the groups (about the
+dense dispatch's time there); the planner prices its FLOPs from the k experts (`planner.cost.flop_params`).
 
 Expert parallelism (a layout's `expert` degree e > 1, the logical EXPERT axis on the "expert" mesh axis;
 `expert_parallel`): each device holds num_experts / e experts, and the batch is split over the expert axis

@@ -345,8 +345,8 @@ class Workload:
 def mlp_width(cfg: ModelConfig) -> int:
     """The MLP width a token's matmuls run through, as the runtime computes it: the dense MLP's, or for a
     mixture of experts every expert's (`models.moe` dispatches densely: each token through all
-    num_experts experts, the unpicked ones weighted 0) plus a shared expert's. A grouped dispatch would
-    run num_experts_per_tok of them; the planner prices what runs."""
+    num_experts experts, the unpicked ones weighted 0) plus a shared expert's. A grouped dispatch runs
+    num_experts_per_tok of them per token: `flop_params` prices that, memory stays every expert's."""
     if not cfg.num_experts:
         return cfg.intermediate_size
     return cfg.num_experts * cfg.expert_intermediate_size + (cfg.shared_expert_intermediate_size or 0)
