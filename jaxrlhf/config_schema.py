@@ -81,6 +81,11 @@ def not_empty(value: Any) -> str | None:
     return None if value is None or len(value) > 0 else "must not be empty"
 
 
+def module_names(value: Any) -> str | None:
+    ok = all(all(part.isidentifier() for part in name.split(".")) for name in value)
+    return None if ok else "must be importable module names, e.g. [my_envs] or [my_package.envs]"
+
+
 def _field(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory: Any = None) -> Any:
     """A dataclass field with an optional value check."""
     metadata = {"check": check} if check else {}
@@ -744,6 +749,16 @@ class EnvConfig:
     max_turn_tokens: Int | None = _field(None, check=positive)
     max_observation_tokens: Int = _field(256, check=positive)  # tokens of one observation; a longer one ends the episode
     threads: Int = _field(4, check=positive)  # host threads stepping environments while the other rows decode
+    # worker processes holding the environments (each episode in one, built there from env.name and env.args), so
+    # their Python work does not hold the trainer's GIL; 0 = the environments live in the trainer's process
+    workers: Int = _field(0, check=non_negative)
+    # with env.workers: a step running longer ends its episode (env/env_error/timeout) and restarts its
+    # worker; null = no limit (steps on the trainer's threads cannot be stopped: no limit there)
+    step_timeout_s: Float | None = _field(60.0, check=positive)
+    failure: Float = 0.0  # the reward of an episode whose step raised, timed out or lost its worker (env/env_error)
+    # modules imported (in the trainer and in each worker) before env.name is looked up: the user modules that
+    # register custom environments, e.g. [my_envs]; their folder must be on PYTHONPATH
+    imports: tuple[str, ...] = _field((), check=module_names)
     # env.name=openai_agent: the agent playing each row, "module:function"; function(client, row) -> reward or
     # None, with an openai.OpenAI client on the run's endpoint (docs/agentic.md#the-agent-endpoint)
     agent: str | None = None
@@ -774,6 +789,9 @@ class EnvConfig:
         if config.staleness_budget:
             yield (f"env.name={self.name}: episodes are generated in the step, by the trainer's current weights; set "
                    "algorithm.max_staleness=0 and plan.offpolicy=false")
+        if self.workers and self.name == AGENT_ENVIRONMENT:
+            yield (f"env.workers={self.workers} runs environments in worker processes, and env.name={AGENT_ENVIRONMENT}'s "
+                   "episodes are played by agents (env.agent), not environments: set env.workers=0")
         budget = self.max_tokens or config.generation.max_new_tokens
         if budget > config.generation.max_new_tokens:
             yield (f"env.max_tokens={budget} exceeds generation.max_new_tokens={config.generation.max_new_tokens}, the "

@@ -195,6 +195,13 @@ class RolloutAlgorithm(Algorithm):
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
+        if cfg.env.imports:  # user modules registering environments, before the name is looked up
+            from jaxrlhf.algorithms.env_pool import import_modules
+
+            try:
+                import_modules(cfg.env.imports)
+            except ImportError as e:
+                raise AlgorithmConfigError(str(e)) from None
         if cfg.env.name not in (None, AGENT_ENVIRONMENT) and cfg.env.name not in ENVIRONMENTS:
             raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
         if cfg.env.name is not None and (self.dynamic_sampling or self.greedy_baseline):

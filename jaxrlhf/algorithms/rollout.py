@@ -745,9 +745,14 @@ class RolloutRuntime:
         context = EnvironmentContext(tokenizer=tok, chat_template=template, end_of_turn=end_of_turn,
                                      tool_format=detect_tool_format(template.tool_source) if template else None)
         rows = [{"prompt": p, "answer": a} for p, a in zip(feed["prompts"], feed["answers"])]
-        envs = [make_environment(env.name, context, env.args) for _ in rows]
+        if env.workers:  # each episode's environment in a worker process (`env_pool`), reset there
+            pool = self._env_pool(context)
+            envs, first = pool.reset(rows)
+        else:
+            envs = [make_environment(env.name, context, env.args) for _ in rows]
+            first = [e.reset(row) for e, row in zip(envs, rows)]
         prefix = [] if template is not None else list(tok.special_prefix)  # a rendered template holds its BOS
-        prompt_ids = [prefix + tok.encode(e.reset(row).text) for e, row in zip(envs, rows)]
+        prompt_ids = [prefix + tok.encode(observation.text) for observation in first]
         budget = env.max_tokens or s.max_new_tokens
         longest = max(len(p) for p in prompt_ids)
         actor = getattr(self, "model_configs", {}).get("actor")
@@ -763,9 +768,14 @@ class RolloutRuntime:
             max_turn_tokens=env.max_turn_tokens or budget, sampling=s.sampling, eos_ids=tuple(tok.eos_ids),
             pad_id=tok.pad_id, max_observation_tokens=env.max_observation_tokens)
         graphdef = self.models["actor"].graphdef
-        out = multiturn.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=tok.encode,
-                                           decode_text=tok.decode, rng=feed["rng_generate"], spec=spec,
-                                           max_turns=env.max_turns, threads=env.threads, prompt_ids=prompt_ids)
+        try:  # with workers, a thread per worker waits on its pipe
+            out = multiturn.generate_multiturn(graphdef, params, envs=envs, rows=rows, encode=tok.encode,
+                                               decode_text=tok.decode, rng=feed["rng_generate"], spec=spec,
+                                               max_turns=env.max_turns, threads=max(env.threads, env.workers),
+                                               prompt_ids=prompt_ids, failure_reward=env.failure)
+        finally:
+            if env.workers:
+                pool.release(envs)
         values = out.rollout_batch()
         pad = s.max_new_tokens - budget  # the batch's response width is the generate call's
         for name in ("response_tokens", "response_mask", "behaviour_logp", ACTION_MASK, "tokens", "mask"):
@@ -773,6 +783,22 @@ class RolloutRuntime:
             values[name] = np.pad(values[name], ((0, 0), (0, pad)), constant_values=fill)
         values["positions"] = np.maximum(np.cumsum(values["mask"], axis=1) - 1, 0).astype(np.int32)
         return {self.generated_prefix + k: v for k, v in values.items()}, out.metrics()
+
+    def _env_pool(self, context: Any) -> Any:
+        """The worker processes holding the episodes' environments (`env.workers`), started at the first
+        step and kept for the run (stopped with it)."""
+        pool = getattr(self, "_environment_pool", None)
+        if pool is None:
+            import weakref
+
+            from jaxrlhf.algorithms.env_pool import EnvPool
+
+            env = self.cfg.env
+            pool = EnvPool(env.name, context, env.args, workers=env.workers, step_timeout_s=env.step_timeout_s,
+                           imports=env.imports)
+            self._environment_pool = pool
+            weakref.finalize(self, pool.close)
+        return pool
 
     def feed(self, batch: Any, rng: jax.Array) -> dict[str, Any]:
         batch = repeat_rows(batch, self.group_size)

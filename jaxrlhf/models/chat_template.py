@@ -199,6 +199,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.origin} holds no chat template")
         object.__setattr__(self, "_compiled", compiled)
 
+    def __reduce__(self):  # pickles as its texts (compiled jinja templates do not), e.g. to environment workers
+        return (type(self), (self.source, dict(self.special_tokens), self.origin, dict(self.named)))
+
     @classmethod
     def from_folder(cls, folder: str | pathlib.Path) -> "ChatTemplate | None":
         """The templates a tokenizer folder ships, read as transformers reads them, or None when it ships none:

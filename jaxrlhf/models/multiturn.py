@@ -2,7 +2,8 @@
 recomputed (docs/agentic.md, "Multi-turn generation").
 
 A row decodes until it samples an end-of-turn token (one of the EOS ids). It then waits while its
-environment steps (on host threads), and the rest of the batch keeps decoding. The observation's tokens
+environment steps (on host threads; with `env.workers` the threads wait on worker processes holding the
+environments, `algorithms/env_pool.py`), and the rest of the batch keeps decoding. The observation's tokens
 are appended by an *extend* prefill: one forward over [the turn's last sampled token, the observation's
 tokens] at the row's own next columns and rotary positions, reading the row's existing pages (the
 prefix is never recomputed) and writing the new keys/values into its pages; its last logits give the
@@ -300,7 +301,7 @@ def generate_multiturn(
     graphdef: nnx.GraphDef, params: nnx.State, *, envs: Sequence[Any], rows: Sequence[Mapping[str, Any]],
     encode: Callable[[str], list[int]], decode_text: Callable[[Sequence[int]], str], rng: PRNGKeyArray,
     spec: MultiTurnSpec, max_turns: int, chunk: int = 16, threads: int = 4,
-    prompt_ids: Sequence[Sequence[int]] | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None, failure_reward: float | None = None,
 ) -> MultiTurnOutput:
     """Run one episode per row: `envs[i].reset(rows[i])` gives its prompt (`encode`d), or, when the caller
     has reset the environments itself, `prompt_ids` gives the first observations' tokens (reset is not
@@ -308,7 +309,9 @@ def generate_multiturn(
     `max_turns` turns, or a budget. A row that ended a turn is stepped on a thread pool while the other
     rows decode the next `chunk` steps; an observation that does not fit the trajectory's budget (or
     `spec.max_observation_tokens`) ends the row (`max_tokens`), and so does a step that raises
-    (`env_error`, counted: one environment's fault is not the run's)."""
+    (`env_error`, counted: one environment's fault is not the run's, also as `env_error/<kind>`, the
+    exception's `kind` (`env_pool.FAULT_KINDS`: environments in worker processes) or `raised`); its episode's
+    reward is then `failure_reward` (None: the reward its earlier steps earned)."""
     R, P = spec.rows, spec.prompt_bucket
     if len(envs) != R or len(rows) != R:
         raise ValueError(f"{len(envs)} environments and {len(rows)} rows for a spec of {R} rows")
@@ -353,8 +356,11 @@ def generate_multiturn(
             for i in ready:
                 try:
                     result = stepping.pop(i).result()
-                except Exception:  # an environment that raised ends its own episode (counted), not the run
-                    counters[i]["env_error"] = counters[i].get("env_error", 0.0) + 1.0
+                except Exception as e:  # an environment that raised ends its own episode (counted), not the run
+                    for key in ("env_error", f"env_error/{getattr(e, 'kind', 'raised')}"):
+                        counters[i][key] = counters[i].get(key, 0.0) + 1.0
+                    if failure_reward is not None:
+                        reward[i] = failure_reward
                     end[i], reason[i] = True, ENV_ERROR
                     continue
                 reward[i] += float(result.reward)
