@@ -357,6 +357,22 @@ def test_without_namespaces_the_limits_and_guards_still_hold(monkeypatch, tmp_pa
     assert _sandbox_processes() == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the own-uid path is root's")
+def test_a_uid_slot_held_by_another_process_is_not_reused():
+    """Reward worker processes each run sandboxes: a uid slot is locked across processes, so two runs at once
+    never share a uid (one's cleanup killed the other's program, scored `crashed`, before the lock file)."""
+    held = sandbox._reserve_slot()  # this process holds a slot, as a run in another worker would
+    try:
+        script = ("import json; from jaxrlhf.algorithms.sandbox import *; "
+                  "v = run_sandboxed('x = 1', 'assert x == 1', SandboxLimits()); print(json.dumps([v.status, v.isolation['uid']]))")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        status, uid = json.loads(out.stdout)
+        assert status == "ok" and uid != sandbox.SANDBOX_UID_BASE + held
+    finally:
+        sandbox._release_slot(held)
+
+
 # ---------------------------------------------------------------- the sandboxed_python rule
 
 

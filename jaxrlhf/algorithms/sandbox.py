@@ -19,10 +19,10 @@ What each run gets (the `isolation` field of a `Verdict` says which of these wer
   (file size; SIGXFSZ is ignored so a write past it raises), RLIMIT_NPROC (processes), RLIMIT_CORE 0,
   and a wall-clock timeout and a cap on the bytes of stdout + stderr enforced by the parent;
 - when the parent runs as root: a uid of its own (`SANDBOX_UID_BASE + slot`, no passwd entry,
-  one per concurrent run), so the kernel's file permissions keep it from writing (and reading) the
-  files of root and of every other user, RLIMIT_NPROC binds (it does not bind root), it cannot
-  signal or read the parent's process (/proc/PID/environ), and every process left behind with that
-  uid is killed after the run;
+  one per concurrent run, also across processes: a lock file per slot), so the kernel's file
+  permissions keep it from writing (and reading) the files of root and of every other user,
+  RLIMIT_NPROC binds (it does not bind root), it cannot signal or read the parent's process
+  (/proc/PID/environ), and every process left behind with that uid is killed after the run;
 - when unprivileged user namespaces work (`unshare -Urnpfm`; probed once per uid kind): an empty
   network namespace (no interface but a down loopback: no network at all, also for code that gets
   past Python), a PID namespace (the run sees only its own processes in a fresh /proc, cannot
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fcntl
 import json
 import os
 import resource
@@ -402,7 +403,37 @@ globals().pop("_harness")()
 
 
 _UID_LOCK = threading.Lock()
-_UIDS_IN_USE: set[int] = set()
+_UIDS_IN_USE: dict[int, int] = {}  # slot -> the descriptor holding its lock file
+# One lock file per uid slot, so that runs in different processes (reward workers, two trainers on one machine)
+# never share a uid: a shared uid would share RLIMIT_NPROC, and one run's cleanup would kill the other's processes.
+SLOT_LOCK_FOLDER = os.path.join(tempfile.gettempdir(), "jaxrlhf-uid-locks")
+
+
+def _reserve_slot() -> int | None:
+    """A uid slot that no other run holds, in this process or another: an exclusive `flock` on the slot's file
+    (the kernel drops it with the descriptor, also when the process dies). None when every slot is taken."""
+    os.makedirs(SLOT_LOCK_FOLDER, mode=0o700, exist_ok=True)
+    info = os.lstat(SLOT_LOCK_FOLDER)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{SLOT_LOCK_FOLDER} must be a folder of uid {os.geteuid()} with mode 0700")
+    with _UID_LOCK:
+        for slot in range(SANDBOX_UID_SLOTS):
+            if slot in _UIDS_IN_USE:
+                continue
+            fd = os.open(os.path.join(SLOT_LOCK_FOLDER, str(slot)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _UIDS_IN_USE[slot] = fd
+            return slot
+    return None
+
+
+def _release_slot(slot: int) -> None:
+    with _UID_LOCK:
+        os.close(_UIDS_IN_USE.pop(slot))  # closing the descriptor drops the flock
 _UNSHARE_OK: dict[int | None, bool] = {}
 UNSHARE = ("unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount",
            "--mount-proc")
@@ -508,12 +539,12 @@ def run_sandboxed(code: str, tests: str, limits: SandboxLimits | None = None) ->
     root = os.geteuid() == 0
     slot = None
     if root:
-        with _UID_LOCK:
-            free = [k for k in range(SANDBOX_UID_SLOTS) if k not in _UIDS_IN_USE]
-            if not free:
-                return Verdict(0, len(names), "error", stderr_tail="all sandbox uids are in use")
-            slot = free[0]
-            _UIDS_IN_USE.add(slot)
+        try:
+            slot = _reserve_slot()
+        except OSError as exc:  # the lock folder cannot be made or is not the trainer's own
+            return Verdict(0, len(names), "error", stderr_tail=f"no sandbox uid: {exc}")
+        if slot is None:
+            return Verdict(0, len(names), "error", stderr_tail="all sandbox uids are in use")
     uid = SANDBOX_UID_BASE + slot if slot is not None else None
     python = _interpreter(limits, uid)
     folder = tempfile.mkdtemp(prefix="jaxrlhf-sandbox-")
@@ -524,8 +555,7 @@ def run_sandboxed(code: str, tests: str, limits: SandboxLimits | None = None) ->
             _kill_uid(uid, python)
         _rmtree(folder)
         if slot is not None:
-            with _UID_LOCK:
-                _UIDS_IN_USE.discard(slot)
+            _release_slot(slot)
     return verdict
 
 
