@@ -603,6 +603,11 @@ class SFTConfig:
     batch_size: Int = _field(32, check=positive)  # demonstrations per warm-up step
     lr: Float = _field(1e-3, check=positive)  # warm-up learning rate (constant after 10 warm-up updates)
     packing: Bool = False  # several demonstrations per row
+    # names in jaxrlhf.algorithms.environments.TOOLS (the environment's env.args.tools): the demonstrations are
+    # then rendered through the tokenizer's chat template with these tools described, as env.name=tools renders
+    # its episodes (whatever data.prompt_format says; only assistant turns carry loss); [] = none described;
+    # null = as data.prompt_format says
+    tools: tuple[str, ...] | None = None
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
         roles, name = algorithm.roles(), config.algorithm.name

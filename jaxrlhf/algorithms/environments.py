@@ -258,9 +258,21 @@ class ToolEnvironment:
         return after[end + len(eot):]
 
 
+def answer_reward(rule: str) -> Callable[[Mapping[str, Any], str], float]:
+    """A rule reward named in `rules.REWARD_FUNCTIONS` (e.g. exact_match) as the tool environment's `reward`: it
+    scores the episode's final answer (the last turn, without calls) against the row's `answer`."""
+    from jaxrlhf.algorithms.rules import get_reward
+
+    score = get_reward(rule)
+    return lambda row, text: float(score(prompt=str(row.get("prompt", "")), response=text, answer=row.get("answer")))
+
+
 @register_environment("tools")
 def tools_environment(context: EnvironmentContext, **args: Any) -> ToolEnvironment:
-    """`env.name: tools`: a `ToolEnvironment` over the tools named in `env.args.tools` (`TOOLS`)."""
+    """`env.name: tools`: a `ToolEnvironment` over the tools named in `env.args.tools` (`TOOLS`); `env.args.reward`
+    may name a rule that scores the final answer (`answer_reward`)."""
     if "tool_format" in args:
         context = dataclasses.replace(context, tool_format=args.pop("tool_format"))
+    if isinstance(args.get("reward"), str):
+        args["reward"] = answer_reward(args["reward"])
     return ToolEnvironment(context, **args)

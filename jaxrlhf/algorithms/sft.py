@@ -84,9 +84,12 @@ class SFTRuntime:
                                                  self.cfg.algorithm.micro_batch_size)}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
+        from jaxrlhf.algorithms.environments import TOOLS
         from jaxrlhf.data import SFTDataset
 
-        return SFTDataset.from_config(self.cfg, tokenizer, warmup=self.warmup, split=split)
+        names = self.cfg.sft.tools if self.warmup else None  # demonstrations of an environment's episodes
+        tools = None if names is None else [TOOLS.get(name) for name in names]
+        return SFTDataset.from_config(self.cfg, tokenizer, warmup=self.warmup, split=split, tools=tools)
 
     @staticmethod
     def _arrays(batch: Any) -> dict[str, Any]:

@@ -90,19 +90,23 @@ class ChatFormat:
     template: ChatTemplate
     system_prompt: str | None = None
     messages_key: str = "messages"
+    tools: tuple[Any, ...] | None = None  # described by the template (`render(tools=...)`), as an environment does
 
     @classmethod
-    def from_config(cls, config: "Config", tokenizer: Tokenizer) -> "ChatFormat | None":
+    def from_config(cls, config: "Config", tokenizer: Tokenizer,
+                    tools: Sequence[Any] | None = None) -> "ChatFormat | None":
+        """`data.prompt_format=chat`, or `tools` given (an environment's tools, `sft.tools`): the template."""
         data = config.data
-        if data.prompt_format == "raw":
+        if data.prompt_format == "raw" and tools is None:
             return None
         template = getattr(tokenizer, "chat_template", None)
         if template is None:
+            key, fix = ("data.prompt_format=chat", "data.prompt_format=raw") if tools is None else ("sft.tools", "sft.tools=null")
             raise DataError(
-                f"data.prompt_format=chat, but the tokenizer {tokenizer!r} ships no chat template "
-                "(tokenizer_config.json 'chat_template' or chat_template.jinja); use data.prompt_format=raw"
+                f"{key}, but the tokenizer {tokenizer!r} ships no chat template "
+                f"(tokenizer_config.json 'chat_template' or chat_template.jinja); use {fix}"
             )
-        return cls(template, data.system_prompt, data.messages_key)
+        return cls(template, data.system_prompt, data.messages_key, None if tools is None else tuple(tools))
 
     def messages(self, row: Mapping[str, Any], key: str, text_template: str) -> list[dict[str, Any]]:
         """The conversation of a prompt row: its message list, or its text as one user turn."""
@@ -114,7 +118,8 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
         try:
-            return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+            return self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                        tools=None if self.tools is None else list(self.tools))
         except ChatTemplateError as e:  # e.g. a template that insists on alternating roles
             raise RowError("chat_template", str(e)) from None
 
@@ -559,9 +564,11 @@ class SFTDataset(_BatchStream):
         split: str | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
+        tools: Sequence[Any] | None = None,
     ) -> "SFTDataset":
         """The SFT stage's stream (`data.*`), or with `warmup` the actor's warm-up stream of an
-        RL run (`sft.*`, falling back to `data.*`)."""
+        RL run (`sft.*`, falling back to `data.*`). `tools` (`sft.tools` resolved): demonstrations
+        rendered by the chat template with them described, as an environment renders its episodes."""
         data, sft = config.data, config.sft
         if warmup:
             source, default_split, batch_size = sft.source or data.source, sft.split, sft.batch_size
@@ -579,7 +586,7 @@ class SFTDataset(_BatchStream):
             completion_key=completion,
             template=data.prompt_template,
             add_bos=data.add_bos,
-            chat=ChatFormat.from_config(config, tokenizer),
+            chat=ChatFormat.from_config(config, tokenizer, tools),
             packing=packing,
             pad_multiple=data.pad_multiple,
             shuffle=data.shuffle,

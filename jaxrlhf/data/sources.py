@@ -156,7 +156,30 @@ def _open_bundled(spec: str, split: str, data_dir: str | None) -> RowSource:
 
     if spec not in TASKS:
         raise DataError(TASKS.unknown(spec))
-    return TfdsSource(prepare_task(spec, data_dir), split)
+    source = TfdsSource(prepare_task(spec, data_dir), split)
+    fields = TASKS[spec].builder.JSON_FIELDS
+    return JsonFieldsSource(source, fields) if fields else source
+
+
+class JsonFieldsSource:
+    """A source whose named fields hold JSON text (TFDS stores text only): decoded on read, so a bundled
+    demonstration's `messages` is a message list again. An empty field stays an empty string."""
+
+    def __init__(self, source: RowSource, fields: Sequence[str]):
+        self._source, self.fields = source, tuple(fields)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Any:
+        row = self._source[index]  # type: ignore[index]
+        try:
+            return {**row, **{k: json.loads(row[k]) for k in self.fields if row.get(k)}}
+        except json.JSONDecodeError as e:
+            raise RowError("bad_json", str(e)) from None
+
+    def __repr__(self) -> str:
+        return f"JsonFieldsSource({self._source!r}, fields={self.fields})"
 
 
 def _open_tfds(spec: str, split: str, data_dir: str | None) -> RowSource:
