@@ -34,6 +34,7 @@ class _BundledJsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=Tr
 
     FILE_PREFIX: str = ""
     FIELDS: tuple[str, ...] = ()
+    JSON_FIELDS: tuple[str, ...] = ()  # text fields holding JSON (a message list), decoded when read (sources.py)
     SPLITS: tuple[str, ...] = ()
     DESCRIPTION: str = ""
 
@@ -89,6 +90,19 @@ class JaxrlhfPreference(_BundledJsonlBuilder):
     DESCRIPTION = "Arithmetic prompts with the correct sum chosen and a wrong one rejected."
 
 
+class JaxrlhfCalculator(_BundledJsonlBuilder):
+    """Two-digit products to solve with the `calculator` tool; the demonstrations are conversations."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "1100 train, 100 test prompts; 400 demonstrations, 40 % of them calling the tool."}
+    FILE_PREFIX = "calculator"
+    FIELDS = ("prompt", "answer", "messages", "direct")
+    JSON_FIELDS = ("messages", "direct")
+    SPLITS = ("train", "test", "sft")
+    DESCRIPTION = ("Products of two two-digit numbers, 'What is 37*86?' -> '3182', for env.name=tools with the "
+                   "calculator; sft: demonstration conversations (messages: some call the tool; direct: none do).")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
     """What the rest of jaxrlhf needs to know about a bundled task."""
@@ -117,6 +131,8 @@ TASKS: Registry[TaskSpec] = Registry("bundled task", KeyError, {
                  description=JaxrlhfArithmetic.DESCRIPTION),
         TaskSpec("reverse", JaxrlhfReverse, "prompt", reward_rules=("exact_match",),
                  description=JaxrlhfReverse.DESCRIPTION),
+        TaskSpec("calculator", JaxrlhfCalculator, "prompt", reward_rules=("exact_match",),
+                 description=JaxrlhfCalculator.DESCRIPTION),
         TaskSpec("preference", JaxrlhfPreference, "preference", answer_key=None,
                  description=JaxrlhfPreference.DESCRIPTION),
     )
