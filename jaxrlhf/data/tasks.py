@@ -90,6 +90,18 @@ class JaxrlhfPreference(_BundledJsonlBuilder):
     DESCRIPTION = "Arithmetic prompts with the correct sum chosen and a wrong one rejected."
 
 
+class JaxrlhfCoding(_BundledJsonlBuilder):
+    """Write-a-function prompts whose answer is the asserts that test it, scored in the sandbox."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "51 small functions (40 train, 11 test), each with asserts and a reference solution."}
+    FILE_PREFIX = "coding"
+    FIELDS = ("prompt", "answer", "solution")
+    SPLITS = ("train", "test")
+    DESCRIPTION = ("Write a small Python function; answer: the asserts that test it (rule sandboxed_python); "
+                   "solution: a reference program that passes them.")
+
+
 class JaxrlhfCalculator(_BundledJsonlBuilder):
     """Two-digit products to solve with the `calculator` tool; the demonstrations are conversations."""
 
@@ -135,6 +147,8 @@ TASKS: Registry[TaskSpec] = Registry("bundled task", KeyError, {
                  description=JaxrlhfCalculator.DESCRIPTION),
         TaskSpec("preference", JaxrlhfPreference, "preference", answer_key=None,
                  description=JaxrlhfPreference.DESCRIPTION),
+        TaskSpec("coding", JaxrlhfCoding, "prompt", reward_rules=("sandboxed_python",),
+                 description=JaxrlhfCoding.DESCRIPTION),
     )
 })
 
