@@ -159,9 +159,11 @@ class _Worker:
             raise rest[0]
         self.ready = True
 
-    def call(self, message: tuple, generation: int | None = None) -> Any:
-        """Send `message`, wait at most `pool.step_timeout_s` for the answer. An episode made by an older
-        `generation` of this worker is lost; a timeout or a dead worker restarts it."""
+    def call(self, message: tuple, generation: int | None = None, requests: int = 1) -> Any:
+        """Send `message` (`requests` resets or one step), wait at most `pool.step_timeout_s` per request for
+        the answer. An episode made by an older `generation` of this worker is lost; a timeout or a dead
+        worker restarts it."""
+        timeout = None if self.pool.step_timeout_s is None else self.pool.step_timeout_s * requests
         with self.lock:
             if generation is not None and generation != self.generation:
                 raise EnvStepFailed("worker_lost", f"its worker {self.index} was restarted after a fault")
@@ -169,7 +171,7 @@ class _Worker:
                 self._wait_ready()
             try:
                 self.conn.send(message)
-                answered = self.conn.poll(self.pool.step_timeout_s)
+                answered = self.conn.poll(timeout)
                 reply = self.conn.recv() if answered else None
             except (EOFError, OSError):
                 reply, answered = None, True
@@ -179,7 +181,8 @@ class _Worker:
                 code = self.process.exitcode
                 self._restart()
                 if not answered:
-                    raise EnvStepFailed("timeout", f"no answer within env.step_timeout_s={self.pool.step_timeout_s}")
+                    raise EnvStepFailed("timeout", f"no answer within {timeout:g} s (env.step_timeout_s="
+                                                   f"{self.pool.step_timeout_s} per request)")
                 raise EnvStepFailed("worker_crash", f"worker {self.index} died (exit code {code})")
         status, value, *trace = reply
         if status != "ok":
@@ -241,7 +244,7 @@ class EnvPool:
             worker = self._workers[w]
             generation = worker.generation
             try:
-                got = worker.call(("reset", [(e, rows[i]) for i, e in placed[w]]))
+                got = worker.call(("reset", [(e, rows[i]) for i, e in placed[w]]), requests=len(placed[w]))
             except EnvStepFailed as e:
                 raise EnvWorkerError(f"env.name={self.name}: resetting episodes in worker {w} failed: {e}") from None
             for (i, e), observation in zip(placed[w], got):
