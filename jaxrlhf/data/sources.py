@@ -163,7 +163,7 @@ def _open_bundled(spec: str, split: str, data_dir: str | None) -> RowSource:
 
 class JsonFieldsSource:
     """A source whose named fields hold JSON text (TFDS stores text only): decoded on read, so a bundled
-    demonstration's `messages` is a message list again. An empty field stays an empty string."""
+    demonstration's `messages` is a message list again. An empty field is None (a prompt row without one)."""
 
     def __init__(self, source: RowSource, fields: Sequence[str]):
         self._source, self.fields = source, tuple(fields)
@@ -174,7 +174,7 @@ class JsonFieldsSource:
     def __getitem__(self, index: int) -> Any:
         row = self._source[index]  # type: ignore[index]
         try:
-            return {**row, **{k: json.loads(row[k]) for k in self.fields if row.get(k)}}
+            return {**row, **{k: json.loads(row[k]) if row.get(k) else None for k in self.fields if k in row}}
         except json.JSONDecodeError as e:
             raise RowError("bad_json", str(e)) from None
 

@@ -94,7 +94,7 @@ def test_json_fields_are_decoded_and_the_configs_load():
 
     source = JsonFieldsSource([{"prompt": "p", "messages": '[{"role": "user", "content": "x"}]', "direct": ""},
                                {"prompt": "q", "messages": "[", "direct": ""}], ("messages", "direct"))
-    assert source[0] == {"prompt": "p", "messages": [{"role": "user", "content": "x"}], "direct": ""}
+    assert source[0] == {"prompt": "p", "messages": [{"role": "user", "content": "x"}], "direct": None}
     with pytest.raises(RowError, match="bad_json"):
         source[1]
     cfg = load_config(str(REPO / "configs" / "calculator-tools.yaml"))
