@@ -197,6 +197,10 @@ class RemoteEpisode:
     def __init__(self, worker: _Worker, episode: int, generation: int):
         self.worker, self.episode, self.generation = worker, episode, generation
 
+    def reset(self, row: Mapping[str, Any]) -> Observation:
+        """A fresh environment for this episode in its worker, reset with `row` (as `EnvPool.reset` does)."""
+        return self.worker.call(("reset", [(self.episode, row)]), self.generation)[0]
+
     def step(self, action_text: str) -> StepResult:
         try:
             return self.worker.call(("step", self.episode, action_text), self.generation)

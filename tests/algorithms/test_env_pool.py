@@ -101,6 +101,7 @@ def test_episodes_stick_to_their_worker_and_faults_end_only_their_episode(user_m
         assert crash.value.kind == "worker_crash"
         last, _ = pool.reset([{"prompt": "g", "turns": 1}, {"prompt": "h", "turns": 1}])
         assert [e.step("").done for e in last] == [True, True]  # the crashed worker was replaced
+        assert last[1].reset({"prompt": "i", "turns": 1}).text == "i" and last[1].step("").done  # a fresh one there
         pool.release([*episodes, *again, *last])
     finally:
         pool.close()
