@@ -67,7 +67,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
-from jaxrlhf.planner.measured import model_key
+from jaxrlhf.planner.measured import model_key, timed_placement
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
@@ -978,8 +978,7 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
         shape = wl.packed_shape(call, ways)
         rows, length, micro = shape.micro_batches * shape.rows * ways, shape.width, shape.micro_batches
     stages = layout.stage
-    if stages > 1:
-        devices, layout = devices // stages, Layout(layout.data, layout.fsdp, layout.tensor)
+    devices, layout = timed_placement(devices, layout)
 
     def table(phase: str):
         return hw.measured.find(key, phase, devices, str(layout))
@@ -995,8 +994,9 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
         if pre is None or dec is None:
             return None
         ways = layout.batch_ways
-        prompts = wl.generate_shape(call, ways)[0] * ways  # each group's prompt prefilled once
-        return {"prefill": pre.seconds(prompts, wl.prompt_len), "decode": wl.gen_len * dec.seconds(rows, wl.seq_len)}
+        prompts, width, steps = wl.generate_shape(call, ways)  # each group's prompt prefilled once; the pool's
+        return {"prefill": pre.seconds(prompts * ways, wl.prompt_len),  # rows per decode step, over its steps
+                "decode": steps * dec.seconds(width * ways, wl.seq_len)}
     t = table(call.kind)
     if t is None:
         return None

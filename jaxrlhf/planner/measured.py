@@ -41,6 +41,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 PHASES = ("prefill", "decode", "inference", "train")
+# The phases whose tables price a call of each kind (`cost._table_parts`); the profiler times these.
+CALL_PHASES = {"generate": ("prefill", "decode"), "inference": ("inference",), "train": ("train",)}
 # What priced a call from the profile alone (`cost.profile_call_cost`): a table of this placement, the
 # formulas scaled by how far they are off on the placements the tables cover, or the formulas.
 PROFILE_SOURCES = ("measured", "calibrated", "formula")
@@ -56,6 +58,15 @@ def model_key(cfg, head: str) -> str:
         + ("g" if getattr(cfg, "moe_dispatch", "dense") == "grouped" else ""))  # a mixture of experts' MLP: its own key
     return (f"{cfg.architecture}-h{cfg.hidden_size}-l{cfg.num_layers}-q{cfg.num_heads}-kv{cfg.num_kv_heads}{width}"
             f"-f{cfg.intermediate_size}{experts}-v{cfg.vocab_size}-{cfg.param_dtype}-{cfg.dtype}-{head}")
+
+
+def timed_placement(devices: int, layout):
+    """(devices, layout) of the tables that price a call placed on `devices` x `layout`: the placement
+    itself, or for a pipelined layout (S stages) one stage's, devices / S under the layout without stages
+    (`cost._table_parts`). The profiler times exactly these, so what it records is what the lookup reads."""
+    if layout.stage == 1:
+        return devices, layout
+    return devices // layout.stage, type(layout)(layout.data, layout.fsdp, layout.tensor)
 
 
 def _line(x: Sequence[float], y: Sequence[float], at: float) -> float:

@@ -69,6 +69,15 @@ def test_calls_covered_by_tables_are_measured_by_hand_the_rest_formula():
     assert call_cost(INF, CFG, GROUP, LAY, WL, get_profile("cpu")).source == "formula"
 
 
+def test_a_continuous_pool_narrower_than_the_batch_decodes_at_its_width():
+    """generation.slots = 8 of 16 rows: the engine runs 2 rounds of 8 decode steps, 8 rows wide (the decode
+    table's rows are the rows a step runs), not 8 steps 16 rows wide."""
+    hw = profile_with(table("prefill", GRID), table("decode", GRID))
+    pool = dataclasses.replace(WL, gen_engine="continuous", gen_slots=8)
+    gen = call_cost(GEN, CFG, GROUP, LAY, pool, hw)
+    assert (gen.source, gen.seconds) == ("measured", pytest.approx(line(16, 8) + 2 * 8 * line(8, 16)))
+
+
 def test_a_pipelined_layout_is_priced_from_one_stages_tables():
     """2 stages x data 2 on 4 devices, 4 micro-batches: M + S - 1 = 5 iterations; in each, both stages
     run their half of the layers on one micro-batch (rows / 4) on a stage's placement (data 2 on 2
