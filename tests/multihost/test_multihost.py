@@ -125,7 +125,9 @@ def session(tmp_path_factory):
     runs[RESUMED] = [*BASE, *WARM_UP, "plan.strategy=interleaved", "run.resume=true",
                      f"run.output_dir={out / RESUMED}"]
     # The workers start at once and wait for the reference's checkpoint only before the resumed run.
-    procs = launch(out, runs, realloc=True, wait_for={RESUMED: str(out / RESUMED)})
+    # The re-planned case's two searches run 500 iterations, as tests/test_replan.py's (16000: 17 s each
+    # on process 0 while process 1 waits); they still put generation on the wrong placement first.
+    procs = launch(out, runs, realloc=True, wait_for={RESUMED: str(out / RESUMED)}, search_iterations=500)
     try:
         refs = {name: one_process(out, f"ref-{name}", o) for name, o in REFERENCES.items()}
         without_last_checkpoint(out / "ref-ppo", out / RESUMED)

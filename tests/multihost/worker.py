@@ -1,7 +1,7 @@
 """One process of the multi-process tests (started by test_multihost.py; not a test module).
 
 `python worker.py SPEC_JSON`: join the run described by the spec, then do its `runs` (train.run of
-each override list, timing it), its `realloc` check and its `fail`, `signal_in_save` or `disk_full` behaviour, writing
+each override list, timing it, its plan searches `search_iterations` long), its `realloc` check and its `fail`, `signal_in_save` or `disk_full` behaviour, writing
 what it found
 to `<out>/worker-<process>.json`.
 """
@@ -71,6 +71,10 @@ def main() -> int:
     setup_devices(run, dist)
     print(f"process {pid} joined", flush=True)
     found: dict = {"runs": {}}
+    if spec.get("search_iterations"):  # as tests/test_replan.py: a search that finishes before its time cap
+        from jaxrlhf.planner import search
+
+        search.DEFAULT_ITERATIONS = spec["search_iterations"]
     if spec.get("realloc"):
         found["realloc"] = realloc_check()
     for name, overrides in spec.get("runs", {}).items():
