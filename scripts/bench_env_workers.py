@@ -4,8 +4,8 @@ GIL against the host loop) against the same steps in `env.workers` processes (`a
     PYTHONPATH=. python scripts/bench_env_workers.py --workers 2 --step-ms 50
 
 Prints one JSON line: `decode_only_s` (the same episodes with steps that do no work: the generation's own
-time), `in_process_s` and `workers_s` (steps that spin `--step-ms` of pure Python each), `env_work_s` (the
-steps' Python time, summed), and `hidden_fraction_*` = 1 - (time - decode_only) / env_work: the share of
+time), `in_process_s` and `workers_s` (steps that each run the pure-Python work that takes `--step-ms` alone,
+calibrated first), `env_work_s` (that work, summed over the steps), and `hidden_fraction_*` = 1 - (time - decode_only) / env_work: the share of
 the environments' work hidden behind decoding (1 = all of it; with threads the GIL serialises it with the
 host loop, with workers it runs on other cores). Needs free cores to mean anything: run it on a quiet
 machine with at least workers + 1 cores. Trajectories are checked equal between the two runs.
@@ -20,24 +20,36 @@ import time
 from jaxrlhf.algorithms.environments import ENVIRONMENTS, Observation, StepResult, register_environment
 
 
-class Busy:
-    """Spins `step_ms` of pure Python per step, then shows "<k>"; done after `turns` turns."""
+def spin(rounds: int) -> int:
+    """Pure Python bytecode (holds the GIL): a fixed amount of work, not of wall time (threads sharing the GIL
+    would each see their wall-clock deadline pass while doing less)."""
+    x = 0
+    for i in range(rounds):
+        x = (x * 31 + i) % 1000003
+    return x
 
-    def __init__(self, context, step_ms: float = 50.0, turns: int = 4):
-        self.step_ms, self.turns, self.k = step_ms, turns, 0
+
+def rounds_per_ms() -> float:
+    start = time.perf_counter()
+    spin(200_000)
+    return 200_000 / ((time.perf_counter() - start) * 1000)
+
+
+class Busy:
+    """Spins `rounds` of pure Python per step, then shows "<k>"; done after `turns` turns."""
+
+    def __init__(self, context, rounds: int = 0, turns: int = 4):
+        self.rounds, self.turns, self.k = rounds, turns, 0
 
     def reset(self, row):
         return Observation(row["prompt"])
 
     def step(self, action_text):
-        end = time.perf_counter() + self.step_ms / 1000
-        x = 0
-        while time.perf_counter() < end:  # Python bytecode: holds the GIL
-            x += sum(range(200))
+        spin(self.rounds)
         self.k += 1
         if self.k >= self.turns:
-            return StepResult(None, float(len(action_text)), True)
-        return StepResult(Observation(f"<{self.k}>"), 0.0, False)
+            return StepResult(None, float(len(action_text)), True, {"steps": 1.0})
+        return StepResult(Observation(f"<{self.k}>"), 0.0, False, {"steps": 1.0})
 
 
 if "bench_busy" not in ENVIRONMENTS:
@@ -78,16 +90,18 @@ def main() -> None:
                                     threads=max(4, args.workers), prompt_ids=[tok.encode(r["prompt"]) for r in rows])
         return time.perf_counter() - start, out
 
-    def local(step_ms):
-        envs = [make_environment("bench_busy", context, {"step_ms": step_ms, "turns": args.turns}) for _ in rows]
+    rounds = int(args.step_ms * rounds_per_ms())  # the work of --step-ms, measured alone
+
+    def local(rounds):
+        envs = [make_environment("bench_busy", context, {"rounds": rounds, "turns": args.turns}) for _ in rows]
         for env, row in zip(envs, rows):
             env.reset(row)
         return envs
 
-    run(local(0.0))  # compiles
-    decode_only, _ = run(local(0.0))
-    in_process, a = run(local(args.step_ms))
-    pool = EnvPool("bench_busy", context, {"step_ms": args.step_ms, "turns": args.turns}, workers=args.workers,
+    run(local(0))  # compiles
+    decode_only, _ = run(local(0))
+    in_process, a = run(local(rounds))
+    pool = EnvPool("bench_busy", context, {"rounds": rounds, "turns": args.turns}, workers=args.workers,
                    imports=["bench_env_workers"])
     try:
         pool.reset(rows[:args.workers])  # the workers started and imported (not timed)
@@ -96,10 +110,11 @@ def main() -> None:
     finally:
         pool.close()
     assert np.array_equal(a.response_tokens, b.response_tokens) and np.array_equal(a.env_reward, b.env_reward)
-    env_work = float(a.turns.sum()) * args.step_ms / 1000
+    steps = int(sum(c.get("steps", 0.0) for c in a.counters))  # the steps taken (a turn the budget cut has none)
+    env_work = steps * args.step_ms / 1000
     hidden = lambda t: 1 - max(t - decode_only, 0.0) / env_work if env_work else 1.0  # noqa: E731
     print(json.dumps({"rows": args.rows, "workers": args.workers, "step_ms": args.step_ms,
-                      "steps": int(a.turns.sum()), "decode_only_s": round(decode_only, 3),
+                      "steps": steps, "decode_only_s": round(decode_only, 3),
                       "in_process_s": round(in_process, 3), "workers_s": round(workers, 3),
                       "env_work_s": round(env_work, 3), "hidden_fraction_in_process": round(hidden(in_process), 3),
                       "hidden_fraction_workers": round(hidden(workers), 3)}))
