@@ -325,10 +325,12 @@ run_fn = jax.jit(run, static_argnums=0, static_argnames=("spec", "tag"), donate_
 release_fn = jax.jit(release_done, static_argnames=("spec", "tag"), donate_argnames=("state",))
 
 
-def take(state: StreamState, *, spec: StreamSpec, tag: Hashable = None) -> tuple[Taken, StreamState]:
-    """The done groups' outputs (host arrays, admission order) and the state with their slots freed."""
+def take(state: StreamState, *, spec: StreamSpec, tag: Hashable = None, read=jax.device_get
+         ) -> tuple[Taken, StreamState]:
+    """The done groups' outputs (host arrays, admission order) and the state with their slots freed.
+    `read` brings device values to host (a multi-process run reads them alike on every process)."""
     state, outs, done = release_fn(state, spec=spec, tag=tag)
-    outs, done = jax.device_get((outs, done))
+    outs, done = read((outs, done))
     G = spec.group_size
     picked = np.flatnonzero(done)
     picked = picked[np.argsort(outs["serial"][picked], kind="stable")]

@@ -19,6 +19,13 @@ Where the work runs: the generate call's placement (the plan's shadow generator 
 plan, or the actor's home placement). The executor runs everything else of the step on a batch whose
 generate outputs this module supplies (`Executor.collect` skips a node whose outputs are given), and
 calls `overlap` while the train calls run: decode chunks on the generator's devices meanwhile.
+
+Several processes (`run.distributed`): every process runs this loop and must issue the same programs
+in the same order. Every host decision (admitted prompts, done groups, finished rows) is read from the
+stream with `host_get`, alike on every process; every decision from timing (a reward worker's result
+being in, the update still running) is agreed through the coordination service (`any_process_at`:
+go on while it holds on any process). Each process scores the same rows with its own reward workers:
+the rules are deterministic, so the scores are the same.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxrlhf.errors import RunError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import streaming
 from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.transformer import positions_from_mask
+from jaxrlhf.transfer.host import host_get
+from jaxrlhf.transfer.processes import any_process_at
 
 GENERATE_CALL = "actor.generate"
 
@@ -85,9 +93,6 @@ class StreamingGenerator:
         self.pool_prompts = self.prompts * algorithm.pool_factor  # prompts in a step's feed
         self.algorithm = algorithm
         self.chunk = cfg.generation.stream_chunk
-        if jax.process_count() > 1:
-            raise RunError("generation.partial_rollout=true streams rollouts in one process; a run of "
-                           f"{jax.process_count()} processes generates a batch at a time: set it false")
         self.graphdef = algorithm.models["actor"].graphdef
         self._place(executor)
         self.serials = 0  # groups admitted so far (the stream numbers them in the same order)
@@ -209,7 +214,8 @@ class StreamingGenerator:
         rows = range(i * self.group, (i + 1) * self.group)
         if self.pool is None:
             return [drawn.parts[r] for r in rows]
-        if not all(r in drawn.scores and drawn.scores[r][0].done() for r in rows):
+        scored = all(r in drawn.scores and drawn.scores[r][0].done() for r in rows)
+        if any_process_at("stream/unscored", not scored):  # workers' timing: agreed, scored on every process
             return None
         return [drawn.scores[r][0].result()[0][drawn.scores[r][1]] for r in rows]
 
@@ -245,7 +251,7 @@ class StreamingGenerator:
                 self.graphdef, self._params(), self.state, np.asarray(feed["prompt_tokens"])[rows],
                 np.asarray(feed["prompt_mask"])[rows], uids, feed["rng_generate"], spec=self.spec,
                 version=np.int32(self.version), max_lengths=lengths, tag=self.tag)
-        accepted = np.asarray(jax.device_get(accepted))
+        accepted = np.asarray(host_get(accepted))
         if not np.array_equal(accepted, uids >= 0):  # the host's count of free slots is the stream's
             raise RuntimeError(f"stream admitted {accepted.sum()} of {k} prompts into {self.free} free slots")
         self.in_stream.update({self.serials + j: (drawn.step, first + j) for j in range(k)})
@@ -263,7 +269,7 @@ class StreamingGenerator:
                                           until_done_groups=np.int32(self.spec.groups + 1), tag=self.tag)
             if self.pool is not None:
                 self._score_finished()
-            taken, self.state = streaming.take(self.state, spec=self.spec, tag=self.tag)
+            taken, self.state = streaming.take(self.state, spec=self.spec, tag=self.tag, read=host_get)
         out = taken.output
         G = self.group
         for k, serial in enumerate(taken.serials):
@@ -295,7 +301,7 @@ class StreamingGenerator:
         concurrently, as `remote` does, keeps that concurrency), queued by step: the oldest first."""
         from jaxrlhf.algorithms.rollout import decode_responses
 
-        done, serials = jax.device_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
+        done, serials = host_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
         G = self.group
         fresh: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # step -> (stream row, batch row)
         for r in np.flatnonzero(done):
@@ -309,7 +315,7 @@ class StreamingGenerator:
             return
         stream_rows = [r for picked in fresh.values() for r, _ in picked]
         width = 1 << (len(stream_rows) - 1).bit_length()  # a power of two: few gather programs
-        tokens, valid = jax.device_get(streaming.response_rows_fn(
+        tokens, valid = host_get(streaming.response_rows_fn(
             self.state, np.asarray(stream_rows + [0] * (width - len(stream_rows)), np.int32), spec=self.spec,
             tag=self.tag))
         at = {r: k for k, r in enumerate(stream_rows)}
@@ -332,7 +338,7 @@ class StreamingGenerator:
         idling (`time/reward_decode_s`)."""
         futures = {id(f): f for f, _ in drawn.scores.values()}
         t0, decoding = time.perf_counter(), 0.0
-        while not all(f.done() for f in futures.values()):
+        while any_process_at("stream/rewards", not all(f.done() for f in futures.values())):
             self._admit_ready()
             t1 = time.perf_counter()
             if not self._decode_chunk():
@@ -362,7 +368,7 @@ class StreamingGenerator:
             if self._decode_chunk():
                 continue
             scoring = [] if drawn is None else [f for f, _ in drawn.scores.values() if not f.done()]
-            if not (self.dynamic and scoring):
+            if not (self.dynamic and any_process_at("stream/scoring", bool(scoring))):
                 raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
             t1 = time.perf_counter()  # dynamic sampling: the next admissions wait for these scores
             concurrent.futures.wait(scoring, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -450,7 +456,9 @@ class StreamingGenerator:
             return
         t0 = time.perf_counter()
         actor = self.executor.roles["actor"]
-        while not all(x.is_ready() for x in jax.tree_util.tree_leaves(actor.params) if isinstance(x, jax.Array)):
+        leaves = [x for x in jax.tree_util.tree_leaves(actor.params) if isinstance(x, jax.Array)]
+        # decode while any process's shards of the update are not done: a timing, so agreed by all processes
+        while any_process_at("stream/overlap", not all(x.is_ready() for x in leaves)):
             self._admit_ready()
             if not self._decode_chunk():
                 break
