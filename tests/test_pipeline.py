@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.testing import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +21,9 @@ def test_sft_rm_ppo_pipeline_runs_end_to_end(tmp_path):
     out = tmp_path / "pipeline"
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        ["bash", "scripts/pipeline.sh", str(out), "run.steps=3", "run.eval_every=3", "run.tensorboard=false"],
+        # every stage in the test run's compilation cache (as the other CLI runs tests start), never ~/.cache
+        ["bash", "scripts/pipeline.sh", str(out), "run.steps=3", "run.eval_every=3", "run.tensorboard=false",
+         compile_cache.override()],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
