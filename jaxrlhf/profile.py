@@ -1,23 +1,27 @@
 """Measure a config's model calls on the hardware at hand and write a profile the planner reads.
 
-    python -m jaxrlhf.profile --config FILE --out profile.yaml [--repeats 2] [--sizes 4,8] [key=value ...]
+    python -m jaxrlhf.profile --config FILE --out profile.yaml [--repeats 2] [--sizes 4,8]
+        [--calls actor.generate] [--search-budget 10] [key=value ...]
 
 For every model the algorithm's graph uses (a role's dimensions and head; the
 reference and the actor share one when their shapes match) and every phase its
 calls need - generation as a prefill plus per-token decode steps, inference,
 training per optimizer step - it times the phase on a small grid: placements
 of all devices and of half of them in each single-axis layout that fits (data,
-FSDP, the largest tensor size that divides the model), at half and full rows
+FSDP, the largest tensor size that divides the model), and on the placements
+of the plans the planner weighs for the config (`planned_placements`: a short
+search's pick, the presets, its runners-up), at half and full rows
 of the config's batch and half and full lengths (prompt for prefill, cache
 slots for decode, prompt + response otherwise; with `algorithm.pack_sequences`
 the train and inference phases at the packed rows and width the planner prices,
 `Workload.packed_shape`). Each point is the best of
 `--repeats` runs after one warm-up (compilation); a prefill writes into a
 cache with room for the config's response, as generation does, and decode
-steps run in one on-device loop over layers split out of the stack once, as
-the engines run them (timed one jitted call per token instead, a data-parallel
-decode on 8 simulated CPU devices measured 2.6x the time per token the engine
-took in a run). The hardware numbers come from `jaxrlhf.placement.calibrate`
+steps run as the config's engine runs them (`DECODE_TIMERS`): the static
+engine's on-device loop over layers split out of the stack once (timed one
+jitted call per token instead, a data-parallel decode on 8 simulated CPU
+devices measured 2.6x the time per token the engine took in a run), or the
+continuous engine itself, its paged cache, bookkeeping and sampling. The hardware numbers come from `jaxrlhf.placement.calibrate`
 on the same devices; parameter moves between the placements
 (`jaxrlhf.transfer.realloc.reallocate`) and batch moves (`jax.device_put` of a
 token batch from one group to another) are recorded beside them as `moves`.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -42,7 +47,7 @@ from typing import Any, Sequence
 
 from jaxrlhf import config as cfglib
 
-PHASES_OF = {"generate": ("prefill", "decode"), "inference": ("inference",), "train": ("train",)}
+SEARCH_BUDGET_S = 10.0  # seconds of the planner's search that proposes the placements timed beyond the grid
 
 
 def grid_layouts(call, cfg, size: int, wl, max_tensor: int) -> list:
@@ -69,7 +74,7 @@ def halves(n: int, split: int = 1) -> list[int]:
 class Timer:
     """Times the phases of one model on one placement: jitted functions over sharded random inputs."""
 
-    def __init__(self, cfg, head: str, group, layout, repeats: int):
+    def __init__(self, cfg, head: str, group, layout, repeats: int, wl=None, sampling=None):
         import jax
         import optax
         from flax import nnx
@@ -78,7 +83,10 @@ class Timer:
         from jaxrlhf.models.transformer import build_model
         from jaxrlhf.placement.layout import activation_resolver, batch_spec, make_mesh, param_shardings
 
+        from jaxrlhf.models.sampling import SamplingParams
+
         self.cfg, self.layout, self.repeats = cfg, layout, repeats
+        self.wl, self.sampling = wl, sampling or SamplingParams()  # the engine decode runs (None: static)
         mesh = make_mesh(group, layout)
         graphdef, params = nnx.split(build_model(cfg, head), nnx.Param)
         self.graphdef, self.params = graphdef, jax.device_put(params, param_shardings(params, mesh))
@@ -158,8 +166,17 @@ class Timer:
             args = self._inputs(rows, length)
             return best_time(lambda: jax.block_until_ready(
                 prefill(self.params, *args, KVCache.init(self.cfg, rows, length + free_slots))), self.repeats)
+        engine = self.wl.gen_engine if self.wl is not None else "static"
+        return DECODE_TIMERS[engine](self, rows, length, prefill)
+
+    def _dense_decode(self, rows: int, length: int, prefill) -> float:
+        """Seconds per token of the static engine's decode over a dense cache of `length` slots."""
+        import jax
+
+        from jaxrlhf.models.transformer import KVCache
+
         # decode: `tokens` steps of one token into a cache of `length` slots filled by a prefill, run as the
-        # engines run them: one on-device loop over the layers split out of the stack once
+        # static engine runs them: one on-device loop over the layers split out of the stack once
         tokens = max(length // 4, 1)
         decode = jax.jit(functools.partial(self._decode_loop, tokens=tokens), donate_argnums=4)
         pre = self._inputs(rows, length - tokens)
@@ -174,6 +191,48 @@ class Timer:
 
         run()
         return min(run() for _ in range(self.repeats))
+
+    def _engine_decode(self, rows: int, length: int, prefill) -> float:
+        """Seconds per full-width step of the continuous engine (`generate_continuous`, paged cache, its
+        slot bookkeeping and per-row sampling) with `rows` rows, prompts of the workload's length and a
+        cache of `length` columns (prompt + max_new_tokens): the whole engine run with every response
+        capped at k + 2 tokens, less the run capped at 2 (the first token comes from the prefill, so both
+        share one prefill and one full-width step), over k. Timed as one token per jitted call instead,
+        or over a dense cache, the engine's own step costs (paging, compaction, sampling) are missed."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+
+        from jaxrlhf.models import axes as ax
+        from jaxrlhf.models.continuous import generate_continuous
+        from jaxrlhf.placement.calibrate import best_time
+        from jaxrlhf.placement.calls import compile_lowered, compiler_options
+        from jaxrlhf.placement.layout import batch_spec
+
+        prompt, new = self.wl.prompt_len, length - self.wl.prompt_len
+        if new < 3:
+            raise ValueError(f"decode of the continuous engine is timed over >= 3 new tokens, got {new}")
+        k = max(1, min(new - 2, new // 4))
+        group = math.gcd(self.wl.gen_group, rows)
+        tok, _, mask = self._inputs(rows, prompt)
+        mesh = self.batch_sharding.mesh
+        caps = [jax.device_put(jnp.full((rows,), n, jnp.int32), NamedSharding(mesh, batch_spec(1, mesh)))
+                for n in (2, k + 2)]
+
+        def generate(p, tok, mask, cap):
+            with ax.activation_sharding(self.resolver):
+                return generate_continuous(self.graphdef, p, tok, mask, jax.random.key(0), max_new_tokens=new,
+                                           sampling=self.sampling, eos_id=None, pad_id=0, group_size=group,
+                                           max_lengths=cap).response_tokens
+
+        f = compile_lowered(jax.jit(generate).lower(self.params, tok, mask, caps[0]),
+                            compiler_options("generate", self.platform))
+        short, long = (best_time(lambda c=c: f(self.params, tok, mask, c).block_until_ready(), self.repeats)
+                       for c in caps)
+        return max(long - short, 0.0) / k
+
+
+DECODE_TIMERS = {"static": Timer._dense_decode, "continuous": Timer._engine_decode}  # by generation.engine
 
 
 def measure_moves(models: dict, placements: list, repeats: int) -> list[dict[str, Any]]:
@@ -210,12 +269,41 @@ def measure_moves(models: dict, placements: list, repeats: int) -> list[dict[str
     return out
 
 
+def planned_placements(cfg: cfglib.Config, run_setup, hw, budget_s: float) -> list[tuple[str, int, Any]]:
+    """(call, devices, layout) of every call of the plans the planner weighs for `cfg` on its devices under
+    `hw` (the formulas): the search's pick, the colocated preset, then the other presets and the search's
+    runners-up by predicted step time; each placement as the tables that price it are keyed
+    (`measured.timed_placement`), without repeats. The single-axis grid misses the layouts that mix axes
+    (colocated generation is data 2 x tensor 4 on 8 devices), and those the formulas price worst: on 8 CPU
+    devices its generate call was priced 8 s from the other layouts' errors and measured 17.9 s."""
+    from jaxrlhf.planner.measured import timed_placement
+    from jaxrlhf.run import planning
+
+    result = planning.search_plan(cfg, run_setup.algorithm, run_setup.models, run_setup.machine.devices, hw,
+                                  time_budget_s=budget_s)
+    presets = {k: e for k, e in result.presets.items() if not isinstance(e, str) and e.feasible}
+    ranked = sorted([*(e for k, e in presets.items() if k != "colocated"), *result.runners_up],
+                    key=lambda e: e.step_s if e.step_s is not None else float("inf"))
+    out: list[tuple[str, int, Any]] = []
+    for est in [result.best, *([presets["colocated"]] if "colocated" in presets else []), *ranked]:
+        for name, placement in est.plan.calls.items():
+            devices, layout = timed_placement(est.plan.groups[placement.group].size, placement.layout)
+            if layout.context == 1 and (name, devices, layout) not in out:
+                out.append((name, devices, layout))
+    return out
+
+
 def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = None,
-            log=functools.partial(print, flush=True)):
-    """The calibrated hardware profile of the local devices with `cfg`'s calls measured into it, on
-    groups of `sizes` devices (default: half and all of them)."""
+            log=functools.partial(print, flush=True), calls: Sequence[str] | None = None,
+            search_budget_s: float = SEARCH_BUDGET_S):
+    """The calibrated hardware profile of the local devices with `cfg`'s calls measured into it: on groups
+    of `sizes` devices (default: half and all of them) in the single-axis layouts (`grid_layouts`), and on
+    the placements of the plans the planner weighs (`planned_placements`, per call 2 or half as many as
+    the grid, whichever is more; with `sizes` given, only those of these sizes; `search_budget_s=0`: none). `calls`: only these
+    calls of the graph (default: all)."""
+    from jaxrlhf.algorithms.rollout import sampling_params
     from jaxrlhf.placement.calibrate import calibrate
-    from jaxrlhf.planner.measured import Measured, Table, model_key
+    from jaxrlhf.planner.measured import CALL_PHASES, Measured, Table, model_key
     from jaxrlhf.planner.plan import DeviceGroup
     from jaxrlhf.run import planning
     from jaxrlhf.run.assembly import setup
@@ -226,39 +314,51 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
     hw = calibrate(planning.hardware_name(cfg, chip))
     n = run_setup.machine.devices
     max_tensor = hw.max_tensor
-    sizes = sorted(set(sizes)) if sizes else halves(n)
-    if any(not 1 <= k <= n for k in sizes):
-        raise cfglib.ConfigError(f"--sizes {sizes}: group sizes must lie in 1..{n} (the local devices)")
+    chosen = sorted(set(sizes)) if sizes else halves(n)
+    if any(not 1 <= k <= n for k in chosen):
+        raise cfglib.ConfigError(f"--sizes {chosen}: group sizes must lie in 1..{n} (the local devices)")
+    unknown = sorted(set(calls or ()) - {c.name for c in graph.calls})
+    if unknown:
+        raise cfglib.ConfigError(f"--calls {unknown}: not calls of this config's graph; "
+                                 f"known: {','.join(c.name for c in graph.calls)}")
+    planned = planned_placements(cfg, run_setup, hw, search_budget_s) if search_budget_s > 0 else []
     tables: dict[tuple, list] = {}
     moved: dict[str, tuple] = {}
     placements: list = []
     for call in graph.calls:
+        if calls and call.name not in calls:
+            continue
         cfg_m = models[call.role]
         key = model_key(cfg_m, call.head)
-        for size in sizes:
+        grid = [(size, lay) for size in chosen for lay in grid_layouts(call, cfg_m, size, wl, max_tensor)]
+        extra = [(d, lay) for name, d, lay in planned
+                 if name == call.name and (d, lay) not in grid and (not sizes or d in chosen)]
+        for size, lay in grid + extra[:max(2, len(grid) // 2)]:  # the pick's and colocated's at least
             group = DeviceGroup("profile", 0, size)
-            for lay in grid_layouts(call, cfg_m, size, wl, max_tensor):
-                if (group, lay) not in placements:
-                    placements.append((group, lay))
-                phases = [p for p in PHASES_OF[call.kind] if (key, p, size, str(lay)) not in tables]
-                if not phases:
-                    continue
-                timer = Timer(cfg_m, call.head, group, lay, repeats)
-                split = lay.batch_ways  # data x fsdp x expert
-                for phase in phases:
-                    rows_all, full = wl.call_seqs(call), {"prefill": wl.prompt_len, "decode": wl.seq_len}.get(
-                        phase, wl.seq_len)
-                    if wl.packed and phase in ("train", "inference"):  # the packed rows the calls run
-                        shape = wl.packed_shape(call, split)
-                        rows_all, full = shape.micro_batches * shape.rows * split, shape.width
-                    points = []
-                    for rows in halves(rows_all, split):
-                        for length in halves(full, 2 if phase == "decode" else 1):
-                            points.append((rows, length, timer.time(phase, rows, length, wl.gen_len)))
-                    tables[(key, phase, size, str(lay))] = points
-                    log(f"{key} {phase:9s} {size} dev {str(lay):8s} "
-                        + "  ".join(f"{r}x{n_}: {s * 1e3:.2f} ms" for r, n_, s in points))
-                moved.setdefault(key, (cfg_m, call.head, wl.batch_size, wl.seq_len))
+            if (group, lay) not in placements:
+                placements.append((group, lay))
+            phases = [p for p in CALL_PHASES[call.kind] if (key, p, size, str(lay)) not in tables]
+            if not phases:
+                continue
+            timer = Timer(cfg_m, call.head, group, lay, repeats, wl, sampling_params(cfg))
+            split = lay.batch_ways  # data x fsdp x expert
+            for phase in phases:
+                rows_all, lengths = wl.call_seqs(call), halves(wl.seq_len)
+                if phase == "prefill":
+                    lengths = halves(wl.prompt_len)
+                elif phase == "decode" and wl.gen_engine == "continuous":  # the engine's cache: prompt + new
+                    lengths = sorted({wl.prompt_len + max(m, 3) for m in halves(wl.gen_len)})
+                elif phase == "decode":
+                    lengths = halves(wl.seq_len, 2)
+                elif wl.packed:  # the packed rows the train and inference calls run
+                    shape = wl.packed_shape(call, split)
+                    rows_all, lengths = shape.micro_batches * shape.rows * split, halves(shape.width)
+                points = [(rows, length, timer.time(phase, rows, length, wl.gen_len))
+                          for rows in halves(rows_all, split) for length in lengths]
+                tables[(key, phase, size, str(lay))] = points
+                log(f"{key} {phase:9s} {size} dev {str(lay):8s} "
+                    + "  ".join(f"{r}x{n_}: {s * 1e3:.2f} ms" for r, n_, s in points))
+            moved.setdefault(key, (cfg_m, call.head, wl.batch_size, wl.seq_len))
     moves = measure_moves(moved, placements, repeats) if len(placements) > 1 else []
     measured = Measured((Table(k[0], k[1], k[2], k[3], tuple(p)) for k, p in tables.items()), moves)
     notes = (f"{hw.notes}; calls measured by python -m jaxrlhf.profile on {n} {chip.platform} devices "
@@ -272,6 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="profile.yaml", help="profile file to write (never replaced)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per point, after one warm-up")
     ap.add_argument("--sizes", help="comma-separated group sizes to measure (default: half and all devices)")
+    ap.add_argument("--calls", help="comma-separated calls of the graph to measure (default: all)")
+    ap.add_argument("--search-budget", type=float, default=SEARCH_BUDGET_S,
+                    help="seconds of the planner's search proposing the placements timed beyond the "
+                         "single-axis grid (0: the grid alone)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     try:
@@ -282,8 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.path.exists(args.out):
         print(f"error: --out {args.out} exists; choose another file (a profile is never replaced)", file=sys.stderr)
         return 2
-    if args.repeats < 1:
-        print("error: --repeats must be >= 1", file=sys.stderr)
+    if args.repeats < 1 or args.search_budget < 0:
+        print("error: --repeats must be >= 1 and --search-budget >= 0", file=sys.stderr)
         return 2
     try:
         cfg = cfglib.load_config(args.config, args.overrides)
@@ -295,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_devices(cfg.run)
     t0 = time.perf_counter()
     try:
-        hw = profile(cfg, args.repeats, sizes)
+        calls = [c.strip() for c in args.calls.split(",") if c.strip()] if args.calls else None
+        hw = profile(cfg, args.repeats, sizes, calls=calls, search_budget_s=args.search_budget)
     except cfglib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,8 +36,8 @@ def test_profile_of_sft_feeds_the_train_estimate(tmp_path):
     """SFT's one call (actor.train) on all 8 devices in every single-axis layout, 2 rows x 2 lengths:
     the tables load back, and the plan `train` would run prices its train call from them."""
     out = str(tmp_path / "sft.yaml")
-    argv = ["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "run.devices=8",
-            compile_cache.override()]
+    argv = ["--config", "configs/sft.yaml", "--out", out, "--repeats", "1", "--sizes", "8", "--search-budget", "0",
+            "run.devices=8", compile_cache.override()]  # the grid alone (the planned placements: below)
     assert prof.main(argv) == 0
     hw = HardwareProfile.load(out)
     tables = list(hw.measured.tables.values())
@@ -90,3 +90,56 @@ def test_the_stored_gpu_profile_prices_the_workload_it_measured():
     # train: 2 minibatches x 2 epochs of the 64-row x 384-token point the profile timed
     (table,) = [t for t in hw.measured.tables.values() if t.phase == "train"]
     assert est.calls["actor.train"].seconds == pytest.approx(4 * table.seconds(64, 384), rel=0.05)
+
+
+GRPO_8 = ["run.devices=8", "generation.engine=continuous", "data.batch_size=2", "plan.strategy=colocated"]
+
+
+def _colocated_generate(cfg):
+    """(call, devices, layout) the colocated preset gives GRPO's generate call, as the tables are keyed."""
+    from jaxrlhf.planner.measured import timed_placement
+
+    algorithm = build_algorithm(cfg)
+    models = planning.role_configs(cfg, list(algorithm.roles()))
+    plan = planning.plan_for(cfg, algorithm, models, 8, chip=planning.Chip("cpu"))
+    placement = plan.calls["actor.generate"]
+    return algorithm, models, plan, ("actor.generate", *timed_placement(plan.groups[placement.group].size,
+                                                                        placement.layout))
+
+
+def test_the_profile_proposes_the_layouts_the_planner_weighs():
+    """Colocated GRPO generates data 4 x tensor 2 on 8 devices (the tiny model's 4 heads), a layout the
+    single-axis grid never times: the planner's own candidates put it on the profile's list."""
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.run.assembly import setup
+
+    cfg = cfglib.load_config("configs/quickstart-grpo.yaml", GRPO_8)
+    algorithm, models, _, colocated = _colocated_generate(cfg)
+    _, devices, layout = colocated
+    assert layout.data > 1 and layout.tensor > 1
+    grid = prof.grid_layouts(algorithm.graph()["actor.generate"], models["actor"], devices, algorithm.workload(), 8)
+    assert layout not in grid
+    planned = prof.planned_placements(cfg, setup(cfg), get_profile("cpu"), budget_s=1.0)
+    assert colocated in planned
+    assert {name for name, _, _ in planned} == {c.name for c in algorithm.graph().calls}
+
+
+@pytest.mark.slow
+def test_a_profile_prices_the_colocated_generate_call_from_its_own_table(tmp_path, monkeypatch):
+    """End to end, generate alone and without the grid (cheap): the profile holds prefill and decode
+    tables of the colocated plan's generate layout, the decode timed through the continuous engine, and
+    plan choice prices that call from them (`source == "measured"`), not from other layouts' errors."""
+    monkeypatch.setattr(prof, "grid_layouts", lambda *a: [])
+    cfg = cfglib.load_config("configs/quickstart-grpo.yaml", GRPO_8)
+    hw = prof.profile(cfg, repeats=1, sizes=[8], calls=["actor.generate"], search_budget_s=1.0)
+    out = str(tmp_path / "grpo.yaml")
+    hw.save(out)
+    cfg = cfglib.with_overrides(cfg, [f"plan.profile={out}"])
+    algorithm, models, plan, (_, devices, layout) = _colocated_generate(cfg)
+    key = next(iter(HardwareProfile.load(out).measured.tables))[0]
+    for phase in ("prefill", "decode"):
+        assert hw.measured.find(key, phase, devices, str(layout)) is not None, phase
+    # decode points at prompt + 3 and + 4 new tokens (max_new_tokens 4: the engine's own cache widths)
+    assert {n for _, n, _ in hw.measured.find(key, "decode", devices, str(layout)).points} == {19, 20}
+    est = estimate_plan(plan, algorithm.graph(), models, algorithm.workload(), planning.hardware_profile(cfg))
+    assert est.calls["actor.generate"].source == "measured"
