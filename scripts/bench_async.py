@@ -30,13 +30,16 @@ or `--measured` call tables of this config) is printed beside the measurement, w
 |predicted / measured - 1| and where the planner's picks rank. The JSON (`--out`, never overwritten)
 holds `sync_samples_per_s`, `async_samples_per_s`, `ratio`, `ceiling_ratio`, `eta` (of the best
 asynchronous plan), `median_abs_error`, `pick_vs_best` and one row per plan. Run it on a quiet machine.
+`--repredict JSON` runs no plan: it prices the plans of an earlier result again under this run's profile
+and runs the two searches again under it; `pick_vs_best` then holds each pick's placement, the earlier
+row that ran that placement (`measured_as`, null when none did: run the bench with that profile to
+measure it) and its measured time / the best measured (`vs_best`).
 `--quick` is a smoke test (tiny model, short responses, 1 measured step), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -100,7 +103,6 @@ def disaggregated(base, n: int, gen_devices: int, eta: int, models, batch: int):
 def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Candidate]:
     from jaxrlhf import config as cfglib
     from jaxrlhf.planner.presets import build_plan
-    from jaxrlhf.run import planning
     from jaxrlhf.run.assembly import setup
 
     sync_cfg = cfglib.with_overrides(cfg, SYNC)
@@ -113,8 +115,8 @@ def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Cand
     gen = disagg.groups["gen"].stop - disagg.groups["gen"].start
     out = [Candidate("sync colocated", preset("colocated"), SYNC, 0),
            Candidate(f"sync disaggregated {gen}:{n - gen}", disaggregated(disagg, n, gen, 0, models, batch), SYNC, 0)]
-    result = planning.search_plan(sync_cfg, algorithm, models, n, hw, time_budget_s=search_budget)
-    out.append(Candidate("sync planner pick", result.best.plan, SYNC, 0))
+    sync_pick, async_pick = planner_picks(cfg, n, hw, max_eta, search_budget)
+    out.append(sync_pick)
     colocated = preset("colocated")
     for eta in range(1, max_eta + 1):
         out.append(Candidate(f"async colocated eta={eta}", colocated, streamed(eta), eta))
@@ -123,17 +125,48 @@ def candidates(cfg, n: int, hw, max_eta: int, search_budget: float) -> list[Cand
     two = disaggregated(disagg, n, 2, 1, models, batch) if gen != 2 and n > 2 else None
     if two is not None:
         out.append(Candidate(f"async disaggregated 2:{n - 2} eta=1", two, streamed(1), 1))
-    async_cfg = cfglib.with_overrides(cfg, [*streamed(max_eta), "plan.strategy=auto"])
-    async_setup = setup(async_cfg)
-    result = planning.search_plan(async_cfg, async_setup.algorithm, models, n, hw, time_budget_s=search_budget)
-    best = result.best.plan  # a stream runs ahead on any plan: by the plan's own eta, else the budget
-    eta = best.staleness or max_eta
-    out.append(Candidate("async planner pick", best, streamed(eta), eta))
+    out.append(async_pick)
     return out
 
 
-def repredict(path: Path, cfg, hw, work: Path, out: str | None) -> int:
-    """The planner's estimate of each plan of an earlier result under `hw`, beside the time measured there."""
+def planner_picks(cfg, n: int, hw, max_eta: int, search_budget: float) -> tuple[Candidate, Candidate]:
+    """The planner's search under `hw`: its synchronous pick (no staleness budget) and its asynchronous one
+    (budget `max_eta`; a stream runs ahead on any plan: by the plan's own eta, else the budget)."""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf.run import planning
+    from jaxrlhf.run.assembly import setup
+
+    picks = []
+    for name, overrides in (("sync planner pick", SYNC), ("async planner pick", [*streamed(max_eta), "plan.strategy=auto"])):
+        run_cfg = cfglib.with_overrides(cfg, overrides)
+        run_setup = setup(run_cfg)
+        best = planning.search_plan(run_cfg, run_setup.algorithm, run_setup.models, n, hw,
+                                    time_budget_s=search_budget).best.plan
+        eta = 0 if overrides is SYNC else best.staleness or max_eta
+        picks.append(Candidate(name, best, streamed(eta) if eta else SYNC, eta))
+    return picks[0], picks[1]
+
+
+def placement_of(plan) -> dict[str, tuple]:
+    """Where each call of `plan` runs: (first device, devices, layout) per call, what two plans share when
+    they would run alike."""
+    return {c: (plan.groups[p.group].start, plan.groups[p.group].size, str(p.layout)) for c, p in plan.calls.items()}
+
+
+def measured_match(pick: Candidate, rows: list[dict]) -> dict | None:
+    """The bench row that ran `pick`'s placement at its eta (synchronous: eta 0; a stream: the row of the
+    same eta, else the closest one), or None when the bench did not run that placement."""
+    from jaxrlhf.planner.plan import ExecutionPlan
+
+    where = placement_of(pick.plan)
+    same = [r for r in rows if (r["eta"] > 0) == (pick.eta > 0) and placement_of(ExecutionPlan.from_dict(r["plan"])) == where]
+    return min(same, key=lambda r: (abs(r["eta"] - pick.eta), r["measured_s"]), default=None)
+
+
+def repredict(path: Path, cfg, hw, work: Path, out: str | None, max_eta: int, search_budget: float) -> int:
+    """The planner's estimate of each plan of an earlier result under `hw`, beside the time measured there,
+    and its searches run again under `hw`: each pick's measured time / the best measured one, where the
+    earlier result ran the pick's placement (`measured_match`)."""
     from jaxrlhf import config as cfglib
     from jaxrlhf.planner.plan import ExecutionPlan
     from jaxrlhf.run.assembly import setup
@@ -152,8 +185,19 @@ def repredict(path: Path, cfg, hw, work: Path, out: str | None) -> int:
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
     best = min(r["measured_s"] for r in rows)
     predicted_best = min(rows, key=lambda r: r["predicted_s"])
+    picks = {}
+    for pick in planner_picks(cfg, ExecutionPlan.from_dict(earlier["rows"][0]["plan"]).num_devices, hw,
+                              max_eta, search_budget):
+        match = measured_match(pick, earlier["rows"])
+        picks[pick.name] = {"eta": pick.eta, "placement": {c: list(v) for c, v in placement_of(pick.plan).items()},
+                            "measured_as": match and match["name"],
+                            "vs_best": match and match["measured_s"] / best}
+        print(f"{pick.name} (searched again under this profile): " + (
+            f"runs as '{match['name']}', measured {match['measured_s'] / best:.2f}x the best" if match else
+            "a placement the bench did not run: run it to know its time ("
+            + ", ".join(f"{c} {v[2]} on {v[0]}+{v[1]}" for c, v in placement_of(pick.plan).items()) + ")"))
     summary = {"median_abs_error": statistics.median(errors), "predicted_best": predicted_best["name"],
-               "predicted_best_vs_best": predicted_best["measured_s"] / best, "rows": rows}
+               "predicted_best_vs_best": predicted_best["measured_s"] / best, "pick_vs_best": picks, "rows": rows}
     print(f"median |predicted/measured - 1| {summary['median_abs_error']:.2f} over {len(rows)} plans; the plan "
           f"predicted fastest ({predicted_best['name']}) measured {summary['predicted_best_vs_best']:.2f}x the best")
     if out:
@@ -207,7 +251,7 @@ def main(argv=None) -> int:
     cfg = cfglib.with_overrides(cfg, [f"plan.hardware={hw_file}"])
 
     if args.repredict:
-        return repredict(Path(args.repredict), cfg, hw, work, args.out)
+        return repredict(Path(args.repredict), cfg, hw, work, args.out, args.max_eta, args.search_budget)
     plans = candidates(cfg, n, hw, args.max_eta, args.search_budget)
     rows = []
     for c in plans:
