@@ -102,3 +102,21 @@ def test_json_fields_are_decoded_and_the_configs_load():
     twin = load_config(str(REPO / "configs" / "calculator-tools.yaml"),
                        ["env.args.tools=[]", "sft.tools=[]", "data.messages_key=direct", "env.max_turns=1"])
     assert twin.env.args["tools"] == [] and twin.sft.tools == ()
+
+
+@pytest.mark.slow
+def test_calculator_config_runs_the_warm_up_and_tool_episodes(tmp_path):
+    """configs/calculator-tools.yaml for two warm-up steps on the demonstration conversations and one GRPO step
+    of tool episodes (2 prompts x 2): the run completes and logs the episodes' env metrics. (~2-4 min on the
+    shared 2-core machine, most of it compiling.)"""
+    from jaxrlhf import config as cfglib
+    from jaxrlhf import train
+    from jaxrlhf.metrics import read_metrics
+
+    cfg = cfglib.load_config(str(REPO / "configs" / "calculator-tools.yaml"), [
+        f"model.tokenizer={TOKENIZER}", "run.steps=1", "sft.steps=2", "sft.batch_size=4", "data.batch_size=2",
+        "algorithm.group_size=2", "algorithm.minibatches=1", "run.tensorboard=false", "run.export_hf=false",
+        "run.save_checkpoints=false", f"run.output_dir={tmp_path}", f"data.data_dir={tmp_path / 'tfds'}"])
+    train.run(cfg)
+    [row] = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "env/turns" in r]
+    assert 1 <= row["env/turns"] <= 2 and 0.0 <= row["env/reward"] <= 1.0 and row["sft/final_loss"] > 0
