@@ -8,8 +8,8 @@ processes issue the same programs in the same order. Colocated with eta = 1: the
 step's prompts and decodes only between updates, so rows run across a weight update at points that do
 not depend on timing, and the 2-process metrics equal the 1-process run's. Disaggregated (generator on
 process 0's devices, trainer on process 1's): decoding overlaps the update for as long as the update
-runs, which is a timing, so that run (with reward workers, whose progress is a timing as well) is
-checked for the staleness bound, not for equality.
+runs, which is a timing, so that run (DAPO with dynamic sampling, reward workers, whose progress is a
+timing as well, and KV recompute) is checked for the staleness bound, not for equality.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ STREAM = [
 ]  # no KL term: no reference model, fewer programs to compile
 EQUAL = [*STREAM, "plan.strategy=colocated"]
 # scored by 2 worker processes per run process as samples end (each process scores the same rows); while
-# a batch waits for its scores the stream decodes on, for as long as the workers take: a timing too
-OVERLAPPED = [*STREAM, "plan.strategy=disaggregated", "rewards.workers=2"]
+# a batch waits for its scores the stream decodes on, for as long as the workers take: a timing too. DAPO's
+# dynamic sampling admits a step's next prompt as a group's scores come out all equal (when they are in on
+# every process), and the rows in flight get their KV recomputed at each update
+OVERLAPPED = [*STREAM, "plan.strategy=disaggregated", "rewards.workers=2", "algorithm.name=dapo",
+              "algorithm.dynamic_sampling_factor=2", "generation.partial_recompute=true"]
 KEYS = ("reward/mean", "loss/policy", "entropy", "clipfrac", "advantages/mean", "response/length_mean",
         "rollout/staleness", "rollout/staleness_mean", "rollout/partial_frac")
 
@@ -104,4 +107,8 @@ def test_a_generator_on_one_process_overlaps_a_trainer_on_the_other(streamed):
     for r in records:
         assert sum(r[f"rollout/staleness_frac/{k}"] for k in range(2)) == pytest.approx(1.0)
         assert 0.0 <= r["reward/hidden_frac"] <= 1.0  # scored by the workers as samples ended
+        # 4 informative groups kept, or every informative one when the feed's 8 prompts ran out first
+        assert r["dynamic_sampling/kept_groups"] == min(4, r["dynamic_sampling/informative_groups"])
+        assert 4 <= r["dynamic_sampling/pool_groups"] <= 8
+        assert r["time/kv_recompute_s"] >= 0
     assert sum(r["time/generate_overlap_s"] for r in records) > 0  # decoded while process 1 trained
