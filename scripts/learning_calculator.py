@@ -35,11 +35,14 @@ VARIANTS = {
 }
 
 
-def run_one(work: str, variant: str, seed: int, steps: int, extra: list[str]) -> list[dict]:
-    """One training run (a subprocess, as a user runs it); returns its metrics records."""
+def run_one(work: str, variant: str, seed: int, steps: int, extra: list[str], reuse: bool = False) -> list[dict]:
+    """One training run (a subprocess, as a user runs it); returns its metrics records. `reuse`: read the
+    records a run in `work` already wrote (the steps it got to) instead."""
     from jaxrlhf.metrics import read_metrics
 
     out = os.path.join(work, f"{variant}-seed{seed}")
+    if reuse:
+        return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "env/reward" in r]
     cmd = [sys.executable, "-m", "jaxrlhf.train", "--config", CONFIG, f"run.output_dir={out}", f"run.steps={steps}",
            f"run.seed={seed}", "run.tensorboard=false", "run.export_hf=false", "run.save_checkpoints=false",
            *VARIANTS[variant], *extra]
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "calculator_curve.png"), help="the curve's PNG")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (each a process on its own devices)")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--reuse", action="store_true", help="summarise the runs already in --workdir, run nothing")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     if args.out and os.path.exists(args.out):
@@ -109,18 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     def one(job: tuple[int, str]) -> tuple[str, dict]:
         seed, variant = job
         key = f"{variant} seed={seed}"
-        run = {"variant": variant, "seed": seed, **summary(run_one(work, variant, seed, args.steps, args.overrides),
-                                                           args.window)}
+        records = run_one(work, variant, seed, args.steps, args.overrides, args.reuse)
+        run = {"variant": variant, "seed": seed, "steps": len(records), **summary(records, args.window)}
         print(f"{key}: reward {run['start']:.3f} -> {run['end']:.3f} ({time.time() - t0:.0f} s)", flush=True)
         return key, run
 
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:  # each run is its own process
         runs.update(sorted(pool.map(one, jobs), key=lambda kv: (kv[1]["seed"], kv[1]["variant"] != "tools")))
     print(f"\nCalculator task, {args.steps} GRPO steps; reward = mean of the first / last {args.window} steps")
-    print(f"{'seed':>4s} {'variant':9s} {'start':>6s} {'end':>6s} {'rise':>7s} {'calls/ep':>8s} {'malformed':>9s}")
+    print(f"{'seed':>4s} {'variant':9s} {'steps':>5s} {'start':>6s} {'end':>6s} {'rise':>7s} {'calls/ep':>8s} "
+          f"{'malformed':>9s}")
     for run in runs.values():
-        print(f"{run['seed']:4d} {run['variant']:9s} {run['start']:6.3f} {run['end']:6.3f} {run['rise']:+7.3f} "
-              f"{run['tool_calls_end']:8.2f} {run['malformed_end']:9.2f}")
+        print(f"{run['seed']:4d} {run['variant']:9s} {run['steps']:5d} {run['start']:6.3f} {run['end']:6.3f} "
+              f"{run['rise']:+7.3f} {run['tool_calls_end']:8.2f} {run['malformed_end']:9.2f}")
     table = {"rise_with_tools": {s: runs[f"tools seed={s}"]["rise"] for s in seeds if f"tools seed={s}" in runs},
              "final_with_tools": {s: runs[f"tools seed={s}"]["end"] for s in seeds if f"tools seed={s}" in runs},
              "final_without_tools": {s: runs[f"no_tools seed={s}"]["end"] for s in seeds
