@@ -101,7 +101,8 @@ class ChatFormat:
             return None
         template = getattr(tokenizer, "chat_template", None)
         if template is None:
-            key, fix = ("data.prompt_format=chat", "data.prompt_format=raw") if tools is None else ("sft.tools", "sft.tools=null")
+            key, fix = (("data.prompt_format=chat", "data.prompt_format=raw") if tools is None
+                        else ("sft.tools", "sft.tools=null"))
             raise DataError(
                 f"{key}, but the tokenizer {tokenizer!r} ships no chat template "
                 f"(tokenizer_config.json 'chat_template' or chat_template.jinja); use {fix}"
