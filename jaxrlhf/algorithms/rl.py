@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
-from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS
+from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS, TOOLS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
 from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
 from jaxrlhf.config_schema import AGENT_ENVIRONMENT
@@ -204,6 +204,12 @@ class RolloutAlgorithm(Algorithm):
                 raise AlgorithmConfigError(str(e)) from None
         if cfg.env.name not in (None, AGENT_ENVIRONMENT) and cfg.env.name not in ENVIRONMENTS:
             raise AlgorithmConfigError(f"env.name: {ENVIRONMENTS.unknown(cfg.env.name)}")
+        for name in cfg.sft.tools or ():  # the warm-up renders its demonstrations with these tools
+            if name not in TOOLS:
+                raise AlgorithmConfigError(f"sft.tools: {TOOLS.unknown(name)}")
+        answer_rule = cfg.env.args.get("reward") if cfg.env.name == "tools" else None
+        if isinstance(answer_rule, str) and answer_rule not in REWARD_FUNCTIONS:
+            raise AlgorithmConfigError(f"env.args.reward: {REWARD_FUNCTIONS.unknown(answer_rule)}")
         if cfg.env.name is not None and (self.dynamic_sampling or self.greedy_baseline):
             raise AlgorithmConfigError(
                 f"env.name={cfg.env.name}: episodes are generated for the step's batch only; "

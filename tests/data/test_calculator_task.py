@@ -102,6 +102,13 @@ def test_json_fields_are_decoded_and_the_configs_load():
     twin = load_config(str(REPO / "configs" / "calculator-tools.yaml"),
                        ["env.args.tools=[]", "sft.tools=[]", "data.messages_key=direct", "env.max_turns=1"])
     assert twin.env.args["tools"] == [] and twin.sft.tools == ()
+    from jaxrlhf.config import ConfigError
+
+    for override, message in [
+            ("sft.tools=[calculater]", "sft.tools: unknown tool 'calculater'. Did you mean 'calculator'"),
+            ("env.args.reward=exact_mach", "env.args.reward: unknown reward function 'exact_mach'. Did you mean")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(REPO / "configs" / "calculator-tools.yaml"), [override])
 
 
 @pytest.mark.slow
