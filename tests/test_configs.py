@@ -19,6 +19,7 @@ CLUSTERS = {
     "llama3-8b-gsm8k-8xh100.yaml": (8, 8),
     "qwen2-1.5b-tpu-v5e-16.yaml": (16, 4),
     "qwen2.5-0.5b-instruct-gsm8k-dapo.yaml": (1, 1),
+    "qwen2.5-1.5b-instruct-calculator-tools.yaml": (1, 1),
     "hh-rlhf-dpo.yaml": (1, 1),
 }
 

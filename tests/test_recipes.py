@@ -79,3 +79,33 @@ def test_hh_rlhf_dpo_recipe(instruct_model, tmp_path):
     last = read_metrics(str(out / "metrics.jsonl"))[-1]
     assert math.isfinite(last["loss/dpo"]) and math.isfinite(last["eval/rewards_accuracy"])
     assert last["data/skipped"] == 0.0
+
+
+@pytest.mark.slow
+def test_qwen25_calculator_tools_recipe(tmp_path):
+    """The tool-use recipe on a tiny Qwen2 checkpoint whose tokenizer ships a Qwen2.5 tool template: each GSM8K-shaped
+    problem is an episode with the calculator described, turns end on <|im_end|>, the final answer is scored by
+    numeric_match (env.args.reward) and GRPO trains on the model's tokens. A random tiny model writes no
+    well-formed call (the calls are tested in tests/algorithms/test_environments.py); this checks the recipe's keys."""
+    from tests.algorithms.test_environments import QWEN25
+
+    folder = save_tiny_hf_checkpoint(tmp_path / "ckpt", "qwen2")
+    save_tiny_tokenizer(folder, "qwen2", corpus=["<tool_call> calculator expression ####"])
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": QWEN25,
+                                       "eos_token": "<|im_end|>"}))
+    rows = [{"question": f"What is {a} * {b}?", "answer": f"{a} * {b} = {a * b}\n#### {a * b}"}
+            for a in range(4) for b in range(4)]
+    out = tmp_path / "run"
+    overrides = [*TINY, f"run.output_dir={out}", f"model.actor.path={folder}", f"model.tokenizer={folder}",
+                 f"data.source={_folder(tmp_path / 'gsm8k', rows)}", "run.eval_every=0", "algorithm.group_size=2",
+                 "algorithm.minibatches=2", "generation.max_new_tokens=32", "env.max_turns=2",
+                 "env.max_turn_tokens=12", "env.args.system=Use the calculator."]
+    cfg = cfglib.load_config(os.path.join(ROOT, "configs", "qwen2.5-1.5b-instruct-calculator-tools.yaml"), overrides)
+    assert cfg.env.name == "tools" and cfg.env.args["tool_format"] == "qwen2.5" and cfg.generation.engine == "continuous"
+    train.run(cfg)
+    records = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1 <= r["env/turns"] <= 2 and 0.0 <= r["env/reward"] <= 1.0 and math.isfinite(r["loss/policy"])
+        assert r["env/finish/done"] + r["env/finish/max_turns"] + r["env/finish/max_tokens"] == pytest.approx(1.0)
