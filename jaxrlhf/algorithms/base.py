@@ -103,7 +103,12 @@ class Algorithm(abc.ABC):
             # only the RL algorithms have the keys (algorithm.pack_sequences: packed train and inference calls)
             packed=getattr(cfg.algorithm, "pack_sequences", False),
             token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None),
+            **self.reward_fields(),
         )
+
+    def reward_fields(self) -> dict[str, Any]:
+        """The workload's rule-reward fields (`planner.rewards`); none for a stage that scores no rules."""
+        return {}
 
     def base_views(self) -> dict[str, str]:
         """Frozen roles that are a LoRA role's base (role -> that role): copied from a role with adapters,

@@ -13,6 +13,12 @@ Order: the pool holds at most one task per worker and keeps the rest in a queue 
 streaming generator's is the step a sample trains in), so samples of the next step that end early
 never delay the scores the trainer waits for now; a plain FIFO would score them first.
 
+Size: when a worker frees, it takes every queued task of the most urgent priority at once, up to the
+rows its rules score at once (`rows_at_once`: `remote`'s `concurrency`). Samples are handed over a few
+at a time as they end, and a rule that waits on a service takes as long for 1 row as for 8: one task
+per hand-off left the rule's concurrency unused, and a worker fell behind the stream (bench_rewards:
+54 % hidden).
+
 The workers are started with `forkserver` (never forked from the trainer, whose JAX runtime has
 threads), each builds the run's `CombinedReward` once, and a batch is scored with `batch_components`,
 so a rule with a batch function (`remote`) still scores its rows concurrently inside a worker.
@@ -20,10 +26,13 @@ so a rule with a batch function (`remote`) still scores its rows concurrently in
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import heapq
 import itertools
+import math
 import multiprocessing
+import statistics
 import threading
 import time
 from typing import Any, Sequence
@@ -49,6 +58,45 @@ def _score(prompts: Sequence[str], responses: Sequence[str],
     return parts, time.perf_counter() - start
 
 
+def rows_at_once(spec: RulesSpec) -> int | None:
+    """Rows a worker's rules score in the time of one (the largest concurrency among the rules that
+    score a batch concurrently: the argument a rule names in its `parallel_arg`), or None when no rule
+    does (rows are then scored one after another, and a task of any size costs its rows' time)."""
+    import inspect
+
+    from jaxrlhf.algorithms.rules import get_reward
+
+    found = []
+    for name, _, args in spec:
+        fn = get_reward(name)
+        arg = getattr(fn, "parallel_arg", None)
+        if arg is not None:
+            found.append(int(args.get(arg, inspect.signature(fn).parameters[arg].default)))
+    return max(found) if found else None
+
+
+class RewardTiming:
+    """The rules' seconds per row as the run measures them (one round: `at_once` rows take as long as
+    one), from the batches it scores, in the step or in the workers: the median over the latest
+    WINDOW batches. The planner prices the `score_rules` host step with it (`Workload.reward_row_s`)."""
+
+    WINDOW = 32
+
+    def __init__(self, at_once: int | None):
+        self.at_once = at_once
+        self._rounds: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def record(self, seconds: float, rows: int) -> None:
+        """A batch of `rows` rows scored in one process in `seconds`."""
+        if rows > 0:
+            self._rounds.append(seconds / math.ceil(rows / (self.at_once or 1)))
+
+    @property
+    def row_s(self) -> float:
+        """Seconds of one round; 0 before anything was scored."""
+        return statistics.median(self._rounds) if self._rounds else 0.0
+
+
 def _ready() -> None:
     """In a worker: nothing (submitted once per worker at start, so the processes start, import and
     build their rules while the trainer compiles, not when the first samples end)."""
@@ -57,10 +105,12 @@ def _ready() -> None:
 class RewardPool:
     """`workers` processes scoring rows with the rules `spec` ((name, weight, args) entries)."""
 
-    def __init__(self, spec: RulesSpec, workers: int):
+    def __init__(self, spec: RulesSpec, workers: int, timing: RewardTiming | None = None):
         if workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {workers}")
         self.workers = workers
+        self.task_rows = rows_at_once(spec)  # most rows one task gathers from the queue (None: all)
+        self.timing = timing or RewardTiming(self.task_rows)  # every task's seconds per round
         context = multiprocessing.get_context("forkserver")
         self._pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                                             initargs=(spec,))
@@ -84,23 +134,39 @@ class RewardPool:
         return future
 
     def _dispatch(self) -> None:
-        """Give queued tasks to idle workers, most urgent first."""
+        """Give queued tasks to idle workers, most urgent first: each worker takes the queued tasks of
+        the head's priority together, up to `task_rows` rows (a task is never split)."""
         with self._lock:
             while self._queue and self._running < self.workers:
-                _, _, args, future = heapq.heappop(self._queue)
+                taken = [heapq.heappop(self._queue)]
+                rows = len(taken[0][2][0])
+                while (self._queue and self._queue[0][0] == taken[0][0]
+                       and (self.task_rows is None or rows + len(self._queue[0][2][0]) <= self.task_rows)):
+                    taken.append(heapq.heappop(self._queue))
+                    rows += len(taken[-1][2][0])
+                args = tuple(tuple(v for entry in taken for v in entry[2][k]) for k in range(3))
                 self._running += 1
                 task = self._pool.submit(_score, *args)
-                task.add_done_callback(lambda task, future=future: self._finished(task, future))
+                sizes = [(entry[3], len(entry[2][0])) for entry in taken]
+                task.add_done_callback(lambda task, sizes=sizes: self._finished(task, sizes))
 
-    def _finished(self, task: concurrent.futures.Future, future: concurrent.futures.Future) -> None:
+    def _finished(self, task: concurrent.futures.Future,
+                  sizes: list[tuple[concurrent.futures.Future, int]]) -> None:
+        """Each gathered task's rows back to its own future, with its share (by rows) of the seconds."""
         with self._lock:
             self._running -= 1
-        if task.cancelled():
-            future.cancel()
-        elif task.exception() is not None:
-            future.set_exception(task.exception())
-        else:
-            future.set_result(task.result())
+        total, start = sum(n for _, n in sizes), 0
+        for future, n in sizes:
+            if task.cancelled():
+                future.cancel()
+            elif task.exception() is not None:
+                future.set_exception(task.exception())
+            else:
+                parts, seconds = task.result()
+                if start == 0:
+                    self.timing.record(seconds, total)
+                future.set_result((parts[start:start + n], seconds * n / max(total, 1)))
+            start += n
         self._dispatch()
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any
 
 import jax
@@ -628,8 +629,12 @@ class RolloutRuntime:
                     tokens, mask = jax.device_get((responses[f"{p}response_tokens"], responses[f"{p}response_mask"]))
                     texts = decode_responses(self.tokenizer, np.asarray(tokens), np.asarray(mask))
                     pool = self.reward_pool  # worker processes, or here (a rule may score rows concurrently)
-                    parts = pool.score(prompts, texts, answers) if pool else rules.batch_components(prompts, texts,
-                                                                                                   answers)
+                    if pool:
+                        parts = pool.score(prompts, texts, answers)
+                    else:
+                        start = time.perf_counter()
+                        parts = rules.batch_components(prompts, texts, answers)
+                        self.reward_timing.record(time.perf_counter() - start, len(prompts))
                     out[f"{p}rule_scores"] = np.asarray([rules.combine(c) for c in parts], np.float32)
                     out[f"{p}rule_components"] = {n: np.asarray([c[n] for c in parts], np.float32)
                                                   for n in rules.names}
@@ -684,7 +689,24 @@ class RolloutRuntime:
             return None
         from jaxrlhf.algorithms.reward_pool import RewardPool
 
-        return RewardPool(self.rules_spec, self.cfg.rewards.workers)
+        return RewardPool(self.rules_spec, self.cfg.rewards.workers, self.reward_timing)
+
+    @functools.cached_property
+    def reward_timing(self) -> Any:
+        """The rules' seconds per row as this run measures them (`reward_pool.RewardTiming`), for the
+        planner (`reward_fields`)."""
+        from jaxrlhf.algorithms.reward_pool import RewardTiming, rows_at_once
+
+        return RewardTiming(rows_at_once(self.rules_spec))
+
+    def reward_fields(self) -> dict[str, Any]:
+        """The workload's rule-reward fields (`planner.rewards`): the measured seconds per row (0 until
+        a batch was scored), rows scored at once, `rewards.workers`."""
+        if not self.cfg.rewards.rules:
+            return {}
+        timing = self.reward_timing
+        return {"reward_row_s": timing.row_s, "reward_at_once": timing.at_once,
+                "reward_workers": self.cfg.rewards.workers}
 
     def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None,
                         router_experts=None):

@@ -214,6 +214,7 @@ def _sandboxed_python_batch(*, prompts: Sequence[str], responses: Sequence[str],
 
 sandboxed_python.counters = ("failure", "timeout", "memory", "processes", "blocked", "crashed", "error")  # type: ignore[attr-defined]
 sandboxed_python.batch = _sandboxed_python_batch  # type: ignore[attr-defined]
+sandboxed_python.parallel_arg = "workers"  # type: ignore[attr-defined]  # rows its batch scores at once
 
 
 def _remote_score(result: remote_scoring.RemoteScore, failure: float) -> RuleScore:
@@ -246,6 +247,7 @@ def _remote_batch(*, prompts: Sequence[str], responses: Sequence[str], answers: 
 
 remote.counters = ("failure", *remote_scoring.FAILURES)  # type: ignore[attr-defined]
 remote.batch = _remote_batch  # type: ignore[attr-defined]
+remote.parallel_arg = "concurrency"  # type: ignore[attr-defined]  # rows its batch scores at once
 
 
 class CombinedReward:
