@@ -153,6 +153,10 @@ class Workload:
     - `packed`, `token_budget`: train and inference calls run packed rows (`algorithm.pack_sequences`),
       micro-batches of at most `token_budget` real tokens (`algorithm.max_tokens_per_micro_batch`);
       priced by the shapes the runtime's packer gives the drawn lengths (`packed_shape`).
+    - `reward_row_s`, `reward_at_once`, `reward_workers`: rule rewards (the `score_rules` host step):
+      one row's measured seconds (0: not measured, not priced), the rows the rules score in the time of
+      one (`reward_pool.rows_at_once`; None: one at a time) and `rewards.workers`; priced by
+      `planner.rewards.score_seconds`.
     """
 
     batch_size: int = 512
@@ -178,6 +182,9 @@ class Workload:
     gen_chunk: int = 16  # generation.stream_chunk: decode steps between the stream's reads
     packed: bool = False  # algorithm.pack_sequences
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
+    reward_row_s: float = 0.0  # one row's rule-reward seconds, measured by the run (0: not priced)
+    reward_at_once: int | None = None  # rows the rules score in the time of one (`rows_at_once`)
+    reward_workers: int = 0  # rewards.workers
 
     def __post_init__(self):
         if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:

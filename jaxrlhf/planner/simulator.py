@@ -30,6 +30,7 @@ from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit, offpolicy_problem
+from jaxrlhf.planner.rewards import score_seconds
 from jaxrlhf.models.config import ModelConfig
 
 
@@ -39,7 +40,7 @@ class Op:
 
     name: str
     call: str
-    kind: str  # "call" | "realloc" | "sync"
+    kind: str  # "call" | "realloc" | "sync" | "host" (a host step: on no device)
     step: int
     ranges: tuple[tuple[int, int], ...]  # [start, stop) device ranges it occupies
     duration: float
@@ -172,18 +173,46 @@ def _seconds_at(call_s: float | Sequence[float], step: int) -> float:
     return call_s if isinstance(call_s, (int, float)) else call_s[step % len(call_s)]
 
 
+def host_links(graph: CallGraph, host: str) -> tuple[set[str], set[str]]:
+    """The calls host step `host` reads from and the calls that read its outputs (either through
+    other host steps)."""
+    nodes = {n.name: n for n in graph.nodes}
+    producer = {v: n.name for n in graph.nodes for v in n.outputs}
+    calls = {c.name for c in graph.calls}
+    up, down, seen = set(), set(), {host}
+    todo = [host]
+    while todo:  # upstream
+        for v in nodes[todo.pop()].inputs:
+            src = producer.get(v)
+            if src is not None and src not in seen:
+                seen.add(src)
+                (up.add if src in calls else todo.append)(src)
+    todo, seen = [host], {host}
+    while todo:  # downstream
+        made = set(nodes[todo.pop()].outputs)
+        for n in graph.nodes:
+            if n.name not in seen and made & set(n.inputs):
+                seen.add(n.name)
+                (down.add if n.name in calls else todo.append)(n.name)
+    return up, down
+
+
 def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float | Sequence[float]],
-              move_s: Mapping[str, float], steps: int, staleness: int = 1) -> list[Op]:
+              move_s: Mapping[str, float], steps: int, staleness: int = 1,
+              host_s: Mapping[str, float | Sequence[float]] | None = None) -> list[Op]:
     """Unroll `steps` steps of `graph` under `plan` into ops.
 
     `call_s[call]`: seconds of the call itself (or a cycle of per-step seconds). `move_s[call]`: seconds
     to bring its role's parameters to the call's placement (a reallocation, or for a role in
     `plan.shadow_roles` the sync after its train call); missing or 0 means none. `staleness`: on an
     off-policy plan, how many steps the generator runs ahead (generate of step i waits for the sync of
-    step i - (staleness + 1)).
+    step i - (staleness + 1)). `host_s[step]`: seconds of a host step (or a cycle), an op on no device
+    after the calls it reads from and before those that read it (`planner.rewards`: `score_rules`).
     """
     ops: list[Op] = []
     order = graph.topological()
+    hosts = {h: host_links(graph, h) for h, sec in (host_s or {}).items() if sec}
+    after_host = {c.name: [h for h, (_, down) in hosts.items() if c.name in down] for c in order}
     for c in order:
         if c.name not in plan.calls:
             raise PlanError(f"plan has no placement for call {c.name!r}")
@@ -193,10 +222,13 @@ def build_ops(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float 
     trains = {r: graph.train_call(r) for r in graph.roles}
     at_homes = {c.name: _placed_at_home(plan, c.name) for c in order}
     for i in range(steps):
+        for h, (up, _) in hosts.items():
+            ops.append(Op(f"{h}@{i}", h, "host", i, (), _seconds_at(host_s[h], i),
+                          tuple(f"{c.name}@{i}" for c in order if c.name in up)))
         for c in order:
             group = groups[c.name]
             home = homes[c.role]
-            deps = [f"{d}@{i}" for d in c.deps]
+            deps = [f"{d}@{i}" for d in c.deps] + [f"{h}@{i}" for h in after_host[c.name]]
             train = trains[c.role]
             at_home = at_homes[c.name]
             # a call that needs fresh weights (an off-policy correction's recompute) never reads the shadow
@@ -372,19 +404,19 @@ def max_period(staleness: int, varying: bool) -> int:
 
 def steady_state(graph: CallGraph, plan: ExecutionPlan, call_s: Mapping[str, float | Sequence[float]],
                  move_s: Mapping[str, float], steps: int = MIN_STEPS, shared_host: int | None = None,
-                 staleness: int = 1) -> Timeline:
+                 staleness: int = 1, host_s: Mapping[str, float | Sequence[float]] | None = None) -> Timeline:
     """A schedule long enough to show the steady state: from `steps` steps, doubled until the step gaps
     repeat (`Timeline.period`) or the estimate moves by less than SETTLED (or MAX_STEPS). The first
     steps are faster than the rest (nothing waits yet for a previous step's train call), so a short
     schedule's mean gap is too small: 4 x 70B on 128 GPUs read 8.2 s after 3 steps, 9.0 s settled.
     `shared_host` as in `schedule`; `staleness` as in `build_ops`. Calls whose seconds change from step
     to step stop only at a period (or MAX_STEPS): their mean gap can look settled by chance."""
-    varying = any(not isinstance(v, (int, float)) for v in call_s.values())
+    varying = any(not isinstance(v, (int, float)) for v in (*call_s.values(), *(host_s or {}).values()))
     longest = max_period(staleness if plan.offpolicy else 1, varying)
     # enough steps that a longer period can show three times (else 6 steps may end before a long batch)
     n, before = max(steps, 2, 3 * longest + END_STEPS + 1 if longest > MAX_PERIOD else 0), None
     while True:
-        tl = schedule(build_ops(graph, plan, call_s, move_s, n, staleness), plan.num_devices, shared_host)
+        tl = schedule(build_ops(graph, plan, call_s, move_s, n, staleness, host_s), plan.num_devices, shared_host)
         tl.max_period, tl.period_unit = longest, LENGTH_BATCHES if varying else 1
         if tl.period() is not None or n >= MAX_STEPS:
             return tl
@@ -405,6 +437,21 @@ def generate_seconds(cost: CallCost, plan: ExecutionPlan, wl: Workload, call: Ca
         return (cost.seconds,)
     paced = dataclasses.replace(wl, staleness=plan_staleness(plan, wl))
     return generate_durations(cost, paced, call, plan.calls[call.name].layout.batch_ways, wl.gen_stream)
+
+
+def reward_host_s(graph: CallGraph, wl: Workload, call_s: Mapping[str, float | Sequence[float]]
+                  ) -> dict[str, float | tuple[float, ...]]:
+    """`score_rules`'s seconds in each step (`planner.rewards.score_seconds`, against the generate
+    call's seconds and response lengths of that step), or nothing when the graph scores no rules or
+    their time is not measured."""
+    generate = next((c.name for c in graph.calls if c.kind == "generate"), None)
+    if wl.reward_row_s <= 0 or generate is None or "score_rules" not in {h.name for h in graph.host_steps}:
+        return {}
+    gen = call_s[generate]
+    if isinstance(gen, (int, float)):
+        return {"score_rules": score_seconds(wl, gen)}
+    lengths = wl.response_lengths(wl.batch_size)
+    return {"score_rules": tuple(score_seconds(wl, g, lengths[k % len(lengths)]) for k, g in enumerate(gen))}
 
 
 def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
@@ -428,5 +475,6 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         for c in graph.calls:
             if c.kind == "generate":
                 call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, wl, c))
-    timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl))
+    timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl),
+                            reward_host_s(graph, wl, call_s))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)
