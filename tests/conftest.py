@@ -1,6 +1,7 @@
 """Test harness: 8 simulated CPU devices, set before any JAX backend starts, and one persistent
 compilation cache for the whole test run."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -44,6 +45,36 @@ def _plan_searches_in_the_test_cache():
         os.path.join(os.environ[_CACHE_ENV], "plans")
     yield
     planning.plan_cache_dir = kept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_file():
+    """XLA:CPU maps each compiled kernel into memory (three mappings per object), and JAX's in-memory
+    caches keep alive every program a worker compiled: over the slow tier a worker passed 31,000
+    mappings, and workers died inside XLA's compile or serialize (segfault, abort) at the kernel's
+    vm.max_map_count (65,530 by default). Dropping JAX's caches after each file frees them; the
+    persistent cache above reloads what a later file compiles again."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+# The slow tier's heaviest files, by worker-seconds measured on the 2-core machine (360 s down to 130 s),
+# handed out first: pytest-xdist gives each worker whole files in collection order (pyproject's addopts:
+# --no-loadscope-reorder; its default order is by test count, which put the 2-test multi-process file,
+# 150 s, near the end), and a long file handed out last keeps the other worker idle until it ends.
+HEAVIEST_FIRST = (
+    "tests/test_reliability.py", "tests/algorithms/test_end_to_end.py", "tests/multihost/test_multihost.py",
+    "tests/test_train.py", "tests/multihost/test_faults.py", "tests/test_partial_rollouts.py",
+    "tests/multihost/test_multihost_stream.py", "tests/algorithms/test_learning.py", "tests/test_profile_cli.py",
+    "tests/algorithms/test_rollout_correction.py", "tests/algorithms/test_evaluation.py",
+    "tests/data/test_coding_task.py", "tests/models/test_continuous.py", "tests/models/test_families.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files keep their order
 
 
 def pytest_unconfigure(config):
