@@ -51,8 +51,8 @@ def _plan_searches_in_the_test_cache():
 def _free_compiled_programs_after_each_file():
     """XLA:CPU maps each compiled kernel into memory (three mappings per object), and JAX's in-memory
     caches keep alive every program a worker compiled: over the slow tier a worker passed 31,000
-    mappings, and workers died inside XLA's compile or serialize (segfault, abort) at the kernel's
-    vm.max_map_count (65,530 by default). Dropping JAX's caches after each file frees them; the
+    mappings, and workers died inside XLA's compile or serialize (segfault, abort), most likely at the
+    kernel's vm.max_map_count (65,530 by default). Dropping JAX's caches after each file frees them; the
     persistent cache above reloads what a later file compiles again."""
     yield
     jax.clear_caches()
