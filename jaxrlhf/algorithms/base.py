@@ -104,10 +104,15 @@ class Algorithm(abc.ABC):
             packed=getattr(cfg.algorithm, "pack_sequences", False),
             token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None),
             **self.reward_fields(),
+            **self.episode_fields(),
         )
 
     def reward_fields(self) -> dict[str, Any]:
         """The workload's rule-reward fields (`planner.rewards`); none for a stage that scores no rules."""
+        return {}
+
+    def episode_fields(self) -> dict[str, Any]:
+        """The workload's multi-turn episode fields (`planner.episodes`); none for single-turn generation."""
         return {}
 
     def base_views(self) -> dict[str, str]:

@@ -26,9 +26,11 @@ the trajectory's `counters` and the step's `env/...` metrics), never an exceptio
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import math
 import operator
+import statistics
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from jaxrlhf.registry import Registry
@@ -125,6 +127,30 @@ class Trajectory:
         self.reward += float(result.reward)
         for key, value in result.info.items():
             self.counters[key] = self.counters.get(key, 0.0) + float(value)
+
+
+class EpisodeTiming:
+    """What the multi-turn engine spent on the run's episode batches, as it measured them
+    (`models.multiturn.MultiTurnOutput`): per batch, the decode steps it ran, its extend forwards (observations
+    prefilled onto the cache) and the seconds it waited on environments with no row left to decode; the
+    median of each over the latest WINDOW batches. The planner prices a multi-turn generate call with them
+    (`Workload.env_decode_steps`, `env_extends`, `env_wait_s`; `planner.episodes`); all 0 before a batch ran."""
+
+    WINDOW = 32
+
+    def __init__(self):
+        self._batches: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=self.WINDOW)
+
+    def record(self, decode_steps: int, extends: int, wait_s: float) -> None:
+        self._batches.append((decode_steps, extends, wait_s))
+
+    def fields(self) -> dict[str, float]:
+        """The workload's measured episode fields: medians, or 0 before anything was measured."""
+        if not self._batches:
+            return {"env_decode_steps": 0.0, "env_extends": 0.0, "env_wait_s": 0.0}
+        steps, extends, wait = zip(*self._batches)
+        return {"env_decode_steps": float(statistics.median(steps)), "env_extends": float(statistics.median(extends)),
+                "env_wait_s": float(statistics.median(wait))}
 
 
 # ---------------------------------------------------------------- tools

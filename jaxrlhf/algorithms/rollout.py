@@ -49,12 +49,13 @@ from jaxtyping import Array, Float, Int
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction_weights
-from jaxrlhf.algorithms.environments import ACTION_MASK
+from jaxrlhf.algorithms.environments import ACTION_MASK, EpisodeTiming
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
 from jaxrlhf.algorithms.base import AlgorithmConfigError
 from jaxrlhf.algorithms.rl import RESPONSE, ROUTED, SEQUENCE
+from jaxrlhf.config_schema import AGENT_ENVIRONMENT
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
@@ -708,6 +709,22 @@ class RolloutRuntime:
         return {"reward_row_s": timing.row_s, "reward_at_once": timing.at_once,
                 "reward_workers": self.cfg.rewards.workers}
 
+    @functools.cached_property
+    def episode_timing(self) -> Any:
+        """The multi-turn engine's work per episode batch as this run measures it
+        (`environments.EpisodeTiming`), for the planner (`episode_fields`)."""
+        return EpisodeTiming()
+
+    def episode_fields(self) -> dict[str, Any]:
+        """The workload's multi-turn fields (`planner.episodes`) when the rollout's own environments play the
+        episodes (`env.name`): the extend width the engine's spec gives and the measured episode work (0
+        until a batch ran). Agents' episodes (env.name=openai_agent) are priced as single-turn generation."""
+        env = self.cfg.env
+        if env.name is None or env.name == AGENT_ENVIRONMENT:
+            return {}
+        return {"multi_turn": True, "env_extend_width": 1 + env.max_observation_tokens,
+                **self.episode_timing.fields()}
+
     def _pack_sequences(self, tokens, mask, positions, response_mask, shards, rng_actor, rng_critic=None,
                         router_experts=None):
         """The host step `pack_sequences`: the batch packed for each call that reads it (`models.packing`):
@@ -798,6 +815,7 @@ class RolloutRuntime:
         finally:
             if env.workers:
                 pool.release(envs)
+        self.episode_timing.record(out.decode_steps, out.extends, out.env_wait_s)
         values = out.rollout_batch()
         pad = s.max_new_tokens - budget  # the batch's response width is the generate call's
         for name in ("response_tokens", "response_mask", "behaviour_logp", ACTION_MASK, "tokens", "mask"):

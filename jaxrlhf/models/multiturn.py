@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -255,7 +256,9 @@ class MultiTurnOutput:
     """Host arrays, one row per trajectory: the left-padded prompts, the responses (model and observation
     tokens interleaved, pad after `lengths`), the behaviour log-probs (0 on observation tokens), `loss_mask`
     (1 on sampled tokens), `response_mask` (every real response token), and per row the environment's
-    reward, turns, counters (summed step infos) and why it ended (`FINISH_NAMES`)."""
+    reward, turns, counters (summed step infos) and why it ended (`FINISH_NAMES`); and for the batch, what the
+    planner prices an episode batch with (`planner.episodes`): the decode steps the engine ran, its extend
+    forwards, the seconds it waited on environments with no row to decode, and each step's seconds."""
 
     prompt_tokens: np.ndarray
     prompt_mask: np.ndarray
@@ -268,6 +271,10 @@ class MultiTurnOutput:
     turns: np.ndarray
     counters: list[dict[str, float]]
     finish: list[str]
+    decode_steps: int = 0
+    extends: int = 0
+    env_wait_s: float = 0.0
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
 
     def rollout_batch(self) -> dict[str, np.ndarray]:
         """The rollout batch's generated values (`algorithms.rl.GENERATED`, the generate call's layout: prompt
@@ -284,11 +291,16 @@ class MultiTurnOutput:
 
     def metrics(self) -> dict[str, float]:
         """`env/...` metrics: mean reward, turns, trajectory and observation tokens, each counter per
-        trajectory, and the fraction of trajectories ending each way."""
+        trajectory, the fraction of trajectories ending each way, and the batch's engine work: decode
+        steps, extend forwards, seconds waiting on environments, an environment step's mean seconds."""
         rows = max(len(self.finish), 1)
         out = {"env/reward": float(self.env_reward.mean()), "env/turns": float(self.turns.mean()),
                "env/tokens": float(self.lengths.mean()),
-               "env/observation_tokens": float((self.response_mask & ~self.loss_mask).sum() / rows)}
+               "env/observation_tokens": float((self.response_mask & ~self.loss_mask).sum() / rows),
+               "env/decode_steps": float(self.decode_steps), "env/extends": float(self.extends),
+               "env/wait_s": float(self.env_wait_s)}
+        if self.step_seconds:
+            out["env/step_s"] = float(np.mean(self.step_seconds))
         for key in sorted({k for c in self.counters for k in c}):
             out[f"env/{key}"] = sum(c.get(key, 0.0) for c in self.counters) / rows
         for name in FINISH_NAMES.values():
@@ -333,6 +345,15 @@ def generate_multiturn(
         raise ValueError("multi-turn generation needs end-of-turn (EOS) ids: a turn ends on one")
     stepping: dict[int, concurrent.futures.Future] = {}
     width = spec.extend_width - 1
+    decode_steps, extends, waited, step_seconds = 0, 0, 0.0, []
+
+    def timed_step(env: Any, text: str) -> Any:  # an environment step, timed on its thread
+        began = time.perf_counter()
+        try:
+            return env.step(text)
+        finally:
+            step_seconds.append(time.perf_counter() - began)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
         while True:
             status, n, tokens, ended = jax.device_get((st.status, st.n, st.tokens, st.ended))
@@ -343,12 +364,14 @@ def generate_multiturn(
                     if cut[i]:
                         counters[i]["turn_cut"] = counters[i].get("turn_cut", 0.0) + 1.0
                     text = decode_text(tokens[i, turn_start[i]:n[i]])  # the turn, its end-of-turn token dropped
-                    stepping[i] = pool.submit(envs[i].step, text)
+                    stepping[i] = pool.submit(timed_step, envs[i], text)
             if not stepping and not (status == RUNNING).any():
                 break
             ready = [i for i, f in stepping.items() if f.done()]
             if not ready and not (status == RUNNING).any():  # nothing to decode: wait for an environment
+                began = time.perf_counter()
                 concurrent.futures.wait(list(stepping.values()), return_when=concurrent.futures.FIRST_COMPLETED)
+                waited += time.perf_counter() - began
                 ready = [i for i, f in stepping.items() if f.done()]
             obs = np.full((R, width), spec.pad_id, np.int32)
             length = np.zeros(R, np.int32)
@@ -384,8 +407,12 @@ def generate_multiturn(
             if go.any():
                 st, _ = extend_fn(graphdef, params, st, jnp.asarray(obs), jnp.asarray(length), jnp.asarray(go),
                                   spec=spec)
-            if (jax.device_get(st.status) == RUNNING).any():
+                extends += 1
+            status, before = jax.device_get((st.status, st.n))
+            if (status == RUNNING).any():
                 st = decode_fn(graphdef, params, st, spec=spec, steps=chunk)
+                # the loop ran while any row ran: as many steps as the row that ran longest sampled
+                decode_steps += int(np.max(np.where(status == RUNNING, jax.device_get(st.n) - before, 0)))
     out = jax.device_get(st)
     turns += (out.finish == MAX_TOKENS) & ~host_ended  # the turn the trajectory's budget cut counts too
     lengths = out.n.astype(np.int32)
@@ -394,4 +421,5 @@ def generate_multiturn(
         prompt_tokens=np.asarray(out.prompt_tokens), prompt_mask=np.asarray(out.prompt_mask),
         response_tokens=np.asarray(out.tokens), response_mask=response_mask,
         loss_mask=np.asarray(out.loss_mask) & response_mask, logprobs=np.asarray(out.logp), lengths=lengths,
-        env_reward=reward, turns=turns, counters=counters, finish=[FINISH_NAMES[int(f)] for f in out.finish])
+        env_reward=reward, turns=turns, counters=counters, finish=[FINISH_NAMES[int(f)] for f in out.finish],
+        decode_steps=decode_steps, extends=extends, env_wait_s=waited, step_seconds=step_seconds)

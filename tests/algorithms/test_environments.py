@@ -263,6 +263,8 @@ def test_grpo_run_with_an_environment_completes_and_logs_env_metrics(tmp_path):
         if "env/turns" in r:
             assert r["env/turns"] == 2 and r["env/retries"] == 1 and r["env/finish/done"] == 1
             assert r["env/observation_tokens"] > len("\nAgain:\n") - 1 and np.isfinite(r["loss/policy"])
+            # the engine's work on the batch, measured for the planner (`planner.episodes`)
+            assert r["env/decode_steps"] > 0 and r["env/extends"] >= 1 and r["env/wait_s"] >= 0
 
 
 @pytest.mark.slow

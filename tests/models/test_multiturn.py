@@ -115,6 +115,16 @@ def test_observation_extends_the_cache_and_equals_a_full_recompute(model):
     assert (out.logprobs[~sampled] == 0).all()
     metrics = out.metrics()
     assert metrics["env/steps"] > 1 and 0 < metrics["env/finish/done"] <= 1
+    # what the planner prices the batch with: the decode steps cover the row that decoded most (each turn's
+    # first token is sampled by the prefill or an extend) and each step samples for one row at least; an
+    # extend prefills one observation at least
+    starts = [1 + int(np.sum(np.diff(out.loss_mask[i, :out.lengths[i]].astype(int)) == 1)) for i in range(4)]
+    decoded = [int(out.loss_mask[i].sum()) - starts[i] for i in range(4)]
+    assert max(decoded) <= out.decode_steps <= sum(decoded)
+    observations = sum(s - 1 for s in starts)
+    assert 1 <= out.extends <= observations and out.env_wait_s >= 0
+    assert len(out.step_seconds) == sum(len(env.actions) for env in envs) and metrics["env/step_s"] >= 0
+    assert metrics["env/decode_steps"] == out.decode_steps and metrics["env/extends"] == out.extends
 
 
 @pytest.mark.slow  # ~30 s alone (compiles start, decode, extend); under a second after the test above
