@@ -66,6 +66,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxrlhf.graph import CallSpec
+from jaxrlhf.planner.episodes import episode_cost
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key, timed_placement
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
@@ -157,6 +158,11 @@ class Workload:
       one row's measured seconds (0: not measured, not priced), the rows the rules score in the time of
       one (`reward_pool.rows_at_once`; None: one at a time) and `rewards.workers`; priced by
       `planner.rewards.score_seconds`.
+    - `multi_turn`, `env_extend_width`, `env_decode_steps`, `env_extends`, `env_wait_s`: the generate call
+      plays multi-turn episodes (`env.name`, `models.multiturn`): every device runs the whole batch (the
+      engine's pool is not sharded), and the call adds what the run measured per batch (0: not measured,
+      priced as one turn to the cap): the decode steps run, the extend forwards of `env_extend_width`
+      tokens a row, the seconds waiting on environments; priced by `planner.episodes.episode_cost`.
     """
 
     batch_size: int = 512
@@ -185,6 +191,11 @@ class Workload:
     reward_row_s: float = 0.0  # one row's rule-reward seconds, measured by the run (0: not priced)
     reward_at_once: int | None = None  # rows the rules score in the time of one (`rows_at_once`)
     reward_workers: int = 0  # rewards.workers
+    multi_turn: bool = False  # env.name: episodes through the multi-turn engine
+    env_extend_width: int = 0  # tokens of one extend forward a row (1 + env.max_observation_tokens)
+    env_decode_steps: float = 0.0  # decode steps per episode batch, measured (0: gen_len)
+    env_extends: float = 0.0  # extend forwards per episode batch, measured
+    env_wait_s: float = 0.0  # seconds per batch waiting on environments with no row to decode, measured
 
     def __post_init__(self):
         if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
@@ -258,8 +269,12 @@ class Workload:
         its engine runs it when every response is `gen_len` long (the planner's worst case): both engines
         prefill each group's prompt once per shard (`models.slots.shard_group`); static decodes all rows for
         gen_len steps, continuous runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of
-        gen_len at full width (a pool that preempts is not modelled)."""
+        gen_len at full width (a pool that preempts is not modelled); the multi-turn engine prefills and
+        decodes every row on every device (its pool is not sharded), gen_len steps before measurement
+        (`planner.episodes` scales them to the measured steps)."""
         rows = self.call_seqs(call)
+        if self.multi_turn:
+            return rows, rows, self.gen_len
         if rows % batch_ways:
             return rows / batch_ways, rows / batch_ways, self.gen_len
         prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
@@ -270,8 +285,9 @@ class Workload:
 
     @property
     def lengths_vary(self) -> bool:
-        """Whether response lengths are drawn: a median and a spread; else every response runs to the cap."""
-        return self.gen_len_median is not None and self.gen_len_sigma > 0
+        """Whether response lengths are drawn: a median and a spread; else every response runs to the cap.
+        Never for multi-turn episodes: their decode steps are measured (`env_decode_steps`)."""
+        return self.gen_len_median is not None and self.gen_len_sigma > 0 and not self.multi_turn
 
     def response_lengths(self, rows: int) -> np.ndarray:
         """LENGTH_BATCHES batches of `rows` response lengths, shape [batches, rows]: log-normal around
@@ -326,8 +342,11 @@ class Workload:
         the prefill's cache of one row per group it is copied from;
         continuous: the page pool (prefix pages + response pages, `models.slots.kv_columns`), carried in
         and out, plus the prefill's dense prefix the pool is built from; a stream's pool holds the prompts
-        of staleness + 1 batches (`stream_columns`)."""
+        of staleness + 1 batches (`stream_columns`); multi-turn: every row's pages on every device, prompt,
+        trajectory and an extend's columns, carried in and out, plus the prefill's dense prefix."""
         rows = self.call_seqs(call)
+        if self.multi_turn:
+            return 2 * rows * (self.seq_len + self.env_extend_width) + rows * self.prompt_len
         if rows % batch_ways:
             return 2 * rows / batch_ways * self.seq_len
         if self.gen_engine == "static":
@@ -934,7 +953,8 @@ def profile_call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layo
     """`call_cost` from the profile alone (its tables, else the formulas), no run's times: what a
     run's time of the call is compared with (`Run.estimate`)."""
     formula = formula_cost(call, cfg, group, layout, wl, hw)
-    return measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
+    cost = measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
+    return episode_cost(cost, wl) if call.kind == "generate" and wl.multi_turn else cost
 
 
 def formula_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,
