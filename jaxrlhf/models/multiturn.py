@@ -56,6 +56,9 @@ RUNNING, AWAIT, DONE = 0, 1, 2  # a row's status
 NOT_DONE, MAX_TOKENS, ENV_DONE, MAX_TURNS, ENV_ERROR = 0, 1, 2, 3, 4
 FINISH_NAMES = {NOT_DONE: "", MAX_TOKENS: "max_tokens", ENV_DONE: "done", MAX_TURNS: "max_turns",
                 ENV_ERROR: "env_error"}
+# `MultiTurnOutput.metrics` of the engine's work on a batch: they depend on when the environments answer (the
+# same episodes decode in more steps when rows fall out of step), unlike the trajectories
+ENGINE_METRICS = ("env/decode_steps", "env/extends", "env/wait_s", "env/step_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +274,7 @@ class MultiTurnOutput:
     turns: np.ndarray
     counters: list[dict[str, float]]
     finish: list[str]
-    decode_steps: int = 0
+    decode_steps: int | None = None  # None: not played by this engine (the agent endpoint's episodes)
     extends: int = 0
     env_wait_s: float = 0.0
     step_seconds: list[float] = dataclasses.field(default_factory=list)
@@ -296,9 +299,10 @@ class MultiTurnOutput:
         rows = max(len(self.finish), 1)
         out = {"env/reward": float(self.env_reward.mean()), "env/turns": float(self.turns.mean()),
                "env/tokens": float(self.lengths.mean()),
-               "env/observation_tokens": float((self.response_mask & ~self.loss_mask).sum() / rows),
-               "env/decode_steps": float(self.decode_steps), "env/extends": float(self.extends),
-               "env/wait_s": float(self.env_wait_s)}
+               "env/observation_tokens": float((self.response_mask & ~self.loss_mask).sum() / rows)}
+        if self.decode_steps is not None:
+            out.update({"env/decode_steps": float(self.decode_steps), "env/extends": float(self.extends),
+                        "env/wait_s": float(self.env_wait_s)})
         if self.step_seconds:
             out["env/step_s"] = float(np.mean(self.step_seconds))
         for key in sorted({k for c in self.counters for k in c}):
