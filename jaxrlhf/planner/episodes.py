@@ -25,10 +25,13 @@ than the run that measured it saw (the estimate errs short there too). Before a 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # cost.py imports this module
+    from jaxrlhf.planner.cost import CallCost, Workload
 
 
-def episode_parts(parts: dict[str, float], wl: Any) -> dict[str, float]:
+def episode_parts(parts: dict[str, float], wl: Workload) -> dict[str, float]:
     """A single-turn generate call's `parts` as an episode batch runs them (module docstring): the prefill
     kept, every other part (decode, its collectives and launches over gen_len steps) scaled to the measured
     steps, and the extends and the environments' wait added."""
@@ -38,7 +41,7 @@ def episode_parts(parts: dict[str, float], wl: Any) -> dict[str, float]:
             "extend": prefill * wl.env_extends * wl.env_extend_width / wl.prompt_len, "env_wait": wl.env_wait_s}
 
 
-def episode_cost(cost: Any, wl: Any) -> Any:
-    """`cost` (a `cost.CallCost` of the generate call priced as one turn) as an episode batch costs it."""
+def episode_cost(cost: CallCost, wl: Workload) -> CallCost:
+    """`cost` (the generate call priced as one turn) as an episode batch costs it."""
     parts = episode_parts(cost.parts, wl)
     return dataclasses.replace(cost, seconds=sum(parts.values()), parts=parts)
