@@ -6,7 +6,7 @@ planner's estimates of both.
 
 The batch: `--rows` sequences of the bundled task's shape (prompts of 8-16 tokens, left-padded to 16)
 whose responses have the log-normal lengths the planner draws for this workload (median 64, sigma 1,
-cap 512: `planner.cost.Workload.response_lengths`, its first batch, so the planner prices the batch
+cap 512: `planner.workload.Workload.response_lengths`, its first batch, so the planner prices the batch
 measured). Both sides run the runtime's own call functions (`algorithms.rollout`) jitted on one device
 (every core): the reference log-probs (`policy_logprobs`: an inference call) and the actor update with
 the GRPO loss (`actor_train`, 4 minibatches, 1 epoch; REINFORCE++ advantages, which need no groups).
@@ -56,7 +56,8 @@ from jaxrlhf.models.config import preset  # noqa: E402
 from jaxrlhf.models.packing import pack_batch  # noqa: E402
 from jaxrlhf.models.sampling import SamplingParams  # noqa: E402
 from jaxrlhf.models.transformer import build_model, positions_from_mask  # noqa: E402
-from jaxrlhf.planner.cost import Workload, call_cost  # noqa: E402
+from jaxrlhf.planner.cost import call_cost  # noqa: E402
+from jaxrlhf.planner.workload import Workload  # noqa: E402
 from jaxrlhf.planner.measured import Measured, Table, model_key  # noqa: E402
 from jaxrlhf.planner.plan import DeviceGroup, Layout  # noqa: E402
 

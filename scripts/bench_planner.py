@@ -26,7 +26,7 @@ import time
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.planner import search as search_module
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import GB, get_profile
 from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
 from jaxrlhf.testing.graphs import ppo_graph

@@ -66,7 +66,9 @@ def main() -> None:
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxrlhf.planner.cost import Workload, call_cost, kv_bytes_per_token, param_bytes
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.workload import Workload
+    from jaxrlhf.planner.sizes import kv_bytes_per_token, param_bytes
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.placement.calibrate import best_time, calibrate
     from jaxrlhf.planner.hardware import get_profile

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from jaxrlhf.config_schema import Config
     from jaxrlhf.models.tokenizer import Tokenizer
     from jaxrlhf.placement.executor import Executor, Role, StepResult
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
 
 
 class AlgorithmConfigError(ValueError):
@@ -81,7 +81,7 @@ class Algorithm(abc.ABC):
 
     def workload(self) -> "Workload":
         """What one step processes, for the planner: derived from the same config the runtime reads."""
-        from jaxrlhf.planner.cost import Workload
+        from jaxrlhf.planner.workload import Workload
 
         cfg = self.cfg
         roles = list(self.roles())

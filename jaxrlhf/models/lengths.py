@@ -39,7 +39,7 @@ def response_width(longest: int, max_new_tokens: int) -> int:
 def lognormal_lengths(z: "np.ndarray", median: int, sigma: float, cap: int) -> "np.ndarray":
     """Response lengths median x exp(sigma x z) for standard normal draws `z`, rounded, in [1, cap]: the
     long-tailed lengths of reasoning rollouts. The planner prices generation with them
-    (`planner.cost.Workload.response_lengths`) and `generation.simulated_lengths` makes a run's responses
+    (`planner.workload.Workload.response_lengths`) and `generation.simulated_lengths` makes a run's responses
     end at them, so a plan is measured on the workload it was priced on."""
     import numpy as np
 

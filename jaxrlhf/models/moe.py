@@ -21,7 +21,7 @@ Real-size MoE training wants the *grouped* dispatch (`moe_dispatch="grouped"`, `
 assignments sorted by expert, `jax.lax.ragged_dot` against the stacked experts with group sizes = tokens per
 expert, scattered back weighted by the router; still exact and static-shaped (tokens x k rows, nothing
 dropped), with only the k picked experts' FLOPs. CPU's ragged_dot does not exploit the groups (about the
-dense dispatch's time there); the planner prices its FLOPs from the k experts (`planner.cost.flop_params`).
+dense dispatch's time there); the planner prices its FLOPs from the k experts (`planner.sizes.flop_params`).
 
 Expert parallelism (a layout's `expert` degree e > 1, the logical EXPERT axis on the "expert" mesh axis;
 `expert_parallel`): each device holds num_experts / e experts, and the batch is split over the expert axis

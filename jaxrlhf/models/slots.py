@@ -1,5 +1,5 @@
 """The continuous engine's sizes, JAX-free: the runtime (`continuous.py`) and the planner's cost and
-memory model (`planner/cost.py`, `planner/memory.py`) size the slot pool, the page pool and the
+memory model (`planner/workload.py`, `planner/memory.py`) size the slot pool, the page pool and the
 active-width steps with the same functions, so a plan assumes exactly what the engine allocates.
 
 Every size is per batch shard: a sharded generate call runs one engine per shard of the batch axis

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import PlanError
 
 BUDGET_SPLITS = (2, 4, 8)  # candidate budgets: an update's drawn tokens over these (about that many micro-batches)

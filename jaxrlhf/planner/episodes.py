@@ -28,7 +28,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # cost.py imports this module
-    from jaxrlhf.planner.cost import CallCost, Workload
+    from jaxrlhf.planner.cost import CallCost
+    from jaxrlhf.planner.workload import Workload
 
 
 def episode_parts(parts: dict[str, float], wl: Workload) -> dict[str, float]:

@@ -20,10 +20,11 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, Workload, expert_split_count, kv_bytes_per_token, matmul_params, mlp_width,
-    optimizer_bytes_per_param, shard_bytes, trained_shard_bytes, trained_shard_count,
+from jaxrlhf.planner.sizes import (
+    DTYPE_BYTES, expert_split_count, kv_bytes_per_token, matmul_params, mlp_width, optimizer_bytes_per_param,
+    shard_bytes, trained_shard_bytes, trained_shard_count,
 )
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.plan import ExecutionPlan, Layout

@@ -29,7 +29,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.registry import Registry
 
 if TYPE_CHECKING:
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import HardwareProfile
 
 Builder = Callable[..., ExecutionPlan]

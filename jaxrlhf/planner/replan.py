@@ -17,7 +17,8 @@ from typing import Mapping
 
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.planner.cost import Workload, profile_call_cost
+from jaxrlhf.planner.cost import profile_call_cost
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import Measured, Run, model_key
 from jaxrlhf.planner.plan import ExecutionPlan

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 
 
 def rounds(rows: int, at_once: int | None) -> int:

@@ -45,7 +45,9 @@ from typing import Iterator, Mapping
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import presets
-from jaxrlhf.planner.cost import CostCache, Workload, optimizer_bytes_per_param, shard_bytes, trained_shard_count
+from jaxrlhf.planner.cost import CostCache
+from jaxrlhf.planner.workload import Workload
+from jaxrlhf.planner.sizes import optimizer_bytes_per_param, shard_bytes, trained_shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 from jaxrlhf.planner.plan import (

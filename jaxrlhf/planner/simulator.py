@@ -25,7 +25,8 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from jaxrlhf.planner.cost import LENGTH_BATCHES, CallCost, CostCache, Workload, generate_durations, offload_cost
+from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offload_cost
+from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set

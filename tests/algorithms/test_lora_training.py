@@ -15,7 +15,7 @@ from jaxrlhf.metrics import read_metrics
 from jaxrlhf.models.config import LoraConfig, preset
 from jaxrlhf.models.hf_io import save_hf_checkpoint
 from jaxrlhf.models.transformer import build_model
-from jaxrlhf.planner.cost import lora_param_count
+from jaxrlhf.planner.sizes import lora_param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -190,7 +190,8 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
     """`Workload.packed_shape` is the runtime packer's layout of the planner's drawn lengths, and a packed
     call of a long-tailed batch is priced (time and memory) below its padded form."""
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.planner.cost import LENGTH_BATCHES, Workload, call_cost
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
     from jaxrlhf.planner.plan import DeviceGroup, Layout

@@ -237,7 +237,9 @@ def test_context_degree_that_does_not_divide_the_sequence_is_a_clear_error():
 
 def test_cost_and_memory_models_price_the_context_axis():
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.planner.cost import Workload, call_cost, kv_bytes_per_token
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.workload import Workload
+    from jaxrlhf.planner.sizes import kv_bytes_per_token
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
     from jaxrlhf.models.config import preset

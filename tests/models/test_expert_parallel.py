@@ -157,7 +157,7 @@ def test_memory_model_within_15_percent_of_xla_for_an_expert_parallel_train_call
 
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.models.transformer import build_model
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
 
     cfg = PRESETS["tiny-qwen3-moe"].replace(hidden_size=256, moe_intermediate_size=128, vocab_size=1024,

@@ -6,7 +6,7 @@ import pytest
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import (
     RING_MASK_BYTES, SCORE_COPIES_INFER, optimizer_per_device, params_per_device, working_set,

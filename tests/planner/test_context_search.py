@@ -9,7 +9,7 @@ import re
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import CONTEXT_MIN_TOKENS, ExecutionPlan
 from jaxrlhf.planner.search import valid_layouts
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxrlhf.planner.cost import (
-    DTYPE_BYTES, TP_ALLREDUCES_PER_LAYER, Workload, attention_flops, call_cost, matmul_params, realloc_cost,
-)
+from jaxrlhf.planner.cost import call_cost, realloc_cost, TP_ALLREDUCES_PER_LAYER
+from jaxrlhf.planner.workload import Workload
+from jaxrlhf.planner.sizes import attention_flops, DTYPE_BYTES, matmul_params
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.plan import DeviceGroup, Layout

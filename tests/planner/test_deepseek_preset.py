@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.cost import mlp_width, param_count
+from jaxrlhf.planner.sizes import mlp_width, param_count
 from jaxrlhf.planner.plan import ExecutionPlan
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from jaxrlhf.algorithms.environments import EpisodeTiming
-from jaxrlhf.planner.cost import CallCost, Workload
+from jaxrlhf.planner.cost import CallCost
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.episodes import episode_cost
 
 EPISODES = dict(multi_turn=True, env_extend_width=33)

@@ -6,7 +6,8 @@ import pytest
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.cost import Workload, call_cost
+from jaxrlhf.planner.cost import call_cost
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import HardwareProfile, get_profile
 from jaxrlhf.planner.measured import Measured, Table, model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout

@@ -4,7 +4,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory, working_set

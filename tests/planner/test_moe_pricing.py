@@ -11,7 +11,7 @@ from pytest import approx
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.cost import flop_params, matmul_params, mlp_width, param_count
+from jaxrlhf.planner.sizes import flop_params, matmul_params, mlp_width, param_count
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import ExecutionPlan, Layout, layout_misfit
 
@@ -66,7 +66,9 @@ def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers
     per MoE layer of a forward it all-gathers its expert group's tokens and combine weights ([e x n, hidden +
     num_experts]) and reduce-scatters the partial sums ([e x n, hidden]): (e - 1) / e of each over the axis."""
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.planner.cost import Workload, call_cost, expert_param_count, shard_count
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.workload import Workload
+    from jaxrlhf.planner.sizes import expert_param_count, shard_count
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.plan import DeviceGroup
 
@@ -96,7 +98,7 @@ def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers
 
 def test_the_search_considers_expert_degrees_for_a_mixture_of_experts_only():
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.search import valid_layouts
 
     wl = Workload(batch_size=64, prompt_len=256, gen_len=256, minibatches=1)

@@ -6,7 +6,9 @@ import pytest
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.cost import Workload, call_cost, layer_param_count, param_count
+from jaxrlhf.planner.cost import call_cost
+from jaxrlhf.planner.workload import Workload
+from jaxrlhf.planner.sizes import layer_param_count, param_count
 from jaxrlhf.planner.hardware import GB, get_profile
 from jaxrlhf.planner.memory import params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError, layout_misfit, validate

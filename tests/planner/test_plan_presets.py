@@ -160,7 +160,7 @@ def test_invalid_yaml_messages():
 # ---- heuristic and colocated baselines -------------------------------------------------------
 @pytest.mark.parametrize("size,n", [("7b", 8), ("13b", 16), ("70b", 128)])
 def test_heuristic_is_megatron_style_and_fits(size, n):
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import plan_memory
 
@@ -211,7 +211,7 @@ def test_verl_is_a_tuned_hybrid_engine_that_fits(size, n):
     """verl-style: everything on all devices, FSDP (over a node, data parallel across nodes) or tensor
     parallelism inside a node for training, generation on a tensor-parallel copy inside a node; its
     tuning never makes the plan slower than its untuned first fit."""
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import plan_memory
     from jaxrlhf.planner.simulator import estimate_plan

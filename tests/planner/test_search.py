@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from jaxrlhf.planner.cost import CostCache, Workload
+from jaxrlhf.planner.cost import CostCache
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner import search as search_module

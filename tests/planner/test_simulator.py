@@ -132,7 +132,8 @@ def test_micro_batch_count_is_chosen_per_call():
     import dataclasses
 
     from jaxrlhf.models.config import preset
-    from jaxrlhf.planner.cost import CostCache, Workload
+    from jaxrlhf.planner.cost import CostCache
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.presets import build_plan
     from jaxrlhf.planner.simulator import estimate_plan, micro_options
@@ -187,7 +188,7 @@ def _llama_async(**wl_kw):
     import dataclasses
 
     from jaxrlhf.models.config import preset
-    from jaxrlhf.planner.cost import Workload
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.presets import build_plan
     from jaxrlhf.testing.graphs import ppo_graph
@@ -219,7 +220,8 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
     import numpy as np
 
     from jaxrlhf.models.slots import pool_size
-    from jaxrlhf.planner.cost import LENGTH_BATCHES, CostCache, generate_durations
+    from jaxrlhf.planner.cost import CostCache, generate_durations
+    from jaxrlhf.planner.workload import LENGTH_BATCHES
     from jaxrlhf.planner.simulator import estimate_plan
 
     for engine in ("static", "continuous"):
@@ -277,7 +279,7 @@ def test_decode_steps_of_the_engines_by_hand():
     group slots: eta = 1) over batches [3, 1] and [1, 1]: batch 0's rows take both slots, batch 1's wait
     for them and finish with it at step 3 (read every step); the second round alike: 3 full-width steps
     for the first batch of a round, none left for the second."""
-    from jaxrlhf.planner.cost import _continuous_batch, _stream_batches
+    from jaxrlhf.planner.workload import _continuous_batch, _stream_batches
 
     assert _continuous_batch((5, 1, 1, 1), 1, 4) == (5.0, 2.0)
     assert _continuous_by_step((5, 1, 1, 1), 1, 4, 1.0) == 2.0 and _continuous_by_step((5, 1, 1, 1), 1, 4, 0.0) == 5.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.cost import Workload
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import ExecutionPlan
 
 

@@ -1,0 +1,396 @@
+"""What one RLHF step processes and how the runtime executes it: the planner's `Workload`.
+
+The fields mirror the run's config (an algorithm's `workload()` fills them), so a plan never assumes
+what the runtime does not do. Besides the shapes (batch, prompt and response lengths, minibatches),
+it holds the drawn response lengths every plan is priced with (`response_lengths`), the packing the
+runtime's packer makes of them (`packed_shape`) and how the generation engines run them
+(`decode_fractions`: the continuous engine's narrow tail steps and a partial-rollout stream, simulated
+slot by slot); the seconds of calls are `planner.cost`'s, their bytes `planner.memory`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from jaxrlhf.graph import CallSpec
+from jaxrlhf.models.lengths import lognormal_lengths, response_width
+from jaxrlhf.models.packing import PackedShape, packing_layout
+from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths
+
+REMAT_POLICIES = ("none", "full", "dots")
+LENGTH_BATCHES = 8  # K: the batches of drawn response lengths the steps cycle through (step i has batch i % K)
+LENGTH_SEED = 0
+
+
+@functools.lru_cache(maxsize=64)
+def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray:
+    """`Workload.response_lengths`' draw, once per distribution and batch size: every plan a search
+    estimates prices its generate calls with the same lengths."""
+    z = np.random.default_rng(LENGTH_SEED).standard_normal((LENGTH_BATCHES, rows))
+    return lognormal_lengths(z, median, sigma, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, sigma: float, updates: int,
+                  epochs: int, ways: int, budget: int | None) -> PackedShape:
+    """`Workload.packed_shape`, once per shape question (a search asks often): `rows` sequences in
+    `updates` equal parts per epoch (1: an inference call)."""
+    wl = Workload(batch_size=rows, prompt_len=prompt_len, gen_len=gen_len, minibatches=updates,
+                  gen_len_median=median, gen_len_sigma=sigma)
+    responses = wl.response_lengths(rows)
+    order = np.arange(rows).reshape(updates, -1)
+    parts = np.concatenate([order] * epochs)
+    # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`); every
+    # response token read (`take`)
+    shapes = [packing_layout(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
+                             budget, reads=batch)[1] for batch in responses]
+    mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
+    return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
+                       slots=mean("slots"), width=mean("width"), reads=mean("reads"))
+
+
+def _per_role(value: Any, role: str | None, default: Any) -> Any:
+    """A Workload setting given for every role, or as a mapping role -> setting."""
+    return value.get(role, default) if isinstance(value, Mapping) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one RLHF step processes, and how the runtime executes it.
+
+    `batch_size` counts batch rows (sequences, or pairs for calls with
+    `seqs_per_row=2`). The execution fields mirror the runtime settings of the
+    same name (an algorithm's `workload()` fills them from the run config), so
+    a plan never assumes what the runtime does not do:
+    - `micro_batch`: rows per micro-batch in train (gradient accumulation) and
+      inference calls; None = a whole minibatch (train) or batch (inference).
+      Generation is never micro-batched.
+    - `remat`: "none" / "full" / "dots" (save matmul outputs) for every role, or
+      a mapping role -> policy.
+    - `donate`: train calls donate parameters and optimizer state (one copy).
+    - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
+      AdamW moments (mixed precision); otherwise the moments use the param dtype.
+      A bool for every role, or a mapping role -> bool.
+    - `gen_engine`, `gen_group`, `gen_slots`, `gen_pages`: the generation engine (`generation.engine`), how
+      many adjacent rows share a prompt, the continuous engine's slot pool (`generate_shape`) and its KV
+      page pool (`generation.kv_pages`, `generate_kv_columns`).
+    - `base_views`: frozen roles (a reference) that are a LoRA role's base: no resident weights of their
+      own, a temporary copy of the base where their call runs away from the source's home.
+    - `search_micro`: the planner picks each call's micro-batch count for its
+      placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
+      all. Cluster studies set it; the runtime applies one
+      `algorithm.micro_batch_size` to every call, so `train` plans leave it off.
+    - `staleness`: on an off-policy plan, how many steps the generator may run ahead of the trainer
+      (`Config.generator_lead`, the number the runtime uses; the plan's own `staleness` overrides it).
+    - `gen_len_median`, `gen_len_sigma`: response lengths are log-normal with this median and sigma,
+      capped at `gen_len` (`response_lengths`); None = every response runs to the cap.
+    - `gen_stream`: the continuous engine streams rollouts across steps (`generation.partial_rollout`
+      with a staleness budget of at least 1): on any plan its pool is refilled with the next steps'
+      prompts as rows end, so a batch costs its tokens over the pool, without the last round's tail
+      (`decode_fractions`). Overlap with training still needs an off-policy plan.
+    - `packed`, `token_budget`: train and inference calls run packed rows (`algorithm.pack_sequences`),
+      micro-batches of at most `token_budget` real tokens (`algorithm.max_tokens_per_micro_batch`);
+      priced by the shapes the runtime's packer gives the drawn lengths (`packed_shape`).
+    - `reward_row_s`, `reward_at_once`, `reward_workers`: rule rewards (the `score_rules` host step):
+      one row's measured seconds (0: not measured, not priced), the rows the rules score in the time of
+      one (`reward_pool.rows_at_once`; None: one at a time) and `rewards.workers`; priced by
+      `planner.rewards.score_seconds`.
+    - `multi_turn`, `env_extend_width`, `env_decode_steps`, `env_extends`, `env_wait_s`: the generate call
+      plays multi-turn episodes (`env.name`, `models.multiturn`): every device runs the whole batch (the
+      engine's pool is not sharded), and the call adds what the run measured per batch (0: not measured,
+      priced as one turn to the cap): the decode steps run, the extend forwards of `env_extend_width`
+      tokens a row, the seconds waiting on environments; priced by `planner.episodes.episode_cost`.
+    """
+
+    batch_size: int = 512
+    prompt_len: int = 128
+    gen_len: int = 128
+    minibatches: int = 4  # optimizer steps per train call and PPO epoch
+    ppo_epochs: int = 1
+    micro_batch: int | None = None
+    remat: Any = "full"
+    donate: bool = True
+    adam_master_fp32: Any = True
+    search_micro: bool = False
+    gen_engine: str = "static"  # generation.engine
+    gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): either engine prefills one
+    gen_slots: int | None = None  # generation.slots; None = the whole batch
+    gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
+    # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
+    base_views: tuple[tuple[str, str], ...] = ()
+    staleness: int = 1  # steps the generator may run ahead on an off-policy plan
+    gen_len_median: int | None = None  # median response length; None = every response is gen_len long
+    gen_len_sigma: float = 0.0  # sigma of the log-normal response lengths
+    gen_stream: bool = False  # generation.partial_rollout (eta >= 1): the pool stays full across steps
+    gen_chunk: int = 16  # generation.stream_chunk: decode steps between the stream's reads
+    packed: bool = False  # algorithm.pack_sequences
+    token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
+    reward_row_s: float = 0.0  # one row's rule-reward seconds, measured by the run (0: not priced)
+    reward_at_once: int | None = None  # rows the rules score in the time of one (`rows_at_once`)
+    reward_workers: int = 0  # rewards.workers
+    multi_turn: bool = False  # env.name: episodes through the multi-turn engine
+    env_extend_width: int = 0  # tokens of one extend forward a row (1 + env.max_observation_tokens)
+    env_decode_steps: float = 0.0  # decode steps per episode batch, measured (0: gen_len)
+    env_extends: float = 0.0  # extend forwards per episode batch, measured
+    env_wait_s: float = 0.0  # seconds per batch waiting on environments with no row to decode, measured
+
+    def __post_init__(self):
+        if self.gen_len_median is not None and not 1 <= self.gen_len_median <= self.gen_len:
+            raise ValueError(f"workload.gen_len_median={self.gen_len_median} must lie in 1..gen_len={self.gen_len}")
+        if self.gen_len_sigma < 0:
+            raise ValueError(f"workload.gen_len_sigma must be >= 0, got {self.gen_len_sigma}")
+        for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs", "staleness"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"workload.micro_batch must be >= 1 or None, got {self.micro_batch}")
+        if self.gen_engine not in ("static", "continuous"):
+            raise ValueError(f"workload.gen_engine {self.gen_engine!r} is not 'static' or 'continuous'")
+        if self.gen_group < 1 or self.batch_size % self.gen_group:
+            raise ValueError(f"workload.gen_group={self.gen_group} must divide batch_size={self.batch_size}")
+        if self.batch_size % self.minibatches:
+            raise ValueError(
+                f"workload.batch_size={self.batch_size} must divide into minibatches={self.minibatches}"
+            )
+        policies = self.remat.values() if isinstance(self.remat, Mapping) else [self.remat]
+        for p in policies:
+            if p not in REMAT_POLICIES and not isinstance(p, bool):
+                raise ValueError(f"workload.remat {p!r} is not one of {REMAT_POLICIES}")
+
+    def remat_for(self, role: str) -> str:
+        """The remat policy of `role` (booleans read as "full" / "none")."""
+        p = _per_role(self.remat, role, "none")
+        return {True: "full", False: "none"}.get(p, p) if isinstance(p, bool) else p
+
+    def master_for(self, role: str | None) -> bool:
+        """Whether `role`'s optimizer keeps fp32 master weights (when its params are low precision)."""
+        return bool(_per_role(self.adam_master_fp32, role, True))
+
+    def micro_batches(self, call: CallSpec) -> int:
+        """How many micro-batches one step of `call` runs (1 for generation)."""
+        rows = self.call_batch(call.kind)
+        if call.kind == "generate" or self.micro_batch is None or self.micro_batch >= rows:
+            return 1
+        return math.ceil(rows / self.micro_batch)
+
+    def with_micro_batches(self, call: CallSpec, count: int | None) -> "Workload":
+        """This workload with `call` split into `count` micro-batches (None: unchanged)."""
+        if count is None or call.kind == "generate":
+            return self
+        return dataclasses.replace(self, micro_batch=max(self.call_batch(call.kind) // count, 1))
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.minibatches
+
+    @classmethod
+    def from_tokens(cls, tokens_per_batch: int, prompt_len: int, gen_len: int, **kw) -> "Workload":
+        """The ReaLHF convention: a fixed token budget per batch of prompt + response sequences."""
+        return cls(batch_size=max(tokens_per_batch // (prompt_len + gen_len), 1), prompt_len=prompt_len,
+                   gen_len=gen_len, **kw)
+
+    def call_batch(self, kind: str) -> int:
+        """Batch rows one call step feeds at once (train: one minibatch); the batch axes must divide it."""
+        return self.minibatch_size if kind == "train" else self.batch_size
+
+    def call_seqs(self, call: CallSpec) -> int:
+        """Sequences one call step feeds at once: its batch rows times the call's sequences per row."""
+        return self.call_batch(call.kind) * call.seqs_per_row
+
+    def generate_shape(self, call: CallSpec, batch_ways: int) -> tuple[float, float, int]:
+        """Per device: (prompts prefilled, rows each decode step runs, decode steps) of a generate call as
+        its engine runs it when every response is `gen_len` long (the planner's worst case): both engines
+        prefill each group's prompt once per shard (`models.slots.shard_group`); static decodes all rows for
+        gen_len steps, continuous runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of
+        gen_len at full width (a pool that preempts is not modelled); the multi-turn engine prefills and
+        decodes every row on every device (its pool is not sharded), gen_len steps before measurement
+        (`planner.episodes` scales them to the measured steps)."""
+        rows = self.call_seqs(call)
+        if self.multi_turn:
+            return rows, rows, self.gen_len
+        if rows % batch_ways:
+            return rows / batch_ways, rows / batch_ways, self.gen_len
+        prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
+        if self.gen_engine == "static":
+            return prompts, rows / batch_ways, self.gen_len
+        pool = pool_size(rows, self.gen_slots, batch_ways)
+        return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
+
+    @property
+    def lengths_vary(self) -> bool:
+        """Whether response lengths are drawn: a median and a spread; else every response runs to the cap.
+        Never for multi-turn episodes: their decode steps are measured (`env_decode_steps`)."""
+        return self.gen_len_median is not None and self.gen_len_sigma > 0 and not self.multi_turn
+
+    def response_lengths(self, rows: int) -> np.ndarray:
+        """LENGTH_BATCHES batches of `rows` response lengths, shape [batches, rows]: log-normal around
+        `gen_len_median` with `gen_len_sigma`, rounded, in 1..gen_len. Drawn with a fixed seed rather
+        than taken as quantiles: what a buffer of steps absorbs is how one batch differs from the next,
+        and batches built from the same quantiles would all be alike. Fixed, so an estimate is
+        deterministic and its schedule repeats every LENGTH_BATCHES steps."""
+        if not self.lengths_vary:
+            return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
+        return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
+
+    def packed_shape(self, call: CallSpec, batch_ways: int) -> PackedShape:
+        """The packing a packed train or inference call runs, per shard (`models.packing`, the runtime's
+        packer): each drawn batch of lengths (prompt_len + response) packed for the call's updates (a
+        train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch),
+        averaged over the LENGTH_BATCHES draws (rounded up)."""
+        train = call.kind == "train"
+        return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
+                             self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
+                             batch_ways, self.token_budget)
+
+    def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False,
+                         width_share: float = 1.0) -> tuple[float, ...]:
+        """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
+        cap, every step at the pool's full width): the static engine's loop runs until the batch's
+        longest row ends (`models.generation` stops when every row is done), so max(L) / gen_len; the
+        continuous engine runs each shard's rows through its slots and each step at the narrowest width
+        that holds the active rows (`continuous_decode_steps`: the tail's steps are narrow; a step costs
+        (1 - width_share) + width_share x width / slots of a full one), over ceil(rows / P) x gen_len;
+        `streamed` (partial rollouts running ahead: the next batches' rows keep the pool full) sum(L) / P
+        full-width steps. All 1.0 when the lengths do not vary."""
+        if not self.lengths_vary:
+            return (1.0,) * LENGTH_BATCHES
+        rows = self.call_seqs(call)
+        n = self.generate_shape(call, batch_ways)[2]
+        lengths = self.response_lengths(rows).astype(np.float64)
+        if self.gen_engine == "static" or rows % batch_ways:  # (an uneven batch runs as static does)
+            return tuple(float(s / n) for s in lengths.max(axis=1))
+        slots = pool_size(rows, self.gen_slots, batch_ways) // batch_ways
+        if streamed:
+            groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `run.generator`'s
+            runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
+                                   groups, self.gen_chunk, self.staleness)
+        else:
+            runs = [_continuous_batch(tuple(batch.astype(int)), batch_ways, slots) for batch in lengths]
+        # a step of width w costs (1 - share) + share x w / slots of a full-width one
+        return tuple(float(min(((1 - width_share) * steps + width_share * widths) / n, 1.0)) for steps, widths in runs)
+
+    def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
+        """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
+        static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies), plus
+        the prefill's cache of one row per group it is copied from;
+        continuous: the page pool (prefix pages + response pages, `models.slots.kv_columns`), carried in
+        and out, plus the prefill's dense prefix the pool is built from; a stream's pool holds the prompts
+        of staleness + 1 batches (`stream_columns`); multi-turn: every row's pages on every device, prompt,
+        trajectory and an extend's columns, carried in and out, plus the prefill's dense prefix."""
+        rows = self.call_seqs(call)
+        if self.multi_turn:
+            return 2 * rows * (self.seq_len + self.env_extend_width) + rows * self.prompt_len
+        if rows % batch_ways:
+            return 2 * rows / batch_ways * self.seq_len
+        if self.gen_engine == "static":
+            prompts = self.generate_shape(call, batch_ways)[0]
+            return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+                                  self.gen_pages, batch_ways)
+        return 2 * (self.stream_columns(call, batch_ways) or pool) + prefix
+
+    def stream_columns(self, call: CallSpec, batch_ways: int) -> float:
+        """KV-cache columns one device keeps between steps for a partial-rollout stream (`gen_stream`): its
+        page pool, whose group slots hold the prompts of staleness + 1 batches (`run.generator`), lives on
+        the generate call's devices for the whole run; 0 without a stream."""
+        rows = self.call_seqs(call)
+        if not self.gen_stream or self.gen_engine != "continuous" or rows % batch_ways:
+            return 0.0
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+                                  self.gen_pages, batch_ways)
+        return pool + prefix * self.staleness
+
+
+def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None
+                      ) -> list[tuple[float, float]]:
+    """Decode steps run and their summed width / slots, from each shard's rows' (starts, ends) in steps:
+    every shard steps together, a step runs where any row is active, at the narrowest of
+    `models.slots.step_widths(slots)` holding the most active rows of any shard; split at the step
+    indices `cuts` (one (steps, widths) pair per interval before, between and after them)."""
+    total = int(max(e.max() for _, e in spans))
+    active = np.zeros(total, dtype=np.int64)
+    for starts, ends in spans:
+        counts = np.zeros(total + 1, dtype=np.int64)
+        np.add.at(counts, starts, 1)
+        np.add.at(counts, ends, -1)
+        active = np.maximum(active, np.cumsum(counts)[:total])
+    widths = np.array(sorted(step_widths(slots)))
+    width = np.where(active > 0, widths[np.minimum(np.searchsorted(widths, active), len(widths) - 1)], 0) / slots
+    bounds = [0, *(() if cuts is None else np.minimum(cuts, total)), total]
+    return [(float(np.count_nonzero(active[a:b])), float(width[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
+
+
+@functools.lru_cache(maxsize=256)
+def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
+    """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`: each
+    shard's rows (contiguous blocks) enter its `slots` in order, a row taking the slot that frees first."""
+    spans = []
+    for shard in np.asarray(lengths, dtype=np.int64).reshape(ways, -1):
+        free = [0] * slots  # when each slot frees (a heap)
+        starts = np.empty(len(shard), dtype=np.int64)
+        for i, n in enumerate(shard):
+            starts[i] = heapq.heappop(free)
+            heapq.heappush(free, int(starts[i] + n))
+        spans.append((starts, starts + shard))
+    return _steps_and_widths(spans, slots)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
+                    chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
+    """(steps, summed width / slots) of a partial-rollout stream (`run.generator`, `models.streaming`)
+    between one batch's completion and the next's, per batch of `lengths` [batches][rows], in steady state
+    (the batches run three times over; the middle round's are returned: work enters it from the round
+    before and leaves it for the round after). As the runtime runs it: `group_slots`
+    group slots per shard (staleness + 1 batches' groups), groups admitted in order to the shard with the
+    most free ones, batch k's only once batch k - 1 - staleness is trained (admission pacing; an update
+    counts as instant here: the simulator schedules it); a group's rows wait for the shard's `slots`
+    decode slots in admission order; a done group's slot frees at the end of the chunk it ended in (the
+    stream is read every `chunk` steps); a batch is complete when its last group is taken."""
+    batches = [np.asarray(b, dtype=np.int64).reshape(-1, group) for b in lengths] * 3
+    queue = [(k, g) for k, b in enumerate(batches) for g in b]
+    free_slots = [[0] * slots for _ in range(ways)]  # when each decode slot frees, per shard (heaps)
+    free_groups = [group_slots] * ways
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(ways)]
+    running: list[tuple[int, int, int]] = []  # heap of (read at, shard, batch) of admitted groups not yet taken
+    left = [len(b) for b in batches]  # groups of each batch not yet taken
+    done_at = [0] * len(batches)
+    t, nxt = 0, 0
+    while nxt < len(queue) or running:
+        while running and running[0][0] <= t:  # read at the end of the chunk they ended in
+            _, shard, k = heapq.heappop(running)
+            free_groups[shard] += 1
+            left[k] -= 1
+            if not left[k]:
+                done_at[k] = t
+        while nxt < len(queue):
+            k, rows = queue[nxt]
+            if k - 1 - staleness >= 0 and left[k - 1 - staleness]:
+                break  # paced: that batch is not trained yet
+            shard = max(range(ways), key=free_groups.__getitem__)
+            if not free_groups[shard]:
+                break
+            free_groups[shard] -= 1
+            end = 0
+            for n in rows:
+                start = max(t, heapq.heappop(free_slots[shard]))
+                heapq.heappush(free_slots[shard], start + int(n))
+                spans[shard].append((start, start + int(n)))
+                end = max(end, start + int(n))
+            heapq.heappush(running, (max(t + chunk, -(-end // chunk) * chunk), shard, k))
+            nxt += 1
+        t = running[0][0] if running else t + chunk
+    shards = [(np.array([a for a, _ in s], dtype=np.int64), np.array([b for _, b in s], dtype=np.int64))
+              for s in spans if s]
+    parts = _steps_and_widths(shards, slots, np.array(done_at))  # part k: batch k's, up to its completion
+    return tuple(parts[len(lengths):2 * len(lengths)])
