@@ -1,8 +1,8 @@
-"""PPO throughput of jaxrlhf (per placement strategy) vs TRL's PPO trainer on PyTorch CPU, same run.
+"""PPO throughput of jaxrlhf (per placement strategy) vs TRL's PPO trainer, same run, on the CPU or one GPU.
 
     python scripts/bench_ppo.py [--config configs/quickstart.yaml] [--steps 10] [--warmup 2]
         [--strategies auto,colocated,interleaved,disaggregated,reallocated] [--skip-trl]
-        [--trl-threads 1,<cores>] [--out results.json] [key=value ...]
+        [--trl-threads 1,<cores>] [--device cpu|cuda] [--out results.json] [key=value ...]
 
 The workload comes from the config (default: the quickstart), so the benchmark
 stays matched when the quickstart changes: actor size (`model.actor`), batch
@@ -57,7 +57,22 @@ for the same padded work (a random model's response lengths vary by ~10 %
 between runs); `generation.ignore_eos=true rewards.eos_only=false` makes the
 work and the token count identical.
 tokens/s = tokens of the step / wall time of the step; the table shows the
-median over measured steps and the ratio of medians vs TRL.
+median over measured steps and the ratio of medians vs TRL. The JSON's `ratio`
+is jaxrlhf's fastest strategy over the faster TRL (tokens/s), `per_call_s`
+each side's median call seconds and `generate_share` each side's generate
+seconds over its step seconds.
+
+`--device cuda` (one GPU; the default `cpu` is the run described above): TRL
+loads its models in bf16 (`dtype=torch.bfloat16`) and trains with `bf16=True`
+on the GPU (no `use_cpu`), the rule-reward module's scores on the input's
+device, once with torch's default threads; jaxrlhf runs with `run.platform=gpu`
+and every role's parameters and compute in bf16 (`model.<role>.dtype` and
+`param_dtype`; AdamW keeps fp32 master weights), `colocated` unless
+`--strategies` says otherwise. This process then leaves GPU memory unreserved
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so TRL's process, which runs first,
+can have it. A model whose EOS id lies past the byte vocabulary (the
+`llama3.2-1b` preset's 128001 with `model.tokenizer=byte`) keeps the HF
+tokenizer's own EOS: the tokenizer cannot name that id.
 """
 
 from __future__ import annotations
@@ -113,6 +128,97 @@ def _trl_status() -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- per-device choices (no torch, no JAX)
+
+
+def torch_dtype_name(device: str) -> str:
+    """TRL's dtype: bf16 on a GPU, as users train there; fp32 on the CPU, where torch emulates bf16 matmuls."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def jaxrlhf_device_overrides(device: str, roles) -> list[str]:
+    """jaxrlhf's overrides that match TRL's device: on cuda one GPU and every role's parameters and compute
+    in bf16 (AdamW keeps its fp32 master copy); none on cpu, whose run stays the config's own."""
+    if device != "cuda":
+        return []
+    return ["run.platform=gpu", "run.devices=null"] + [
+        f"model.{role}.{key}=bfloat16" for role in roles for key in ("dtype", "param_dtype")]
+
+
+def hf_special_ids(vocab_size: int, pad_id: int, eos_id: int) -> dict[str, int]:
+    """The pad and EOS ids to set on TRL's tokenizer: the model's, except an EOS past the tokenizer's
+    vocabulary (the `llama3.2-1b` preset over the byte vocabulary), which the tokenizer cannot name and
+    so keeps its own (with `ignore_eos` nothing stops at it anyway)."""
+    ids = {"pad_token_id": pad_id}
+    if eos_id < vocab_size:
+        ids["eos_token_id"] = eos_id
+    return ids
+
+
+def trl_thread_counts(arg: str | None, device: str) -> list[int]:
+    """torch thread counts to run TRL with: as given; else on cpu 1 and one per core (see the module's
+    docstring), on cuda torch's default (0) once, as the GPU does the work."""
+    if arg is None:
+        arg = "0" if device == "cuda" else f"1,{os.cpu_count() or 1}"
+    return list(dict.fromkeys(int(t) for t in arg.split(",") if t.strip()))
+
+
+def ppo_config_kwargs(spec: dict) -> dict:
+    """`PPOConfig`'s arguments for the spec: the workload's batch, lengths and PPO settings, bf16 on the
+    GPU or fp32 on the CPU (`use_cpu`)."""
+    alg, cuda = spec["algorithm"], spec.get("device", "cpu") == "cuda"
+    n_steps, B = spec["warmup"] + spec["steps"], spec["batch_size"]
+    return dict(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=B,  # micro batch = minibatch (B / num_mini_batches), one update each
+        gradient_accumulation_steps=1,
+        num_mini_batches=alg["minibatches"],
+        num_ppo_epochs=alg["epochs"],
+        total_episodes=B * n_steps,
+        local_rollout_forward_batch_size=B,  # one generate call per step, as jaxrlhf
+        response_length=spec["max_new_tokens"],
+        stop_token=None if spec["ignore_eos"] else "eos",  # None: TRL sets no EOS to stop at
+        temperature=spec["temperature"],
+        learning_rate=spec["lr"],
+        kl_coef=alg["kl_coef"],
+        kl_estimator=alg["kl_estimator"] if alg["kl_estimator"] in ("k1", "k3") else "k1",
+        cliprange=alg["clip_eps"],
+        cliprange_value=alg["value_clip_eps"] if alg["value_clip_eps"] is not None else 1e6,
+        gamma=alg["gamma"],
+        lam=alg["lam"],
+        whiten_rewards=False,
+        missing_eos_penalty=None,
+        num_sample_generations=0,
+        bf16=cuda,
+        fp16=False,
+        gradient_checkpointing=False,
+        **({} if cuda else {"use_cpu": True}),
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+    )
+
+
+def comparison(jax_summary: dict | None, trl_summary: dict | None, jax_generate: str = "actor.generate",
+               trl_generate: str = "generate_s") -> dict:
+    """The JSON's side-by-side numbers: `ratio` (jaxrlhf tokens/s over TRL's), each side's median step and
+    call seconds, and each side's generate share (its generate seconds over its step seconds)."""
+    out: dict = {"ratio": None, "step_s": {}, "per_call_s": {}, "generate_share": {}}
+    for side, sm, gen in (("jaxrlhf", jax_summary, jax_generate), ("trl", trl_summary, trl_generate)):
+        if not sm:
+            continue
+        out["step_s"][side] = sm["step_s"]
+        out["per_call_s"][side] = dict(sm.get("calls_s", {}))
+        if gen in out["per_call_s"][side]:
+            out["generate_share"][side] = out["per_call_s"][side][gen] / sm["step_s"]
+    if jax_summary and trl_summary:
+        out["ratio"] = jax_summary["tokens_per_s"] / trl_summary["tokens_per_s"]
+    return out
+
+
 # --------------------------------------------------------------------------- TRL side (subprocess)
 
 
@@ -129,9 +235,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def byte_tokenizer_hf():
-    """A `PreTrainedTokenizerFast` with jaxrlhf's byte vocabulary: pad 0, bos 1, eos 2, byte b -> b + 3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def byte_tokenizer_hf(add_bos: bool = False):
+    """A `PreTrainedTokenizerFast` with jaxrlhf's byte vocabulary: pad 0, bos 1, eos 2, byte b -> b + 3;
+    `add_bos`: BOS first when special tokens are added, as jaxrlhf encodes a prompt (for a trainer that
+    tokenizes the prompt text itself)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
@@ -139,6 +247,8 @@ def byte_tokenizer_hf():
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
+    if add_bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
     )
@@ -161,8 +271,10 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     import trl
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    StepTimer, RuleRewardModule = _trl_classes()
     spec = json.loads(Path(spec_path).read_text())
+    cuda = spec.get("device", "cpu") == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a GPU's work ends when it is waited for
+    StepTimer, RuleRewardModule = _trl_classes(sync)
     torch.manual_seed(spec["seed"])
     pad, eos, width = spec["pad_id"], spec["eos_id"], spec["prompt_width"]
 
@@ -177,11 +289,12 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
         tok = PreTrainedTokenizerFast(
             tokenizer_file=path if os.path.isfile(path) else os.path.join(path, "tokenizer.json"), padding_side="left"
         )
-    tok.pad_token_id, tok.eos_token_id = pad, eos
-    assert tok.pad_token_id == pad and tok.eos_token_id == eos
+    for key, value in hf_special_ids(len(tok), pad, eos).items():
+        setattr(tok, key, value)
+        assert getattr(tok, key) == value, (key, value)
 
     model_dir = spec["model_dir"]
-    dtype = torch.float32
+    dtype = getattr(torch, torch_dtype_name(spec.get("device", "cpu")))
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=dtype)
@@ -201,40 +314,7 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     train = Dataset.from_dict({"input_ids": padded})
 
     n_steps = spec["warmup"] + spec["steps"]
-    B = spec["batch_size"]
-    alg = spec["algorithm"]
-    args = PPOConfig(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=B,  # micro batch = minibatch (B / num_mini_batches), one update each
-        gradient_accumulation_steps=1,
-        num_mini_batches=alg["minibatches"],
-        num_ppo_epochs=alg["epochs"],
-        total_episodes=B * n_steps,
-        local_rollout_forward_batch_size=B,  # one generate call per step, as jaxrlhf
-        response_length=spec["max_new_tokens"],
-        stop_token=None if spec["ignore_eos"] else "eos",  # None: TRL sets no EOS to stop at
-        temperature=spec["temperature"],
-        learning_rate=spec["lr"],
-        kl_coef=alg["kl_coef"],
-        kl_estimator=alg["kl_estimator"] if alg["kl_estimator"] in ("k1", "k3") else "k1",
-        cliprange=alg["clip_eps"],
-        cliprange_value=alg["value_clip_eps"] if alg["value_clip_eps"] is not None else 1e6,
-        gamma=alg["gamma"],
-        lam=alg["lam"],
-        whiten_rewards=False,
-        missing_eos_penalty=None,
-        num_sample_generations=0,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=spec["seed"],
-        dataloader_num_workers=0,
-    )
+    args = PPOConfig(**ppo_config_kwargs(spec))
 
     timer = StepTimer()
     trainer = PPOTrainer(
@@ -249,8 +329,10 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     orig_generate = policy.generate
 
     def timed_generate(*a, **kw):
+        sync()
         t0 = time.perf_counter()
         out = orig_generate(*a, **kw)
+        sync()
         dt = time.perf_counter() - t0
         prompt_tokens = int(kw["attention_mask"].sum())
         resp = out.sequences[:, kw["input_ids"].shape[1]:]
@@ -282,6 +364,7 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
                          if k in ("objective/kl", "objective/scores", "loss/policy_avg", "loss/value_avg")}})
     Path(out_path).write_text(json.dumps({
         "steps": steps, "total_train_s": total_s, "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).removeprefix("torch."),
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "trl_args": {"batch_size": args.batch_size, "mini_batch_size": args.mini_batch_size,
                      "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -292,8 +375,9 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     }, indent=1))
 
 
-def _trl_classes():
-    """The TRL-side helper classes, defined only in the worker (the main process never imports torch)."""
+def _trl_classes(sync=lambda: None):
+    """The TRL-side helper classes, defined only in the worker (the main process never imports torch);
+    `sync` waits for the device's queued work (the GPU's) so each step ends when its work does."""
     import types
 
     import numpy as np
@@ -308,9 +392,11 @@ def _trl_classes():
             self.logs: list[dict] = []
 
         def on_train_begin(self, args, state, control, **kw):
+            sync()
             self.times = [time.perf_counter()]
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             self.times.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -361,7 +447,8 @@ def _trl_classes():
                 s = np.clip(s, -self.shape["clip"], self.shape["clip"])
             if self.shape["eos_only"]:
                 s = np.where(np.asarray(ended), s, 0.0)
-            h = torch.as_tensor(s, dtype=torch.float32)[:, None, None].expand(ids.shape[0], ids.shape[1], 1)
+            h = torch.as_tensor(s, dtype=torch.float32, device=input_ids.device)[:, None, None]
+            h = h.expand(ids.shape[0], ids.shape[1], 1)
             return types.SimpleNamespace(hidden_states=(h,))
 
     return StepTimer, RuleRewardModule
@@ -450,14 +537,19 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
     ap.add_argument("--steps", type=int, default=10, help="measured PPO steps per system (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps dropped (compilation, allocator warm-up)")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--strategies", default=None,
+                    help=f"jaxrlhf plans to run (default: {','.join(STRATEGIES)} on cpu, colocated on cuda)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: both sides on this machine's CPU (simulated JAX devices); cuda: both on one GPU, "
+                         "bf16 (the script's docstring says how)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--workdir", default=None, help="run outputs (default: a temp dir, removed afterwards)")
-    ap.add_argument("--trl-threads", default=f"1,{os.cpu_count() or 1}",
+    ap.add_argument("--trl-threads", default=None,
                     help="torch intra-op thread counts to run TRL with, comma separated (0 = torch's default); "
-                         "every ratio is taken against the fastest. Default: 1 and one per core (%(default)s), "
-                         "since XLA uses every core and one thread alone would flatter jaxrlhf")
+                         f"every ratio is taken against the fastest. Default on cpu: 1 and one per core "
+                         f"(1,{os.cpu_count() or 1}), since XLA uses every core and one thread alone would flatter "
+                         "jaxrlhf; on cuda: 0")
     ap.add_argument("--trl-worker", nargs=3, metavar=("SPEC", "OUT", "THREADS"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = ap.parse_args()
@@ -466,9 +558,10 @@ def main() -> int:
         trl_worker(*args.trl_worker)
         return 0
 
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = [s for s in (args.strategies or (",".join(STRATEGIES) if args.device == "cpu" else "colocated")
+                              ).split(",") if s]
     try:
-        trl_threads = list(dict.fromkeys(int(t) for t in args.trl_threads.split(",") if t.strip()))
+        trl_threads = trl_thread_counts(args.trl_threads, args.device)
     except ValueError:
         ap.error(f"--trl-threads={args.trl_threads!r}: give comma-separated integers, e.g. 1,{os.cpu_count() or 1}")
     if any(t < 0 for t in trl_threads):
@@ -483,7 +576,13 @@ def main() -> int:
         print("continuing with jaxrlhf only (no ratio)\n", file=sys.stderr)
 
     n_steps = args.warmup + args.steps
+    from jaxrlhf.algorithms import declare
+
+    roles = declare(_cfg(args.config, args.overrides, ["sft.steps=0"])).graph().roles
+    args.overrides = list(args.overrides) + jaxrlhf_device_overrides(args.device, roles)
     cfg = _cfg(args.config, args.overrides, ["sft.steps=0"])
+    if args.device == "cuda":  # TRL's process runs first and needs the GPU's memory: reserve none ahead
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from jaxrlhf.run.backend import setup_devices
     from jaxrlhf.run.planning import role_configs
 
@@ -511,7 +610,7 @@ def main() -> int:
         "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
         "reward": "model" if cfg.rewards.model else "rules: " + ",".join(r.name for r in cfg.rewards.rules),
         "devices": jax.device_count(), "warmup_steps": args.warmup, "measured_steps": args.steps,
-        "ignore_eos": gen.ignore_eos,
+        "ignore_eos": gen.ignore_eos, "device": args.device,
         "tokens": ("non-pad prompt tokens + " + ("every sampled response token (ignore_eos)" if gen.ignore_eos
                    else "response tokens up to and including EOS") + ", per PPO step"),
     }
@@ -547,7 +646,7 @@ def main() -> int:
             "rules": [(r.name, r.weight, dict(r.args)) for r in cfg.rewards.rules],
             "reward_shaping": {"bias": cfg.rewards.bias, "scale": cfg.rewards.scale, "clip": cfg.rewards.clip,
                                "eos_only": cfg.rewards.eos_only},
-            "output_dir": str(workdir / "trl_out"),
+            "output_dir": str(workdir / "trl_out"), "device": args.device,
         }
         spec_path = workdir / "trl_spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -555,7 +654,8 @@ def main() -> int:
         for threads in trl_threads:
             label = f"{threads} thr" if threads else "default thr"
             out_path = workdir / f"trl_result_{threads}.json"
-            print(f"TRL PPOTrainer (PyTorch CPU, torch threads: {threads or 'default'}) ...", flush=True)
+            where = "PyTorch CPU" if args.device == "cpu" else "PyTorch CUDA, bf16"
+            print(f"TRL PPOTrainer ({where}, torch threads: {threads or 'default'}) ...", flush=True)
             env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1")
             if threads:
                 env["OMP_NUM_THREADS"] = str(threads)
@@ -630,6 +730,9 @@ def main() -> int:
     for k, sm in trl_ok.items():
         print(f"TRL ({k}): generate {sm['calls_s'].get('generate_s', float('nan')):.4f} s/step; the rest of its "
               "step is the ref/value/reward forwards and the PPO epochs")
+    jax_ok = {s: r["summary"] for s, r in results["jaxrlhf"].items() if "summary" in r}
+    fastest = max(jax_ok, key=lambda s: jax_ok[s]["tokens_per_s"]) if jax_ok else None
+    results.update(comparison(jax_ok.get(fastest), trl_sum), jaxrlhf_reference=fastest)
     if trl_tps and ratios and any(v is not None for v in ratios.values()):
         best = max((v, k) for k, v in ratios.items() if v is not None)
         results["ratio_vs_trl"] = {k: v for k, v in ratios.items()}
