@@ -145,6 +145,16 @@ def jaxrlhf_device_overrides(device: str, roles) -> list[str]:
         f"model.{role}.{key}=bfloat16" for role in roles for key in ("dtype", "param_dtype")]
 
 
+def on_device(config_path: str, overrides: list[str], device: str) -> list[str]:
+    """`overrides` and then `jaxrlhf_device_overrides` for the roles the config's algorithm runs."""
+    if device != "cuda":
+        return list(overrides)
+    from jaxrlhf.algorithms import declare
+
+    roles = declare(_cfg(config_path, overrides, [])).graph().roles
+    return list(overrides) + jaxrlhf_device_overrides(device, roles)
+
+
 def hf_special_ids(vocab_size: int, pad_id: int, eos_id: int) -> dict[str, int]:
     """The pad and EOS ids to set on TRL's tokenizer: the model's, except an EOS past the tokenizer's
     vocabulary (the `llama3.2-1b` preset over the byte vocabulary), which the tokenizer cannot name and
@@ -576,10 +586,7 @@ def main() -> int:
         print("continuing with jaxrlhf only (no ratio)\n", file=sys.stderr)
 
     n_steps = args.warmup + args.steps
-    from jaxrlhf.algorithms import declare
-
-    roles = declare(_cfg(args.config, args.overrides, ["sft.steps=0"])).graph().roles
-    args.overrides = list(args.overrides) + jaxrlhf_device_overrides(args.device, roles)
+    args.overrides = on_device(args.config, args.overrides, args.device)
     cfg = _cfg(args.config, args.overrides, ["sft.steps=0"])
     if args.device == "cuda":  # TRL's process runs first and needs the GPU's memory: reserve none ahead
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
