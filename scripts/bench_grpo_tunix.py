@@ -1,8 +1,8 @@
 """GRPO throughput of jaxrlhf vs google-tunix's GRPO learner on CPU: same workload, at 1 and 8 devices.
 
     python scripts/bench_grpo_tunix.py [--config configs/quickstart-grpo.yaml] [--devices 1,8]
-        [--steps 5] [--warmup 2] [--tunix-python PATH] [--skip-tunix] [--out results.json]
-        [--workdir DIR] [key=value ...]
+        [--steps 5] [--warmup 2] [--tunix-python PATH] [--skip-tunix] [--device cpu|cuda]
+        [--out results.json] [--workdir DIR] [key=value ...]
     python scripts/bench_grpo_tunix.py --engines static,continuous [--devices 1] [--rounds 2] [key=value ...]
 
 `--engines`: jaxrlhf only, once per generation engine (`generation.engine`) and round (`--rounds`, the
@@ -51,6 +51,11 @@ actor's parameters are computed. The first `--warmup` steps (compilation) are
 dropped on both sides; the table shows medians over the measured steps and the
 ratio of generated tokens/s (jaxrlhf / tunix).
 
+`--device cuda`: both sides on the GPU(s) instead (`--devices 1` by default), bf16: tunix loads the
+checkpoint as bfloat16, jaxrlhf runs with `run.platform=gpu` and every role's `dtype` and `param_dtype`
+bfloat16 (fp32 master weights), as `bench_ppo.py --device cuda`; this process then uses the CPU alone
+(it only draws prompts and writes the checkpoint), so each side's process has the GPU's memory.
+
 tunix is optional and needs not share jaxrlhf's environment: `--tunix-python`
 runs its side with another interpreter (a venv made with
 `--system-site-packages`, see TUNIX_MISSING). When tunix cannot be imported,
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -74,7 +80,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_ppo import _cfg, _median, byte_tokenizer_hf, finish, prompt_rows, run_jaxrlhf  # noqa: E402
+from bench_ppo import (  # noqa: E402
+    _cfg, _median, byte_tokenizer_hf, finish, hf_special_ids, on_device, prompt_rows, run_jaxrlhf,
+)
 
 TUNIX_VERSION = "0.1.7"
 TUNIX_MISSING = (
@@ -104,11 +112,15 @@ def generated_tokens(completion_lengths, max_new: int) -> int:
 def tunix_worker(spec_path: str, out_path: str) -> None:
     """Runs tunix's GRPOLearner as the spec says and writes per-step times and generated-token counts."""
     spec = json.loads(Path(spec_path).read_text())
-    n_dev = spec["devices"]
+    n_dev, cuda = spec["devices"], spec.get("device", "cpu") == "cuda"
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n_dev)  # before tunix touches a backend
+    if cuda:
+        jax.config.update("jax_platforms", "cuda")
+    else:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n_dev)  # before tunix touches a backend
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -125,10 +137,12 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
     m, alg, opt = spec["model"], spec["algorithm"], spec["optimizer"]
     B, G, max_new = spec["batch_size"], alg["group_size"], spec["max_new_tokens"]
     n_steps = spec["warmup"] + spec["steps"]
-    assert len(jax.devices()) == n_dev, (jax.devices(), n_dev)
+    assert len(jax.devices()) == n_dev if not cuda else len(jax.devices()) >= n_dev, (jax.devices(), n_dev)
 
     tok = byte_tokenizer_hf()
-    tok.pad_token_id, tok.eos_token_id, tok.bos_token_id = spec["pad_id"], spec["eos_id"], spec["bos_id"]
+    for key, value in hf_special_ids(len(tok), spec["pad_id"], spec["eos_id"]).items():
+        setattr(tok, key, value)
+    tok.bos_token_id = spec["bos_id"]
     for r in spec["prompts"]:  # tunix's sampler tokenizes the text and puts BOS first: same ids as jaxrlhf's
         assert [spec["bos_id"]] + tok.encode(r["prompt"], add_special_tokens=False) == r["ids"], r
 
@@ -139,8 +153,9 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
     )
     devices = np.array(jax.devices()[:n_dev]).reshape(n_dev, 1)
     mesh = jax.sharding.Mesh(devices, ("fsdp", "tp"))
-    policy = llama3_params.create_model_from_safe_tensors(spec["model_dir"], config, mesh)
-    ref = llama3_params.create_model_from_safe_tensors(spec["model_dir"], config, mesh)
+    dtype = jnp.bfloat16 if cuda else None  # None: the checkpoint's own (fp32 on the CPU)
+    policy = llama3_params.create_model_from_safe_tensors(spec["model_dir"], config, mesh, dtype=dtype)
+    ref = llama3_params.create_model_from_safe_tensors(spec["model_dir"], config, mesh, dtype=dtype)
     n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     assert n_params == m["params"], (n_params, m["params"])
 
@@ -230,7 +245,8 @@ def jax_worker(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from jaxrlhf import train
 
-    overrides = spec["overrides"] + [f"run.devices={spec['devices']}"]
+    # on cuda the spec's overrides hold the GPU's (jaxrlhf_device_overrides): one process sees its GPUs
+    overrides = spec["overrides"] + ([] if spec.get("device") == "cuda" else [f"run.devices={spec['devices']}"])
     cfg = _cfg(spec["config"], overrides, [])
     from jaxrlhf.run.backend import setup_devices
 
@@ -284,7 +300,8 @@ def _run_worker(kind: str, python: str, spec: dict, workdir: Path) -> dict:
     tag = f"{kind}_{spec['devices']}dev"
     spec_path, out_path = workdir / f"{tag}_spec.json", workdir / f"{tag}_result.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, JAX_PLATFORMS="cuda" if spec.get("device") == "cuda" else "cpu",
+               TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     proc = subprocess.run([python, __file__, f"--{kind}-worker", str(spec_path), str(out_path)], env=env, cwd=ROOT,
                           capture_output=True, text=True)
@@ -349,7 +366,10 @@ def compare_engines(engines: list[str], spec: dict, devices: list[int], workdir:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart-grpo.yaml"))
-    ap.add_argument("--devices", default="1,8", help="simulated CPU device counts, comma separated (default 1,8)")
+    ap.add_argument("--devices", default=None,
+                    help="simulated CPU device counts, comma separated (default 1,8); with --device cuda GPUs (1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: simulated CPU devices, fp32; cuda: GPUs, bf16 (the script's docstring says how)")
     ap.add_argument("--steps", type=int, default=5, help="measured GRPO steps per side (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps dropped (compilation)")
     ap.add_argument("--tunix-python", default=sys.executable,
@@ -372,6 +392,7 @@ def main() -> int:
         jax_worker(*args.jaxrlhf_worker)
         return 0
 
+    args.devices = args.devices or ("1,8" if args.device == "cpu" else "1")
     try:
         devices = [int(d) for d in args.devices.split(",") if d.strip()]
     except ValueError:
@@ -386,12 +407,14 @@ def main() -> int:
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds}: run each engine at least once (1 or more)")
     args.skip_tunix = args.skip_tunix or bool(engines)
-    overrides = WORKLOAD + ["sft.steps=0"] + list(args.overrides)
+    overrides = on_device(args.config, WORKLOAD + ["sft.steps=0"] + list(args.overrides), args.device)
     cfg = _cfg(args.config, overrides, [])
     from jaxrlhf.run.backend import setup_devices
+    from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.run.planning import role_configs
 
-    setup_devices(cfg.run)  # this process only draws prompts and writes the HF checkpoint
+    # this process only draws prompts and writes the HF checkpoint: on the CPU, leaving a GPU to the workers
+    setup_devices(dataclasses.replace(cfg.run, platform="cpu", devices=1) if args.device == "cuda" else cfg.run)
     mc = role_configs(cfg, ["actor"])["actor"]
     alg, data, gen = cfg.algorithm, cfg.data, cfg.generation
     problems = [
@@ -437,7 +460,8 @@ def main() -> int:
         "warmup": args.warmup, "steps": args.steps, "max_new_tokens": gen.max_new_tokens,
         "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
         "pad_id": mc.pad_token_id if mc.pad_token_id is not None else 0, "eos_id": mc.eos_token_id,
-        "bos_id": mc.bos_token_id,
+        "bos_id": load_tokenizer(cfg.model.tokenizer).bos_id,  # what the prompts start with (not the model's)
+        "device": args.device,
         # the clip epsilon jaxrlhf's GRPO uses (the config holds GRPO's default, 0.2, unless set)
         "algorithm": {"group_size": G, "kl_coef": alg.kl_coef, "clip_eps": alg.clip_eps},
         "optimizer": {k: getattr(cfg.optimizer.actor, k) for k in ("lr", "b1", "b2", "eps", "weight_decay",
