@@ -29,8 +29,11 @@ samples. Both sides get:
 - reward: jaxrlhf's rule rewards (`rewards.rules`, shaped by `rewards.bias`,
   `scale`, `clip`) on each side's decoded completions.
 
-`--device cpu` (default): TRL on PyTorch CPU in fp32 (`use_cpu`, torch's
-default threads), jaxrlhf on the config's simulated CPU devices and plan.
+`--device cpu` (default): TRL on PyTorch CPU in fp32 (`use_cpu`), once per
+`--trl-threads` count (1 and one per core, as `bench_ppo.py`: on a busy 2-core
+machine torch's thread pool slowed a 0.12M model's step 40x, 0.09 -> 4.1 s),
+the ratio against the faster; jaxrlhf on the config's simulated CPU devices
+and plan.
 `--device cuda`: one GPU, bf16 on both sides (TRL: `dtype=torch.bfloat16`,
 `bf16=True`; jaxrlhf: `run.platform=gpu`, every role's `dtype` and
 `param_dtype` bfloat16, fp32 master weights), as `bench_ppo.py --device cuda`.
@@ -63,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ppo import (  # noqa: E402
     _cfg, byte_tokenizer_hf, comparison, finish, hf_special_ids, on_device, prompt_rows, run_jaxrlhf, summarize,
-    torch_dtype_name,
+    torch_dtype_name, trl_thread_counts,
 )
 
 TRL_MISSING = (
@@ -143,9 +146,12 @@ def rl_step_times(ends: list[float], optimizer_steps_per_rl_step: int) -> list[f
 # --------------------------------------------------------------------------- TRL side (subprocess)
 
 
-def trl_worker(spec_path: str, out_path: str) -> None:
+def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     """Runs TRL's GRPOTrainer as the spec says and writes per-step times and token counts."""
     import torch
+
+    if int(threads) > 0:
+        torch.set_num_threads(int(threads))
     import transformers
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -264,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--workdir", default=None, help="run outputs (default: a temp dir, removed afterwards)")
-    ap.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--trl-threads", default=None,
+                    help="torch thread counts to run TRL with, comma separated (0 = torch's default), the ratio "
+                         "against the fastest; default on cpu 1 and one per core, as bench_ppo.py (on a busy "
+                         "2-core machine torch's spinning thread pool can slow TRL's tiny ops tens of times); "
+                         "on cuda 0")
+    ap.add_argument("--trl-worker", nargs=3, metavar=("SPEC", "OUT", "THREADS"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config key=value overrides (after the benchmark's workload)")
     args = ap.parse_args(argv)
     if args.trl_worker:
@@ -272,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    try:
+        trl_threads = trl_thread_counts(args.trl_threads, args.device)
+    except ValueError:
+        ap.error(f"--trl-threads={args.trl_threads!r}: give comma-separated integers >= 0, e.g. 1,2")
 
     overrides = on_device(args.config, WORKLOAD + list(args.overrides), args.device)
     cfg = _cfg(args.config, overrides, [])
@@ -341,26 +356,33 @@ def main(argv: list[str] | None = None) -> int:
             from jaxrlhf.models.transformer import build_model
 
             save_hf_checkpoint(build_model(mc, "lm", seed=cfg.run.seed), mc, model_dir)
-        spec_path, out_path = workdir / "trl_spec.json", workdir / "trl_result.json"
+        spec_path = workdir / "trl_spec.json"
         spec_path.write_text(json.dumps(spec))
-        where = "PyTorch CPU, fp32" if args.device == "cpu" else "PyTorch CUDA, bf16"
-        print(f"TRL GRPOTrainer ({where}) ...", flush=True)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(spec_path), str(out_path)], env=env,
-                              cwd=ROOT, capture_output=True, text=True)
-        (workdir / "trl_log.txt").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            print(f"TRL run failed (exit {proc.returncode}); last output:\n{tail}", file=sys.stderr, flush=True)
-            results["trl"] = {"error": tail}
-        else:
+        results["trl"] = {}
+        for threads in trl_threads:
+            label = f"{threads} thr" if threads else "default thr"
+            where = "PyTorch CPU, fp32" if args.device == "cpu" else "PyTorch CUDA, bf16"
+            print(f"TRL GRPOTrainer ({where}, torch threads: {threads or 'default'}) ...", flush=True)
+            env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
+            out_path = workdir / f"trl_result_{threads}.json"
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(spec_path), str(out_path),
+                                   str(threads)], env=env, cwd=ROOT, capture_output=True, text=True)
+            (workdir / f"trl_log_{threads}.txt").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                tail = (proc.stdout + proc.stderr)[-3000:]
+                print(f"TRL run failed (exit {proc.returncode}); last output:\n{tail}", file=sys.stderr, flush=True)
+                results["trl"][label] = {"error": tail}
+                continue
             r = json.loads(out_path.read_text())
             r["wall_s"] = time.perf_counter() - t0
             r["summary"] = summarize(r["steps"], args.warmup, ["generate_s"])
-            results["trl"] = r
-            print(f"  TRL: {r['summary']['step_s']:.3f} s/step, {r['summary']['tokens_per_s']:.0f} tokens/s "
-                  f"({r['params'] / 1e6:.2f}M params, wall {r['wall_s']:.0f} s)", flush=True)
+            results["trl"][label] = r
+            print(f"  TRL ({label}): {r['summary']['step_s']:.3f} s/step, {r['summary']['tokens_per_s']:.0f} "
+                  f"tokens/s ({r['params'] / 1e6:.2f}M params, {r['torch_threads']} torch threads, wall "
+                  f"{r['wall_s']:.0f} s)", flush=True)
 
     strategy = cfg.plan.strategy
     print(f"jaxrlhf {strategy} ...", flush=True)
@@ -378,24 +400,29 @@ def main(argv: list[str] | None = None) -> int:
     results["host"]["loadavg_end"] = os.getloadavg()
 
     jax_sum = (results["jaxrlhf"] or {}).get("summary")
-    trl_sum = (results["trl"] or {}).get("summary")
+    trl_ok = {k: r["summary"] for k, r in (results["trl"] or {}).items() if "summary" in r}
+    results["trl_reference"] = max(trl_ok, key=lambda k: trl_ok[k]["tokens_per_s"]) if trl_ok else None
+    trl_sum = trl_ok.get(results["trl_reference"])
     results.update(comparison(jax_sum, trl_sum))
     print(f"\n{'system':<22} {'step s':>8} {'min-max s':>13} {'tok/step':>9} {'tokens/s':>9} {'generate':>9} "
           f"{'x TRL':>7}")
     print("-" * 82)
-    for name, side, sm in (("TRL GRPOTrainer", "trl", trl_sum), (f"jaxrlhf {strategy}", "jaxrlhf", jax_sum)):
+    trl_rows = [(f"TRL GRPO ({k})" + (" *" if k == results["trl_reference"] and len(trl_ok) > 1 else ""),
+                 trl_ok[k]) for k in trl_ok] or [("TRL GRPOTrainer", None)]
+    for name, sm in trl_rows + [(f"jaxrlhf {strategy}", jax_sum)]:
         if not sm:
-            print(f"{name:<22} {'failed' if (results[side] or {}).get('error') else 'not run'}")
+            print(f"{name:<22} failed or not run")
             continue
-        share = results["generate_share"].get(side)
+        share = sm["calls_s"].get("generate_s", sm["calls_s"].get("actor.generate", float("nan"))) / sm["step_s"]
         ratio = sm["tokens_per_s"] / trl_sum["tokens_per_s"] if trl_sum else None
         print(f"{name:<22} {sm['step_s']:>8.3f} {sm['step_s_min']:>6.3f}-{sm['step_s_max']:<6.3f} "
               f"{sm['tokens_per_step']:>9.0f} {sm['tokens_per_s']:>9.0f} "
-              f"{f'{share:.0%}' if share is not None else 'n/a':>9} {f'{ratio:.2f}' if ratio else 'n/a':>7}")
+              f"{share:>9.0%} {f'{ratio:.2f}' if ratio else 'n/a':>7}")
     if jax_sum:
         print("\njaxrlhf median per-call seconds (dispatch to ready, calls may overlap): " + ", ".join(
             f"{c} {s:.4f}" for c, s in jax_sum["calls_s"].items()))
-    print(f"generate: each side's generate seconds over its step seconds; medians of {args.steps} steps after "
+    print(f"generate: each side's generate seconds over its step seconds; x TRL: against the faster TRL (*); "
+          f"medians of {args.steps} steps after "
           f"{args.warmup}. Load average {results['host']['loadavg_start'][0]:.2f} at the start, "
           f"{results['host']['loadavg_end'][0]:.2f} at the end, on {os.cpu_count()} CPUs")
     print(json.dumps({k: results[k] for k in ("ratio", "step_s", "generate_share")}))
