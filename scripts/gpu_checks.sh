@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# The measurements only a GPU can give, in one short run (a lent GPU machine is held by the minute):
+# The measurements only a GPU can give, in one short run of at most 9 minutes (BUDGET=540 s: a lent GPU
+# machine is held by the minute):
+#   0. jaxrlhf against its peers on the same GPU, same work, bf16, 1.24B (`llama3.2-1b`): PPO with TRL
+#      (scripts/bench_ppo.py --device cuda), GRPO with TRL (bench_grpo_trl.py) and, when tunix imports,
+#      with tunix (bench_grpo_tunix.py); their JSON has the ratio, per-call seconds and generate shares;
 #   1. a GPU profile for the planner (python -m jaxrlhf.profile), kept in profiles/;
 #   2. static vs continuous engine on long-tailed response lengths (bench_generate.py --workload rl);
 #   3. per-call estimates vs measured times and train MFU (scripts/validate_estimator.py, 1 device);
@@ -7,22 +11,54 @@
 #   5. where a whole PPO and GRPO step goes (python -m jaxrlhf.train with a profiled last step, then
 #      scripts/step_breakdown.py, each call's MFU against the estimator step's measured matmul rate, and
 #      scripts/trace_summary.py; the trace comes back as NAME-trace.json.gz);
-#   rl and decode run at 100M parameters and again at 1.2B (-1b); ppo-1b and grpo-1b at 1.2B.
+#   rl and decode run at 100M parameters and again at 1.2B (-1b); ppo-1b and grpo-1b at 1.2B, on the
+#   peer benchmarks' workloads (EOS ignored: a random 1.2B model almost never samples it anyway), so
+#   their programs come from the compile cache the benchmarks filled.
 #
 #   OUT=results/gpu bash scripts/gpu_checks.sh             # on the GPU host, from the repository root
 #   SMOKE=1 OUT=/tmp/gpu-smoke bash scripts/gpu_checks.sh  # the same commands at toy sizes on CPU
 #   STEPS='estimator decode' OUT=... bash scripts/gpu_checks.sh  # only these steps
 #
 # It needs jaxrlhf's dependencies importable with the GPU's jax (`pip install -e .` on a machine with
-# a package index; an offline image with jax, flax, optax and orbax may still lack tensorflow-datasets,
-# array_record, pydantic, tensorboardX and importlib_resources: install their wheels first).
-# Each step has its own time limit and writes its JSON/YAML under $OUT (the output also goes to
-# $OUT/log.txt), so a step that fails or runs out of time costs only itself; the most wanted run first.
+# a package index). An offline image with jax, flax, optax, orbax, torch and transformers lacks the
+# wheels scripts/gpu_wheels.txt lists: with WHEELS=DIR (default .whl/ when it exists) they are installed
+# from DIR first, each group of that file into its own folder under $SITE.
+# Each step has its own time limit, cut to what is left of BUDGET, and writes its JSON/YAML under $OUT
+# (the output also goes to $OUT/log.txt), so a step that fails or runs out of time costs only itself;
+# the most wanted run first, and a step with under 20 s of the budget left is skipped.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for results}
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 PY=${PY:-python3}
+SITE=${SITE:-/tmp/gpu-checks-site}
+WHEELS=${WHEELS:-$([[ -d .whl ]] && echo .whl)}
+
+install_wheels() {  # install_wheels DIR: each [group] of scripts/gpu_wheels.txt from DIR into $SITE/group
+  local dir=$1 group=jaxrlhf line name file
+  declare -A files=()
+  shopt -s nocaseglob nullglob
+  while read -r line; do
+    line=${line%%#*}; line=${line//[[:space:]]/}
+    [[ -n $line ]] || continue
+    if [[ $line == \[*\] ]]; then group=${line:1:-1}; continue; fi
+    name=${line%%==*}; name=${name//[-.]/_}  # a wheel's file name spells - and . as _
+    file=("$dir/$name-${line#*==}-"*.whl)
+    if ((${#file[@]} == 0)); then echo "gpu_checks: no wheel of $line in $dir" >&2; continue; fi
+    files[$group]+="${files[$group]:+ }${file[0]}"
+  done <scripts/gpu_wheels.txt
+  shopt -u nocaseglob nullglob
+  for group in "${!files[@]}"; do
+    # shellcheck disable=SC2086  # the group's wheel paths, one word each
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE/$group" \
+      ${files[$group]} || echo "gpu_checks: the [$group] wheels did not install" >&2
+  done
+}
+if [[ -n $WHEELS ]]; then
+  install_wheels "$WHEELS"
+  export PYTHONPATH="$SITE/jaxrlhf:$PYTHONPATH"
+fi
+site() { echo "PYTHONPATH=$SITE/$1:$PYTHONPATH"; }  # `env "$(site GROUP)" CMD`: that group's wheels too
 
 if [[ -n "${SMOKE:-}" ]]; then  # toy sizes: checks the commands, not the hardware
   export JAX_PLATFORMS=cpu
@@ -32,6 +68,9 @@ if [[ -n "${SMOKE:-}" ]]; then  # toy sizes: checks the commands, not the hardwa
   PROF=(run.platform=cpu run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8 data.batch_size=4)
   BIG=(--preset small)
   RUN=(run.platform=cpu run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8)
+  PEER=(--device cpu --steps 1 --warmup 1)
+  PPO=(run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8 data.batch_size=8)
+  GRPO=(run.devices=1 model.actor.preset=tiny generation.max_new_tokens=8 data.batch_size=4 algorithm.group_size=4)
   T=5  # CPU is slower: more time per step
 else
   export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -43,27 +82,48 @@ else
         generation.max_new_tokens=256 data.batch_size=16)
   BIG=(--preset llama3.2-1b)  # a size where weights, not launches, bound a decode step
   RUN=(run.platform=gpu run.devices=null model.actor.preset=llama3.2-1b generation.max_new_tokens=256)
+  PEER=(--device cuda --steps 2 --warmup 1)
+  PPO=(model.actor.preset=llama3.2-1b generation.max_new_tokens=256 data.batch_size=64)
+  GRPO=(model.actor.preset=llama3.2-1b generation.max_new_tokens=256 data.batch_size=16)
   T=1
 fi
+BUDGET=${BUDGET:-$((540 * T))}  # seconds for the whole run, start-up and wheels included
 "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
-STEPS=${STEPS:-profile rl rl-1b estimator decode decode-1b ppo-1b grpo-1b}  # a subset reruns only those
+# a subset reruns only those
+STEPS=${STEPS:-ppo-trl grpo-trl grpo-tunix profile rl rl-1b estimator decode decode-1b ppo-1b grpo-1b}
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output to the screen and $OUT/log.txt
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 left=$((BUDGET - SECONDS - 5)); shift 2
   [[ " $STEPS " == *" $name "* ]] || return 0
+  if ((left < 20)); then echo "=== $name: skipped, ${left}s of the ${BUDGET}s budget left"; return 0; fi
+  ((limit > left)) && limit=$left
   echo "=== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | grep -v "donated buffers\|warnings.warn\|buffer-donation" | tee -a "$OUT/log.txt"
   echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
 
-step profile $((200 * T)) "$PY" -m jaxrlhf.profile --config configs/quickstart-grpo.yaml --repeats 3 \
+# Same work on both sides: every response max_new_tokens long (EOS ignored), as the peer benchmarks run it.
+SAME=(generation.ignore_eos=true rewards.eos_only=false)
+step ppo-trl $((140 * T)) env "$(site trl-ppo)" "$PY" scripts/bench_ppo.py "${PEER[@]}" --strategies colocated \
+  --out "$OUT/ppo-trl.json" "${PPO[@]}" "${SAME[@]}"
+step grpo-trl $((120 * T)) env "$(site trl-grpo)" "$PY" scripts/bench_grpo_trl.py "${PEER[@]}" \
+  --out "$OUT/grpo-trl.json" "${GRPO[@]}"
+if env "$(site tunix)" "$PY" -c "import tunix.rl.grpo.grpo_learner" >/dev/null 2>&1; then
+  step grpo-tunix $((60 * T)) env "$(site tunix)" "$PY" scripts/bench_grpo_tunix.py "${PEER[@]}" \
+    --devices 1 --out "$OUT/grpo-tunix.json" "${GRPO[@]}" "${SAME[@]}"
+else
+  echo "=== grpo-tunix: skipped, tunix does not import (its wheels: scripts/gpu_wheels.txt [tunix])"
+fi
+# The limits below add up, with the peers' and the start-up, to the budget; each step's "exit after N s"
+# line says how to re-size them.
+step profile $((30 * T)) "$PY" -m jaxrlhf.profile --config configs/quickstart-grpo.yaml --repeats 3 \
   --sizes 1 --out "$OUT/profile.yaml" "${PROF[@]}"
-step rl $((120 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
+step rl $((20 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
   "${RL[@]}" --out "$OUT/rl.json"
-step rl-1b $((120 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
+step rl-1b $((25 * T)) "$PY" scripts/bench_generate.py --workload rl --dtype bfloat16 --repeats 2 \
   "${RL[@]}" "${BIG[@]}" --out "$OUT/rl-1b.json"
-step estimator $((110 * T)) "$PY" scripts/validate_estimator.py --devices 1 --dtype bfloat16 --repeats 3 \
+step estimator $((25 * T)) "$PY" scripts/validate_estimator.py --devices 1 --dtype bfloat16 --repeats 3 \
   "${EST[@]}" --profile "$OUT/estimator-hardware.yaml" --json "$OUT/estimator.json"
 rl_step() {  # rl_step NAME CONFIG OVERRIDES...: 7 training steps, the last one profiled; its breakdown
   local name=$1 config=$2 dir=${RUNS:-/tmp/gpu-checks}/$1; shift 2
@@ -82,13 +142,13 @@ export -f rl_step
 export PY OUT
 export RUN_ARGS="${RUN[*]}"
 
-step decode $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
+step decode $((15 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
   --repeats 3 "${GEN[@]}" --out "$OUT/decode.json"
-step decode-1b $((90 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
+step decode-1b $((20 * T)) "$PY" scripts/bench_generate.py --workload decode --dtype bfloat16 --skip-hf \
   --repeats 3 "${GEN[@]}" "${BIG[@]}" --out "$OUT/decode-1b.json"
 # shellcheck disable=SC2016  # the inner bash expands them
-step ppo-1b $((200 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ ppo-1b configs/quickstart.yaml \
-  plan.strategy=colocated data.batch_size=64
+step ppo-1b $((35 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ ppo-1b configs/quickstart.yaml \
+  plan.strategy=colocated data.batch_size=64 "${SAME[@]}"
 # shellcheck disable=SC2016
-step grpo-1b $((170 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ grpo-1b configs/quickstart-grpo.yaml \
-  data.batch_size=16
+step grpo-1b $((30 * T)) bash -c 'RUN=($RUN_ARGS); rl_step "$@"' _ grpo-1b configs/quickstart-grpo.yaml \
+  data.batch_size=16 "${SAME[@]}"
