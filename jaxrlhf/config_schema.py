@@ -248,7 +248,8 @@ class AlgorithmConfig:
 
     # ppo, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax (RL); sft, rm, dpo (stages)
     name: str = _field("ppo", check=not_empty)
-    micro_batch_size: Int | None = _field(None, check=positive)  # rows per micro-batch; null = no micro-batching
+    # rows per micro-batch of every train and inference call; null = the planner's choice per call (plan.yaml)
+    micro_batch_size: Int | None = _field(None, check=positive)
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
         micro = self.micro_batch_size
@@ -471,8 +472,9 @@ class RoleModelConfig:
     overrides: dict[str, Any] = _field(factory=dict)  # ModelConfig fields to replace
     dtype: Dtype | None = None  # compute dtype; null = the model's own
     param_dtype: Dtype | None = None  # stored parameter dtype; null = the model's own
-    # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs)
-    remat: Literal["none", "full", "dots"] = "none"
+    # rematerialise the scanned layer in training: none, full (keep layer inputs), dots (keep matmul outputs);
+    # null = the planner's choice with the placement (the least that fits; plan.yaml says which)
+    remat: Literal["none", "full", "dots"] | None = None
     # run the layer loop unrolled (faster, compiles longer) or as a loop; null = unrolled up to 8 layers (CPU), 16 (GPU)
     unroll_layers: Bool | None = None
     lora: LoraSection | None = None  # train LoRA adapters only (docs/lora.md); not inherited through init_from

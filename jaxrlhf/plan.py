@@ -34,7 +34,7 @@ from jaxrlhf.run import planning
 from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.budget import budget_line
 from jaxrlhf.planner.hardware import GB
-from jaxrlhf.planner.search import DEFAULT_ITERATIONS, SearchResult
+from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, SearchResult
 from jaxrlhf.planner.simulator import Timeline
 
 GiB = 2**30
@@ -67,9 +67,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="all NICs of one node together, Gb/s one direction (e.g. 3200 for 8 x 400 Gb/s); "
                         "overrides the hardware profile's inter-node bandwidth")
     p.add_argument("--iterations", type=_positive_int, default=DEFAULT_ITERATIONS,
-                   help="annealing iterations (half split over seeds, half from the best found)")
+                   help="annealing iterations (shared by the successive-halving rounds over the seeds)")
+    p.add_argument("--evaluations", type=_positive_int, default=DEFAULT_EVALUATIONS,
+                   help="plans the search evaluates at most: its budget, the same on any machine (as `train`'s)")
     p.add_argument("--time-budget", type=float, default=planning.SEARCH_TIME_BUDGET_S,
-                   help="seconds the search may take at most (the same cap `train` uses)")
+                   help="wall-clock safety net in seconds (as `train`'s): hit, the answer depends on the machine")
     p.add_argument("--seed", type=int, help="search seed (run.seed, as in training)")
     p.add_argument("--out", help="folder for plan.yaml and timeline.png (default: plans/<algorithm>-<model>-"
                                  "<devices>x<hardware>-<hash of the rest of the question>)")
@@ -146,7 +148,7 @@ def question_hash(args: argparse.Namespace, cfg: cfglib.Config, devices: int, ha
                 files[path] = hashlib.sha256(f.read()).hexdigest()
     question = {"config": config, "devices": devices, "hardware": hardware, "files": files,
                 "inter_node_gbps": args.inter_node_gbps, "iterations": args.iterations,
-                "time_budget": args.time_budget}
+                "evaluations": args.evaluations}
     return hashlib.sha256(json.dumps(question, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
@@ -186,8 +188,15 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
     if budget_line(res):
         lines.append(budget_line(res))
     lines.append(f"search: {res.seconds:.1f} s, {res.evaluations} plans evaluated"
-                 + (" (time budget hit)" if res.budget_hit else ""))
+                 + (" (the wall-clock safety net stopped it: this answer depends on the machine)" if res.budget_hit
+                    else ""))
     return "\n".join(lines)
+
+
+def chosen_workload(res: SearchResult, wl: Any, call: Any) -> Any:
+    """`wl` as `call` runs it in the searched plan: under the memory knobs the search chose for it."""
+    knobs = res.best.knobs.get(call.name)
+    return wl.for_call(call, knobs.micro, knobs.remat) if knobs else wl
 
 
 def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
@@ -208,8 +217,9 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
             continue
         call = run_setup.graph[name]
         cfg = run_setup.models[call.role]
+        call_wl = chosen_workload(res, wl, call)
         whole = Layout(lay.data * lay.context, lay.fsdp, lay.tensor, lay.stage)
-        need = {layout: sum(working_set(call, cfg, layout, wl).values()) + params_per_device(cfg, call.head, layout)
+        need = {layout: sum(working_set(call, cfg, layout, call_wl).values()) + params_per_device(cfg, call.head, layout)
                 for layout in (lay, whole)}
         if need[whole] > hw.usable_memory:
             verdict = "does not fit"
@@ -217,7 +227,7 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
             from jaxrlhf.planner.cost import call_cost
 
             group = plan.groups[placement.group]
-            t = {layout: call_cost(call, cfg, group, layout, wl, hw).seconds for layout in (lay, whole)}
+            t = {layout: call_cost(call, cfg, group, layout, call_wl, hw).seconds for layout in (lay, whole)}
             verdict = f"fits; estimated {t[whole]:.3g} s there against {t[lay]:.3g} s with the context axis"
         lines.append(f"  {name}: its {wl.seq_len}-token sequences over {lay.context} devices (context "
                      f"{lay.context}) need {need[lay] / GiB:.1f} GiB per device; whole on one device "
@@ -242,15 +252,16 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
             continue
         call = run_setup.graph[name]
         cfg = run_setup.models[call.role]
+        call_wl = chosen_workload(res, wl, call)
         group = plan.groups[placement.group]
         # generation is never FSDP: there the expert devices go to the data axis
         other = Layout(lay.data * lay.expert, lay.fsdp, lay.tensor, lay.stage, lay.context) if call.kind == "generate" \
             else Layout(lay.data, lay.fsdp * lay.expert, lay.tensor, lay.stage, lay.context)
         # the call alone: its parameters (and optimizer state, training) and working set
-        need = {layout: sum(working_set(call, cfg, layout, wl).values()) + params_per_device(cfg, call.head, layout)
+        need = {layout: sum(working_set(call, cfg, layout, call_wl).values()) + params_per_device(cfg, call.head, layout)
                 + (optimizer_per_device(cfg, call.head, layout, wl, call.role) if call.kind == "train" else 0.0)
                 for layout in (lay, other)}
-        cost = call_cost(call, cfg, group, lay, wl, hw)
+        cost = call_cost(call, cfg, group, lay, call_wl, hw)
         comm = cost.parts.get("expert_comm", 0.0)
         head = (f"  {name}: {cfg.num_experts} experts over {lay.expert} devices ({cfg.num_experts // lay.expert} "
                 f"each): {cost.seconds:.3g} s, of which the expert axis' token gathers and scatters {comm:.3g} s, "
@@ -261,7 +272,7 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
             lines.append(head + f"without the expert axis ({other}) it needs {need[other] / GiB:.1f} GiB of "
                          f"{hw.usable_memory / GiB:.1f} usable: does not fit")
         else:
-            t = call_cost(call, cfg, group, other, wl, hw).seconds
+            t = call_cost(call, cfg, group, other, call_wl, hw).seconds
             lines.append(head + f"without the expert axis ({other}) {t:.3g} s and {need[other] / GiB:.1f} GiB")
     return ["", "expert parallelism:", *lines] if lines else []
 
@@ -386,7 +397,8 @@ def _main(argv: Sequence[str]) -> int:
             run_setup = dataclasses.replace(run_setup, hardware=hw)
         devices, hw, graph = run_setup.machine.devices, run_setup.hardware, run_setup.graph
         out = out_folder(args, cfg, devices, hw.name)
-        res = run_setup.search(time_budget_s=args.time_budget, iterations=args.iterations)
+        res = run_setup.search(time_budget_s=args.time_budget, iterations=args.iterations,
+                               evaluations=args.evaluations)
         unstreamed = None
         if cfg.generation.partial_rollout and cfg.staleness_budget:  # the baseline: no stream, on-policy
             from jaxrlhf import config as cfglib
@@ -395,7 +407,8 @@ def _main(argv: Sequence[str]) -> int:
                                                    "plan.offpolicy=false"])
             sync_setup = dataclasses.replace(run_setup, cfg=sync_cfg,
                                              algorithm=setup(sync_cfg, machine=run_setup.machine, runtime=False).algorithm)
-            unstreamed = sync_setup.search(time_budget_s=args.time_budget, iterations=args.iterations)
+            unstreamed = sync_setup.search(time_budget_s=args.time_budget, iterations=args.iterations,
+                                           evaluations=args.evaluations)
     except ValueError as e:  # ConfigError and PlanError are ValueErrors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ BASELINES = ("heuristic", "verl")
 
 def workload(gen: int) -> Workload:
     """ReaLHF's token budget; each call's micro-batch count chosen per placement."""
-    return Workload.from_tokens(TOKENS, 128, gen, search_micro=True)
+    return Workload.from_tokens(TOKENS, 128, gen, micro_batch="auto")
 
 
 def step(res, name: str) -> float | None:

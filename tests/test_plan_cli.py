@@ -156,7 +156,7 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
     """Device counts that are not powers of two (6 = 2 x 3, 96 = 32 x 3) search groups whose sizes the
     presets pick but the candidate groups lack; every count plans (or says why not) without a traceback."""
     rc = main(["--model-preset", "tiny", "--devices", str(devices), "--hardware", "h100", "--batch", "48",
-               "--iterations", "40", "--time-budget", "3", "--json", "--out", str(tmp_path)])
+               "--iterations", "40", "--evaluations", "200", "--json", "--out", str(tmp_path)])
     captured = capsys.readouterr()
     if rc == 0:
         assert json.loads(captured.out)["searched"]["plan"]["num_devices"] == devices

@@ -226,7 +226,7 @@ def test_plan_cli_output_trains(tmp_path):
     assert plan_cli.main([
         "--config", QUICKSTART, "--model-preset", "tiny", "--hardware", "cpu", "--devices", "8", "--batch", "8", "--out", str(out),
         # a 3 s search (the test is about the file, not the search; on 8 CPUs it writes the plan 20 s find)
-        "--iterations", "300", "--time-budget", "3",
+        "--iterations", "300", "--evaluations", "200",
     ]) == 0
     records = _run(tmp_path, "run", f"plan.file={out / 'plan.yaml'}", "run.steps=2", "run.save_checkpoints=false")
     assert [r["step"] for r in records] == [1, 2]

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from jaxrlhf.config_schema import Config
     from jaxrlhf.models.tokenizer import Tokenizer
     from jaxrlhf.placement.executor import Executor, Role, StepResult
+    from jaxrlhf.planner.plan import Execution
     from jaxrlhf.planner.workload import Workload
 
 
@@ -56,6 +57,7 @@ class Algorithm(abc.ABC):
         self.cfg = cfg
         self.tokenizer: "Tokenizer | None" = None
         self.models: dict[str, "Role"] = {}
+        self.execution: "Execution | None" = None  # `bind` sets it
 
     # ---- declaration: config only --------------------------------------------------------
     @abc.abstractmethod
@@ -81,16 +83,18 @@ class Algorithm(abc.ABC):
 
     def workload(self) -> "Workload":
         """What one step processes, for the planner: derived from the same config the runtime reads."""
-        from jaxrlhf.planner.workload import Workload
+        from jaxrlhf.planner.workload import AUTO, Workload
 
         cfg = self.cfg
         roles = list(self.roles())
         trained = [c.role for c in self.graph().calls if c.kind == "train"]
+        micro = cfg.algorithm.micro_batch_size
         return Workload(
             batch_size=self.batch_rows, prompt_len=cfg.data.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
             minibatches=self.minibatches, ppo_epochs=self.epochs,
-            micro_batch=cfg.algorithm.micro_batch_size,
-            remat={r: getattr(cfg.model, r).remat for r in roles},
+            # unset memory knobs are the planner's to choose with the placement (`planner.knobs`)
+            micro_batch=AUTO if micro is None else micro,
+            remat={r: getattr(cfg.model, r).remat or AUTO for r in roles},
             donate=True,  # the executor always donates parameters and optimizer state to train calls
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
             gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
@@ -149,12 +153,27 @@ class Algorithm(abc.ABC):
 
     # ---- runtime (the `runtime` class implements these) --------------------------------------
     def bind(self, tokenizer: "Tokenizer", models: Mapping[str, "Role"],
-             model_configs: Mapping[str, Any] | None = None) -> None:
+             model_configs: Mapping[str, Any] | None = None, execution: "Execution | None" = None) -> None:
         """Attach the tokenizer, the built models and their `ModelConfig`s (what their dimensions are:
-        a mixture of experts' routing, say); call functions are bound from here."""
+        a mixture of experts' routing, say) and the memory knobs the plan runs the calls with
+        (`ExecutionPlan.execution`; default the config's own keys, for a caller without a plan); call
+        functions are bound from here."""
         self.tokenizer = tokenizer
         self.models = dict(models)
         self.model_configs = dict(model_configs or {})
+        self.execution = execution if execution is not None else self.configured_execution()
+
+    def configured_execution(self) -> "Execution":
+        """The memory knobs the config itself sets: `algorithm.micro_batch_size` for every train and
+        inference call, `model.<role>.remat` of the trained roles, the token budget; unset ones off."""
+        from jaxrlhf.planner.plan import Execution
+
+        cfg, graph = self.cfg, self.graph()
+        micro = cfg.algorithm.micro_batch_size
+        return Execution(
+            micro_batch_size={c.name: micro for c in graph.calls if c.kind != "generate"} if micro else {},
+            remat={c.role: getattr(cfg.model, c.role).remat or "none" for c in graph.calls if c.kind == "train"},
+            token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None))
 
     def functions(self) -> dict[str, Any]:
         """Pure function of every call of the graph (see `jaxrlhf.placement.executor`), bound once."""

@@ -167,13 +167,13 @@ class DPORuntime:
     """The runtime half of the `dpo` stage (declared in jaxrlhf.algorithms.stages)."""
 
     def functions(self) -> dict[str, Any]:
-        alg, m = self.cfg.algorithm, self.models
+        alg, m, micro = self.cfg.algorithm, self.models, self.execution.micro_batch
         ref = functools.partial(packed_pair_logprobs, m["ref"].graphdef) if self.packs else \
-            functools.partial(ref_pair_logprobs, m["ref"].graphdef, alg.micro_batch_size)
+            functools.partial(ref_pair_logprobs, m["ref"].graphdef, micro("ref.inference"))
         return {
             "ref.inference": ref,
             "actor.train": functools.partial(dpo_train, m["actor"].graphdef, m["actor"].optimizer, alg.dpo_beta,
-                                             alg.dpo_label_smoothing, alg.dpo_loss, alg.micro_batch_size),
+                                             alg.dpo_label_smoothing, alg.dpo_loss, micro("actor.train")),
         }
 
     def host_steps(self) -> dict[str, Any]:
@@ -189,7 +189,7 @@ class DPORuntime:
         positions = np.asarray(positions_from_mask(jnp.asarray(mask)))  # the rule every forward uses
         packed, stats = pack_batch(mask, tokens, positions, mask.shape[1] - 1, np.arange(len(mask))[None],
                                    shards=math.lcm(*shards.values()),
-                                   budget=self.cfg.algorithm.max_tokens_per_micro_batch, group=2)
+                                   budget=self.execution.token_budget, group=2)
         return {"packed_pairs": packed, "packing_stats": {
             **{k: np.float32(v) for k, v in stats.metrics("packing/pairs").items()},
             "packing/pairs/micro_batches": np.float32(packed["slots"].shape[2])}}

@@ -74,7 +74,7 @@ class RewardModellingRuntime:
     def functions(self) -> dict[str, Any]:
         reward = self.models["reward"]
         return {"reward.train": functools.partial(rm_train, reward.graphdef, reward.optimizer,
-                                                  self.cfg.algorithm.micro_batch_size)}
+                                                  self.execution.micro_batch("reward.train"))}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
         from jaxrlhf.data import PreferenceDataset

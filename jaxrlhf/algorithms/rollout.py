@@ -573,7 +573,7 @@ class RolloutRuntime:
             clip_eps=alg.clip_eps, clip_eps_high=alg.clip_eps_high, kl_estimator=alg.kl_estimator,
             kl_in_reward=self.kl_in_reward and self.uses_ref, kl_in_loss=not self.kl_in_reward and self.uses_ref,
             loss_agg=alg.loss_agg, max_new_tokens=gen.max_new_tokens,
-            minibatches=alg.minibatches, epochs=alg.epochs, micro_batch=alg.micro_batch_size,
+            minibatches=alg.minibatches, epochs=alg.epochs,
             ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
@@ -592,12 +592,14 @@ class RolloutRuntime:
         s = self.settings()
         m = self.models
         tok = self.tokenizer
+        micro = self.execution.micro_batch  # each call's rows per micro-batch, as the plan was priced
         eos_ids = () if s.ignore_eos else tok.eos_ids
         gen = functools.partial(generate_call, m["actor"].graphdef, s.sampling, s.max_new_tokens, eos_ids,
                                 tok.pad_id, (s.engine, self.group_size, s.slots, s.kv_pages))
         fns: dict[str, Any] = {
             "actor.generate": functools.partial(gen, self.generated_prefix, record_experts=s.router_replay),
-            "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer, s),
+            "actor.train": functools.partial(actor_train, m["actor"].graphdef, m["actor"].optimizer,
+                                             dataclasses.replace(s, micro_batch=micro("actor.train"))),
         }
         if self.greedy_baseline:
             greedy = functools.partial(generate_call, m["actor"].graphdef, dataclasses.replace(s.sampling, greedy=True),
@@ -606,15 +608,19 @@ class RolloutRuntime:
             fns["actor.generate_greedy"] = functools.partial(greedy, "greedy_")
         if s.correction.active:  # pi_old: the actor's log-probs of the rollout before this step's update
             fns["actor.inference"] = functools.partial(policy_logprobs, m["actor"].graphdef, s.sampling,
-                                                       s.micro_batch, output="old_logp", replay=s.router_replay)
+                                                       micro("actor.inference"), output="old_logp",
+                                                       replay=s.router_replay)
         if "ref" in m:
-            fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling, s.micro_batch)
+            fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling,
+                                                     micro("ref.inference"))
         if "critic" in m:
-            fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef, s.micro_batch)
-            fns["critic.train"] = functools.partial(critic_train, m["critic"].graphdef, m["critic"].optimizer, s)
+            fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef, micro("critic.inference"))
+            fns["critic.train"] = functools.partial(critic_train, m["critic"].graphdef, m["critic"].optimizer,
+                                                    dataclasses.replace(s, micro_batch=micro("critic.train")))
         if "reward" in m:
             prefixes = ("", "greedy_") if self.greedy_baseline else ("",)
-            fns["reward.inference"] = functools.partial(reward_scores, m["reward"].graphdef, prefixes, s.micro_batch)
+            fns["reward.inference"] = functools.partial(reward_scores, m["reward"].graphdef, prefixes,
+                                                        micro("reward.inference"))
         return fns
 
     def host_steps(self) -> dict[str, Any]:
@@ -745,7 +751,7 @@ class RolloutRuntime:
             replayed = router_experts is not None and any(c.startswith("actor.") for c in readers)
             out[name], packed = pack_batch(mask, tokens, positions, width, updates,
                                            shards=math.lcm(*(shards[c] for c in readers)),
-                                           budget=alg.max_tokens_per_micro_batch,
+                                           budget=self.execution.token_budget,
                                            experts=np.asarray(router_experts) if replayed else None)
             short = name.removeprefix("packed_")
             stats.update({k: np.float32(v) for k, v in packed.metrics(f"packing/{short}").items()})

@@ -81,7 +81,7 @@ class SFTRuntime:
     def functions(self) -> dict[str, Any]:
         actor = self.models["actor"]
         return {"actor.train": functools.partial(sft_train, actor.graphdef, actor.optimizer,
-                                                 self.cfg.algorithm.micro_batch_size)}
+                                                 self.execution.micro_batch("actor.train"))}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
         from jaxrlhf.algorithms.environments import TOOLS

@@ -6,7 +6,7 @@ that would not) and runs more, smaller forwards (each a fixed cost: weight gathe
 no budget runs each update in one. Which is fastest depends on the placement, so the search is run
 once per candidate budget (`budget_candidates`: from the drawn lengths, down to the longest sequence,
 the smallest budget there is) and the fastest plan that fits is kept with its budget
-(`ExecutionPlan.token_budget`), which the run then packs with (`run.planning.with_plan_budget`).
+(`ExecutionPlan.token_budget`), which the run then packs with (`ExecutionPlan.execution`).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -76,6 +76,9 @@ from jaxrlhf.planner.sizes import (
 )
 from jaxrlhf.planner.workload import Workload
 from jaxrlhf.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from jaxrlhf.planner.knobs import CallKnobs
 
 OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
 TP_ALLREDUCES_PER_LAYER = 2  # attention output and MLP output
@@ -613,17 +616,27 @@ class CostCache:
     def __init__(self, models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile):
         self.models, self.wl, self.hw = models, wl, hw
         self._calls: dict[tuple, CallCost] = {}
+        self._workloads: dict[tuple, Workload] = {}
         self._moves: dict[tuple, float] = {}
         self.move_sources: dict[tuple, str] = {}  # move key -> "measured" (the profile timed it) or "formula"
         self.memory: dict = {}  # per-(call, layout) byte counts for `memory.plan_memory`
 
-    def call(self, call: CallSpec, group: DeviceGroup, layout: Layout, micro: int | None = None) -> CallCost:
-        """Cost of `call` on `group` x `layout`, in `micro` micro-batches (None: the workload's)."""
-        key = (call, group.start, group.size, layout, micro)
+    def call(self, call: CallSpec, group: DeviceGroup, layout: Layout, knobs: "CallKnobs | None" = None) -> CallCost:
+        """Cost of `call` on `group` x `layout` under `knobs` (`planner.knobs`; None: the workload's own)."""
+        key = (call.name, group.start, group.size, layout, knobs)
         if key not in self._calls:
-            self._calls[key] = call_cost(call, self.models[call.role], group, layout,
-                                         self.wl.with_micro_batches(call, micro), self.hw)
+            self._calls[key] = call_cost(call, self.models[call.role], group, layout, self.for_call(call, knobs),
+                                         self.hw)
         return self._calls[key]
+
+    def for_call(self, call: CallSpec, knobs: "CallKnobs | None") -> Workload:
+        """The workload as `call` runs it under `knobs` (`Workload.for_call`), made once per setting."""
+        if knobs is None:
+            return self.wl
+        key = (call.name, knobs)
+        if key not in self._workloads:
+            self._workloads[key] = self.wl.for_call(call, knobs.micro, knobs.remat)
+        return self._workloads[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,
              dst_layout: Layout, adapters_only: bool = False) -> float:

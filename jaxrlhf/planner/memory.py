@@ -16,7 +16,7 @@ infeasible, with the reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.plan import ExecutionPlan, Layout
 from jaxrlhf.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from jaxrlhf.planner.knobs import CallKnobs
 
 GiB = 2**30
 LOGIT_COPIES_INFER = 1  # float32 logits (XLA fuses the log-softmax into their consumer)
@@ -289,17 +292,25 @@ class MemoryReport:
 
 def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
                 hw: HardwareProfile, memo: dict | None = None,
-                micro: Mapping[str, int] | None = None) -> MemoryReport:
+                knobs: Mapping[str, "CallKnobs"] | None = None) -> MemoryReport:
     """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit.
 
     The roles the plan already offloads (`plan.offload_roles`) start offloaded;
     `MemoryReport.offloaded` is what the runtime must offload for the estimate to hold.
     `memo` keeps per-(call, layout) byte counts between calls for the same models and
-    workload (the search evaluates thousands of plans). `micro` gives calls their own
-    micro-batch counts (`Workload.with_micro_batches`).
+    workload (the search evaluates thousands of plans). `knobs` gives calls their own
+    micro-batch counts and remat policies (`planner.knobs`, `Workload.for_call`).
     """
-    micro = micro or {}
+    knobs = knobs or {}
     memo = {} if memo is None else memo
+    workloads: dict = memo.setdefault(("workloads",), {})
+
+    def for_call(call: CallSpec, k: "CallKnobs | None") -> Workload:  # `Workload.for_call`, made once per setting
+        if k is None:
+            return wl
+        if (call.name, k) not in workloads:
+            workloads[(call.name, k)] = wl.for_call(call, k.micro, k.remat)
+        return workloads[(call.name, k)]
 
     def cached(key: tuple, fn, *args) -> float:
         if key not in memo:
@@ -376,9 +387,8 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     work: dict[str, float] = {}
     for c in calls:
         cfg, lay = models[c.role], plan.calls[c.name].layout
-        m = micro.get(c.name)
-        w = cached(("work", c.name, lay, m),
-                   lambda: sum(working_set(c, cfg, lay, wl.with_micro_batches(c, m)).values()))
+        k = knobs.get(c.name)
+        w = cached(("work", c.name, lay, k), lambda: sum(working_set(c, cfg, lay, for_call(c, k)).values()))
         home_call = homes[c.role]
         home = plan.calls[home_call]
         moved = (plan.group_of(c.name), lay) != (plan.group_of(home_call), home.layout)

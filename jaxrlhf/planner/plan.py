@@ -124,6 +124,28 @@ class Placement:
     layout: Layout
 
 
+# remat policies of a trained role's decoder layers (`models.transformer.remat_policy`)
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """The memory knobs a run executes a plan with (`ExecutionPlan.execution`): rows per micro-batch of each
+    micro-batched call, each trained role's remat policy, a packed run's token budget. The algorithms and
+    role builders read these, never the config's keys, so the run does what the plan was priced with."""
+
+    micro_batch_size: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    remat: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    token_budget: int | None = None
+
+    def micro_batch(self, call: str) -> int | None:
+        """Rows per micro-batch of `call` (None: the whole batch, or minibatch, at once)."""
+        return self.micro_batch_size.get(call)
+
+    def remat_of(self, role: str) -> str:
+        return self.remat.get(role, "none")
+
+
 @functools.lru_cache(maxsize=4096)
 def home_call_of(calls: tuple[str, ...], role: str) -> str:
     """Of the call names `calls`, the one holding `role`'s parameters: its train call if it has one,
@@ -152,6 +174,11 @@ class ExecutionPlan:
     # packed calls only: real tokens per micro-batch (chosen by the search when the run's
     # algorithm.max_tokens_per_micro_batch is unset; that key, when set, wins); None = no budget chosen
     token_budget: int | None = None
+    # the memory knobs the run executes with (`planner.knobs`; a key the run's config sets wins): rows per
+    # micro-batch of each micro-batched call (absent: one micro-batch), remat policy of each trained role
+    # (absent: none)
+    micro_batch_size: dict[str, int] = dataclasses.field(default_factory=dict)
+    remat: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # ---- queries -----------------------------------------------------------------
     def group_of(self, call: str) -> DeviceGroup:
@@ -163,6 +190,11 @@ class ExecutionPlan:
 
     def home(self, role: str) -> Placement:
         return self.calls[self.home_call(role)]
+
+    @property
+    def execution(self) -> "Execution":
+        """The memory knobs the run executes this plan's calls with."""
+        return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget)
 
     # ---- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -179,12 +211,14 @@ class ExecutionPlan:
             "notes": self.notes,
             **({"staleness": self.staleness} if self.staleness is not None else {}),
             **({"token_budget": self.token_budget} if self.token_budget is not None else {}),
+            **({"micro_batch_size": dict(self.micro_batch_size)} if self.micro_batch_size else {}),
+            **({"remat": dict(self.remat)} if self.remat else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
         known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
-                 "staleness", "token_budget"}
+                 "staleness", "token_budget", "micro_batch_size", "remat"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -221,6 +255,14 @@ class ExecutionPlan:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise PlanError(f"{where}.token_budget must be an integer >= 1 (real tokens per packed micro-batch), "
                             f"got {budget!r}")
+        micro = d.get("micro_batch_size") or {}
+        if not isinstance(micro, Mapping) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in micro.values()):
+            raise PlanError(f"{where}.micro_batch_size must map call names to rows per micro-batch (integers >= 1), "
+                            f"got {micro!r}")
+        remat = d.get("remat") or {}
+        if not isinstance(remat, Mapping) or any(v not in REMAT_POLICIES for v in remat.values()):
+            raise PlanError(f"{where}.remat must map trained roles to one of {list(REMAT_POLICIES)}, got {remat!r}")
         return cls(
             strategy=str(d.get("strategy", "custom")),
             num_devices=int(d["num_devices"]),
@@ -232,6 +274,8 @@ class ExecutionPlan:
             notes=str(d.get("notes", "") or ""),
             staleness=staleness,
             token_budget=budget,
+            micro_batch_size={str(k): int(v) for k, v in micro.items()},
+            remat={str(k): str(v) for k, v in remat.items()},
         )
 
     def to_yaml(self) -> str:
@@ -261,6 +305,14 @@ class ExecutionPlan:
         return cls.from_yaml(text, where=str(path))
 
     # ---- display -----------------------------------------------------------------
+    def knob_text(self) -> str:
+        """The memory knobs in words ("" when none is set): remat per role, micro-batch rows per call."""
+        parts = [f"remat {', '.join(f'{r} {p}' for r, p in self.remat.items())}"] if any(
+            p != "none" for p in self.remat.values()) else []
+        if self.micro_batch_size:
+            parts.append("micro-batches of " + ", ".join(f"{rows} rows ({c})" for c, rows in self.micro_batch_size.items()))
+        return "; ".join(parts)
+
     def table(self) -> str:
         rows = [("call", "group", "devices", "layout (data x fsdp x tensor [x stages] [x context] [x expert])")]
         for c, p in self.calls.items():
@@ -282,6 +334,9 @@ class ExecutionPlan:
             lines[0] += "; off-policy, the generator ahead by the run's algorithm.max_staleness (at least 1)"
         if self.token_budget:
             lines[0] += f"; packed micro-batches of at most {self.token_budget} tokens"
+        knobs = self.knob_text()
+        if knobs:
+            lines[0] += f"; {knobs}"
         for i, r in enumerate(rows):
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
             if i == 0:

@@ -44,12 +44,13 @@ from typing import Iterator, Mapping
 
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner import knobs as knobs_lib
 from jaxrlhf.planner import presets
 from jaxrlhf.planner.cost import CostCache
 from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.sizes import optimizer_bytes_per_param, shard_bytes, trained_shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
-from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
+from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
 from jaxrlhf.planner.plan import (
     CONTEXT_MIN_TOKENS, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of,
 )
@@ -115,7 +116,7 @@ def valid_layouts(call: CallSpec, cfg: ModelConfig, size: int, wl: Workload, max
                     rest = size // t // p // c // e
                     for f in _divisors(rest):
                         d = rest // f
-                        if batch % (d * f * e) or cfg.hidden_size % f:
+                        if batch % (d * f * e) or cfg.hidden_size % f or wl.micro_misfit(call, d * f * e):
                             continue
                         if call.kind == "generate" and f > 1:
                             continue
@@ -281,9 +282,12 @@ class SearchResult:
 
 class _Annealer:
     def __init__(self, space: SearchSpace, models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
-                 steps: int, allow_offpolicy: bool):
+                 steps: int, allow_offpolicy: bool, budget: int = 10**9, deadline: float = math.inf):
         self.space, self.models, self.wl, self.hw = space, models, wl, hw
         self.steps, self.allow_offpolicy = steps, allow_offpolicy
+        self.budget = self.phase_end = budget  # plans to evaluate, over the whole search / up to this phase's end
+        self.deadline = deadline  # the wall-clock safety net (`time.perf_counter` seconds)
+        self.clock_hit = False
         self.cache = CostCache(models, wl, hw)
         self.seen: dict[State, tuple[float, PlanEstimate]] = {}
         self.slots = {c.name: space.slots(c.name) for c in space.graph.calls}
@@ -296,6 +300,7 @@ class _Annealer:
         self.group_set = set(space.groups)
         self._ranked: dict[tuple[str, int, int], list[Layout]] = {}
         self._bytes_alone: dict[tuple[str, Layout], float] = {}
+        self._fastest_alone: dict[tuple[str, int, int, Layout], tuple[float, float] | None] = {}
         upstream: dict[str, set[str]] = {}
         for c in space.graph.topological():
             upstream[c.name] = set(c.deps).union(*(upstream[d] for d in c.deps))
@@ -304,32 +309,57 @@ class _Annealer:
                             if a.role != b.role and a.name not in upstream[b.name] and b.name not in upstream[a.name]]
         self._independent_set = set(self.independent)
 
+    def resident_alone(self, call: str, lay: Layout) -> float:
+        """Bytes per device of `call`'s role under `lay` between calls: its parameters and, for a train
+        call, its optimizer state."""
+        spec = self.space.graph[call]
+        cfg = self.models[spec.role]
+        own = params_per_device(cfg, spec.head, lay)
+        if spec.kind == "train":
+            own += optimizer_per_device(cfg, spec.head, lay, self.wl, spec.role)
+        return own
+
     def bytes_alone(self, call: str, lay: Layout) -> float:
-        """Bytes per device of `call` under `lay` on its own: its role's parameters (and optimizer
-        state, for a train call) plus the call's working set."""
+        """Bytes per device of `call` under `lay` on its own at its leanest knobs (`planner.knobs`): its
+        role's parameters (and optimizer state, for a train call) plus the call's working set."""
         if (call, lay) not in self._bytes_alone:
             spec = self.space.graph[call]
-            cfg = self.models[spec.role]
-            own = params_per_device(cfg, spec.head, lay) + sum(working_set(spec, cfg, lay, self.wl).values())
-            if spec.kind == "train":
-                own += optimizer_per_device(cfg, spec.head, lay, self.wl, spec.role)
-            self._bytes_alone[(call, lay)] = own
+            lean = knobs_lib.options(spec, lay, self.wl)
+            work = min(knobs_lib.working_bytes(spec, self.models[spec.role], lay, self.wl, k) for k in lean)
+            self._bytes_alone[(call, lay)] = self.resident_alone(call, lay) + work
         return self._bytes_alone[(call, lay)]
+
+    def fastest_alone(self, call: str, start: int, size: int, lay: Layout) -> tuple[float, float] | None:
+        """(seconds, bytes per device) of `call` under `lay` on the group (start, size), on its own, at the
+        fastest of its knob options that fits a device's usable memory (None: none does)."""
+        key = (call, start, size, lay)
+        if key not in self._fastest_alone:
+            spec, group = self.space.graph[call], DeviceGroup("g", start, size)
+            resident, found = self.resident_alone(call, lay), None
+            if resident <= self.hw.usable_memory:
+                cfg = self.models[spec.role]
+                for k in knobs_lib.front(spec, group, lay, self.wl, self.cache):
+                    need = resident + knobs_lib.working_bytes(spec, cfg, lay, self.wl, k)
+                    if need <= self.hw.usable_memory:
+                        found = (self.cache.call(spec, group, lay, k).seconds, need)
+                        break
+            self._fastest_alone[key] = found
+        return self._fastest_alone[key]
 
     def ranked(self, call: str, start: int, size: int) -> list[Layout]:
         """`call`'s layouts on the group (start, size) that fit on their own and that no other such
         layout beats on both time and memory, fastest first (so each next one needs less memory).
-        Fitting alone: `bytes_alone` within a device's usable memory. In a plan, other roles' parameters
+        Fitting alone: the role's parameters and the call's working set at the fastest knobs that fit
+        (`fastest_alone`) within a device's usable memory. In a plan, other roles' parameters
         share the devices, so the fastest layout alone is often not the one that fits; the
         time-memory front holds the one that does."""
         key = (call, start, size)
         if key not in self._ranked:
-            spec, group = self.space.graph[call], DeviceGroup("g", start, size)
-            alone = functools.partial(self.bytes_alone, call)
-            fits = [lay for lay in self.space.layouts[(call, size)] if alone(lay) <= self.hw.usable_memory]
+            priced = {lay: self.fastest_alone(call, start, size, lay) for lay in self.space.layouts[(call, size)]}
+            fits = sorted((p, lay) for lay, p in priced.items() if p is not None)
             front: list[Layout] = []
-            for lay in sorted(fits, key=lambda lay: (self.cache.call(spec, group, lay).seconds, alone(lay))):
-                if not front or alone(lay) < alone(front[-1]):
+            for (_, need), lay in fits:
+                if not front or need < priced[front[-1]][1]:
                     front.append(lay)
             self._ranked[key] = front
         return self._ranked[key]
@@ -351,14 +381,14 @@ class _Annealer:
         """The lowest-energy state seen (ties broken by the order states were first seen)."""
         return min(self.seen, key=lambda st: self.seen[st][0])
 
-    def polish(self, start: State, deadline: float, passes: int | None = None) -> tuple[State, bool]:
+    def polish(self, start: State, passes: int | None = None) -> tuple[State, bool]:
         """Coordinate descent from `start` until nothing improves (or for `passes` sweeps, then over
         the narrow slot set only): each call alone, and with the calls of its role that share its
         placement, moved to every slot (when a call has more than POLISH_SLOTS slots, or in a
         limited sweep: every layout of its group, and the GOOD_LAYOUTS fastest front layouts on
         every group the plan uses and on all devices), then the side-by-side moves and, in a full
         polish, the repaired ones. Brings a start to the bottom of its basin; returns the state
-        reached and True if the deadline cut it short."""
+        reached and True if the budget (`stop`) cut it short."""
         cur = start
         e_cur, _ = self.energy(cur)
         improved, sweep = True, 0
@@ -368,14 +398,14 @@ class _Annealer:
                 slots = self.slots[call] if passes is None and len(self.slots[call]) <= POLISH_SLOTS else \
                     self.near_slots(cur, call)
                 for slot in slots:
-                    if time.perf_counter() > deadline:
+                    if self.stop():
                         return cur, True
                     for cand in (cur.with_slot(call, slot), self._move_role(cur, call, slot)):
                         e, _ = self.energy(cand)
                         if e < e_cur * (1 - 1e-9):
                             cur, e_cur, improved = cand, e, True
             for cand in itertools.chain(self.side_by_side(cur), self.repaired_moves(cur) if passes is None else ()):
-                if time.perf_counter() > deadline:
+                if self.stop():
                     return cur, True
                 e, _ = self.energy(cand)
                 if e < e_cur * (1 - 1e-9):
@@ -405,16 +435,16 @@ class _Annealer:
                         yield toggled.with_slot(call, slot)
                         yield self._move_role(toggled, call, slot)
 
-    def kicked(self, st: State, deadline: float) -> tuple[State, bool]:
+    def kicked(self, st: State) -> tuple[State, bool]:
         """Iterated local search from a polished `st`: the KICKS best shadow moves, each
         followed by one polish sweep, and the best of those polished to its bottom if that beats
-        `st`; repeated while it does. Returns the state reached and True if the deadline hit."""
+        `st`; repeated while it does. Returns the state reached and True if the budget ran out."""
         e_cur, _ = self.energy(st)
-        while True:
+        while not self.stop():
             kicks = sorted(dict.fromkeys(self.shadow_moves(st)), key=lambda c: self.energy(c)[0])[:KICKS]
             best, e_best = st, e_cur
             for kick in kicks:
-                landed, hit = self.polish(kick, deadline, passes=1)
+                landed, hit = self.polish(kick, passes=1)
                 if hit:
                     return st, True
                 e_landed, _ = self.energy(landed)
@@ -422,7 +452,7 @@ class _Annealer:
                     best, e_best = landed, e_landed
             if best == st:
                 return st, False
-            st, hit = self.polish(best, deadline)
+            st, hit = self.polish(best)
             e_cur, _ = self.energy(st)
             if hit:
                 return st, True
@@ -573,15 +603,14 @@ class _Annealer:
             return self._toggle_shadow(st, role)
         return st.with_slot(call, rng.choice(self.slots[call]))
 
-    def chain(self, start: State, iterations: int, rng: random.Random, deadline: float,
-              t0: float, t1: float) -> tuple[State, bool]:
+    def chain(self, start: State, iterations: int, rng: random.Random, t0: float, t1: float) -> tuple[State, bool]:
         """One annealing chain from `start`, cooling from t0 to t1; returns the best state it saw
-        and True if the deadline cut it short."""
+        and True if the budget (`stop`) cut it short."""
         cur = best = start
         e_cur, _ = self.energy(cur)
         e_best = e_cur
         for i in range(iterations):
-            if time.perf_counter() > deadline:
+            if self.stop():
                 return best, True
             temp = t0 * (t1 / t0) ** (i / max(iterations - 1, 1))
             cand = self.propose(cur, rng)
@@ -597,38 +626,62 @@ class _Annealer:
         memory or by several coordinated moves, so the search keeps them apart while it narrows."""
         return tuple(st.get(self.home[r])[:2] for r in self.roles)
 
-    def successive_halving(self, starts: list[State], iterations: int, rng: random.Random,
-                           deadline: float) -> tuple[list[State], bool]:
+    def successive_halving(self, starts: list[State], iterations: int, rng: random.Random) -> tuple[list[State], bool]:
         """Anneal every start briefly, keep the better half (each continuing from the best state of
         its own chain, cooler, with twice the iterations) until FINALISTS are left, which get a last
         chain each. Survivors are picked best first but one per basin before a basin gets a second,
         so a basin that descends slowly to a deeper bottom is not dropped for a fast shallow one.
-        The rounds share `iterations` equally. Returns the finalists' best states and True if the
-        deadline cut it short."""
+        The rounds share `iterations` equally. Returns the finalists' best states (when the budget cuts it
+        short, the best so far of each basin) and True if it did."""
         pool = list(dict.fromkeys(starts))
         rounds = max(0, math.ceil(math.log2(max(len(pool), 1) / FINALISTS))) + 1
         temps = [T_START * (T_END / T_START) ** (k / rounds) for k in range(rounds + 1)]
         for k in range(rounds):
             per_chain = max(1, iterations // rounds // len(pool))
             ends = []
-            for st in pool:
-                end, hit = self.chain(st, per_chain, random.Random(rng.getrandbits(64)), deadline,
-                                      temps[k], temps[k + 1])
+            hit = False
+            for i, st in enumerate(pool):
+                end, hit = self.chain(st, per_chain, random.Random(rng.getrandbits(64)), temps[k], temps[k + 1])
                 ends.append(end)
                 if hit:
-                    return ends, True
-            ends = sorted(dict.fromkeys(ends), key=lambda st: self.energy(st)[0])
+                    return self.survivors(ends + pool[i + 1:], FINALISTS), True
             keep = max(FINALISTS, len(ends) // 2) if k < rounds - 1 else FINALISTS
-            firsts, seen = [], set()
-            for st in ends:  # the best of each basin, in order
-                if self.basin(st) not in seen:
-                    seen.add(self.basin(st))
-                    firsts.append(st)
-            pool = (firsts + [st for st in ends if st not in firsts])[:keep]
+            pool = self.survivors(ends, keep)
         return pool, False
+
+    def survivors(self, states: list[State], keep: int) -> list[State]:
+        """The `keep` best of `states`, best first but the best of each basin before any second one."""
+        ends = sorted(dict.fromkeys(states), key=lambda st: self.energy(st)[0])
+        firsts, seen = [], set()
+        for st in ends:  # the best of each basin, in order
+            if self.basin(st) not in seen:
+                seen.add(self.basin(st))
+                firsts.append(st)
+        return (firsts + [st for st in ends if st not in firsts])[:keep]
+
+    def spend(self, share: float) -> None:
+        """Let the next phase evaluate up to `share` of the budget more plans (all of what is left at 1)."""
+        self.phase_end = min(self.budget, len(self.seen) + math.ceil(share * self.budget))
+
+    def stop(self) -> bool:
+        """Whether the phase's share of the evaluation budget is spent (deterministic), or the wall-clock
+        safety net ran out (`clock_hit`: the only way a search depends on the machine)."""
+        if len(self.seen) >= self.phase_end:
+            return True
+        if time.perf_counter() > self.deadline:
+            self.clock_hit = True
+            return True
+        return False
 
 
 DEFAULT_ITERATIONS = 16000
+# The search's budget in plans evaluated (deterministic: the same question gets the same plan on any
+# machine). The seeds' first sweep gets up to SWEEP_SHARE of it, the annealing CHAIN_SHARE, the polish and
+# kicks what is left; a half-size seed search gets a quarter (none under MIN_EVALUATIONS).
+DEFAULT_EVALUATIONS = 12000
+SWEEP_SHARE, CHAIN_SHARE = 0.3, 0.4
+MIN_EVALUATIONS = 1000
+SAFETY_NET_S = 600.0  # wall-clock cap: only a safety net; hit, the answer depends on the machine
 POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
 T_START, T_END = 0.05, 0.0005  # annealing temperature, as a relative step-time increase accepted 1 time in e
 FINALISTS = 2  # plans (from different basins where there are) that get the last chain and a full polish
@@ -665,9 +718,10 @@ def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionP
 
 
 def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile, num_devices: int,
-           graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS, time_budget_s: float = 60.0,
-           top_k: int = 4, steps: int = MIN_STEPS, allow_offpolicy: bool = False,
-           seeds: Mapping[str, ExecutionPlan] | None = None, cache_dir: str | None = None) -> SearchResult:
+           graph: CallGraph, *, seed: int = 0, iterations: int = DEFAULT_ITERATIONS,
+           evaluations: int = DEFAULT_EVALUATIONS, time_budget_s: float = SAFETY_NET_S, top_k: int = 4,
+           steps: int = MIN_STEPS, allow_offpolicy: bool = False, seeds: Mapping[str, ExecutionPlan] | None = None,
+           cache_dir: str | None = None) -> SearchResult:
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
     The seed plans are every preset that applies, a greedy one, splits of the
@@ -677,8 +731,16 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     `iterations` annealing steps are shared by successive-halving rounds over
     them (`_Annealer.successive_halving`), the finalists are polished to
     their bottom and the best plan then gets iterated-local-search kicks
-    (`_Annealer.kicked`) into basins the polish cannot reach. The half-size
-    search is the same call for num_devices / 2 (reused when already done in this process). `seeds`
+    (`_Annealer.kicked`) into basins the polish cannot reach.
+
+    The work is counted in plans evaluated, not in seconds, so the same question gets the same answer on
+    any machine however busy: `evaluations` distinct plans at most, the seeds' sweep taking up to
+    SWEEP_SHARE of them and the annealing up to CHAIN_SHARE, the polish and kicks the rest. The
+    presets are estimated (with the memory knobs they need to fit, `planner.knobs`) before anything
+    else, so a plan that fits is known from the start. `time_budget_s` is only a safety net: hit, the
+    best plan so far is returned and `SearchResult.budget_hit` says the answer depended on the clock.
+    The half-size search is the same call for num_devices / 2 with a quarter of the evaluations (none
+    below MIN_EVALUATIONS; reused when already done in this process). `seeds`
     replaces the presets and the half-size seed, e.g. for tests. One-step
     off-policy plans are explored only with `allow_offpolicy`, because they
     change the algorithm, not just its speed. With `cache_dir`, a finished
@@ -689,8 +751,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     if missing:
         raise PlanError(f"no model config for roles {sorted(set(missing))}")
     measured = hw.measured.to_dict() if hw.measured else None  # not in the profile's repr, but it prices calls
-    key = repr((sorted(models.items()), wl, hw, measured, num_devices, graph.calls, seed, iterations, steps,
-                allow_offpolicy))
+    key = repr((sorted(models.items()), wl, hw, measured, num_devices, graph.calls, seed, iterations, evaluations,
+                steps, allow_offpolicy))
     if seeds is None and key in _RESULTS:
         return _RESULTS[key]
     kept = _kept_search(cache_dir, key) if seeds is None else None
@@ -708,16 +770,18 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     raw: dict[str, ExecutionPlan | str] = dict(seeds) if seeds is not None else preset_plans(
         num_devices, models, graph, wl, hw)
     half = num_devices // 2
-    if seeds is None and num_devices % 2 == 0 and half >= 1 and not _cannot_fit(models, graph, wl, hw, half):
+    if seeds is None and num_devices % 2 == 0 and half >= 1 and evaluations // 4 >= MIN_EVALUATIONS \
+            and not _cannot_fit(models, graph, wl, hw, half):
         try:
-            smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations, top_k=top_k,
-                             steps=steps, allow_offpolicy=allow_offpolicy, time_budget_s=time_budget_s,
+            smaller = search(models, wl, hw, half, graph, seed=seed, iterations=iterations // 4,
+                             evaluations=evaluations // 4, top_k=top_k, steps=steps, allow_offpolicy=allow_offpolicy,
+                             time_budget_s=max(t_start + time_budget_s - time.perf_counter(), 0.0),
                              cache_dir=cache_dir)
             raw[f"best of {half}"] = embed(smaller.best.plan, graph, num_devices)
         except PlanError:  # nothing fits on half the devices: no half-size seed
             pass
     space = SearchSpace.build(graph, models, wl, num_devices, hw)
-    ann = _Annealer(space, models, wl, hw, steps, allow_offpolicy)
+    ann = _Annealer(space, models, wl, hw, steps, allow_offpolicy, evaluations, t_start + time_budget_s)
 
     presets: dict[str, PlanEstimate | str] = {}
     starts: list[State] = []
@@ -726,7 +790,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
             presets[name] = plan
             continue
         est = estimate_plan(plan, graph, models, wl, hw, steps, ann.cache)
-        presets[name] = est
+        presets[name] = dataclasses.replace(est, plan=knobs_lib.with_knobs(est.plan, graph, wl, est.knobs))
         if est.reason is None or est.memory is not None:  # structurally sound: a usable start
             state = plan_to_state(plan, graph)
             ann.seen[state] = (est.step_s if est.feasible else 1e6 * (1 + est.memory.max_peak / est.memory.capacity),
@@ -739,22 +803,17 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     except PlanError:
         if not starts:
             raise
-    deadline = t_start + time_budget_s
-    budget_hit = False
+    ann.spend(SWEEP_SHARE)
     polished = []
     for st in starts:  # one sweep of coordinate descent shows roughly where each start's basin bottoms out
-        st, budget_hit = ann.polish(st, deadline, passes=1)
-        polished.append(st)
-        if budget_hit:
-            break
-    if not budget_hit:
-        finalists, budget_hit = ann.successive_halving(polished, iterations, random.Random(seed), deadline)
-        for st in finalists:
-            if budget_hit:
-                break
-            budget_hit = ann.polish(st, deadline)[1]
-        if not budget_hit:
-            budget_hit = ann.kicked(ann.best_state(), deadline)[1]
+        polished.append(st if ann.stop() else ann.polish(st, passes=1)[0])
+    ann.spend(CHAIN_SHARE)
+    finalists, _ = ann.successive_halving(polished, iterations, random.Random(seed))
+    ann.spend(1.0)
+    for st in finalists:
+        ann.polish(st)
+    ann.kicked(ann.best_state())
+    budget_hit = ann.clock_hit
 
     presets.pop(f"best of {half}", None)  # a seed, not a preset
     fresh = ann.freshest(ann.best_state())  # the best, with the fewest steps ahead that keep its time
@@ -769,7 +828,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     best = feasible[0][1]
     origin = best.plan.strategy
     best = dataclasses.replace(best, plan=dataclasses.replace(
-        best.plan, strategy="searched", offload_roles=best.memory.offloaded if best.memory else (),
+        knobs_lib.with_knobs(best.plan, graph, wl, best.knobs), strategy="searched",
+        offload_roles=best.memory.offloaded if best.memory else (),
         notes=f"searched (seed {seed}, {len(ann.seen)} plans evaluated; best found from {origin!r})"))
     runners: list[PlanEstimate] = []
     seen_times = {round(feasible[0][0], 9)}

@@ -29,7 +29,9 @@ from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offloa
 from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.planner.hardware import HardwareProfile
-from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
+from jaxrlhf.planner import knobs as knobs_lib
+from jaxrlhf.planner.knobs import CallKnobs
+from jaxrlhf.planner.memory import MemoryReport
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit, offpolicy_problem
 from jaxrlhf.planner.rewards import score_seconds
 from jaxrlhf.models.config import ModelConfig
@@ -273,24 +275,24 @@ class PlanEstimate:
     moves: dict[str, float]  # seconds of the realloc / sync serving each call
     reloads: dict[str, float]  # seconds of host -> device reloads added to a call
     memory: MemoryReport | None
-    micro: dict[str, int] = dataclasses.field(default_factory=dict)  # per-call micro-batch counts chosen
+    knobs: dict[str, CallKnobs] = dataclasses.field(default_factory=dict)  # per call: the knobs it runs with
     move_sources: dict[str, str] = dataclasses.field(default_factory=dict)  # call -> what priced its move
 
 
 def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, ModelConfig], wl: Workload,
-                   hw: HardwareProfile, cache: CostCache | None = None, micro: Mapping[str, int] | None = None
+                   hw: HardwareProfile, cache: CostCache | None = None, knobs: Mapping[str, CallKnobs] | None = None
                    ) -> tuple[dict[str, CallCost], dict[str, float], dict[str, str]]:
-    """Cost of every call (in its `micro` micro-batch count, else the workload's), of the move
+    """Cost of every call (under its `knobs`, else the workload's own settings), of the move
     (realloc or shadow sync) each one needs, and what priced that move ("measured" or "formula")."""
     cache = cache or CostCache(models, wl, hw)
-    micro = micro or {}
+    knobs = knobs or {}
     costs: dict[str, CallCost] = {}
     moves: dict[str, float] = {}
     sources: dict[str, str] = {}
     views = dict(wl.base_views)
     for c in graph.calls:
         p = plan.calls[c.name]
-        costs[c.name] = cache.call(c, plan.group_of(c.name), p.layout, micro.get(c.name))
+        costs[c.name] = cache.call(c, plan.group_of(c.name), p.layout, knobs.get(c.name))
         home_call = plan.home_call(views.get(c.role, c.role))  # a LoRA role's base moves from that role's home
         # a LoRA shadow's base is copied once; each sync sends only the adapters
         sync_adapters = (c.role in plan.shadow_roles and models[c.role].lora is not None and c.role not in views
@@ -300,8 +302,10 @@ def call_durations(graph: CallGraph, plan: ExecutionPlan, models: Mapping[str, M
     return costs, moves, sources
 
 
-def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig]) -> str | None:
-    """Structural problems the cost model cannot price, as a message (None if fine)."""
+def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig],
+               wl: Workload | None = None) -> str | None:
+    """Structural problems the cost model cannot price, as a message (None if fine): also, given the
+    workload, micro-batches of a fixed size that a layout cannot split (`Workload.micro_misfit`)."""
     for c in graph.calls:
         if c.name not in plan.calls:
             return f"plan has no placement for call {c.name!r}"
@@ -319,75 +323,20 @@ def check_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             reason = layout_misfit(p.layout, models[c.role], kind=c.kind)
             if reason:
                 return f"call {c.name!r}: {reason}"
+        if wl is not None and (reason := wl.micro_misfit(c, p.layout.batch_ways)):
+            return reason
     return offpolicy_problem(plan, graph)  # what the runtime refuses, the search must not pick
 
 
 END_STEPS = 2  # last steps left out of the gaps (an off-policy shadow lags 2 steps at eta = 1)
-MAX_MICRO = 64  # most micro-batches a call is split into when the planner picks the count
-
-
-def micro_options(call: CallSpec, plan: ExecutionPlan, wl: Workload, cache: CostCache) -> list[int]:
-    """`call`'s micro-batch counts under its placement that no other count beats on both time and
-    memory, fastest first (each next one leaner). Counts divide the rows each device feeds; more
-    micro-batches shrink activations but repeat kernel launches and FSDP gathers (and shrink a
-    pipeline's bubble, so fewest is not always fastest). Generation is never micro-batched."""
-    if call.kind == "generate":
-        return [1]
-    group, lay = plan.group_of(call.name), plan.calls[call.name].layout
-    key = ("micro", call, group.start, group.size, lay)
-    if key not in cache.memory:
-        cache.memory[key] = _micro_front(call, group, lay, wl, cache)
-    return cache.memory[key]
-
-
-def _micro_front(call: CallSpec, group: DeviceGroup, lay, wl: Workload, cache: CostCache) -> list[int]:
-    per_device = wl.call_batch(call.kind) // lay.batch_ways
-    cfg = cache.models[call.role]
-    work = {m: sum(working_set(call, cfg, lay, wl.with_micro_batches(call, m)).values())
-            for m in range(1, min(per_device, MAX_MICRO) + 1) if per_device % m == 0}
-    front: list[int] = []
-    for m in sorted(work, key=lambda m: (cache.call(call, group, lay, m).seconds, work[m])):
-        if not front or work[m] < work[front[-1]]:
-            front.append(m)
-    return front or [1]
-
-
-def choose_micro_batches(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
-                         hw: HardwareProfile, cache: CostCache) -> tuple[dict[str, int], MemoryReport]:
-    """Each call's micro-batch count for this plan: the fastest (`micro_options`), then, while the plan
-    is over memory, the calls running on the fullest device step to their next leaner count (what a
-    practitioner does: the fewest micro-batches that fit). Returns the counts and their memory report."""
-    options = {c.name: micro_options(c, plan, wl, cache) for c in graph.calls}
-    at = dict.fromkeys(options, 0)
-    leanest = {c: opts[-1] for c, opts in options.items()}
-    lean_checked = all(len(opts) == 1 for opts in options.values())
-    while True:
-        micro = {c: options[c][i] for c, i in at.items()}
-        mem = plan_memory(plan, graph, models, wl, hw, cache.memory, micro)
-        if mem.feasible:
-            return micro, mem
-        if not lean_checked:  # most plans the search tries do not fit at all: say so after one more look
-            lean_checked = True
-            lean = plan_memory(plan, graph, models, wl, hw, cache.memory, leanest)
-            if not lean.feasible:
-                return leanest, lean
-        worst = int(mem.peak.argmax())
-        busy = [c for c in at if plan.group_of(c).start <= worst < plan.group_of(c).stop
-                and at[c] + 1 < len(options[c])]
-        if not busy:
-            return micro, mem
-        for c in busy:
-            at[c] += 1
 
 
 def plan_fit(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
-             hw: HardwareProfile, cache: CostCache | None = None) -> tuple[dict[str, int], MemoryReport]:
-    """The per-call micro-batch counts (empty: the workload's for all) and memory report the plan is
-    estimated with: chosen per call when `wl.search_micro`, else the workload's."""
-    cache = cache or CostCache(models, wl, hw)
-    if wl.search_micro:
-        return choose_micro_batches(plan, graph, models, wl, hw, cache)
-    return {}, plan_memory(plan, graph, models, wl, hw, cache.memory)
+             hw: HardwareProfile, cache: CostCache | None = None) -> tuple[dict[str, CallKnobs], MemoryReport]:
+    """The knobs (micro-batches, remat) each call runs with on this plan and the plan's memory under them
+    (`planner.knobs.choose`: the workload's own where it sets them, the fastest that fit where it leaves
+    them to the planner)."""
+    return knobs_lib.choose(plan, graph, models, wl, hw, cache or CostCache(models, wl, hw))
 
 
 MIN_STEPS = 3 + END_STEPS + 1  # steps simulated first: 3 gaps, enough to see a period of 1 repeat
@@ -459,18 +408,18 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
                   hw: HardwareProfile, steps: int = MIN_STEPS, cache: CostCache | None = None) -> PlanEstimate:
     """Cost, memory and a steady-state schedule (`steady_state`, from `steps` steps) of `plan`;
     infeasible plans carry the reason."""
-    problem = check_plan(plan, graph, models)
+    problem = check_plan(plan, graph, models, wl)
     if problem:
         return PlanEstimate(plan, False, problem, None, None, {}, {}, {}, None)
     cache = cache or CostCache(models, wl, hw)
-    micro, mem = plan_fit(plan, graph, models, wl, hw, cache)
-    costs, moves, sources = call_durations(graph, plan, models, wl, hw, cache, micro)
+    knobs, mem = plan_fit(plan, graph, models, wl, hw, cache)
+    costs, moves, sources = call_durations(graph, plan, models, wl, hw, cache, knobs)
     reloads = {
         c.name: offload_cost(models[c.role], c.head, plan.calls[c.name].layout, hw)
         for c in graph.calls if c.role in mem.offloaded
     }
     if not mem.feasible:
-        return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, micro, sources)
+        return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, knobs, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
     if wl.lengths_vary:
         for c in graph.calls:
@@ -478,4 +427,4 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
                 call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, wl, c))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl),
                             reward_host_s(graph, wl, call_s))
-    return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, micro, sources)
+    return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, knobs, sources)

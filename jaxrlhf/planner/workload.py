@@ -22,8 +22,11 @@ from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.packing import PackedShape, packing_layout
 from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths
+from jaxrlhf.planner.plan import REMAT_POLICIES
 
-REMAT_POLICIES = ("none", "full", "dots")
+# A memory knob the planner chooses with the placement (`planner.knobs`): the micro-batch size of each call,
+# the remat policy of each trained role. The config's unset keys (null) arrive here as AUTO.
+AUTO = "auto"
 LENGTH_BATCHES = 8  # K: the batches of drawn response lengths the steps cycle through (step i has batch i % K)
 LENGTH_SEED = 0
 
@@ -69,10 +72,11 @@ class Workload:
     same name (an algorithm's `workload()` fills them from the run config), so
     a plan never assumes what the runtime does not do:
     - `micro_batch`: rows per micro-batch in train (gradient accumulation) and
-      inference calls; None = a whole minibatch (train) or batch (inference).
-      Generation is never micro-batched.
+      inference calls, for every call or as a mapping call name -> rows; None = a whole minibatch
+      (train) or batch (inference); AUTO = the planner picks each call's count for its placement
+      (`planner.knobs`). Generation is never micro-batched.
     - `remat`: "none" / "full" / "dots" (save matmul outputs) for every role, or
-      a mapping role -> policy.
+      a mapping role -> policy; AUTO (for every role or one) = the planner picks it (`planner.knobs`).
     - `donate`: train calls donate parameters and optimizer state (one copy).
     - `adam_master_fp32`: low-precision params keep fp32 master weights and fp32
       AdamW moments (mixed precision); otherwise the moments use the param dtype.
@@ -82,10 +86,6 @@ class Workload:
       page pool (`generation.kv_pages`, `generate_kv_columns`).
     - `base_views`: frozen roles (a reference) that are a LoRA role's base: no resident weights of their
       own, a temporary copy of the base where their call runs away from the source's home.
-    - `search_micro`: the planner picks each call's micro-batch count for its
-      placement (`simulator.choose_micro_batches`) instead of `micro_batch` for
-      all. Cluster studies set it; the runtime applies one
-      `algorithm.micro_batch_size` to every call, so `train` plans leave it off.
     - `staleness`: on an off-policy plan, how many steps the generator may run ahead of the trainer
       (`Config.generator_lead`, the number the runtime uses; the plan's own `staleness` overrides it).
     - `gen_len_median`, `gen_len_sigma`: response lengths are log-normal with this median and sigma,
@@ -113,11 +113,10 @@ class Workload:
     gen_len: int = 128
     minibatches: int = 4  # optimizer steps per train call and PPO epoch
     ppo_epochs: int = 1
-    micro_batch: int | None = None
+    micro_batch: Any = None  # rows, None, AUTO, or a mapping call -> rows
     remat: Any = "full"
     donate: bool = True
     adam_master_fp32: Any = True
-    search_micro: bool = False
     gen_engine: str = "static"  # generation.engine
     gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): either engine prefills one
     gen_slots: int | None = None  # generation.slots; None = the whole batch
@@ -148,8 +147,10 @@ class Workload:
         for f in ("batch_size", "prompt_len", "gen_len", "minibatches", "ppo_epochs", "staleness"):
             if getattr(self, f) < 1:
                 raise ValueError(f"workload.{f} must be >= 1, got {getattr(self, f)}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"workload.micro_batch must be >= 1 or None, got {self.micro_batch}")
+        micro = self.micro_batch.values() if isinstance(self.micro_batch, Mapping) else [self.micro_batch]
+        for m in micro:
+            if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+                raise ValueError(f"workload.micro_batch must be >= 1, None or {AUTO!r}, got {m!r}")
         if self.gen_engine not in ("static", "continuous"):
             raise ValueError(f"workload.gen_engine {self.gen_engine!r} is not 'static' or 'continuous'")
         if self.gen_group < 1 or self.batch_size % self.gen_group:
@@ -160,30 +161,73 @@ class Workload:
             )
         policies = self.remat.values() if isinstance(self.remat, Mapping) else [self.remat]
         for p in policies:
-            if p not in REMAT_POLICIES and not isinstance(p, bool):
-                raise ValueError(f"workload.remat {p!r} is not one of {REMAT_POLICIES}")
+            if p not in (*REMAT_POLICIES, AUTO) and not isinstance(p, bool):
+                raise ValueError(f"workload.remat {p!r} is not one of {REMAT_POLICIES} or {AUTO!r}")
 
     def remat_for(self, role: str) -> str:
-        """The remat policy of `role` (booleans read as "full" / "none")."""
+        """The remat policy `role` is priced with (booleans read as "full" / "none"); one the planner has not
+        chosen yet (AUTO) prices as "none", the fastest, until `planner.knobs` chooses it."""
+        p = self.remat_setting(role)
+        return "none" if p == AUTO else p
+
+    def remat_setting(self, role: str) -> str:
+        """The remat policy of `role` as set: a policy, or AUTO (the planner's to choose)."""
         p = _per_role(self.remat, role, "none")
         return {True: "full", False: "none"}.get(p, p) if isinstance(p, bool) else p
+
+    def micro_batch_for(self, call: str) -> int | str | None:
+        """Rows per micro-batch of the call named `call` as set (None: one micro-batch; AUTO: the planner's)."""
+        return _per_role(self.micro_batch, call, None)
+
+    @property
+    def chooses_knobs(self) -> bool:
+        """Whether any memory knob is the planner's to choose (`planner.knobs`)."""
+        remat = self.remat.values() if isinstance(self.remat, Mapping) else [self.remat]
+        micro = self.micro_batch.values() if isinstance(self.micro_batch, Mapping) else [self.micro_batch]
+        return AUTO in remat or AUTO in micro
 
     def master_for(self, role: str | None) -> bool:
         """Whether `role`'s optimizer keeps fp32 master weights (when its params are low precision)."""
         return bool(_per_role(self.adam_master_fp32, role, True))
 
     def micro_batches(self, call: CallSpec) -> int:
-        """How many micro-batches one step of `call` runs (1 for generation)."""
+        """How many micro-batches one step of `call` runs (1 for generation; AUTO prices as 1: a knob the
+        planner has not chosen yet, `planner.knobs` chooses it)."""
         rows = self.call_batch(call.kind)
-        if call.kind == "generate" or self.micro_batch is None or self.micro_batch >= rows:
+        micro = self.micro_batch_for(call.name)
+        if call.kind == "generate" or micro is None or micro == AUTO or micro >= rows:
             return 1
-        return math.ceil(rows / self.micro_batch)
+        return math.ceil(rows / micro)
 
     def with_micro_batches(self, call: CallSpec, count: int | None) -> "Workload":
         """This workload with `call` split into `count` micro-batches (None: unchanged)."""
         if count is None or call.kind == "generate":
             return self
         return dataclasses.replace(self, micro_batch=max(self.call_batch(call.kind) // count, 1))
+
+    def micro_misfit(self, call: CallSpec, batch_ways: int) -> str | None:
+        """Why `call`'s fixed micro-batch size cannot run on a layout splitting the batch `batch_ways` ways
+        (None: it can). The runtime takes rows j, j + k, ... into micro-batch j
+        (`algorithms.update.split_microbatches`), so each micro-batch must split evenly over the batch
+        axes: its rows a multiple of data x fsdp x expert."""
+        micro = self.micro_batch_for(call.name)
+        if call.kind == "generate" or self.packed or micro is None or micro == AUTO:
+            return None
+        rows = self.call_batch(call.kind)
+        if micro < rows and micro % batch_ways:
+            return (f"{call.name}: micro-batches of {micro} rows (algorithm.micro_batch_size) do not split over "
+                    f"data x fsdp x expert = {batch_ways} devices; use a multiple of {batch_ways} or leave "
+                    "algorithm.micro_batch_size unset for the planner to choose")
+        return None
+
+    def for_call(self, call: CallSpec, micro: int | None = None, remat: str | None = None) -> "Workload":
+        """This workload as `call` alone runs it: split into `micro` micro-batches (None: the workload's)
+        and, for a train call, its role under `remat` (None: the workload's). What prices one call under
+        the knobs `planner.knobs` chose; the other calls' knobs are not kept."""
+        wl = self.with_micro_batches(call, micro)
+        if remat is not None and call.kind == "train" and wl.remat_setting(call.role) != remat:
+            wl = dataclasses.replace(wl, remat={call.role: remat})
+        return wl
 
     @property
     def seq_len(self) -> int:

@@ -135,10 +135,12 @@ class RunSetup:
                 f"{plan.staleness} or lower the plan's staleness")
         return plan.staleness or budget
 
-    def search(self, *, time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None):
+    def search(self, *, time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None,
+               evaluations: int | None = None):
         """The planner's search over this machine (`planning.search_plan`): a SearchResult."""
         return planning.search_plan(self.cfg, self.algorithm, self.planned_models, self.machine.devices,
-                                    self.hardware, time_budget_s=time_budget_s, iterations=iterations)
+                                    self.hardware, time_budget_s=time_budget_s, iterations=iterations,
+                                    evaluations=evaluations)
 
     def replan(self, current: "ExecutionPlan", hardware: "HardwareProfile"):
         """Search again on `hardware` (the run's profile corrected by its own call times) and decide
@@ -168,7 +170,6 @@ class RunSetup:
         from jaxrlhf.run.roles import build_roles
 
         cache = cache or self.cache(plan)
-        self.algorithm.cfg = planning.with_plan_budget(self.algorithm.cfg, plan)  # the budget the search chose
         whole = self.graph.names == self.algorithm.graph().names
         if roles is None:
             trained = {c.role for c in self.graph.calls if c.kind == "train"}
@@ -180,7 +181,7 @@ class RunSetup:
             roles = build_roles(self.cfg, specs, self.models, cache, plan, total_updates=updates,
                                 warm_up=warm_up, base_views=views)
         roles = dict(roles)
-        self.algorithm.bind(tokenizer, roles, self.models)
+        self.algorithm.bind(tokenizer, roles, self.models, plan.execution)
         functions = {n: f for n, f in self.algorithm.functions().items() if n in self.graph.names}
         executor = Executor(plan, self.graph, roles, cache=cache, functions=functions,
                             host_steps=self.algorithm.host_steps() if whole else None,

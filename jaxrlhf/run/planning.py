@@ -4,7 +4,7 @@
 config, so everything that decides a plan lives here with one set of defaults:
 the role model configs, the hardware profile, the machine (devices and devices
 per host, over every process), and the plan itself (a plan file, a strategy
-preset, or the planner's search with `SEARCH_TIME_BUDGET_S`, the run's seed
+preset, or the planner's search with its budget of evaluated plans, the run's seed
 and the run's staleness budget). Only model dimensions are read: no weights, no JAX.
 A run that re-plans (`plan.replan_every`) searches again through `replan`,
 with the same defaults, on the profile its own call times corrected.
@@ -28,7 +28,9 @@ CHIP_HARDWARE = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"), ("TPU
 # Hardware when neither plan.hardware nor a platform says (the `plan` CLI plans clusters it does not run on).
 DEFAULT_HARDWARE = "h100"
 DEFAULT_DEVICES = 8  # devices when neither the config nor the caller says
-SEARCH_TIME_BUDGET_S = 60.0  # the planner search's wall-clock cap for plan.strategy=auto
+# The planner search's wall-clock safety net for plan.strategy=auto: its work is counted in plans evaluated
+# (`planner.search.DEFAULT_EVALUATIONS`), the same on any machine; the clock only stops a search gone wrong.
+SEARCH_TIME_BUDGET_S = 600.0
 
 
 def role_configs(cfg: cfglib.Config, roles: Sequence[str], platform: str | None = None):
@@ -149,7 +151,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         how = (f"the search kept in {result.kept_in} ({result.evaluations} plans, {result.seconds:.1f} s when it ran)"
                if result.kept_in else f"searched {result.evaluations} plans in {result.seconds:.1f} s")
         print(f"plan.strategy=auto: {how} (estimated step {result.best.step_s:.3g} s on {num_devices} x {hw.name})"
-              + (" (time budget hit)" if result.budget_hit else ""), flush=True)
+              + (" (the wall-clock safety net stopped it)" if result.budget_hit else ""), flush=True)
         plan = result.best.plan
     else:
         plan = build_plan(cfg.plan.strategy, num_devices, models, graph, batch_size=batch,
@@ -161,6 +163,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
                       seq_len=workload.seq_len)
     except PlanError as e:
         raise PlanError(f"plan.file={cfg.plan.file}: {e}" if cfg.plan.file else str(e)) from None
+    plan = with_knobs(cfg, algorithm, plan, models, hw, graph)
     plan = with_offload(cfg, algorithm, plan, models, hw, graph)
     for warning in uneven_minibatches(plan, graph, workload):
         print(f"warning: {warning}", flush=True)
@@ -187,51 +190,73 @@ def uneven_minibatches(plan, graph, workload) -> list[str]:
 
 def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw, graph=None):
     """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
-    when set, else the plan file's own list, else what the memory model needs for the plan to fit."""
-    from jaxrlhf.planner.memory import plan_memory
+    when set, else the plan file's own list, else what the memory model needs for the plan to fit
+    under its knobs (`with_knobs`)."""
+    from jaxrlhf.planner.simulator import plan_fit
 
     if cfg.plan.offload is not None:
         return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
     if plan.offload_roles or plan.strategy == "searched":
         return plan
-    report = plan_memory(plan, graph or algorithm.graph(), models, algorithm.workload(), hw)
+    report = plan_fit(plan, graph or algorithm.graph(), models, knob_workload(algorithm, plan), hw)[1]
     if not report.feasible:
         print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
     return dataclasses.replace(plan, offload_roles=report.offloaded)
 
 
+def knob_workload(algorithm, plan):
+    """The algorithm's workload with the memory knobs `plan` carries fixed (`ExecutionPlan.micro_batch_size`,
+    `.remat`, `.token_budget`), a key the config sets winning: what the run executes. A plan without
+    knobs leaves the config's unset keys to the planner (`workload.AUTO`)."""
+    wl = algorithm.workload()
+    if not plan.micro_batch_size and not plan.remat and plan.token_budget is None:
+        return wl
+    cfg = algorithm.cfg
+    micro = wl.micro_batch if cfg.algorithm.micro_batch_size is not None else dict(plan.micro_batch_size)
+    remat = {r: p if getattr(cfg.model, r).remat else plan.remat.get(r, "none")
+             for r, p in dict(wl.remat).items()}
+    budget = wl.token_budget if wl.token_budget is not None else plan.token_budget
+    return dataclasses.replace(wl, micro_batch=micro, remat=remat, token_budget=budget)
+
+
+def with_knobs(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw, graph=None):
+    """The plan with the memory knobs the run executes (`ExecutionPlan.execution`): those it carries (a
+    searched plan's, a plan file's), a key the config sets winning, and for a plan without any (a
+    preset's, a plan file without them) the planner's choice for the keys the config leaves unset: the
+    fewest micro-batches and least remat that fit (`planner.knobs`), so a preset runs at its best."""
+    from jaxrlhf.planner import knobs
+    from jaxrlhf.planner.simulator import plan_fit
+
+    graph = graph or algorithm.graph()
+    wl = knob_workload(algorithm, plan)
+    chosen, _ = plan_fit(plan, graph, models, wl, hw)
+    return knobs.with_knobs(plan, graph, wl, chosen)
+
+
 def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int, hw, *,
                 time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None,
-                cache_dir: str | None = None):
+                evaluations: int | None = None, cache_dir: str | None = None):
     """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
     workload, seeded by `run.seed`, off-policy plans (the generator ahead of the trainer) only with a
     staleness budget (`Config.staleness_budget`); answered from `cache_dir` when the same search was
     kept there. Packed calls without `algorithm.max_tokens_per_micro_batch`: the search once per
-    candidate budget, the time budget shared (`planner.budget.choose_token_budget`)."""
+    candidate budget, the evaluations shared (`planner.budget.choose_token_budget`)."""
     from jaxrlhf.planner.budget import budget_candidates, choose_token_budget
-    from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
+    from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, search
 
     wl, graph = algorithm.workload(), algorithm.graph()
+    iterations, evaluations = iterations or DEFAULT_ITERATIONS, evaluations or DEFAULT_EVALUATIONS
 
-    def run(workload, seconds=time_budget_s):
-        return search(models, workload, hw, num_devices, graph, seed=cfg.run.seed,
-                      iterations=iterations or DEFAULT_ITERATIONS, time_budget_s=seconds,
+    def run(workload, share=1):
+        return search(models, workload, hw, num_devices, graph, seed=cfg.run.seed, iterations=iterations // share,
+                      evaluations=evaluations // share, time_budget_s=time_budget_s / share,
                       allow_offpolicy=cfg.staleness_budget > 0, cache_dir=cache_dir)
 
     if not wl.packed or wl.token_budget is not None:
         return run(wl)
     group = max(c.seqs_per_row for c in graph.calls)  # a packed pair's two sequences share a micro-batch
-    share = time_budget_s / len(budget_candidates(wl, group))
+    share = len(budget_candidates(wl, group))
     return choose_token_budget(lambda w: run(w, share), wl, group)
-
-
-def with_plan_budget(cfg: cfglib.Config, plan) -> cfglib.Config:
-    """The run's config with the token budget `plan` chose (`ExecutionPlan.token_budget`) where packing
-    is on and `algorithm.max_tokens_per_micro_batch` is unset (a budget the config sets wins)."""
-    alg = cfg.algorithm
-    if plan.token_budget is None or not getattr(alg, "pack_sequences", False) or alg.max_tokens_per_micro_batch:
-        return cfg
-    return cfglib.with_overrides(cfg, [f"algorithm.max_tokens_per_micro_batch={plan.token_budget}"])
 
 
 def plan_cache_dir(cfg: cfglib.Config) -> str | None:

@@ -59,7 +59,8 @@ class RoleBuilder:
         if rc.path:
             # each parameter placed as it is read: no process holds the whole model
             model, _ = load_hf_checkpoint(rc.path, head, param_dtype=mc.param_dtype, dtype=mc.dtype, seed=self.seed,
-                                          remat=rc.remat, config_overrides={**rc.overrides, "lora": mc.lora},
+                                          remat=self.plan.execution.remat_of(role),
+                                          config_overrides={**rc.overrides, "lora": mc.lora},
                                           shardings=lambda state: self.shardings(at, state))
             graphdef, state = nnx.split(model)
             return Built(graphdef, state, head)
@@ -72,7 +73,7 @@ class RoleBuilder:
 
         from jaxrlhf.models.transformer import build_model
 
-        mc, remat = self.model_configs[role], getattr(self.cfg.model, role).remat
+        mc, remat = self.model_configs[role], self.plan.execution.remat_of(role)
         make = lambda: build_model(mc, head, seed=seed, remat=remat)  # noqa: E731
         graphdef, abstract = nnx.split(nnx.eval_shape(make))
         params = jax.jit(lambda: nnx.split(make())[1], out_shardings=self.shardings(at, abstract))()
@@ -84,7 +85,7 @@ class RoleBuilder:
 
         from jaxrlhf.models.transformer import build_model
 
-        mc, remat = self.model_configs[role], getattr(self.cfg.model, role).remat
+        mc, remat = self.model_configs[role], self.plan.execution.remat_of(role)
         return nnx.split(nnx.eval_shape(lambda: build_model(mc, self.head(role), remat=remat)))[0]
 
     def derived(self, role: str, source: Built) -> Built:

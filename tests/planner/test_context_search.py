@@ -30,7 +30,7 @@ def test_context_degrees_are_weighed_for_long_sequences_only():
 
 def test_a_32k_token_plan_splits_the_train_calls_sequences_and_says_why(tmp_path, capsys):
     rc = main(["--devices", "64", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
-               "--prompt-len", "1024", "--gen-len", "31744", "--batch", "8", "--time-budget", "3",
+               "--prompt-len", "1024", "--gen-len", "31744", "--batch", "8", "--evaluations", "200",
                "algorithm.group_size=8", "algorithm.micro_batch_size=1", "--out", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -51,13 +51,13 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     why, and the run's config takes it (a budget the config sets wins)."""
     from jaxrlhf import config as cfglib
     from jaxrlhf.planner.budget import budget_candidates
-    from jaxrlhf.run.planning import with_plan_budget
+    from jaxrlhf.run.planning import knob_workload
 
     from jaxrlhf.algorithms import declare
     from jaxrlhf.plan import parse_args, resolve_config
 
     argv = ["--devices", "16", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
-            "--prompt-len", "512", "--gen-len", "8192", "--batch", "16", "--time-budget", "4",
+            "--prompt-len", "512", "--gen-len", "8192", "--batch", "16", "--evaluations", "1000",
             "algorithm.group_size=8", "algorithm.pack_sequences=true", "plan.response_length_median=1024",
             "plan.response_length_sigma=1", "--out", str(tmp_path)]
     rc = main(argv)
@@ -72,10 +72,10 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     assert wl.packed and wl.token_budget is None
     assert list(tried) == ["none" if b is None else str(b) for b in budget_candidates(wl)]
     seconds = {b: float(t[:-2]) for b, t in tried.items() if t != "does not fit"}
-    assert tried["none"] == "does not fit" and seconds[str(plan.token_budget)] == min(seconds.values())
+    assert seconds["none" if plan.token_budget is None else str(plan.token_budget)] == min(seconds.values())
     assert f"packed micro-batches of at most {plan.token_budget} tokens" in text
     # the run packs with the plan's budget; one the config sets wins
     cfg = cfglib.with_overrides(cfglib.load_config("configs/quickstart-grpo.yaml"), ["algorithm.pack_sequences=true"])
-    assert with_plan_budget(cfg, plan).algorithm.max_tokens_per_micro_batch == plan.token_budget
+    assert knob_workload(declare(cfg), plan).token_budget == plan.token_budget == plan.execution.token_budget
     own = cfglib.with_overrides(cfg, ["algorithm.max_tokens_per_micro_batch=100000"])
-    assert with_plan_budget(own, plan).algorithm.max_tokens_per_micro_batch == 100000
+    assert knob_workload(declare(own), plan).token_budget == 100000

@@ -26,7 +26,7 @@ def test_the_preset_has_deepseek_v2_lites_published_shape():
 
 def test_the_plan_cli_plans_deepseek_v2_lite(tmp_path, capsys):
     rc = main(["--model-preset", "deepseek-v2-lite", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
-               "algorithm.group_size=8", "--time-budget", "3", "--out", str(tmp_path)])
+               "algorithm.group_size=8", "--evaluations", "200", "--out", str(tmp_path)])
     assert rc == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.num_devices == 64 and set(plan.calls) == {"actor.generate", "ref.inference", "actor.train"}

@@ -54,7 +54,7 @@ def test_a_tensor_split_must_divide_each_experts_mlp():
 
 def test_the_plan_cli_plans_qwen3_30b_a3b(tmp_path, capsys):
     rc = main(["--model-preset", "qwen3-30b-a3b", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
-               "algorithm.group_size=8", "--time-budget", "3", "--out", str(tmp_path)])
+               "algorithm.group_size=8", "--evaluations", "200", "--out", str(tmp_path)])
     assert rc == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.num_devices == 64 and set(plan.calls) == {"actor.generate", "ref.inference", "actor.train"}
@@ -117,7 +117,7 @@ def test_the_plan_cli_splits_qwen3_30b_a3b_over_an_expert_axis_and_says_why(tmp_
     """On 64 H100s the 128 experts' weights and their FSDP gathers dominate: the search puts the train call on
     an expert axis, and the report prices the token gathers against the layout without it."""
     rc = main(["--model-preset", "qwen3-30b-a3b", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
-               "algorithm.group_size=8", "--time-budget", "120", "--iterations", "20", "--out", str(tmp_path)])
+               "algorithm.group_size=8", "--evaluations", "200", "--iterations", "20", "--out", str(tmp_path)])
     assert rc == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.calls["actor.train"].layout.expert > 1

@@ -217,7 +217,7 @@ def test_verl_is_a_tuned_hybrid_engine_that_fits(size, n):
     from jaxrlhf.planner.simulator import estimate_plan
 
     hw, models = get_profile("h100"), {r: preset(f"llama2-{size}") for r in ROLES}
-    wl = Workload.from_tokens(2**17, 128, 128, search_micro=True)
+    wl = Workload.from_tokens(2**17, 128, 128, micro_batch="auto")
     plan = build_plan("verl", n, models, PPO_GRAPH, batch_size=wl.batch_size, devices_per_host=8,
                       workload=wl, hardware=hw)
     validate(plan, PPO_GRAPH, models, batch_size=wl.batch_size, devices_per_host=8)

@@ -123,7 +123,7 @@ def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypat
     assert len({ann.basin(st) for st in pool}) == 1 and ann.basin(apart) != ann.basin(together)
     assert ann.energy(apart)[0] > ann.energy(pool[1])[0]  # apart would lose a plain halving
     monkeypatch.setattr(ann, "chain", lambda st, *args, **kw: (st, False))  # judge the starts as they are
-    finalists, hit = ann.successive_halving([*pool, apart], 400, random.Random(0), float("inf"))
+    finalists, hit = ann.successive_halving([*pool, apart], 400, random.Random(0))
     assert not hit and finalists == [pool[0], apart]
 
 
@@ -155,7 +155,7 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
             assert ann.energy(together.with_slot(call, slot))[0] >= e_together * (1 - 1e-9), (call, slot)
     assert ("reward.inference", "critic.inference") in ann.independent
     assert ("actor.generate", "critic.inference") not in ann.independent  # critic.inference reads the samples
-    polished, hit = ann.polish(together, float("inf"))
+    polished, hit = ann.polish(together)
     assert not hit and ann.energy(polished)[0] < e_together * 0.99
     halves = {polished.get(c)[:2] for c in ("reward.inference", "critic.inference")}
     assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
@@ -173,14 +173,14 @@ def test_a_kick_keeps_a_bottom_no_kick_beats():
                     ("actor.train", (32, 32, _lay(1, 8, 4))), ("critic.train", (0, 32, _lay(1, 8, 4)))))
     e_bottom = ann.energy(bottom)[0]
     assert e_bottom < 1e6  # fits
-    polished, hit = ann.polish(bottom, float("inf"))
+    polished, hit = ann.polish(bottom)
     assert not hit and ann.energy(polished)[0] == e_bottom
     kicks = sorted(dict.fromkeys(ann.shadow_moves(bottom)), key=lambda k: ann.energy(k)[0])
     assert ann.energy(kicks[0])[0] > e_bottom  # no move alone helps
-    landed = [ann.polish(k, float("inf"), passes=1)[0] for k in kicks[:search_module.KICKS]]
+    landed = [ann.polish(k, passes=1)[0] for k in kicks[:search_module.KICKS]]
     best = min(landed, key=lambda st: ann.energy(st)[0])
     assert best.shadow == {"critic"} and e_bottom < ann.energy(best)[0] < e_bottom * 1.05
-    kicked, hit = ann.kicked(bottom, float("inf"))
+    kicked, hit = ann.kicked(bottom)
     assert not hit and kicked == bottom
 
 def _async_annealer(staleness: int):
@@ -259,7 +259,8 @@ def test_a_kept_search_answers_the_same_question_and_only_that(tmp_path, monkeyp
     models = {"actor": preset("llama-100m"), "critic": preset("llama-100m")}
     wl = Workload(batch_size=32, prompt_len=64, gen_len=64, minibatches=2)
     first = search(models, wl, hw, 4, GRAPH, iterations=200, seed=11, cache_dir=str(tmp_path))
-    assert first.kept_in is None and len(list(tmp_path.iterdir())) == 3  # 4 devices, and the 2 and 1 seeding it
+    # 4 devices, and the 2 seeding it (a 1-device seed search would get fewer than MIN_EVALUATIONS)
+    assert first.kept_in is None and len(list(tmp_path.iterdir())) == 2
     monkeypatch.setattr(search_module, "_RESULTS", {})  # a new process: only the folder remembers
     estimated = []
     real = search_module.estimate_plan

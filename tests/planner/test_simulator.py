@@ -126,35 +126,36 @@ def test_steady_state_simulates_until_the_gaps_repeat():
 
 
 def test_micro_batch_count_is_chosen_per_call():
-    """With `search_micro`, each call gets the fewest micro-batches that let the plan fit (fastest
+    """With `micro_batch="auto"`, each call gets the fewest micro-batches that let the plan fit (fastest
     first). One count for every call charges the calls that need no split for the kernel launches
     and FSDP gathers of 16 micro-batches."""
     import dataclasses
 
     from jaxrlhf.models.config import preset
     from jaxrlhf.planner.cost import CostCache
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.knobs import front
     from jaxrlhf.planner.presets import build_plan
-    from jaxrlhf.planner.simulator import estimate_plan, micro_options
+    from jaxrlhf.planner.simulator import estimate_plan
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.testing.graphs import ppo_graph
 
     graph, hw = ppo_graph(), get_profile("h100")
     models = {r: preset("llama2-7b") for r in graph.roles}
     fixed = Workload.from_tokens(2**17, 128, 128, micro_batch=8, remat="none")  # 16 per minibatch
-    searched = dataclasses.replace(fixed, search_micro=True)
+    searched = dataclasses.replace(fixed, micro_batch="auto")
     plan = build_plan("colocated", 8, models, graph, batch_size=fixed.batch_size, devices_per_host=8)
     est = estimate_plan(plan, graph, models, searched, hw)
-    assert est.feasible and set(est.micro.values()) == {1}  # 7B fits on 8 H100s unsplit
+    assert est.feasible and {k.micro for k in est.knobs.values()} <= {1, None}  # 7B fits on 8 H100s unsplit
     slow = estimate_plan(plan, graph, models, fixed, hw)
     assert slow.feasible and est.step_s < slow.step_s
     # with 80 % of the memory, one micro-batch no longer fits: the calls on the full devices split
     tight = dataclasses.replace(hw, hbm_capacity=hw.hbm_capacity * 0.8)
     est = estimate_plan(plan, graph, models, searched, tight)
     cache = CostCache(models, searched, tight)
-    assert est.feasible and est.micro["actor.train"] > 1 and est.micro["actor.generate"] == 1
+    assert est.feasible and est.knobs["actor.train"].micro > 1 and est.knobs["actor.generate"].micro is None
     for c in graph.calls:
-        assert est.micro[c.name] in micro_options(c, plan, searched, cache)
+        assert est.knobs[c.name] in front(c, plan.group_of(c.name), plan.calls[c.name].layout, searched, cache)
 
 
 # Asynchronous RL: the generator runs up to eta steps ahead on its shadow copy ("lo"); the rest share

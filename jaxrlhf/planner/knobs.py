@@ -1,0 +1,138 @@
+"""The memory knobs a plan runs its calls with, chosen with the placement.
+
+A train or inference call may run its rows in micro-batches (`algorithm.micro_batch_size`: one
+micro-batch's activations at a time, the weights gathered again for each under FSDP), and a trained
+role's decoder layers may be rematerialised for the backward (`model.<role>.remat`: `dots` keeps the
+matmul outputs, `full` only each layer's input; less memory for up to a forward's more compute).
+Which settings are fastest while the plan fits depends on the placement: 4 x 70B on 64 H100 needs
+both where a call shares its devices with three other models, and neither on a group of its own.
+
+So every plan the search weighs gets its knobs here, priced by the same cost and memory models as
+everything else (`CostCache.call`, `memory.working_set`): each call's options (the settings the
+config leaves unset, `workload.AUTO`; a key it sets is the only option) reduced to their time-memory
+front (`front`: fastest first, each next one leaner), every call starting at its fastest and, while
+the plan is over memory, the calls that overflow the fullest device stepping to their next leaner
+option (`choose`): what a practitioner does, the fewest micro-batches and the least remat that fit.
+The plan carries what was chosen (`ExecutionPlan.micro_batch_size`, `.remat`) and the run executes
+exactly that (`ExecutionPlan.execution`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Mapping
+
+from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout
+from jaxrlhf.planner.workload import AUTO, Workload
+
+if TYPE_CHECKING:
+    from jaxrlhf.models.config import ModelConfig
+    from jaxrlhf.planner.cost import CostCache
+    from jaxrlhf.planner.hardware import HardwareProfile
+
+MAX_MICRO = 64  # most micro-batches a call is split into when the planner picks the count
+# `plan.REMAT_POLICIES` from fastest to leanest: each recomputes more of the forward and keeps less of it
+REMAT_ORDER = ("none", "dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallKnobs:
+    """How one call runs: `micro` micro-batches (None: as the workload sets it, a fixed size or a packed
+    call's token budget) and, for a train call, its role's remat `policy` (None: the workload's)."""
+
+    micro: int | None = None
+    remat: str | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{self.micro} micro-batches"] if self.micro and self.micro > 1 else []
+        return ", ".join(parts + ([f"remat {self.remat}"] if self.remat and self.remat != "none" else [])) or "-"
+
+
+def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
+    """Every setting of `call` under `layout` the planner may choose: micro-batch counts dividing the rows
+    each device feeds (up to MAX_MICRO; a packed call's micro-batches follow its token budget) where
+    `algorithm.micro_batch_size` is unset, times the remat policies of a train call's role where its
+    `model.<role>.remat` is unset. Generation has none."""
+    if call.kind == "generate":
+        return [CallKnobs()]
+    micros: list[int | None] = [None]
+    if wl.micro_batch_for(call.name) == AUTO and not wl.packed:
+        per_device = max(wl.call_batch(call.kind) // layout.batch_ways, 1)
+        micros = [m for m in range(1, min(per_device, MAX_MICRO) + 1) if per_device % m == 0]
+    policies: list[str | None] = [None]
+    if call.kind == "train" and wl.remat_setting(call.role) == AUTO:
+        policies = list(REMAT_ORDER)
+    return [CallKnobs(m, r) for r in policies for m in micros]
+
+
+def front(call: CallSpec, group: DeviceGroup, layout: Layout, wl: Workload, cache: "CostCache") -> list[CallKnobs]:
+    """`call`'s options (`options`) that no other beats on both time and working-set bytes, fastest first
+    (so each next one is leaner): time from `cache.call`, bytes from `memory.working_set`."""
+    key = ("knob front", call.name, group.start, group.size, layout)
+    if key not in cache.memory:
+        cfg = cache.models[call.role]
+        opts = options(call, layout, wl)
+        if len(opts) == 1:
+            cache.memory[key] = opts
+        else:
+            work = {k: sum(working_set(call, cfg, layout, cache.for_call(call, k)).values()) for k in opts}
+            out: list[CallKnobs] = []
+            for k in sorted(opts, key=lambda k: (cache.call(call, group, layout, k).seconds, work[k])):
+                if not out or work[k] < work[out[-1]]:
+                    out.append(k)
+            cache.memory[key] = out
+    return cache.memory[key]
+
+
+def working_bytes(call: CallSpec, cfg: "ModelConfig", layout: Layout, wl: Workload, knobs: CallKnobs) -> float:
+    """Bytes one device needs on top of resident parameters while `call` runs under `knobs`."""
+    return sum(working_set(call, cfg, layout, wl.for_call(call, knobs.micro, knobs.remat)).values())
+
+
+def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelConfig"], wl: Workload,
+           hw: "HardwareProfile", cache: "CostCache") -> tuple[dict[str, CallKnobs], MemoryReport]:
+    """Each call's knobs for this plan and the plan's memory under them: every call at the fastest of its
+    `front`, then, while the plan is over memory, each call whose peak overflows the fullest device
+    steps to its next leaner option. When even the leanest options do not fit, those and their report
+    (the smallest shortfall there is)."""
+    fronts = {c.name: front(c, plan.group_of(c.name), plan.calls[c.name].layout, wl, cache) for c in graph.calls}
+    at = dict.fromkeys(fronts, 0)
+    leanest = {c: opts[-1] for c, opts in fronts.items()}
+    lean_checked = all(len(opts) == 1 for opts in fronts.values())
+    while True:
+        knobs = {c: fronts[c][i] for c, i in at.items()}
+        mem = plan_memory(plan, graph, models, wl, hw, cache.memory, knobs)
+        if mem.feasible:
+            return knobs, mem
+        if not lean_checked:  # most plans the search tries do not fit at all: say so after one more look
+            lean_checked = True
+            lean = plan_memory(plan, graph, models, wl, hw, cache.memory, leanest)
+            if not lean.feasible:
+                return leanest, lean
+        worst = int(mem.peak.argmax())
+        over = [c for c in at if plan.group_of(c).start <= worst < plan.group_of(c).stop
+                and mem.call_bytes[c] > mem.capacity and at[c] + 1 < len(fronts[c])]
+        if not over:  # the resident bytes alone overflow, or only calls at their leanest do
+            return knobs, mem
+        for c in over:
+            at[c] += 1
+
+
+def with_knobs(plan: ExecutionPlan, graph: CallGraph, wl: Workload, knobs: Mapping[str, CallKnobs]) -> ExecutionPlan:
+    """`plan` carrying what the run executes (`ExecutionPlan.micro_batch_size`, `.remat`, `.token_budget`):
+    each micro-batched call's rows per micro-batch and every trained role's remat policy, from `knobs` where
+    they chose, else as `wl` sets them, and a packed run's token budget."""
+    micro: dict[str, int] = {}
+    remat: dict[str, str] = {}
+    for c in graph.calls:
+        k = knobs.get(c.name, CallKnobs())
+        if c.kind != "generate" and not wl.packed:
+            count = k.micro if k.micro is not None else wl.micro_batches(c)
+            if count > 1:
+                micro[c.name] = wl.call_batch(c.kind) // count
+        if c.kind == "train":
+            remat[c.role] = k.remat if k.remat is not None else wl.remat_for(c.role)
+    return dataclasses.replace(plan, micro_batch_size=micro, remat=remat,
+                               token_budget=wl.token_budget if wl.packed else None)
