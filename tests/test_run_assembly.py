@@ -168,3 +168,46 @@ def test_the_run_runs_the_plans_staleness_within_its_budget():
         ExecutionPlan.from_yaml(text.replace("offpolicy: true", "offpolicy: false"))
     with pytest.raises(PlanError, match=r"plan.staleness must be an integer >= 1"):
         ExecutionPlan.from_yaml(text.replace("staleness: 2", "staleness: 0"))
+
+
+@pytest.mark.slow
+def test_the_run_executes_the_plans_memory_knobs(tmp_path):
+    """What the plan chose (a plan file here: micro-batches of 8 rows for the actor's update, the critic's
+    value pass in micro-batches of 16, the actor rematerialised) is what the run runs: its roles are built
+    with that remat, its calls bound with those micro-batch sizes, and a step runs with them. A key the
+    config sets wins over the plan's."""
+    from flax import nnx
+
+    from jaxrlhf import train
+    from jaxrlhf.models.tokenizer import load_tokenizer
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("""
+strategy: custom
+num_devices: 2
+groups: {all: {start: 0, size: 2}}
+calls:
+  actor.generate: {group: all, data: 2}
+  ref.inference: {group: all, data: 2}
+  critic.inference: {group: all, data: 2}
+  actor.train: {group: all, data: 2}
+  critic.train: {group: all, data: 2}
+micro_batch_size: {actor.train: 8, critic.inference: 16}
+remat: {actor: full, critic: none}
+""")
+    cfg = cfglib.load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", "run.devices=2", "sft.steps=0",
+                                          "run.steps=1", f"plan.file={plan_file}", "run.save_checkpoints=false",
+                                          "run.export_hf=false", "run.tensorboard=false"])
+    run = setup(cfg)
+    plan = run.choose_plan()
+    assert plan.micro_batch_size == {"actor.train": 8, "critic.inference": 16} and plan.remat["actor"] == "full"
+    built = run.build(plan, load_tokenizer(cfg.model.tokenizer))
+    assert run.algorithm.execution.micro_batch("actor.train") == 8
+    assert run.algorithm.execution.micro_batch("ref.inference") is None
+    actor = built.roles["actor"]
+    assert nnx.merge(actor.graphdef, actor.params).model.remat == "full"
+    assert train.run(cfg) is not None and (tmp_path / "run" / "metrics.jsonl").exists()
+    # a key the config sets wins over the plan's
+    own = setup(cfglib.with_overrides(cfg, ["model.actor.remat=dots", "algorithm.micro_batch_size=16"]))
+    plan = own.choose_plan()
+    assert plan.remat["actor"] == "dots" and set(plan.micro_batch_size.values()) == {16}

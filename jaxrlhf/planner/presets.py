@@ -224,10 +224,12 @@ def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devic
     names = (first, second_roles[0] if len(trainers) > 1 else "frozen")
     groups = {names[0]: DeviceGroup(names[0], 0, s), names[1]: DeviceGroup(names[1], s, n - s)}
     sizes = (s, n - s)
-    calls = {
-        c.name: Placement(names[side[c.role]], sharded_layout(models[c.role], sizes[side[c.role]], rows[c.role]))
-        for c in graph.calls
-    }
+    calls = {}
+    for c in graph.calls:  # generation on a tensor-parallel copy in its group, as colocated's hybrid engine
+        size = sizes[side[c.role]]
+        layout = generation_layout(models[c.role], size, batch_size, devices_per_host) if c.kind == "generate" \
+            else None
+        calls[c.name] = Placement(names[side[c.role]], layout or sharded_layout(models[c.role], size, rows[c.role]))
     return ExecutionPlan(
         "interleaved", n, groups, calls,
         notes=f"{'+'.join(r for r in graph.roles if side[r] == 0)} | {'+'.join(r for r in graph.roles if side[r] == 1)}",
@@ -393,10 +395,14 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
         plan = make()
 
 
-def _verl_ladder(cfg: ModelConfig, head: str, n: int, dph: int, batches: list[int | None]) -> list[Layout]:
+def _verl_ladder(cfg: ModelConfig, head: str, n: int, dph: int, batches: list[int | None],
+                 seq_len: int | None = None) -> list[Layout]:
     """A role's train/inference layouts, verl practice (FSDP, or Megatron tensor parallelism inside a
     node): FSDP over 1, 2, 4 ... nodes (data parallel across the rest), alone or on top of tensor
-    parallelism 2, 4 or 8 inside a node; least to most memory-saving (parameters per device)."""
+    parallelism 2, 4 or 8 inside a node; for sequences long enough that the search weighs context
+    parallelism (`plan.CONTEXT_MIN_TOKENS`) also FSDP over every device with the sequences split over 2,
+    4 or 8 of a node's devices (verl's Ulysses sequence parallelism, `ulysses_sequence_parallel_size`,
+    here the runtime's ring attention); least to most memory-saving (parameters, then activations)."""
     from jaxrlhf.planner.memory import params_per_device
 
     ladder = []
@@ -406,8 +412,26 @@ def _verl_ladder(cfg: ModelConfig, head: str, n: int, dph: int, batches: list[in
         for f in range(min(dph, n) // t, n // t + 1):
             if (n // t) % f == 0 and (f * t <= dph or f * t % dph == 0) and cfg.hidden_size % f == 0:
                 ladder.append(Layout(data=n // t // f, fsdp=f, tensor=t))
-    ladder = [lay for lay in ladder if all(layout_misfit(lay, cfg, b) is None for b in batches)]
-    return sorted(ladder, key=lambda lay: -params_per_device(cfg, head, lay))
+    if seq_len is not None and seq_len >= CONTEXT_MIN_TOKENS:
+        ladder += [Layout(fsdp=n // c, context=c) for c in (2, 4, 8)
+                   if c <= min(dph, n) and n % c == 0 and seq_len % c == 0 and cfg.hidden_size % (n // c) == 0]
+    ladder = [lay for lay in ladder if all(layout_misfit(lay, cfg, b, seq_len=seq_len) is None for b in batches)]
+    return sorted(ladder, key=lambda lay: (-params_per_device(cfg, head, lay), -lay.batch_ways))
+
+
+def _footprint(graph: CallGraph, role: str, cfg: ModelConfig, layout: Layout, workload: "Workload") -> float:
+    """Bytes per device of `role` under `layout` alone: its parameters (and optimizer state, trained) and
+    the largest working set of its train and inference calls at their leanest knobs (`planner.knobs`)."""
+    from jaxrlhf.planner import knobs
+    from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
+
+    head = graph.head(role)
+    own = params_per_device(cfg, head, layout)
+    if graph.train_call(role) is not None:
+        own += optimizer_per_device(cfg, head, layout, workload, role)
+    work = [min(knobs.working_bytes(c, cfg, layout, workload, k) for k in knobs.options(c, layout, workload))
+            for c in graph.calls if c.role == role and c.kind != "generate"]
+    return own + max(work, default=0.0)
 
 
 @register_strategy("verl")
@@ -430,7 +454,10 @@ def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=N
     for r in graph.roles:
         kinds = {c.kind for c in graph.calls if c.role == r and c.kind != "generate"}
         batches = [workload.call_batch(k) for k in kinds] if workload else [batch_size]
-        ladders[r] = _verl_ladder(models[r], graph.head(r), n, dph, batches) if kinds else [Layout(data=n)]
+        ladders[r] = _verl_ladder(models[r], graph.head(r), n, dph, batches,
+                                  workload.seq_len if workload else None) if kinds else [Layout(data=n)]
+        if workload is not None and kinds:  # least to most memory-saving, activations counted too
+            ladders[r].sort(key=lambda lay, r=r: -_footprint(graph, r, models[r], lay, workload))
         if not ladders[r]:
             raise PlanError(f"verl: no FSDP layout of {n} devices fits role {r!r} and its batch {batches}; "
                             "try another device count or batch size")

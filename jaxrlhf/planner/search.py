@@ -681,6 +681,7 @@ DEFAULT_ITERATIONS = 16000
 DEFAULT_EVALUATIONS = 12000
 SWEEP_SHARE, CHAIN_SHARE = 0.3, 0.4
 MIN_EVALUATIONS = 1000
+GiB = 2**30
 SAFETY_NET_S = 600.0  # wall-clock cap: only a safety net; hit, the answer depends on the machine
 POLISH_SLOTS = 600  # a call with more candidate slots is polished over its group's layouts only
 T_START, T_END = 0.05, 0.0005  # annealing temperature, as a relative step-time increase accepted 1 time in e
@@ -709,6 +710,29 @@ def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workloa
                 n: int) -> bool:
     """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
     return state_bytes(models, graph, wl) > n * hw.usable_memory
+
+
+def no_fit_message(ann: "_Annealer", presets: Mapping[str, PlanEstimate | str], num_devices: int) -> str:
+    """Why no plan fits, in one line: the plan the search found closest to fitting (every knob at its
+    leanest there, `planner.knobs`), by how much its fullest device overflows, and what would close it."""
+    hw = ann.hw
+    over = [est for _, est in ann.seen.values() if est.memory is not None and not est.memory.feasible]
+    if not over:
+        reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
+        return (f"no plan fits on {num_devices} x {hw.name}: every candidate was invalid (presets: {reasons}); "
+                "use another device count, batch size or model")
+    closest = min(over, key=lambda est: (est.memory.max_peak, est.plan.to_yaml()))
+    mem = closest.memory
+    short = mem.max_peak - mem.capacity
+    knobs = knobs_lib.with_knobs(closest.plan, ann.space.graph, ann.wl, closest.knobs).knob_text()
+    groups = closest.plan.groups
+    layouts = ", ".join(f"{c} {p.layout} on devices {groups[p.group].start}-{groups[p.group].stop - 1}"
+                        for c, p in closest.plan.calls.items())
+    capacity = mem.max_peak / (1.0 - hw.memory_reserve) / GiB
+    return (f"no plan fits on {num_devices} x {hw.name}: the closest ({layouts}"
+            + (f"; {knobs}" if knobs else "") + f") is {short / GiB:.1f} GiB over on its fullest device ({mem.reason}); "
+            f"it would fit on devices of {capacity:.0f} GiB; otherwise use more devices, a smaller batch "
+            "(data.batch_size), shorter sequences or smaller models")
 
 
 def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionPlan:
@@ -820,11 +844,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     ranked = sorted(ann.seen.items(), key=lambda kv: (kv[0] != fresh, kv[1][0]))
     feasible = [(e, est) for _, (e, est) in ranked if est.feasible]
     if not feasible:
-        reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
-        raise PlanError(
-            f"no plan fits: every candidate ran out of memory or was invalid on {num_devices} x {hw.name} "
-            f"(presets: {reasons}); use more devices, smaller models or a smaller batch"
-        )
+        raise PlanError(no_fit_message(ann, presets, num_devices))
     best = feasible[0][1]
     origin = best.plan.strategy
     best = dataclasses.replace(best, plan=dataclasses.replace(

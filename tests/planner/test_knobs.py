@@ -1,0 +1,172 @@
+"""The memory knobs (micro-batches, remat) the planner chooses with the placement, and what the run does
+with them (planner/knobs.py, ExecutionPlan.execution)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from jaxrlhf import config as cfglib
+from jaxrlhf.algorithms import declare
+from jaxrlhf.models.config import preset
+from jaxrlhf.plan import main
+from jaxrlhf.planner import knobs
+from jaxrlhf.planner.cost import CostCache
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, PlanError
+from jaxrlhf.planner.presets import build_plan
+from jaxrlhf.planner.simulator import estimate_plan
+from jaxrlhf.planner.workload import AUTO, Workload
+from jaxrlhf.testing.graphs import ppo_graph
+
+H100 = get_profile("h100")
+GRAPH = ppo_graph()
+MODELS = {r: preset("llama2-70b") for r in GRAPH.roles}
+# ReaLHF's 70B setup on 64 H100, its longest generation: 128 rows of 128 + 896 tokens, 4 minibatches
+WL = Workload.from_tokens(2**17, 128, 896, micro_batch=AUTO, remat=AUTO)
+
+
+def test_unset_keys_are_the_planners_and_set_keys_stay():
+    free = declare(cfglib.load_config(None, ["algorithm.name=ppo"])).workload()
+    assert free.micro_batch == AUTO and free.remat_setting("actor") == free.remat_setting("critic") == AUTO
+    assert free.remat_for("actor") == "none"  # priced as the fastest until chosen
+    fixed = declare(cfglib.load_config(None, ["algorithm.name=ppo", "algorithm.micro_batch_size=4",
+                                              "model.actor.remat=dots"])).workload()
+    assert fixed.micro_batch == 4 and fixed.remat_setting("actor") == "dots"
+    assert fixed.remat_setting("critic") == AUTO
+
+
+def test_a_train_calls_options_form_a_time_memory_front():
+    """A free train call weighs remat none / dots / full times every micro-batch count dividing its rows on a
+    device; its front runs fastest first, each next option needing less memory. A fixed key is the only
+    option; generation has none."""
+    train, generate = GRAPH["actor.train"], GRAPH["actor.generate"]
+    layout, group = Layout(data=8, tensor=8), DeviceGroup("all", 0, 64)
+    per_device = WL.call_batch("train") // layout.batch_ways  # 32 / 8 = 4 rows
+    opts = knobs.options(train, layout, WL)
+    assert {k.remat for k in opts} == {"none", "dots", "full"}
+    assert sorted({k.micro for k in opts}) == [m for m in range(1, per_device + 1) if per_device % m == 0]
+    cache = CostCache(MODELS, WL, H100)
+    front = knobs.front(train, group, layout, WL, cache)
+    seconds = [cache.call(train, group, layout, k).seconds for k in front]
+    work = [knobs.working_bytes(train, MODELS["actor"], layout, WL, k) for k in front]
+    assert len(front) > 2 and front[0] == knobs.CallKnobs(1, "none")
+    assert seconds == sorted(seconds) and all(a > b for a, b in zip(work, work[1:]))
+    assert knobs.options(generate, layout, WL) == [knobs.CallKnobs()]
+    fixed = dataclasses.replace(WL, micro_batch=8, remat="full")
+    assert knobs.options(train, layout, fixed) == [knobs.CallKnobs()]
+
+
+def test_each_call_gets_the_fastest_knobs_that_let_the_plan_fit():
+    """The colocated 4 x 70B plan on 64 H100: with the fastest knobs (one micro-batch, no remat) it is over
+    memory; the chooser steps the calls that overflow until it fits, and no call is leaner than needed:
+    every call that could be one option faster makes the plan overflow."""
+    plan = build_plan("colocated", 64, MODELS, GRAPH, batch_size=WL.batch_size, devices_per_host=8)
+    cache = CostCache(MODELS, WL, H100)
+    chosen, mem = knobs.choose(plan, GRAPH, MODELS, WL, H100, cache)
+    assert mem.feasible
+    fronts = {c.name: knobs.front(c, plan.group_of(c.name), plan.calls[c.name].layout, WL, cache) for c in GRAPH.calls}
+    fastest = {c: f[0] for c, f in fronts.items()}
+    from jaxrlhf.planner.memory import plan_memory
+
+    assert not plan_memory(plan, GRAPH, MODELS, WL, H100, cache.memory, fastest).feasible
+    assert any(chosen[c] != fastest[c] for c in chosen)
+    assert chosen["actor.generate"] == knobs.CallKnobs()
+    stepped = {c: fronts[c].index(k) for c, k in chosen.items()}
+    for c, i in stepped.items():
+        if i:
+            faster = dict(chosen, **{c: fronts[c][i - 1]})
+            assert not plan_memory(plan, GRAPH, MODELS, WL, H100, cache.memory, faster).feasible
+    # the estimate prices every call under its chosen knobs and the plan says what they are
+    est = estimate_plan(plan, GRAPH, MODELS, WL, H100, cache=cache)
+    assert est.feasible and est.knobs == chosen
+    written = knobs.with_knobs(plan, GRAPH, WL, chosen)
+    assert set(written.remat) == {"actor", "critic"}
+    for call, rows in written.micro_batch_size.items():
+        count = chosen[call].micro
+        assert count > 1 and rows * count == WL.call_batch(GRAPH[call].kind)
+
+
+def test_a_fixed_micro_batch_that_a_layout_cannot_split_is_not_priced():
+    """One row per micro-batch on a layout splitting the batch 8 ways would leave devices a fraction of a row:
+    the runtime cannot run it, so the planner neither prices nor searches it."""
+    wl = dataclasses.replace(WL, micro_batch=1)
+    train = GRAPH["actor.train"]
+    assert wl.micro_misfit(train, 8) and "algorithm.micro_batch_size" in wl.micro_misfit(train, 8)
+    assert wl.micro_misfit(train, 1) is None and dataclasses.replace(WL, micro_batch=8).micro_misfit(train, 8) is None
+    plan = build_plan("colocated", 64, MODELS, GRAPH, batch_size=wl.batch_size, devices_per_host=8)
+    est = estimate_plan(plan, GRAPH, MODELS, wl, H100)
+    assert not est.feasible and "do not split over" in est.reason
+
+
+def test_a_plan_file_carries_its_knobs():
+    plan = ExecutionPlan.from_yaml("""
+num_devices: 2
+groups: {all: {start: 0, size: 2}}
+calls:
+  actor.generate: {group: all, data: 2}
+  actor.train: {group: all, data: 2}
+micro_batch_size: {actor.train: 4}
+remat: {actor: full}
+""")
+    assert plan.execution.micro_batch("actor.train") == 4 and plan.execution.micro_batch("actor.generate") is None
+    assert plan.execution.remat_of("actor") == "full" and plan.execution.remat_of("ref") == "none"
+    assert ExecutionPlan.from_yaml(plan.to_yaml()) == plan
+    assert "remat actor full" in plan.table() and "4 rows (actor.train)" in plan.table()
+    for bad, key in (("micro_batch_size: {actor.train: 0}", "micro_batch_size"), ("remat: {actor: most}", "remat")):
+        text = plan.to_yaml().replace("micro_batch_size:\n  actor.train: 4", "").replace("remat:\n  actor: full", "")
+        with pytest.raises(PlanError, match=f"plan.{key} must"):
+            ExecutionPlan.from_yaml(text + bad + "\n")
+
+
+QUESTION = ["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "64", "--gen-len", "896",
+            "--prompt-len", "128", "--batch", "128", "--evaluations", "600", "--json"]
+
+
+def test_70b_ppo_on_64_h100_plans_without_a_hand_set_knob(tmp_path, capsys):
+    """The question that said "no plan fits" until the search chose micro-batches and remat itself: 3 x 70B
+    PPO, 896-token responses, 64 H100. The plan carries the knobs; a key the user sets is kept."""
+    assert main([*QUESTION, "--out", str(tmp_path / "free")]) == 0
+    plan = ExecutionPlan.load(str(tmp_path / "free" / "plan.yaml"))
+    assert set(plan.remat) == {"actor", "critic"} and plan.micro_batch_size
+    assert main([*QUESTION, "--out", str(tmp_path / "set"), "model.actor.remat=full",
+                 "algorithm.micro_batch_size=8"]) == 0
+    plan = ExecutionPlan.load(str(tmp_path / "set" / "plan.yaml"))
+    assert plan.remat["actor"] == "full"
+    for call, rows in plan.micro_batch_size.items():
+        assert rows == 8 and 8 % plan.calls[call].layout.batch_ways == 0
+
+
+def test_no_plan_fits_names_the_smallest_shortfall(capsys):
+    rc = main(["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "32", "--gen-len", "896",
+               "--prompt-len", "128", "--batch", "128", "--evaluations", "300", "--out", "/nonexistent/never"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "no plan fits on 32 x h100: the closest (" in err and "GiB over on its fullest device" in err
+    assert "it would fit on devices of" in err
+
+
+@pytest.mark.slow
+def test_the_same_question_gets_the_same_plan_on_a_loaded_machine(tmp_path):
+    """The search's budget is plans evaluated, not seconds: the same command twice, the second while two
+    busy processes load both cores, prints the same plan and the same times (all but the search's own
+    seconds)."""
+    def plan(out: str) -> dict:
+        import json
+
+        done = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", *QUESTION[:-3], "--evaluations", "1500",
+                               "--json", "--out", str(tmp_path / out)], capture_output=True, text=True, check=True)
+        answer = json.loads(done.stdout)
+        answer.pop("search_s"), answer.pop("out")
+        return answer
+
+    quiet = plan("quiet")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = plan("loaded")
+    finally:
+        for h in hogs:
+            h.kill()
+    assert loaded == quiet
+    assert (tmp_path / "quiet" / "plan.yaml").read_text() == (tmp_path / "loaded" / "plan.yaml").read_text()
