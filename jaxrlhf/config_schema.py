@@ -605,7 +605,7 @@ class SFTConfig:
     batch_size: Int = _field(32, check=positive)  # demonstrations per warm-up step
     lr: Float = _field(1e-3, check=positive)  # warm-up learning rate (constant after 10 warm-up updates)
     packing: Bool = False  # several demonstrations per row
-    # names in jaxrlhf.algorithms.environments.TOOLS (the environment's env.args.tools): the demonstrations are
+    # names in jaxrlhf.environments.TOOLS (the environment's env.args.tools): the demonstrations are
     # then rendered through the tokenizer's chat template with these tools described, as env.name=tools renders
     # its episodes (whatever data.prompt_format says; only assistant turns carry loss); [] = none described;
     # null = as data.prompt_format says
@@ -708,7 +708,7 @@ class AgentServerConfig:
 class RewardRule:
     """One rule reward by registry name, its weight and keyword arguments."""
 
-    name: str = _field(check=not_empty)  # a name in jaxrlhf.algorithms.rules.REWARD_FUNCTIONS
+    name: str = _field(check=not_empty)  # a name in jaxrlhf.rewards.rules.REWARD_FUNCTIONS
     weight: Float = 1.0  # the rule's weight in the sum
     args: dict[str, Any] = _field(factory=dict)  # keyword arguments of the rule function
 
@@ -743,7 +743,7 @@ class EnvConfig:
     """Multi-turn episodes (docs/agentic.md#environments): the policy talks to an environment, turn by turn; the
     observations' tokens are appended to its trajectory and carry no loss."""
 
-    # a name in jaxrlhf.algorithms.environments.ENVIRONMENTS (tools: the model calls Python tools); null = the
+    # a name in jaxrlhf.environments.ENVIRONMENTS (tools: the model calls Python tools); null = the
     # single-turn rollout
     name: str | None = None
     args: dict[str, Any] = _field(factory=dict)  # keyword arguments of the environment's factory, e.g. {tools: [calculator]}

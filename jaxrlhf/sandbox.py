@@ -3,7 +3,7 @@
     python -m jaxrlhf.sandbox --code FILE --tests FILE [--timeout S] [--cpu-seconds S]
         [--memory-mb N] [--max-processes N] [--max-file-mb N] [--output-kb N] [--folder-mb N] [--extract]
 
-The run is the one the `sandboxed_python` reward rule makes (`jaxrlhf.algorithms.sandbox`; what
+The run is the one the `sandboxed_python` reward rule makes (`jaxrlhf.rewards.sandbox`; what
 it contains and what it does not: docs/agentic.md). `--extract` takes the program from FILE's last
 ```python fenced block, as the rule does with a response. Prints one JSON object on stdout:
 `{"passed", "total", "status", "limit", "stderr_tail", "seconds", "failures", "isolation"}`.
@@ -18,8 +18,8 @@ import json
 import sys
 from typing import Sequence
 
-from jaxrlhf.algorithms.rules import extract_program
-from jaxrlhf.algorithms.sandbox import SandboxLimits, run_sandboxed
+from jaxrlhf.rewards.rules import extract_program
+from jaxrlhf.rewards.sandbox import SandboxLimits, run_sandboxed
 
 EXIT_BAD_INPUT = 2
 

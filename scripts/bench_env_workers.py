@@ -1,5 +1,5 @@
 """Multi-turn generation with a Python-heavy environment: its steps on the trainer's threads (holding the
-GIL against the host loop) against the same steps in `env.workers` processes (`algorithms/env_pool.py`).
+GIL against the host loop) against the same steps in `env.workers` processes (`environments/pool.py`).
 
     PYTHONPATH=. python scripts/bench_env_workers.py --workers 2 --step-ms 50
 
@@ -17,7 +17,7 @@ import argparse
 import json
 import time
 
-from jaxrlhf.algorithms.environments import ENVIRONMENTS, Observation, StepResult, register_environment
+from jaxrlhf.environments import ENVIRONMENTS, Observation, StepResult, register_environment
 
 
 def spin(rounds: int) -> int:
@@ -68,8 +68,8 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from jaxrlhf.algorithms.env_pool import EnvPool
-    from jaxrlhf.algorithms.environments import EnvironmentContext, make_environment
+    from jaxrlhf.environments.pool import EnvPool
+    from jaxrlhf.environments import EnvironmentContext, make_environment
     from jaxrlhf.models import multiturn as mt
     from jaxrlhf.models.config import preset
     from jaxrlhf.models.sampling import SamplingParams

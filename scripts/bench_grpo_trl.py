@@ -159,7 +159,7 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    from jaxrlhf.algorithms.rules import CombinedReward
+    from jaxrlhf.rewards.rules import CombinedReward
 
     spec = json.loads(Path(spec_path).read_text())
     cuda = spec["device"] == "cuda"

@@ -132,7 +132,7 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
-    from jaxrlhf.algorithms.rules import CombinedReward
+    from jaxrlhf.rewards.rules import CombinedReward
 
     m, alg, opt = spec["model"], spec["algorithm"], spec["optimizer"]
     B, G, max_new = spec["batch_size"], alg["group_size"], spec["max_new_tokens"]

@@ -425,7 +425,7 @@ def _trl_classes(sync=lambda: None):
 
         def __init__(self, spec: dict, by_ids: dict):
             from jaxrlhf.models.tokenizer import load_tokenizer
-            from jaxrlhf.algorithms.rules import CombinedReward
+            from jaxrlhf.rewards.rules import CombinedReward
 
             super().__init__()
             self.rules = CombinedReward([tuple(r) for r in spec["rules"]])

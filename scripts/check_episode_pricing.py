@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxrlhf.algorithms.environments import ENVIRONMENTS, Observation, StepResult, register_environment  # noqa: E402
+from jaxrlhf.environments import ENVIRONMENTS, Observation, StepResult, register_environment  # noqa: E402
 
 TURNS = 3
 BASE = [

@@ -299,7 +299,7 @@ GENERATORS = {"arithmetic": arithmetic, "reverse": reverse, "preference": prefer
               "calculator": calculator}
 
 # The calculator task's chat template: ChatML turns between two special tokens, the tools listed in one compact
-# system line, calls written as Hermes' <tool_call>{json}</tool_call> (models/tools.py parses them), so a
+# system line, calls written as Hermes' <tool_call>{json}</tool_call> (environments/tool_calls.py parses them), so a
 # byte-level model's prompts and trajectories stay short.
 CALCULATOR_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:"

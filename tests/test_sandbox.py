@@ -1,4 +1,4 @@
-"""Rewards that run outside the step: the sandbox (jaxrlhf.algorithms.sandbox), its reward rule
+"""Rewards that run outside the step: the sandbox (jaxrlhf.rewards.sandbox), its reward rule
 `sandboxed_python`, the `remote` rule against a real local HTTP server, and the sandbox CLI.
 
 The hostile battery runs each program once (concurrently, in a module fixture) and checks that it
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxrlhf.algorithms import sandbox
-from jaxrlhf.algorithms.rules import CombinedReward, extract_program
-from jaxrlhf.algorithms.sandbox import SandboxLimits, run_sandboxed
+from jaxrlhf.rewards import sandbox
+from jaxrlhf.rewards.rules import CombinedReward, extract_program
+from jaxrlhf.rewards.sandbox import SandboxLimits, run_sandboxed
 
 ROOT = Path(__file__).resolve().parents[1]
 ADD_TESTS = """\
@@ -363,7 +363,7 @@ def test_a_uid_slot_held_by_another_process_is_not_reused():
     never share a uid (one's cleanup killed the other's program, scored `crashed`, before the lock file)."""
     held = sandbox._reserve_slot()  # this process holds a slot, as a run in another worker would
     try:
-        script = ("import json; from jaxrlhf.algorithms.sandbox import *; "
+        script = ("import json; from jaxrlhf.rewards.sandbox import *; "
                   "v = run_sandboxed('x = 1', 'assert x == 1', SandboxLimits()); print(json.dumps([v.status, v.isolation['uid']]))")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -1,5 +1,5 @@
 """Score shaping on device: bias/scale, clip and the EOS gate for rule and reward-model scores
-alike, and DAPO's soft overlong penalty. The rule rewards themselves are `jaxrlhf.algorithms.rules`.
+alike, and DAPO's soft overlong penalty. The rule rewards themselves are `jaxrlhf.rewards.rules`.
 """
 
 from __future__ import annotations

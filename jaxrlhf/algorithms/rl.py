@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
-from jaxrlhf.algorithms.environments import ACTION_MASK, ENVIRONMENTS, TOOLS
+from jaxrlhf.environments import ACTION_MASK, ENVIRONMENTS, TOOLS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
-from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS
+from jaxrlhf.rewards.rules import REWARD_FUNCTIONS
 from jaxrlhf.config_schema import AGENT_ENVIRONMENT
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.lengths import response_widths
@@ -196,7 +196,7 @@ class RolloutAlgorithm(Algorithm):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")
         if cfg.env.imports:  # user modules registering environments, before the name is looked up
-            from jaxrlhf.algorithms.env_pool import import_modules
+            from jaxrlhf.environments.pool import import_modules
 
             try:
                 import_modules(cfg.env.imports)

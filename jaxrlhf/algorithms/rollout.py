@@ -49,7 +49,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageBatch
 from jaxrlhf.algorithms.correction import Correction, behaviour_logp, correction_weights
-from jaxrlhf.algorithms.environments import ACTION_MASK, EpisodeTiming
+from jaxrlhf.environments import ACTION_MASK, EpisodeTiming
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef, kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
@@ -57,7 +57,7 @@ from jaxrlhf.algorithms.base import AlgorithmConfigError
 from jaxrlhf.algorithms.rl import RESPONSE, ROUTED, SEQUENCE
 from jaxrlhf.config_schema import AGENT_ENVIRONMENT
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
-from jaxrlhf.algorithms.rules import CombinedReward
+from jaxrlhf.rewards.rules import CombinedReward
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.algorithms.update import loss_aux, map_microbatches, map_packed, minibatch_indices, minibatch_updates
@@ -691,18 +691,18 @@ class RolloutRuntime:
 
     @functools.cached_property
     def reward_pool(self) -> Any:
-        """The worker processes scoring rule rewards (`rewards.workers`, `algorithms.reward_pool`), or None."""
+        """The worker processes scoring rule rewards (`rewards.workers`, `rewards.pool`), or None."""
         if not self.cfg.rewards.workers or not self.cfg.rewards.rules:
             return None
-        from jaxrlhf.algorithms.reward_pool import RewardPool
+        from jaxrlhf.rewards.pool import RewardPool
 
         return RewardPool(self.rules_spec, self.cfg.rewards.workers, self.reward_timing)
 
     @functools.cached_property
     def reward_timing(self) -> Any:
-        """The rules' seconds per row as this run measures them (`reward_pool.RewardTiming`), for the
+        """The rules' seconds per row as this run measures them (`rewards.pool.RewardTiming`), for the
         planner (`reward_fields`)."""
-        from jaxrlhf.algorithms.reward_pool import RewardTiming, rows_at_once
+        from jaxrlhf.rewards.pool import RewardTiming, rows_at_once
 
         return RewardTiming(rows_at_once(self.rules_spec))
 
@@ -777,10 +777,10 @@ class RolloutRuntime:
         (named as the graph's, with `action_mask` and `env_reward`) and the `env/...` metrics. Each row's
         prompt is its environment's first observation (`reset`), tokenized; responses are padded to
         generation.max_new_tokens, as the generate call's."""
-        from jaxrlhf.algorithms.environments import EnvironmentContext, make_environment
+        from jaxrlhf.environments import EnvironmentContext, make_environment
         from jaxrlhf.models import multiturn
         from jaxrlhf.models.lengths import bucket_length
-        from jaxrlhf.models.tools import detect_tool_format
+        from jaxrlhf.environments.tool_calls import detect_tool_format
 
         cfg, tok, s = self.cfg, self.tokenizer, self.settings()
         env = cfg.env
@@ -790,7 +790,7 @@ class RolloutRuntime:
         context = EnvironmentContext(tokenizer=tok, chat_template=template, end_of_turn=end_of_turn,
                                      tool_format=detect_tool_format(template.tool_source) if template else None)
         rows = [{"prompt": p, "answer": a} for p, a in zip(feed["prompts"], feed["answers"])]
-        if env.workers:  # each episode's environment in a worker process (`env_pool`), reset there
+        if env.workers:  # each episode's environment in a worker process (`environments.pool`), reset there
             pool = self._env_pool(context)
             envs, first = pool.reset(rows)
         else:
@@ -837,7 +837,7 @@ class RolloutRuntime:
         if pool is None:
             import weakref
 
-            from jaxrlhf.algorithms.env_pool import EnvPool
+            from jaxrlhf.environments.pool import EnvPool
 
             env = self.cfg.env
             pool = EnvPool(env.name, context, env.args, workers=env.workers, step_timeout_s=env.step_timeout_s,

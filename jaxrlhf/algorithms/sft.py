@@ -84,7 +84,7 @@ class SFTRuntime:
                                                  self.execution.micro_batch("actor.train"))}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
-        from jaxrlhf.algorithms.environments import TOOLS
+        from jaxrlhf.environments import TOOLS
         from jaxrlhf.data import SFTDataset
 
         names = self.cfg.sft.tools if self.warmup else None  # demonstrations of an environment's episodes

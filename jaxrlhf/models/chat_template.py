@@ -13,7 +13,7 @@ named special tokens (`bos_token`, `eos_token`, ...) as variables, read as trans
 holds the template's BOS, so it is encoded without adding special tokens (as transformers does).
 
 Tool calling renders as transformers renders it too (docs/agentic.md, "Tool calling"): `render(...,
-tools=...)` takes JSON-schema dicts or Python functions (described by `jaxrlhf.models.tools`), picks a
+tools=...)` takes JSON-schema dicts or Python functions (described by `jaxrlhf.models.tool_schema`), picks a
 checkpoint's "tool_use" template when it names one, passes `documents` and extra variables (e.g.
 `enable_thinking`) to the template, and every input goes through transformers' rebuilding of template data
 (plain JSON types; a message's reasoning under `reasoning_content`, `thinking` and `reasoning`).
@@ -259,14 +259,14 @@ class ChatTemplate:
                **extra: Any) -> str:
         """The conversation as text, as `apply_chat_template(messages, tools=..., documents=..., tokenize=False,
         **extra)`: `add_generation_prompt` ends it with the assistant header; `tools` are JSON-schema dicts or
-        functions (`jaxrlhf.models.tools.tool_schema`; one it cannot describe raises `ToolSchemaError`);
+        functions (`jaxrlhf.models.tool_schema.tool_schema`; one it cannot describe raises `ToolSchemaError`);
         assistant messages may carry `tool_calls` ([{"type": "function", "function": {"name", "arguments":
         {...}}}]) and `reasoning_content` (also read as `thinking` / `reasoning`), tool results come as
         {"role": "tool", "content": ...}; `extra` goes to the template as variables (e.g. Qwen3's
         `enable_thinking=False`), over the special tokens of the same name."""
         import jinja2
 
-        from jaxrlhf.models.tools import tool_schema
+        from jaxrlhf.models.tool_schema import tool_schema
 
         if not messages:
             raise ChatTemplateError("cannot render an empty conversation")

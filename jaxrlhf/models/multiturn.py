@@ -3,7 +3,7 @@ recomputed (docs/agentic.md, "Multi-turn generation").
 
 A row decodes until it samples an end-of-turn token (one of the EOS ids). It then waits while its
 environment steps (on host threads; with `env.workers` the threads wait on worker processes holding the
-environments, `algorithms/env_pool.py`), and the rest of the batch keeps decoding. The observation's tokens
+environments, `environments/pool.py`), and the rest of the batch keeps decoding. The observation's tokens
 are appended by an *extend* prefill: one forward over [the turn's last sampled token, the observation's
 tokens] at the row's own next columns and rotary positions, reading the row's existing pages (the
 prefix is never recomputed) and writing the new keys/values into its pages; its last logits give the
@@ -326,7 +326,7 @@ def generate_multiturn(
     rows decode the next `chunk` steps; an observation that does not fit the trajectory's budget (or
     `spec.max_observation_tokens`) ends the row (`max_tokens`), and so does a step that raises
     (`env_error`, counted: one environment's fault is not the run's, also as `env_error/<kind>`, the
-    exception's `kind` (`env_pool.FAULT_KINDS`: environments in worker processes) or `raised`); its episode's
+    exception's `kind` (`environments.pool.FAULT_KINDS`: environments in worker processes) or `raised`); its episode's
     reward is then `failure_reward` (None: the reward its earlier steps earned)."""
     R, P = spec.rows, spec.prompt_bucket
     if len(envs) != R or len(rows) != R:

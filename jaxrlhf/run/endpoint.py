@@ -40,10 +40,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from jaxrlhf.algorithms.environments import Trajectory
+from jaxrlhf.environments import Trajectory
 from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
 from jaxrlhf.models.tokenizer import Tokenizer, prompt_prefix
-from jaxrlhf.models.tools import ParsedToolCalls, ToolSchemaError, detect_tool_format, parse_tool_calls
+from jaxrlhf.environments.tool_calls import ParsedToolCalls, ToolSchemaError, detect_tool_format, parse_tool_calls
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused before it is read

@@ -108,7 +108,7 @@ class StreamingGenerator:
         self.scored: set[int] = set()  # stream rows (serial x G + j) handed to the workers, until taken
         self.reward_decode_s = 0.0  # seconds decoding the next steps while waiting for a batch's scores
         if self.pool is not None or self.dynamic:
-            from jaxrlhf.algorithms.rules import CombinedReward
+            from jaxrlhf.rewards.rules import CombinedReward
 
             self.rules, self.tokenizer = CombinedReward(algorithm.rules_spec), algorithm.tokenizer
 

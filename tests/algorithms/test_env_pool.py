@@ -1,4 +1,4 @@
-"""Environments in worker processes (`algorithms/env_pool.py`, `env.workers`): episodes live in one worker each,
+"""Environments in worker processes (`environments/pool.py`, `env.workers`): episodes live in one worker each,
 built from a user module the workers import (`env.imports`); multi-turn generation with them gives the same
 trajectories, rewards and metrics as with the environments in the trainer; a step that raises, hangs past
 `env.step_timeout_s` or kills its worker ends its episode (counted, failure reward), never the run."""
@@ -14,15 +14,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms.env_pool import EnvPool, EnvStepFailed, EnvWorkerError
-from jaxrlhf.algorithms.environments import EnvironmentContext, make_environment
+from jaxrlhf.environments.pool import EnvPool, EnvStepFailed, EnvWorkerError
+from jaxrlhf.environments import EnvironmentContext, make_environment
 from jaxrlhf.models.multiturn import ENGINE_METRICS
 
 # A user's module registering an environment: the workers import it by name (env.imports), as a run would.
 MODULE = "envpool_test_envs"
 SOURCE = '''
 import os, time
-from jaxrlhf.algorithms.environments import Observation, StepResult, register_environment
+from jaxrlhf.environments import Observation, StepResult, register_environment
 
 class Scripted:
     """Shows "<k:LEN>" after turn k; ends after row["turns"] turns with reward turns + LEN / 100. At step

@@ -1,4 +1,4 @@
-"""Environments (`algorithms/environments.py`) and the multi-turn batch's math: the tool environment's
+"""Environments (`environments/`) and the multi-turn batch's math: the tool environment's
 observations are exactly what the chat template adds to the conversation, a bad tool call is an error
 observation (counted), never an exception; observation tokens carry no loss (zero gradient) and the RL math
 on an interleaved trajectory equals the math on the model's tokens alone."""
@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms import environments as envs
-from jaxrlhf.algorithms.environments import ACTION_MASK, EnvironmentContext, make_environment
+from jaxrlhf import environments as envs
+from jaxrlhf.environments import ACTION_MASK, EnvironmentContext, make_environment
 from jaxrlhf.algorithms.losses import AGGREGATIONS, POLICY_LOSSES
 from jaxrlhf.algorithms.rollout import RLSettings, model_tokens, rollout_advantages
 from jaxrlhf.models.chat_template import ChatTemplate
-from jaxrlhf.models.tools import parse_tool_calls
+from jaxrlhf.environments.tool_calls import parse_tool_calls
 
 QWEN25 = (  # Qwen2.5's tool template, trimmed to the parts a tool conversation renders
     "{%- if tools %}{{- '<|im_start|>system\\nYou are Qwen.\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}"

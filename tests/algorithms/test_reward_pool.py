@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from jaxrlhf.algorithms.reward_pool import RewardPool, rows_at_once
-from jaxrlhf.algorithms.rules import CombinedReward
+from jaxrlhf.rewards.pool import RewardPool, rows_at_once
+from jaxrlhf.rewards.rules import CombinedReward
 
 SPEC = [("exact_match", 1.0, {}), ("format", 0.5, {"pattern": "[0-9]+"})]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.algorithms.rewards import sequence_ended_with_eos, shape_scores
-from jaxrlhf.algorithms.rules import REWARD_FUNCTIONS, CombinedReward, get_reward, parse_number
+from jaxrlhf.rewards.rules import REWARD_FUNCTIONS, CombinedReward, get_reward, parse_number
 
 
 def _call(name, response, answer=None, **params):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from jaxrlhf.algorithms.rules import CombinedReward
+from jaxrlhf.rewards.rules import CombinedReward
 from jaxrlhf.data.sources import open_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlhf.algorithms.environments import Observation, StepResult
+from jaxrlhf.environments import Observation, StepResult
 from jaxrlhf.models import multiturn as mt
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.sampling import SamplingParams

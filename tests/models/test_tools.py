@@ -16,7 +16,7 @@ import pytest
 
 from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
 from jaxrlhf.models.tokenizer import load_tokenizer
-from jaxrlhf.models.tools import (
+from jaxrlhf.environments.tool_calls import (
     TOOL_CALL_FORMATS,
     ParsedToolCalls,
     ToolCall,

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from jaxrlhf.algorithms.environments import EpisodeTiming
+from jaxrlhf.environments import EpisodeTiming
 from jaxrlhf.planner.cost import CallCost
 from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.episodes import episode_cost

@@ -27,8 +27,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from jaxrlhf.algorithms import remote as remote_scoring
-from jaxrlhf.algorithms import sandbox
+from jaxrlhf.rewards import remote as remote_scoring
+from jaxrlhf.rewards import sandbox
 from jaxrlhf.registry import Registry
 
 FINAL_ANSWER_MARKER = "####"
@@ -188,7 +188,7 @@ def sandboxed_python(
     max_file_mb: float = 16, output_kb: float = 1024, folder_mb: float = 64, workers: int = 2,
 ) -> float:
     """The fraction of the row's tests (its reference answer: asserts and test_* functions) that the
-    response's program passes in a sandboxed subprocess (`jaxrlhf.algorithms.sandbox`).
+    response's program passes in a sandboxed subprocess (`jaxrlhf.rewards.sandbox`).
 
     The program is the response's last ```python fenced block, else the whole response.
     `all_or_nothing=True` scores 1 only when every test passes. A run that hits a limit (time, CPU,
@@ -228,7 +228,7 @@ def remote(
     *, prompt: str, response: str, answer: str | None, url: str = "", timeout: float = 10.0, retries: int = 2,
     backoff: float = 0.5, concurrency: int = 8, failure: float = 0.0,
 ) -> float:
-    """The score an HTTP service gives the row (`jaxrlhf.algorithms.remote`: POST {prompt, response,
+    """The score an HTTP service gives the row (`jaxrlhf.rewards.remote`: POST {prompt, response,
     answer} to `url`, JSON {"score": x} back), with `retries` retries `backoff` seconds apart (doubling)
     and at most `concurrency` requests in flight to `url`; a service that is down, too slow
     (`timeout` seconds) or answers garbage scores `failure`, counted as `failure` and by kind."""

@@ -3,6 +3,10 @@
     verdict = run_sandboxed(code, tests, SandboxLimits(timeout_seconds=5))
     verdict.passed, verdict.total, verdict.status, verdict.limit
 
+One file over 600 lines, and on purpose: it imports the standard library only and nothing of jaxrlhf, so it
+runs as a copied standalone file (a non-root process starting sandboxes, `tests/test_sandbox.py`), and the
+child's program (`HARNESS`) is a string inside it for the same reason.
+
 The tests are Python source: every top-level `assert` statement is one test, every top-level
 function `test_*` is one test (called with no arguments after the top level has run; the last
 definition of a name counts); other top-level statements (imports, helpers) run as setup. The

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from jaxrlhf.algorithms.rules import CombinedReward
+from jaxrlhf.rewards.rules import CombinedReward
 
 RulesSpec = list[tuple[str, float, dict[str, Any]]]
 
@@ -64,7 +64,7 @@ def rows_at_once(spec: RulesSpec) -> int | None:
     does (rows are then scored one after another, and a task of any size costs its rows' time)."""
     import inspect
 
-    from jaxrlhf.algorithms.rules import get_reward
+    from jaxrlhf.rewards.rules import get_reward
 
     found = []
     for name, _, args in spec:

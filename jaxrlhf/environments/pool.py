@@ -33,7 +33,7 @@ import threading
 import traceback
 from typing import Any, Mapping, Sequence
 
-from jaxrlhf.algorithms.environments import EnvironmentContext, Observation, StepResult, make_environment
+from jaxrlhf.environments.base import EnvironmentContext, Observation, StepResult, make_environment
 
 FAULT_KINDS = ("raised", "timeout", "worker_crash", "worker_lost")
 
