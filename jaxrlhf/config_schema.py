@@ -301,9 +301,12 @@ class RolloutConfig(AlgorithmConfig):
     rollout_correction: Literal["none", "tis", "seq_mask", "icepop", "decoupled"] = "none"
     tis_cap: Float = _field(2.0, check=positive)  # tis: C, the truncation of each token's weight min(rho, C)
     icepop_low: Float = _field(0.5, check=positive)  # icepop: alpha, tokens with rho below it carry no loss
-    icepop_high: Float = _field(2.0, check=positive)  # icepop: beta, tokens with rho above it carry no loss
-    seq_mask_low: Float = _field(0.999, check=positive)  # seq_mask: drop responses whose geometric-mean rho is below
-    seq_mask_high: Float = _field(1.001, check=positive)  # seq_mask: drop responses whose geometric-mean rho is above
+    # icepop: beta, tokens with rho above it carry no loss (5: the IcePop paper's band is [0.5, 5])
+    icepop_high: Float = _field(5.0, check=positive)
+    # seq_mask: drop responses whose geometric-mean pi_behaviour / pi_old is below (verl's seq_mean_k1 band);
+    # null = 1 / seq_mask_high, as verl derives it from one threshold
+    seq_mask_low: Float | None = _field(None, check=positive)
+    seq_mask_high: Float = _field(1.001, check=positive)  # seq_mask: ... or above this
     # decoupled: tokens whose weight pi_old / pi_behaviour exceeds this carry no loss (AReaL's behav_imp_weight_cap,
     # > 1); null = no cap
     decoupled_cap: Float | None = _field(None, check=lambda v: None if v is None or v > 1 else "must be > 1")

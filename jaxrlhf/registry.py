@@ -16,6 +16,7 @@ list or check names without importing the implementations' dependencies.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Mapping
 from typing import Callable, Generic, Iterator, TypeVar
@@ -43,6 +44,15 @@ class Registry(Mapping[str, T], Generic[T]):
             return entry
 
         return wrap
+
+    @contextlib.contextmanager
+    def temporarily(self, name: str, entry: T) -> Iterator[T]:
+        """`entry` registered as `name` inside the block only (a test's toy entry: a registry is global)."""
+        self.register(name)(entry)
+        try:
+            yield entry
+        finally:
+            del self._entries[name]
 
     def unknown(self, name: str) -> str:
         """The message for an unknown `name`: close matches first, then every known name."""

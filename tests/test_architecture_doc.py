@@ -39,3 +39,18 @@ def test_algorithm_example_is_the_real_class():
     code = _example("### A new algorithm")
     for attr, value in re.findall(r"^\s+(\w+) = (\S+)", code, re.M):
         assert repr(getattr(RLOO, attr)) == value.replace('"', "'"), attr
+
+
+def test_correction_example_weighs_through_the_registry():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf.algorithms.correction import ROLLOUT_CORRECTIONS, Corrected, Correction, correction_weights
+
+    namespace = {"register_correction": lambda name: (lambda fn: fn), "jnp": jnp, "Corrected": Corrected}
+    exec(_example("### A new rollout correction"), namespace)
+    with ROLLOUT_CORRECTIONS.temporarily("clipped", namespace["clipped"]):
+        weights, _, stats = correction_weights(Correction("clipped"), jnp.log(jnp.array([[4.0, 0.1, 1.0]])),
+                                               jnp.zeros((1, 3)), jnp.ones((1, 3), bool))
+    np.testing.assert_allclose(weights, [[2.0, 0.5, 1.0]], rtol=1e-6)  # tis_cap 2: clipped into [1/2, 2]
+    assert float(stats["correction/masked_fraction"]) == 0.0

@@ -401,7 +401,7 @@ PUBLISHED_DEFAULTS = {
     "dpo": {"dpo_beta": 0.1, "dpo_label_smoothing": 0.0, "dpo_loss": "sigmoid"},
 }
 # what a null still means where it is a setting of its own (not a value for the algorithm to fill in)
-NULL_SETTINGS = {"micro_batch_size", "kl_target", "decoupled_cap", "max_tokens_per_micro_batch"}
+NULL_SETTINGS = {"micro_batch_size", "kl_target", "decoupled_cap", "max_tokens_per_micro_batch", "seq_mask_low"}
 
 
 def _algorithm_config(name, *overrides):

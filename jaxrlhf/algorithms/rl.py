@@ -220,14 +220,18 @@ class RolloutAlgorithm(Algorithm):
             raise AlgorithmConfigError(
                 "algorithm.router_replay=true records experts in the generate call; partial rollouts "
                 "(generation.partial_rollout=true) do not record them yet: set generation.partial_rollout=false")
-        for band, example in (("icepop", "0.5 and 2.0"), ("seq_mask", "0.999 and 1.001")):
-            low, high = getattr(alg, f"{band}_low"), getattr(alg, f"{band}_high")
+        for band, example in (("icepop", "0.5 and 5.0"), ("seq_mask", "0.999 and 1.001")):
+            high = getattr(alg, f"{band}_high")
+            low = getattr(alg, f"{band}_low")
+            low_shown = low
+            if low is None:  # seq_mask's lower edge defaults to 1 / high (verl)
+                low = 1.0 / high
             if not low < high:
                 raise AlgorithmConfigError(
-                    f"algorithm.{band}_low={low} must be below algorithm.{band}_high={high} (e.g. {example})")
+                    f"algorithm.{band}_low={low_shown} must be below algorithm.{band}_high={high} (e.g. {example})")
             if not low <= 1.0 <= high:  # pi_old / pi_behaviour is 1 on policy
                 raise AlgorithmConfigError(
-                    f"algorithm.{band}_low={low} and algorithm.{band}_high={high} must hold 1 between them, the "
+                    f"algorithm.{band}_low={low_shown} and algorithm.{band}_high={high} must hold 1 between them, the "
                     f"ratio of an on-policy token, or a synchronous run would mask every token (e.g. {example})")
 
     @property

@@ -578,10 +578,7 @@ class RolloutRuntime:
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
             ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
-            correction=Correction(
-                kind=alg.rollout_correction, tis_cap=alg.tis_cap, icepop_low=alg.icepop_low,
-                icepop_high=alg.icepop_high, seq_mask_low=alg.seq_mask_low, seq_mask_high=alg.seq_mask_high,
-                decoupled_cap=alg.decoupled_cap),
+            correction=Correction.from_config(alg),
             router_aux_coef=alg.router_aux_loss_coef,
             router_top_k=getattr(getattr(self, "model_configs", {}).get("actor"), "num_experts_per_tok", 0),
             router_replay=alg.router_replay,

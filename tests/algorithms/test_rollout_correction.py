@@ -29,8 +29,8 @@ def _log(x):
 
 # ---------------------------------------------------------------- token level
 # Three responses of 3, 2 and 1 tokens; behaviour log-probs 0, so old_logp = log rho. The padded
-# slots hold junk that must not count. rho = 2.0 and 0.5 sit exactly on the default edges (C = 2,
-# IcePop [0.5, 2.0]).
+# slots hold junk that must not count. rho = 2.0 and 0.5 sit exactly on the edges (C = 2, and the IcePop
+# band [0.5, 2.0] these tests give; its default is the paper's [0.5, 5]).
 RHO = [[2.0, 3.0, 0.5], [1.0, 4.0, 9.0], [0.25, 9.0, 9.0]]
 MASK = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0]], bool)
 OLD = jnp.asarray(_log(RHO))
@@ -64,7 +64,7 @@ def test_tis_truncates_at_c():
 
 def test_icepop_masks_outside_the_band_and_keeps_its_edges():
     # M(rho) = rho inside [alpha, beta] (edges included), 0 outside (IcePop's masking function)
-    w, loss_mask, stats = _weights("icepop")
+    w, loss_mask, stats = _weights("icepop", icepop_high=2.0)
     np.testing.assert_allclose(w, [[2, 0, 0.5], [1, 0, 0], [0, 0, 0]], rtol=1e-6)
     assert (np.asarray(loss_mask) == np.asarray(MASK)).all()  # masked tokens stay in the normaliser
     np.testing.assert_allclose(stats["correction/masked_fraction"], 3 / 6)
@@ -89,9 +89,11 @@ def test_none_weighs_nothing():
 
 
 # ---------------------------------------------------------------- sequence level
-# Geometric mean rho per response against verl's band [0.999, 1.001]: exactly the upper edge (kept),
+# Geometric mean rho per response against the band [0.999, 1.001]: exactly the upper edge (kept),
 # exactly the lower edge (kept), above (dropped), a token at 1.002 averaged inside (kept: the
-# criterion is per sequence), below (dropped).
+# criterion is per sequence), below (dropped). The band applies to the geometric mean of pi_behav /
+# pi_old = 1 / rho (verl's seq_mean_k1), so a band [0.999, 1.001] on rho is [1 / 1.001, 1 / 0.999] there.
+SEQ_BAND = {"seq_mask_low": 1 / 1.001, "seq_mask_high": 1 / 0.999}
 SEQ_LOGS = [[_log(1.001), _log(1.001)], [_log(0.999), _log(0.999)], [_log(1.01), 5.0], [_log(1.002), 0.0],
             [_log(0.99), 0.0]]
 SEQ_MASK = jnp.array([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1]], bool)
@@ -99,14 +101,57 @@ SEQ_OLD = jnp.asarray(np.array(SEQ_LOGS, np.float32))
 
 
 def test_seq_mask_drops_whole_sequences_outside_the_band():
-    w, loss_mask, stats = correction_weights(Correction("seq_mask"), SEQ_OLD, jnp.zeros((5, 2)), SEQ_MASK)
+    w, loss_mask, stats = correction_weights(Correction("seq_mask", **SEQ_BAND), SEQ_OLD, jnp.zeros((5, 2)), SEQ_MASK)
     assert w is None
     np.testing.assert_array_equal(loss_mask, [[1, 1], [1, 1], [0, 0], [1, 1], [0, 0]])
     np.testing.assert_allclose(stats["correction/masked_fraction"], 3 / 9)  # the dropped rows' tokens
     # the edges are inclusive: a band just inside them drops the first two responses too
-    _, loss_mask, _ = correction_weights(Correction("seq_mask", seq_mask_low=0.9990002, seq_mask_high=1.0009998),
+    _, loss_mask, _ = correction_weights(Correction("seq_mask", seq_mask_low=1 / 1.0009998, seq_mask_high=1 / 0.9990002),
                                          SEQ_OLD, jnp.zeros((5, 2)), SEQ_MASK)
     np.testing.assert_array_equal(loss_mask.any(-1), [False, False, False, True, False])
+
+
+def test_defaults_are_the_peers():
+    """IcePop's band is the paper's [0.5, 5]; seq_mask bands the geometric mean of pi_behav / pi_old (verl's
+    seq_mean_k1: mean_t -log rho_t) in [1 / high, high], the lower edge derived from the one threshold as verl
+    derives it, so a response is dropped as verl drops it whichever way its ratio leans."""
+    c = Correction()
+    assert (c.icepop_low, c.icepop_high) == (0.5, 5.0)
+    assert c.seq_mask_band == (1 / 1.001, 1.001)
+    cfg = cfglib.load_config(None, [*GRPO, "algorithm.rollout_correction=seq_mask"])
+    assert cfg.algorithm.icepop_high == 5.0 and cfg.algorithm.seq_mask_low is None
+    w, _, stats = _weights("icepop")  # rho 3 and 4 are inside [0.5, 5] now; 0.25 is not
+    np.testing.assert_allclose(w, [[2, 3, 0.5], [1, 4, 0], [0, 0, 0]], rtol=1e-6)
+    np.testing.assert_allclose(stats["correction/masked_fraction"], 1 / 6)
+    # geometric means of rho: 1.001 (= high: 1 / rho at the derived lower edge, kept), 0.999 (1 / rho =
+    # 1.001001 > high: dropped, as verl's band on -mean log rho drops it), 1.0005 and 0.9995 (kept)
+    logs = np.float32(np.log([[1.001, 1.001], [0.999, 0.999], [1.0005, 1.0005], [0.9995, 0.9995]]))
+    _, loss_mask, _ = correction_weights(Correction("seq_mask"), jnp.asarray(logs), jnp.zeros((4, 2)),
+                                         jnp.ones((4, 2), bool))
+    np.testing.assert_array_equal(loss_mask.any(-1), [True, False, True, True])
+    # an asymmetric band applies to pi_behav / pi_old: [1, 1.01] keeps rho below 1, drops rho above it
+    logs = np.float32(np.log([[0.995, 0.995], [1.005, 1.005]]))
+    _, loss_mask, _ = correction_weights(Correction("seq_mask", seq_mask_low=1.0, seq_mask_high=1.01),
+                                         jnp.asarray(logs), jnp.zeros((2, 2)), jnp.ones((2, 2), bool))
+    np.testing.assert_array_equal(loss_mask.any(-1), [True, False])
+
+
+def test_a_correction_is_a_registry_entry():
+    """A new correction plugs in by registering its function; `Correction` validates kinds against the registry."""
+    from jaxrlhf.algorithms.correction import ROLLOUT_CORRECTIONS, Corrected
+
+    assert set(ROLLOUT_CORRECTIONS) == {"none", *KINDS}
+    with pytest.raises(ValueError, match="unknown rollout correction 'clip_all'"):
+        Correction("clip_all")
+
+    def half(c, log_rho, rho, mask):  # every token weighted 1/2
+        return Corrected(jnp.where(mask, 0.5, 0.0), mask, jnp.zeros(mask.shape, bool), jnp.zeros(mask.shape, bool))
+
+    with ROLLOUT_CORRECTIONS.temporarily("half", half):
+        w, loss_mask, stats = _weights("half")
+        np.testing.assert_allclose(w, np.where(np.asarray(MASK), 0.5, 0.0))
+        assert float(stats["correction/masked_fraction"]) == 0.0
+    assert "half" not in ROLLOUT_CORRECTIONS
 
 
 # ---------------------------------------------------------------- in the loss
@@ -123,8 +168,8 @@ def _loss(name, kind, agg, logp=OLD, **params):
 
 def test_icepop_masked_tokens_still_count_in_a_token_mean():
     # kept: 2 x (-1), 0.5 x (-1), 1 x (+1) -> -1.5, over all 6 response tokens (not the 3 kept ones)
-    np.testing.assert_allclose(_loss("ppo", "icepop", "token-mean"), -1.5 / 6, rtol=1e-6)
-    grad = jax.grad(lambda lp: _loss("ppo", "icepop", "token-mean", logp=lp))(OLD)
+    np.testing.assert_allclose(_loss("ppo", "icepop", "token-mean", icepop_high=2.0), -1.5 / 6, rtol=1e-6)
+    grad = jax.grad(lambda lp: _loss("ppo", "icepop", "token-mean", logp=lp, icepop_high=2.0))(OLD)
     np.testing.assert_allclose(grad, np.array([[-2, 0, -0.5], [1, 0, 0], [0, 0, 0]]) / 6, rtol=1e-5, atol=1e-7)
 
 
@@ -152,7 +197,7 @@ def test_tis_weights_surrogate_not_kl():
 
 def test_seq_mask_dropped_sequences_leave_the_normaliser():
     adv = jnp.array([[1.0, 1.0], [-1.0, -1.0], [5.0, 0.0], [2.0, 2.0], [7.0, 7.0]])
-    _, loss_mask, _ = correction_weights(Correction("seq_mask"), SEQ_OLD, jnp.zeros((5, 2)), SEQ_MASK)
+    _, loss_mask, _ = correction_weights(Correction("seq_mask", **SEQ_BAND), SEQ_OLD, jnp.zeros((5, 2)), SEQ_MASK)
     grpo = get_loss("grpo")
     # kept rows 0, 1 and 3 (per-token loss -A): per sequence (-1 + 1 - 2) / 3; per token (-2 + 2 - 4) / 6
     np.testing.assert_allclose(grpo(SEQ_OLD, SEQ_OLD, adv, loss_mask)[0], -2 / 3, rtol=1e-6)
@@ -222,7 +267,7 @@ def test_settings_read_the_config():
     cfg = cfglib.load_config(None, [*GRPO, "algorithm.rollout_correction=icepop", "algorithm.icepop_low=0.4",
                                     "algorithm.icepop_high=5", "algorithm.tis_cap=3", "algorithm.decoupled_cap=4"])
     assert build_algorithm(cfg).settings().correction == Correction(
-        "icepop", tis_cap=3.0, icepop_low=0.4, icepop_high=5.0, seq_mask_low=0.999, seq_mask_high=1.001,
+        "icepop", tis_cap=3.0, icepop_low=0.4, icepop_high=5.0, seq_mask_low=None, seq_mask_high=1.001,
         decoupled_cap=4.0)
     shown = cfglib.format_config(cfg)
     assert "rollout_correction: icepop" in shown and "seq_mask_high: 1.001" in shown
