@@ -40,7 +40,7 @@ class Interrupted(Exception):
 # The user's mistakes, by the module that raises them.
 _EXPECTED = (
     ("jaxrlhf.config", "ConfigError"), ("jaxrlhf.planner.plan", "PlanError"), ("jaxrlhf.data.sources", "DataError"),
-    ("jaxrlhf.models.hf_io", "CheckpointError"), ("jaxrlhf.models.tokenizer", "TokenizerError"),
+    ("jaxrlhf.models.hf_families", "CheckpointError"), ("jaxrlhf.models.tokenizer", "TokenizerError"),
     ("jaxrlhf.models.generation", "GenerationError"), ("jaxrlhf.algorithms.base", "AlgorithmConfigError"),
     ("jaxrlhf.transfer.processes", "DistributedError"),
 )

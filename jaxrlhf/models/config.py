@@ -3,7 +3,7 @@
 A `ModelConfig` holds only shapes and numerics, never weights, so the planner
 can reason about a 70B model on a laptop (this module imports JAX only when a
 dtype is asked for, so the planner stays JAX-free). HF `config.json` files map
-onto it (see `hf_io.py`).
+onto it (see `hf_families.py`).
 """
 
 from __future__ import annotations

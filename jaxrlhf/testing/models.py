@@ -54,7 +54,7 @@ def random_model(config: ModelConfig, head: str = "lm", seed: int = 0) -> nnx.Mo
 
 def hf_dims(config: ModelConfig) -> dict[str, Any]:
     """The fields every transformers decoder config takes, from `config`: dimensions, norm eps, tying and
-    special ids (each family's config class adds its own; independent of hf_io)."""
+    special ids (each family's config class adds its own; independent of hf_families)."""
     return dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
@@ -67,7 +67,7 @@ def hf_dims(config: ModelConfig) -> dict[str, Any]:
 
 
 def hf_config(config: ModelConfig):
-    """The transformers config of `config`, built with transformers' own classes (independent of hf_io)."""
+    """The transformers config of `config`, built with transformers' own classes (independent of hf_families)."""
     import dataclasses
 
     import transformers

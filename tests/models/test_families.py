@@ -17,7 +17,8 @@ from jaxrlhf.models import generation as gen
 from jaxrlhf.models import pipeline
 from jaxrlhf.models.config import PRESETS, ModelConfig
 from jaxrlhf.models.continuous import continuous_fn
-from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from jaxrlhf.models.hf_families import config_from_hf, config_to_hf
+from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.testing.models import (
     hf_dims,
@@ -37,7 +38,7 @@ N = 16  # with the 18-token prompt generation crosses the 16-token window
 
 
 def hf_config(config: ModelConfig):
-    """transformers' own config for one of our tiny family presets, built from its classes (not hf_io)."""
+    """transformers' own config for one of our tiny family presets, built from its classes (not hf_families)."""
     import transformers
 
     common = hf_dims(config)

@@ -12,13 +12,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxrlhf.models.config import PRESETS, RopeScaling
-from jaxrlhf.models.hf_io import (
-    CheckpointError,
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
+from jaxrlhf.models.hf_families import config_from_hf, config_to_hf
+from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.transformer import positions_from_mask
 from jaxrlhf.testing.models import (
     jax_logits,

@@ -16,7 +16,8 @@ from jaxrlhf.models import axes as ax
 from jaxrlhf.models import generation as gen
 from jaxrlhf.models import moe
 from jaxrlhf.models.config import PRESETS, LoraConfig, ModelConfig
-from jaxrlhf.models.hf_io import CheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from jaxrlhf.models.hf_families import config_from_hf, config_to_hf
+from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.models.transformer import positions_from_mask
 from jaxrlhf.testing.models import (
@@ -37,7 +38,7 @@ N = 12
 
 
 def hf_config(config: ModelConfig):
-    """transformers' own config for one of our tiny MoE presets, built from its classes (not hf_io)."""
+    """transformers' own config for one of our tiny MoE presets, built from its classes (not hf_families)."""
     import transformers
 
     common = dict(
