@@ -441,6 +441,44 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
         pad_token_id=None,
     ),
+    # The published shapes of models in peers' published RL runs (docs/results/published_cases.yaml): Qwen2.5-Math-7B
+    # is Qwen2-7B's shape (rope base 10k; verl's recipes stretch its 4096 positions to 32768 for 28k responses);
+    # the DeepSeek-R1 distills are Qwen2.5 models (config.json: Qwen2ForCausalLM, untied head).
+    "qwen2.5-math-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, max_position_embeddings=32768, rope_theta=10000.0,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "deepseek-r1-distill-qwen-1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, max_position_embeddings=131072, rope_theta=10000.0,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151646, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "deepseek-r1-distill-qwen-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, max_position_embeddings=131072, rope_theta=10000.0,
+        rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151646, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "deepseek-r1-distill-qwen-14b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+        num_heads=40, num_kv_heads=8, max_position_embeddings=131072, rope_theta=1e6,
+        rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151646, eos_token_id=151643,
+        pad_token_id=None,
+    ),
+    "deepseek-r1-distill-qwen-32b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+        num_heads=40, num_kv_heads=8, max_position_embeddings=131072, rope_theta=1e6,
+        rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, architecture="qwen2",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151646, eos_token_id=151643,
+        pad_token_id=None,
+    ),
     "qwen3-0.6b": ModelConfig(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
         num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
@@ -458,6 +496,13 @@ PRESETS: Registry[ModelConfig] = Registry("model preset", KeyError, {
     "qwen3-8b": ModelConfig(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
         num_heads=32, num_kv_heads=8, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3",
+        param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
+        extra_eos_token_ids=(151643,), pad_token_id=None,
+    ),
+    "qwen3-32b": ModelConfig(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+        num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
         rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=False, architecture="qwen3",
         param_dtype="bfloat16", dtype="bfloat16", bos_token_id=None, eos_token_id=151645,
         extra_eos_token_ids=(151643,), pad_token_id=None,

@@ -163,12 +163,19 @@ class HardwareProfile:
         return cls.from_dict(data, where=path)
 
 
+# What whole calls of jaxrlhf's runtime reach of a GPU's datasheet peaks, measured on one H200 (matmul FLOP/s
+# of train and inference calls, HBM bandwidth of decode steps): `python scripts/calibrate_gpu_profiles.py`
+# derives them from docs/results/h200_validate_estimator.json; every GPU profile takes them.
+GPU_MATMUL_EFFICIENCY = 0.465
+GPU_MEMORY_EFFICIENCY = 0.576
+
+
 def _gpu(name: str, bf16: float, tf32: float, hbm_bw: float, hbm_gb: float, nvlink: float,
          inter_host: float, **kw: Any) -> HardwareProfile:
     return HardwareProfile(
         name=name, flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, hbm_bandwidth=hbm_bw,
         hbm_capacity=hbm_gb * GB, intra_host_bandwidth=nvlink, inter_host_bandwidth=inter_host,
-        devices_per_host=8, **kw,
+        devices_per_host=8, matmul_efficiency=GPU_MATMUL_EFFICIENCY, memory_efficiency=GPU_MEMORY_EFFICIENCY, **kw,
     )
 
 
@@ -195,6 +202,16 @@ PROFILES: dict[str, HardwareProfile] = {
                  notes="H200 SXM; NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s per node"),
     "a100-80g": _gpu("a100-80g", 312e12, 156e12, 2.04e12, 80, 225 * GB, 200 * GB,
                      notes="A100 SXM 80 GB; 1800 Gb/s NVLink per device, 8x200 Gb/s NICs per node"),
+    # The export variants of peers' published runs (docs/results/published_cases_notes.md gives the sources):
+    # A800 and H800 are the A100 and H100 with NVLink cut to 400 GB/s both ways; H20 a Hopper with 96 GB of
+    # HBM3 at 4.0 TB/s and a seventh of the H100's tensor FLOP/s. Nodes of 8; the NICs as those clusters state
+    # (AReaL's H800 nodes: RoCE 3.2 Tb/s), else 8 x 400 Gb/s.
+    "a800-80g": _gpu("a800-80g", 312e12, 156e12, 2.04e12, 80, 200 * GB, 200 * GB,
+                     notes="A800 SXM 80 GB; NVLink 400 GB/s bidirectional, 8x200 Gb/s NICs per node"),
+    "h800": _gpu("h800", 989e12, 495e12, 3.35e12, 80, 200 * GB, 400 * GB,
+                 notes="H800 SXM; NVLink 400 GB/s bidirectional, RoCE 3.2 Tb/s per node"),
+    "h20": _gpu("h20", 148e12, 74e12, 4.0e12, 96, 450 * GB, 400 * GB,
+                notes="H20 96 GB; 148 TFLOP/s bf16, HBM3 4.0 TB/s, NVLink 900 GB/s bidirectional"),
     # Chips per host: 4 on every multi-host slice of these (a single-host v5litepod-8 has 8; a run on TPU
     # takes the count JAX shows each process, `jaxrlhf.train` -> `planning.hardware_profile`).
     "tpu-v4": _tpu("tpu-v4", 275e12, 1.2e12, 32, 135 * GB, 4, 6, 3, notes="TPU v4; 6 ICI links, 3D torus"),
@@ -209,7 +226,7 @@ PROFILES: dict[str, HardwareProfile] = {
         host_memory_bandwidth=10 * GB, notes="uncalibrated; see jaxrlhf.placement.calibrate",
     ),
 }
-ALIASES = {"h100-80g": "h100", "a100": "a100-80g", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "local": "cpu"}
+ALIASES = {"h100-80g": "h100", "a100": "a100-80g", "a800": "a800-80g", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "local": "cpu"}
 
 
 def known_profiles() -> list[str]:

@@ -102,3 +102,24 @@ def test_plans_on_a_tpu_slice_keep_tensor_parallelism_within_a_host():
         plans = [res.best, *res.runners_up, *(p for p in res.presets.values() if not isinstance(p, str))]
         assert max(p.layout.tensor for est in plans for p in est.plan.calls.values()) <= cap
         assert res.best.plan.calls["actor.generate"].layout.tensor == cap, (hw.name, n)
+
+
+def test_gpu_efficiencies_are_what_the_h200_measurements_give():
+    """Every GPU profile prices calls at the fractions of its datasheet that jaxrlhf's runtime reached on one
+    H200 (`scripts/calibrate_gpu_profiles.py` from docs/results/h200_validate_estimator.json)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from jaxrlhf.planner.hardware import GPU_MATMUL_EFFICIENCY, GPU_MEMORY_EFFICIENCY, PROFILES
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("calibrate_gpu_profiles", root / "scripts" / "calibrate_gpu_profiles.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    factors = script.efficiencies(json.loads((root / "docs" / "results" / "h200_validate_estimator.json").read_text()))
+    assert round(factors["matmul_efficiency"], 3) == GPU_MATMUL_EFFICIENCY
+    assert round(factors["memory_efficiency"], 3) == GPU_MEMORY_EFFICIENCY
+    for name in ("h100", "h200", "h800", "h20", "a100-80g", "a800-80g"):
+        assert PROFILES[name].matmul_efficiency == GPU_MATMUL_EFFICIENCY
+        assert PROFILES[name].memory_efficiency == GPU_MEMORY_EFFICIENCY

