@@ -376,11 +376,14 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
 
     Values are parsed as YAML (see `parse_override`). Setting one of a group of
     exclusive keys (a role's preset / path / init_from) drops the others the file
-    set, so `model.actor.path=DIR` simply replaces the file's `preset`.
+    set, so `model.actor.path=DIR` simply replaces the file's `preset`. Switching
+    `algorithm.name` starts from the new algorithm's defaults (`_switch_algorithm`).
     """
     out = _deep_copy(data)
     for text in overrides:
         key, value = parse_override(text)
+        if key == "algorithm.name" and isinstance(out.get("algorithm"), dict):
+            _switch_algorithm(out["algorithm"], value)
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -396,6 +399,19 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
                 if other != parts[-1]:
                     node.pop(other, None)
     return out
+
+
+def _switch_algorithm(section: dict[str, Any], name: Any) -> None:
+    """Before `algorithm.name` switches to `name`: drop the keys of `section` that hold the old algorithm's
+    defaults, so the new algorithm's own fill them in (`algorithm.name=grpo` over configs/quickstart.yaml,
+    whose `whiten_advantages: true` is PPO's default, gets GRPO's keys, not a refusal of PPO's). A key set
+    to another value stays: it was chosen, and the new algorithm refuses it by name if it does not read it."""
+    old = section.get("name", "ppo")
+    if name == old or not isinstance(old, str) or old not in ALGORITHM_CONFIGS:
+        return
+    defaults = _declared_defaults(ALGORITHM_CONFIGS[old])
+    for key in [k for k, v in section.items() if k != "name" and k in defaults and v == defaults[k]]:
+        del section[key]
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,8 @@ A YAML file sets any subset of these keys and `key=value` arguments override it
 An `algorithm` key that the algorithm `algorithm.name` picks does not read (the `read by` column)
 is an error that names the keys it does read; where the algorithms' defaults differ, the `default`
 column gives the most common one, then each other algorithm's own (`--print-config` shows the value
-a run uses).
+a run uses). Naming an algorithm gives it its defaults: `algorithm.name=grpo` over a config of another
+algorithm keeps the keys set to other values than that algorithm's defaults and takes GRPO's for the rest.
 """
 
 

@@ -313,7 +313,9 @@ class RolloutConfig(AlgorithmConfig):
     minibatches: Int = _field(4, check=positive)  # policy updates per epoch over the step's rollouts
     epochs: Int = _field(1, check=positive)  # passes over the step's rollouts
     ratio_early_stop: Float | None = _field(5.0, check=positive)  # stop a step's updates past this ratio; null = never
-    group_size: Int = _field(1, check=positive)  # samples per prompt (grpo, rloo...: >= 2)
+    # samples per prompt; the grouped algorithms (the grpo family, rloo) compare a prompt's samples: >= 2, and
+    # their default, 8, runs when a config names one of them alone
+    group_size: Int = _field(1, check=positive)
     # how token losses become the loss: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (docs/algorithms.md)
     loss_agg: LossAgg = "token-mean"
     entropy_coef: Float = _field(0.0, check=non_negative)  # entropy bonus in the policy loss
@@ -373,6 +375,8 @@ class DiscountedConfig(RolloutConfig):
 class GroupedConfig(RolloutConfig):
     """Algorithms that compare the group of samples of one prompt (rloo; grpo and its variants)."""
 
+    # 8: TRL's GRPO default and the bundled configs' (1, the base class's, is no group)
+    group_size: Int = _field(8, check=positive)
     dynamic_sampling: Bool = False  # drop groups whose rewards are all equal, train on a larger pool's informative ones
     dynamic_sampling_factor: Int = _field(2, check=positive)  # prompts generated per prompt trained on
 

@@ -1,5 +1,6 @@
 """Config: YAML + overrides, printing, and the specific message of each mistake."""
 
+import json
 import pathlib
 import re
 import subprocess
@@ -171,8 +172,8 @@ def test_wrong_type(override, message):
         (["generation.slots=0"], "config key 'generation.slots' must be > 0, got 0"),
         (["algorithm.minibatches=3"], "algorithm.minibatches=3 must divide the rollout batch "
                                       "data.batch_size x algorithm.group_size = 32 x 1 = 32"),
-        (["algorithm.name=grpo"], "algorithm.name=grpo compares samples of the same prompt: "
-                                  "algorithm.group_size must be >= 2, got 1"),
+        (["algorithm.name=grpo", "algorithm.group_size=1"], "algorithm.name=grpo compares samples of the same "
+                                                            "prompt: algorithm.group_size must be >= 2, got 1"),
         (["algorithm.advantage=grpo"], "config key 'algorithm.advantage' was removed: the advantage estimator is "
                                        "part of algorithm.name now"),
         # each algorithm has the keys it reads (config_schema.ALGORITHM_CONFIGS); another's key is refused
@@ -456,6 +457,47 @@ def test_an_explicit_value_wins_over_the_algorithms_default(tmp_path):
     # null is not a value of a key that has a default of its own
     with pytest.raises(ConfigError, match=r"^config key 'algorithm.loss_agg' must be one of token-mean, "):
         _algorithm_config("grpo", "algorithm.loss_agg=null")
+
+
+GROUPED = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
+
+
+def test_an_algorithm_chosen_by_name_gets_its_working_defaults(tmp_path, capsys):
+    """issue 56: naming a grouped algorithm alone was refused (group_size 1, the base class's default);
+    and over a config of another algorithm, the keys holding that one's defaults give way to the new one's."""
+    from jaxrlhf import train
+
+    for name in GROUPED:  # alone, in a file and as an override
+        by_override = load_config(None, [f"algorithm.name={name}"])
+        by_file = load_config(_write(tmp_path, f"algorithm:\n  name: {name}\n"))
+        assert by_override == by_file and by_override.algorithm.group_size == 8, name
+    ppo, grpo = load_config(REPO / "configs" / "quickstart.yaml"), ALGORITHM_CONFIGS["grpo"]()
+    assert ppo.algorithm.whiten_advantages  # PPO's default, written in the file
+    switched = load_config(REPO / "configs" / "quickstart.yaml", ["algorithm.name=grpo"]).algorithm
+    assert switched.name == "grpo" and switched.group_size == grpo.group_size == 8
+    assert (switched.kl_estimator, switched.loss_agg) == (grpo.kl_estimator, grpo.loss_agg)  # GRPO's own
+    assert (switched.kl_coef, switched.minibatches, switched.epochs) == (0.02, 2, 2)  # the file's choices stay
+    assert train.main(["--config", str(REPO / "configs" / "quickstart.yaml"), "algorithm.name=grpo",
+                       "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["algorithm"]
+    assert printed["name"] == "grpo" and printed["group_size"] == 8 and "whiten_advantages" not in printed
+    # a key set to another value than the old algorithm's default is the user's, and still refused by name
+    with pytest.raises(ConfigError, match="'algorithm.whiten_advantages' is not read by algorithm.name=grpo"):
+        load_config(REPO / "configs" / "quickstart.yaml", ["algorithm.whiten_advantages=false", "algorithm.name=grpo"])
+    # back and forth: the switch keeps what differs from the defaults, the rest is the new algorithm's
+    assert load_config(None, ["algorithm.name=dapo", "algorithm.name=grpo"]) == load_config(None, ["algorithm.name=grpo"])
+
+
+def test_the_plan_cli_plans_an_algorithm_named_alone(tmp_path, capsys):
+    """The issue's command, which was refused with "algorithm.group_size must be >= 2, got 1"."""
+    from jaxrlhf import plan
+
+    argv = ["--model-preset", "qwen3-30b-a3b", "--devices", "64", "--hardware", "h100", "--algorithm", "grpo",
+            "--evaluations", "200"]
+    assert plan.main([*argv, "--out", str(tmp_path / "plan"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["algorithm"] == "grpo"
+    assert set(out["searched"]["plan"]["calls"]) == {"actor.generate", "ref.inference", "actor.train"}
 
 
 def test_the_checked_in_reference_is_current():
