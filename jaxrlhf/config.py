@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import pathlib
+import sys
 import types
 import typing
 from typing import Any, Iterable, Literal, Mapping, Sequence, Union
@@ -423,9 +424,24 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     data = data or {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {_describe(data)}")
-    config = _build(with_defaults(data))
+    config = _build(_packing_for_a_token_budget(with_defaults(data)))
     validate(config)
     return config
+
+
+def _packing_for_a_token_budget(data: dict[str, Any]) -> dict[str, Any]:
+    """A token budget (`algorithm.max_tokens_per_micro_batch`) means micro-batches sized in tokens, which
+    packed rows are: a budget with `algorithm.pack_sequences` off turns packing on and says so on one line
+    (on stderr, so that `--print-config` stays YAML), with the way back to row micro-batches."""
+    alg = data.get("algorithm")
+    budget = alg.get("max_tokens_per_micro_batch") if isinstance(alg, Mapping) else None
+    unpacked = alg.get("pack_sequences") is False if isinstance(alg, Mapping) else False
+    if not unpacked or isinstance(budget, bool) or not isinstance(budget, int):  # a bad value: its key's own error
+        return data
+    print(f"note: algorithm.max_tokens_per_micro_batch={budget} sizes micro-batches in tokens, so "
+          "algorithm.pack_sequences is turned on (packed rows, the same math); for row micro-batches set "
+          "algorithm.max_tokens_per_micro_batch=null", file=sys.stderr, flush=True)
+    return {**data, "algorithm": {**alg, "pack_sequences": True}}
 
 
 def with_defaults(data: Mapping[str, Any]) -> dict[str, Any]:

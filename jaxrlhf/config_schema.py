@@ -270,11 +270,9 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 
 def packing_problems(alg: Any, longest: int, what: str) -> Iterator[str]:
     """The rules of `algorithm.pack_sequences` and `algorithm.max_tokens_per_micro_batch` (RL algorithms
-    and DPO): the budget needs packing, replaces the row micro-batch size, and holds `longest` tokens."""
+    and DPO): the budget replaces the row micro-batch size and holds `longest` tokens. (A budget turns
+    packing on as the config loads: `config._packing_for_a_token_budget`.)"""
     budget = alg.max_tokens_per_micro_batch
-    if budget is not None and not alg.pack_sequences:
-        yield ("algorithm.max_tokens_per_micro_batch sizes packed micro-batches: set algorithm.pack_sequences=true "
-               "(or algorithm.max_tokens_per_micro_batch=null; algorithm.micro_batch_size counts rows)")
     if alg.pack_sequences and alg.micro_batch_size is not None:
         yield ("algorithm.pack_sequences sizes micro-batches in tokens: use algorithm.max_tokens_per_micro_batch "
                "instead of algorithm.micro_batch_size (set it to null)")
@@ -334,8 +332,8 @@ class RolloutConfig(AlgorithmConfig):
     # train and inference calls run packed rows: each sequence's real tokens back to back, no padding
     # (docs/placement.md#packed-calls-and-token-budgets); the math is the unpacked one
     pack_sequences: Bool = False
-    # with pack_sequences: real tokens per micro-batch (prompt + response; the micro-batches of one update
-    # balanced under it); null = one micro-batch per update
+    # real tokens per micro-batch of packed rows (prompt + response; the micro-batches of one update balanced
+    # under it): set, it turns pack_sequences on; null = one micro-batch per update
     max_tokens_per_micro_batch: Int | None = _field(None, check=positive)
 
     def __post_init__(self) -> None:
@@ -431,7 +429,8 @@ class DPOConfig(AlgorithmConfig):
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid = DPO, ipo = IPO
     # both calls run packed rows, each pair's two sequences back to back with others' (docs/placement.md)
     pack_sequences: Bool = False
-    # with pack_sequences: real tokens (both sequences of every pair) per micro-batch; null = one micro-batch
+    # real tokens (both sequences of every pair) per micro-batch of packed rows: set, it turns pack_sequences on;
+    # null = one micro-batch
     max_tokens_per_micro_batch: Int | None = _field(None, check=positive)
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:

@@ -175,9 +175,28 @@ def test_the_graph_routes_calls_through_their_packings():
     assert "tokens" in remax["reward.inference"].inputs and "packed_inference" in remax["ref.inference"].inputs
 
 
+@pytest.mark.parametrize("algorithm, unpacked", [("ppo", []), ("grpo", ["algorithm.pack_sequences=false"]),
+                                                ("dpo", ["algorithm.pack_sequences=false"])])
+def test_a_token_budget_turns_packing_on_and_says_so(algorithm, unpacked, tmp_path, capsys):
+    """A token budget means micro-batches sized in tokens: without packing (left out, or off in the file) it
+    turns packing on with one line on stderr, which names the way back; a config that packs prints nothing."""
+    path = tmp_path / "budget.yaml"
+    path.write_text(f"algorithm:\n  name: {algorithm}\n  max_tokens_per_micro_batch: 512\n")
+    cfg = cfglib.load_config(path, ["model.actor.preset=tiny", "data.batch_size=4", "sft.steps=0", *unpacked])
+    assert cfg.algorithm.pack_sequences and cfg.algorithm.max_tokens_per_micro_batch == 512
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "note: algorithm.max_tokens_per_micro_batch=512 sizes micro-batches in tokens, so algorithm.pack_sequences "
+        "is turned on (packed rows, the same math); for row micro-batches set algorithm.max_tokens_per_micro_batch=null"]
+    cfglib.with_overrides(cfg, ["run.steps=3"])  # the resolved config packs: no second line
+    _config("algorithm.pack_sequences=true", "algorithm.max_tokens_per_micro_batch=512")
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("overrides, needle", [
-    (["algorithm.max_tokens_per_micro_batch=512"], "set algorithm.pack_sequences=true"),
     (["algorithm.pack_sequences=true", "algorithm.micro_batch_size=2"], "instead of algorithm.micro_batch_size"),
+    (["algorithm.max_tokens_per_micro_batch=512", "algorithm.micro_batch_size=2"],
+     "instead of algorithm.micro_batch_size"),
     (["algorithm.pack_sequences=true", "algorithm.max_tokens_per_micro_batch=40", "data.max_prompt_len=32",
       "generation.max_new_tokens=16"], "set it to at least 48"),
 ])
@@ -286,7 +305,7 @@ def test_packed_dpo_equals_unpacked(models, kind="ipo"):
         pairs.update({f"{side}_tokens": np.where(mask, rng.randint(3, 300, size=(b, length)), 0).astype(np.int32),
                       f"{side}_mask": mask, f"{side}_loss_mask": loss_mask})
     shards = {"ref.inference": 2, "actor.train": 2}
-    runtime = type("R", (), {"cfg": type("C", (), {"algorithm": type("A", (), {"max_tokens_per_micro_batch": 30})})})()
+    runtime = type("R", (), {"execution": type("E", (), {"token_budget": 30})})()  # the plan's budget (b08ee03)
     packed = dpo.DPORuntime._pack_pairs(runtime, pairs["chosen_tokens"], pairs["chosen_mask"],
                                         pairs["rejected_tokens"], pairs["rejected_mask"], shards)
     assert packed["packed_pairs"]["slots"].shape[2] > 1  # several micro-batches
