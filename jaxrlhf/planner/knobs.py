@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from jaxrlhf.planner.hardware import HardwareProfile
 
 MAX_MICRO = 64  # most micro-batches a call is split into when the planner picks the count
+MIN_SLOT_SHARE = 64  # the smallest pool the planner tries: a 64th of a shard's rows (at least one row)
 # `plan.REMAT_POLICIES` from fastest to leanest: each recomputes more of the forward and keeps less of it
 REMAT_ORDER = ("none", "dots", "full")
 
@@ -40,23 +41,37 @@ REMAT_ORDER = ("none", "dots", "full")
 @dataclasses.dataclass(frozen=True)
 class CallKnobs:
     """How one call runs: `micro` micro-batches (None: as the workload sets it, a fixed size or a packed
-    call's token budget) and, for a train call, its role's remat `policy` (None: the workload's)."""
+    call's token budget), for a train call its role's remat `policy`, for a generate call on the
+    continuous engine its pool of `slots` rows decoding at once (None: the workload's)."""
 
     micro: int | None = None
     remat: str | None = None
+    slots: int | None = None
 
     def __str__(self) -> str:
         parts = [f"{self.micro} micro-batches"] if self.micro and self.micro > 1 else []
-        return ", ".join(parts + ([f"remat {self.remat}"] if self.remat and self.remat != "none" else [])) or "-"
+        parts += [f"remat {self.remat}"] if self.remat and self.remat != "none" else []
+        return ", ".join(parts + ([f"{self.slots} slots"] if self.slots else [])) or "-"
 
 
 def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
     """Every setting of `call` under `layout` the planner may choose: micro-batch counts dividing the rows
     each device feeds (up to MAX_MICRO; a packed call's micro-batches follow its token budget) where
     `algorithm.micro_batch_size` is unset, times the remat policies of a train call's role where its
-    `model.<role>.remat` is unset. Generation has none."""
+    `model.<role>.remat` is unset; for a generate call on the continuous engine with `generation.slots` unset,
+    its pool from every row of a shard at once down by halves (fewer rows decoding at once hold less KV
+    cache and take more rounds: vLLM's max_num_seqs)."""
     if call.kind == "generate":
-        return [CallKnobs()]
+        if wl.gen_slots != AUTO or wl.gen_engine != "continuous" or wl.gen_stream or wl.multi_turn:
+            return [CallKnobs()]
+        rows = wl.call_seqs(call)
+        if rows % layout.batch_ways:
+            return [CallKnobs()]
+        per_shard, pools = rows // layout.batch_ways, []
+        while per_shard >= 1 and (not pools or per_shard * MIN_SLOT_SHARE >= rows // layout.batch_ways):
+            pools.append(CallKnobs(slots=per_shard * layout.batch_ways))
+            per_shard //= 2
+        return pools
     micros: list[int | None] = [None]
     if wl.micro_batch_for(call.name) == AUTO and not wl.packed:
         per_device = max(wl.call_batch(call.kind) // layout.batch_ways, 1)
@@ -88,7 +103,7 @@ def front(call: CallSpec, group: DeviceGroup, layout: Layout, wl: Workload, cach
 
 def working_bytes(call: CallSpec, cfg: "ModelConfig", layout: Layout, wl: Workload, knobs: CallKnobs) -> float:
     """Bytes one device needs on top of resident parameters while `call` runs under `knobs`."""
-    return sum(working_set(call, cfg, layout, wl.for_call(call, knobs.micro, knobs.remat)).values())
+    return sum(working_set(call, cfg, layout, wl.for_call(call, knobs.micro, knobs.remat, knobs.slots)).values())
 
 
 def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelConfig"], wl: Workload,
@@ -120,14 +135,42 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
             at[c] += 1
 
 
+def fixed_by(plan: ExecutionPlan, wl: Workload) -> Workload:
+    """`wl` with the memory knobs `plan` carries fixed, as a run executing `plan` runs them: each call's
+    micro-batch rows (a call the plan lists none for in one micro-batch), each trained role's remat, the
+    engine's pool and the token budget. A plan carrying none leaves `wl` as it is."""
+    if not (plan.micro_batch_size or plan.remat or plan.gen_slots is not None or plan.token_budget is not None):
+        return wl
+    roles = wl.remat.keys() if isinstance(wl.remat, Mapping) else plan.remat.keys()
+    return dataclasses.replace(
+        wl, micro_batch=dict(plan.micro_batch_size), remat={r: plan.remat.get(r, "none") for r in roles},
+        gen_slots=plan.gen_slots if plan.gen_slots is not None else wl.slots,
+        token_budget=plan.token_budget if wl.packed and plan.token_budget is not None else wl.token_budget)
+
+
+def knob_tag(call: CallSpec, wl: Workload) -> str:
+    """The knobs a run's time of `call` depends on beyond its micro-batches (which `measured.Run` keys by
+    already): a train call's remat, a continuous-engine generate call's pool. "" where none."""
+    if call.kind == "train":
+        return f"remat={wl.remat_for(call.role)}"
+    if call.kind == "generate" and wl.gen_engine == "continuous" and not wl.multi_turn:
+        rows = wl.call_seqs(call)
+        return f"slots={min(wl.slots or rows, rows)}"
+    return ""
+
+
 def with_knobs(plan: ExecutionPlan, graph: CallGraph, wl: Workload, knobs: Mapping[str, CallKnobs]) -> ExecutionPlan:
-    """`plan` carrying what the run executes (`ExecutionPlan.micro_batch_size`, `.remat`, `.token_budget`):
-    each micro-batched call's rows per micro-batch and every trained role's remat policy, from `knobs` where
-    they chose, else as `wl` sets them, and a packed run's token budget."""
+    """`plan` carrying what the run executes (`ExecutionPlan.micro_batch_size`, `.remat`, `.token_budget`,
+    `.gen_slots`): each micro-batched call's rows per micro-batch, every trained role's remat policy and the
+    continuous engine's pool, from `knobs` where they chose, else as `wl` sets them, and a packed run's
+    token budget."""
     micro: dict[str, int] = {}
     remat: dict[str, str] = {}
+    slots = wl.slots
     for c in graph.calls:
         k = knobs.get(c.name, CallKnobs())
+        if c.kind == "generate" and k.slots is not None:
+            slots = k.slots
         if c.kind != "generate" and not wl.packed:
             count = k.micro if k.micro is not None else wl.micro_batches(c)
             if count > 1:
@@ -135,4 +178,5 @@ def with_knobs(plan: ExecutionPlan, graph: CallGraph, wl: Workload, knobs: Mappi
         if c.kind == "train":
             remat[c.role] = k.remat if k.remat is not None else wl.remat_for(c.role)
     return dataclasses.replace(plan, micro_batch_size=micro, remat=remat,
-                               token_budget=wl.token_budget if wl.packed else None)
+                               token_budget=wl.token_budget if wl.packed else None,
+                               gen_slots=slots if wl.gen_engine == "continuous" else None)

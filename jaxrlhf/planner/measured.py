@@ -154,9 +154,10 @@ class Run:
     source: str  # "measured", "calibrated" or "formula": what priced `estimate` (`CallCost.source`)
     estimate: float
     seconds: float
+    knobs: str = ""  # the other knobs the run ran the call with (`planner.knobs.knob_tag`: remat, engine pool)
 
     def key(self) -> tuple:
-        return (self.call, self.model, self.devices, self.layout, self.rows, self.length, self.micro)
+        return (self.call, self.model, self.devices, self.layout, self.rows, self.length, self.micro, self.knobs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,11 +165,12 @@ class Run:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> "Run":
         need = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(d, Mapping) or set(d) != need:
+        if not isinstance(d, Mapping) or not need - {"knobs"} <= set(d) <= need:  # knobs: absent in older files
             raise ValueError(f"{where}: a run entry has keys {sorted(need)}, got {sorted(d) if isinstance(d, Mapping) else d}")
         try:
             run = cls(str(d["call"]), str(d["model"]), int(d["devices"]), str(d["layout"]), int(d["rows"]),
-                      int(d["length"]), int(d["micro"]), str(d["source"]), float(d["estimate"]), float(d["seconds"]))
+                      int(d["length"]), int(d["micro"]), str(d["source"]), float(d["estimate"]), float(d["seconds"]),
+                      str(d.get("knobs", "")))
         except (TypeError, ValueError):
             raise ValueError(f"{where}: devices, rows, length, micro must be integers, estimate and seconds numbers") from None
         if run.source not in PROFILE_SOURCES or not (run.estimate > 0 and run.seconds > 0):
@@ -201,9 +203,10 @@ class Measured:
                 return float(m["seconds"])
         return None
 
-    def run(self, call: str, model: str, devices: int, layout: str, rows: int, length: int, micro: int) -> Run | None:
-        """The run's own time of exactly this call, placement and shape, if a run timed it."""
-        return self.runs.get((call, model, devices, layout, rows, length, micro))
+    def run(self, call: str, model: str, devices: int, layout: str, rows: int, length: int, micro: int,
+            knobs: str = "") -> Run | None:
+        """The run's own time of exactly this call, placement, shape and knobs, if a run timed it."""
+        return self.runs.get((call, model, devices, layout, rows, length, micro, knobs))
 
     def correction(self, call: str, model: str, source: str) -> float | None:
         """How far `source`'s estimates of `call` were off in runs: the geometric mean of seconds /

@@ -131,12 +131,14 @@ REMAT_POLICIES = ("none", "full", "dots")
 @dataclasses.dataclass(frozen=True)
 class Execution:
     """The memory knobs a run executes a plan with (`ExecutionPlan.execution`): rows per micro-batch of each
-    micro-batched call, each trained role's remat policy, a packed run's token budget. The algorithms and
+    micro-batched call, each trained role's remat policy, a packed run's token budget, the continuous engine's
+    slot pool. The algorithms and
     role builders read these, never the config's keys, so the run does what the plan was priced with."""
 
     micro_batch_size: Mapping[str, int] = dataclasses.field(default_factory=dict)
     remat: Mapping[str, str] = dataclasses.field(default_factory=dict)
     token_budget: int | None = None
+    gen_slots: int | None = None  # the continuous engine's rows decoding at once; None: the config's
 
     def micro_batch(self, call: str) -> int | None:
         """Rows per micro-batch of `call` (None: the whole batch, or minibatch, at once)."""
@@ -179,6 +181,7 @@ class ExecutionPlan:
     # (absent: none)
     micro_batch_size: dict[str, int] = dataclasses.field(default_factory=dict)
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
+    gen_slots: int | None = None  # the continuous engine's rows decoding at once (generation.slots); None = all
 
     # ---- queries -----------------------------------------------------------------
     def group_of(self, call: str) -> DeviceGroup:
@@ -194,7 +197,7 @@ class ExecutionPlan:
     @property
     def execution(self) -> "Execution":
         """The memory knobs the run executes this plan's calls with."""
-        return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget)
+        return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget, self.gen_slots)
 
     # ---- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -213,12 +216,13 @@ class ExecutionPlan:
             **({"token_budget": self.token_budget} if self.token_budget is not None else {}),
             **({"micro_batch_size": dict(self.micro_batch_size)} if self.micro_batch_size else {}),
             **({"remat": dict(self.remat)} if self.remat else {}),
+            **({"gen_slots": self.gen_slots} if self.gen_slots is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
         known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
-                 "staleness", "token_budget", "micro_batch_size", "remat"}
+                 "staleness", "token_budget", "micro_batch_size", "remat", "gen_slots"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -263,6 +267,9 @@ class ExecutionPlan:
         remat = d.get("remat") or {}
         if not isinstance(remat, Mapping) or any(v not in REMAT_POLICIES for v in remat.values()):
             raise PlanError(f"{where}.remat must map trained roles to one of {list(REMAT_POLICIES)}, got {remat!r}")
+        slots = d.get("gen_slots")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise PlanError(f"{where}.gen_slots must be an integer >= 1 (rows decoding at once), got {slots!r}")
         return cls(
             strategy=str(d.get("strategy", "custom")),
             num_devices=int(d["num_devices"]),
@@ -276,6 +283,7 @@ class ExecutionPlan:
             token_budget=budget,
             micro_batch_size={str(k): int(v) for k, v in micro.items()},
             remat={str(k): str(v) for k, v in remat.items()},
+            gen_slots=slots,
         )
 
     def to_yaml(self) -> str:
@@ -311,6 +319,8 @@ class ExecutionPlan:
             p != "none" for p in self.remat.values()) else []
         if self.micro_batch_size:
             parts.append("micro-batches of " + ", ".join(f"{rows} rows ({c})" for c, rows in self.micro_batch_size.items()))
+        if self.gen_slots is not None:
+            parts.append(f"generation {self.gen_slots} rows at once")
         return "; ".join(parts)
 
     def table(self) -> str:

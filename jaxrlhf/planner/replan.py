@@ -17,6 +17,7 @@ from typing import Mapping
 
 from jaxrlhf.graph import CallGraph
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner import knobs
 from jaxrlhf.planner.cost import profile_call_cost
 from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import HardwareProfile
@@ -34,7 +35,9 @@ def timed_runs(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
     gives is against the profile, not against a corrected estimate). A generate call of drawn
     response lengths is priced as if every response ran to the cap, and each step's batch then by its
     lengths (`simulator.generate_seconds`): its timed mean is put on the cap's scale (times the
-    estimate over its mean per-batch estimate), so the lengths are not counted twice."""
+    estimate over its mean per-batch estimate), so the lengths are not counted twice. The calls ran under the
+    plan's memory knobs (`knobs.fixed_by`), and each run says which (`Run.knobs`)."""
+    wl = knobs.fixed_by(plan, wl)
     out = []
     for call in graph.calls:
         seconds = call_seconds.get(call.name)
@@ -47,7 +50,7 @@ def timed_runs(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             seconds = seconds * base.seconds / max(sum(per_batch) / len(per_batch), 1e-12)
         out.append(Run(call.name, model_key(models[call.role], call.head), group.size, str(layout),
                        wl.call_seqs(call), wl.seq_len, wl.micro_batches(call), base.source,
-                       max(base.seconds, 1e-12), float(seconds)))
+                       max(base.seconds, 1e-12), float(seconds), knobs.knob_tag(call, wl)))
     return out
 
 

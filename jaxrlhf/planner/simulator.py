@@ -424,7 +424,9 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     if wl.lengths_vary:
         for c in graph.calls:
             if c.kind == "generate":
-                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, wl, c))
+                call_wl = cache.for_call(c, knobs.get(c.name))  # the engine's pool as chosen for it
+                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0)
+                                       for d in generate_seconds(costs[c.name], plan, call_wl, c))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl),
                             reward_host_s(graph, wl, call_s))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, knobs, sources)

@@ -119,7 +119,7 @@ class Workload:
     adam_master_fp32: Any = True
     gen_engine: str = "static"  # generation.engine
     gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): either engine prefills one
-    gen_slots: int | None = None  # generation.slots; None = the whole batch
+    gen_slots: Any = None  # generation.slots; None = the whole batch; AUTO = the planner's (continuous engine)
     gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
     # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
     base_views: tuple[tuple[str, str], ...] = ()
@@ -175,6 +175,12 @@ class Workload:
         p = _per_role(self.remat, role, "none")
         return {True: "full", False: "none"}.get(p, p) if isinstance(p, bool) else p
 
+    @property
+    def slots(self) -> int | None:
+        """The continuous engine's slot pool as priced: `gen_slots`, with one the planner has not chosen yet
+        (AUTO) priced as the whole batch, the fastest, until `planner.knobs` chooses it."""
+        return None if self.gen_slots == AUTO else self.gen_slots
+
     def micro_batch_for(self, call: str) -> int | str | None:
         """Rows per micro-batch of the call named `call` as set (None: one micro-batch; AUTO: the planner's)."""
         return _per_role(self.micro_batch, call, None)
@@ -184,7 +190,7 @@ class Workload:
         """Whether any memory knob is the planner's to choose (`planner.knobs`)."""
         remat = self.remat.values() if isinstance(self.remat, Mapping) else [self.remat]
         micro = self.micro_batch.values() if isinstance(self.micro_batch, Mapping) else [self.micro_batch]
-        return AUTO in remat or AUTO in micro
+        return AUTO in remat or AUTO in micro or self.gen_slots == AUTO
 
     def master_for(self, role: str | None) -> bool:
         """Whether `role`'s optimizer keeps fp32 master weights (when its params are low precision)."""
@@ -220,11 +226,15 @@ class Workload:
                     "algorithm.micro_batch_size unset for the planner to choose")
         return None
 
-    def for_call(self, call: CallSpec, micro: int | None = None, remat: str | None = None) -> "Workload":
-        """This workload as `call` alone runs it: split into `micro` micro-batches (None: the workload's)
-        and, for a train call, its role under `remat` (None: the workload's). What prices one call under
-        the knobs `planner.knobs` chose; the other calls' knobs are not kept."""
+    def for_call(self, call: CallSpec, micro: int | None = None, remat: str | None = None,
+                 slots: int | None = None) -> "Workload":
+        """This workload as `call` alone runs it: split into `micro` micro-batches (None: the workload's),
+        for a train call its role under `remat`, for a generate call the continuous engine's pool at `slots`
+        (None: the workload's). What prices one call under the knobs `planner.knobs` chose; the other
+        calls' knobs are not kept."""
         wl = self.with_micro_batches(call, micro)
+        if slots is not None and call.kind == "generate":
+            wl = dataclasses.replace(wl, gen_slots=slots)
         if remat is not None and call.kind == "train" and wl.remat_setting(call.role) != remat:
             wl = dataclasses.replace(wl, remat={call.role: remat})
         return wl
@@ -267,7 +277,7 @@ class Workload:
         prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
         if self.gen_engine == "static":
             return prompts, rows / batch_ways, self.gen_len
-        pool = pool_size(rows, self.gen_slots, batch_ways)
+        pool = pool_size(rows, self.slots, batch_ways)
         return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
 
     @property
@@ -313,7 +323,7 @@ class Workload:
         lengths = self.response_lengths(rows).astype(np.float64)
         if self.gen_engine == "static" or rows % batch_ways:  # (an uneven batch runs as static does)
             return tuple(float(s / n) for s in lengths.max(axis=1))
-        slots = pool_size(rows, self.gen_slots, batch_ways) // batch_ways
+        slots = pool_size(rows, self.slots, batch_ways) // batch_ways
         if streamed:
             groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `run.generator`'s
             runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
@@ -339,7 +349,7 @@ class Workload:
         if self.gen_engine == "static":
             prompts = self.generate_shape(call, batch_ways)[0]
             return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
-        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.slots,
                                   self.gen_pages, batch_ways)
         return 2 * (self.stream_columns(call, batch_ways) or pool) + prefix
 
@@ -350,7 +360,7 @@ class Workload:
         rows = self.call_seqs(call)
         if not self.gen_stream or self.gen_engine != "continuous" or rows % batch_ways:
             return 0.0
-        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.gen_slots,
+        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.slots,
                                   self.gen_pages, batch_ways)
         return pool + prefix * self.staleness
 

@@ -235,16 +235,17 @@ def with_knobs(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], h
 
 def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_devices: int, hw, *,
                 time_budget_s: float = SEARCH_TIME_BUDGET_S, iterations: int | None = None,
-                evaluations: int | None = None, cache_dir: str | None = None):
+                evaluations: int | None = None, cache_dir: str | None = None, workload=None):
     """`plan.strategy=auto`: the planner's search (a SearchResult) for these devices, models and
     workload, seeded by `run.seed`, off-policy plans (the generator ahead of the trainer) only with a
     staleness budget (`Config.staleness_budget`); answered from `cache_dir` when the same search was
     kept there. Packed calls without `algorithm.max_tokens_per_micro_batch`: the search once per
-    candidate budget, the evaluations shared (`planner.budget.choose_token_budget`)."""
+    candidate budget, the evaluations shared (`planner.budget.choose_token_budget`). `workload`: the
+    algorithm's own unless given (a re-plan's, with the running plan's knobs fixed)."""
     from jaxrlhf.planner.budget import budget_candidates, choose_token_budget
     from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, search
 
-    wl, graph = algorithm.workload(), algorithm.graph()
+    wl, graph = workload or algorithm.workload(), algorithm.graph()
     iterations, evaluations = iterations or DEFAULT_ITERATIONS, evaluations or DEFAULT_EVALUATIONS
 
     def run(workload, share=1):
@@ -272,14 +273,16 @@ def replan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], current, hw
            devices_per_host: int | None = None):
     """The re-planner's question, asked the way `plan_for` asks at the start: search again on `hw` (the
     run's profile with its own call times, `planner.replan.with_runs`) and compare the best plan with
-    the running `current` one (`planner.replan.decide`, `plan.replan_threshold`). Returns the Decision
+    the running `current` one (`planner.replan.decide`, `plan.replan_threshold`). The running plan's memory
+    knobs stay (`knobs.fixed_by`): the run's functions and models were built with them. Returns the Decision
     and the search's result; a plan to switch to is validated like any other plan."""
+    from jaxrlhf.planner import knobs
     from jaxrlhf.planner.plan import validate as validate_plan
     from jaxrlhf.planner.replan import decide
 
-    graph = algorithm.graph()
-    result = search_plan(cfg, algorithm, models, num_devices, hw)
-    decision = decide(current, result.best, graph, models, algorithm.workload(), hw, cfg.plan.replan_threshold)
+    graph, wl = algorithm.graph(), knobs.fixed_by(current, algorithm.workload())
+    result = search_plan(cfg, algorithm, models, num_devices, hw, workload=wl)
+    decision = decide(current, result.best, graph, models, wl, hw, cfg.plan.replan_threshold)
     if decision.switch:
         validate_plan(decision.plan, graph, models, devices=num_devices, batch_size=algorithm.batch_rows,
                       devices_per_host=devices_per_host)

@@ -170,3 +170,34 @@ def test_the_same_question_gets_the_same_plan_on_a_loaded_machine(tmp_path):
             h.kill()
     assert loaded == quiet
     assert (tmp_path / "quiet" / "plan.yaml").read_text() == (tmp_path / "loaded" / "plan.yaml").read_text()
+
+
+def test_the_continuous_engines_pool_is_a_knob_where_its_kv_cache_does_not_fit():
+    """Every row decoding at once (the default pool) holds every row's KV cache; where that does not fit, the
+    planner halves the pool (fewer rows at once, more rounds: vLLM's max_num_seqs) until it does. The plan
+    says how many rows run at once and the run's engine takes it."""
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.planner.plan import Execution
+
+    models = {r: preset("llama3-8b") for r in ("actor", "ref")}
+    graph = declare(cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=8"])).graph()
+    wl = Workload(batch_size=512, prompt_len=128, gen_len=4096, minibatches=4, gen_engine="continuous",
+                  gen_slots=AUTO, gen_group=8, micro_batch=AUTO, remat=AUTO)
+    generate = graph["actor.generate"]
+    layout = Layout(data=8)
+    pools = [k.slots for k in knobs.options(generate, layout, wl)]
+    assert pools[0] == 512 and all(a == 2 * b for a, b in zip(pools, pools[1:])) and pools[-1] >= 8
+    plan = build_plan("colocated", 8, models, graph, batch_size=wl.batch_size, devices_per_host=8)
+    plan = dataclasses.replace(plan, calls={**plan.calls, "actor.generate": dataclasses.replace(
+        plan.calls["actor.generate"], layout=layout)})
+    cache = CostCache(models, wl, H100)
+    chosen, mem = knobs.choose(plan, graph, models, wl, H100, cache)
+    assert mem.feasible and chosen["actor.generate"].slots < 512  # 64 rows x 4k tokens a device do not fit
+    written = knobs.with_knobs(plan, graph, wl, chosen)
+    assert written.gen_slots == chosen["actor.generate"].slots and written.execution.gen_slots == written.gen_slots
+    # the run executes the plan's pool, and a re-plan keeps the running plan's knobs
+    assert knobs.fixed_by(written, wl).gen_slots == written.gen_slots
+    assert knobs.fixed_by(written, wl).micro_batch == written.micro_batch_size
+    algorithm = build_algorithm(cfglib.load_config(None, ["algorithm.name=grpo", "generation.engine=continuous"]))
+    algorithm.execution = Execution(gen_slots=16)
+    assert algorithm.settings().slots == 16
