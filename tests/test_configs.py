@@ -21,6 +21,7 @@ CLUSTERS = {
     "qwen2.5-0.5b-instruct-gsm8k-dapo.yaml": (1, 1),
     "qwen2.5-1.5b-instruct-calculator-tools.yaml": (1, 1),
     "hh-rlhf-dpo.yaml": (1, 1),
+    "qwen3-30b-a3b-gsm8k-grpo.yaml": (16, 8),
 }
 
 

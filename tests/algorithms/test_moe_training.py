@@ -127,3 +127,28 @@ def test_a_moe_run_matches_across_plans(plan, moe_colocated, tmp_path):
         for key in MOE_COMPARED:
             assert got[key] == pytest.approx(ref[key], rel=1e-3, abs=2e-5), (plan, ref["step"], key)
     assert all(r["realloc/bytes"] > 0 for r in records)  # both plans move the actor between layouts
+
+
+@pytest.mark.slow
+def test_the_shipped_moe_config_runs_with_an_expert_axis_and_router_replay(tmp_path, monkeypatch):
+    """configs/moe-grpo.yaml as shipped, for 2 steps (and 2 warm-up steps): its plan splits the experts over
+    an expert axis of 2, and the router's statistics are logged beside a replayed ratio of 1."""
+    import os
+
+    from jaxrlhf.planner.plan import ExecutionPlan
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(root)  # its plan.file is relative to the repository root
+    out = tmp_path / "moe-grpo"
+    cfg = cfglib.load_config(os.path.join("configs", "moe-grpo.yaml"), [
+        f"run.output_dir={out}", "run.steps=2", "sft.steps=2", "run.checkpoint_every=0", "run.save_checkpoints=false",
+        "run.tensorboard=false", "run.export_hf=false"])
+    assert cfg.algorithm.router_replay and cfg.model.actor.preset == "tiny-qwen3-moe"
+    train.run(cfg)
+    plan = ExecutionPlan.load(str(out / "plan.yaml"))
+    assert {name: p.layout.expert for name, p in plan.calls.items()} == {"actor.generate": 2, "actor.train": 2}
+    records = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["router/aux_loss"] > 0 and r["router/load_max"] >= 1.0 >= r["router/load_min"] >= 0.0
+        assert abs(r["ratio/mean"] - 1) < 0.05  # replayed routing: the update starts on the rollout's policy
