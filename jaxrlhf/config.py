@@ -12,6 +12,9 @@ checked against the class of keys `algorithm.name` picks (`ALGORITHM_CONFIGS`), 
 asks the algorithm's declaration (jaxrlhf.algorithms, no JAX) for its roles and rules, so loading
 a config never imports JAX. Every user mistake is a `ConfigError`, so the CLI prints it without a
 traceback.
+
+One file over 600 lines, and on purpose: loading, overrides and validation walk the same schema with the
+same helpers (`_field_type`, `_locate`, `_suggest`), so that every message names a dotted key one way.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ says what it means: `python -m jaxrlhf.config_reference` turns them into docs/co
 so every field needs one. The `algorithm` section has one class per set of keys an algorithm reads
 and their defaults (`ALGORITHM_CONFIGS`). Loading, overrides and the checks that look names up in
 registries or files live in `jaxrlhf.config`; an algorithm's own rules in its declaration.
+
+One file over 600 lines, and on purpose: it is the whole schema, which `config_reference` reads top to
+bottom into the reference, and each section sits beside its rules, so a key and the rules about it change
+together.
 """
 
 from __future__ import annotations
