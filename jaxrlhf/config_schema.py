@@ -669,10 +669,16 @@ class GenerationConfig:
     # own draws), not at EOS: a synthetic workload to measure throughput and check the planner's estimates
     # with a model that does not yet answer at realistic lengths. Needs ignore_eos=true (nothing learns)
     simulated_lengths: Bool = False
+    # the rollout kind producing the samples, a name in jaxrlhf.rollouts.ROLLOUTS (docs/architecture.md, "A new
+    # rollout kind"); null = the kind the other keys imply: agents (env.name=openai_agent), episodes (another
+    # env.name), stream (partial_rollout=true), else graph (the step graph's generate call)
+    rollout: str | None = None
 
     def problems(self, config: Config, algorithm: Algorithm) -> Iterator[str]:
         rollout = hasattr(config.algorithm, "max_staleness")  # the algorithms that generate rollouts
         name = config.algorithm.name
+        if self.rollout is not None and not rollout:
+            yield f"generation.rollout={self.rollout} applies to rollouts, and algorithm.name={name} has none"
         for key in ("partial_rollout", "simulated_lengths"):
             if getattr(self, key) and not rollout:
                 yield f"generation.{key}=true applies to rollouts, and algorithm.name={name} has none; set it false"

@@ -128,7 +128,6 @@ def _train(cfg: cfglib.Config) -> dict[str, Any]:
         stop.install()
         for step, metrics, data_state in run_steps(algorithm, executor, data, jax.random.key(cfg.run.seed), start,
                                                    steps, staleness=staleness,
-                                                   partial=cfg.generation.partial_rollout,
                                                    around=lambda s: profiled(cfg.run, s), after=replanner):
             if replanner is not None:  # a re-plan may have moved the run onto another plan
                 executor = replanner.executor

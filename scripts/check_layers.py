@@ -14,7 +14,7 @@ dependency, and a circle through one is still a circle); only imports under
 - models see placement only through `models.axes` and `models.pipeline`:
   placement imports nothing else from models, and models import no placement;
 - the executor and placed calls know no RL: placement imports no algorithm,
-  environment, reward, data or config module.
+  rollout, environment, reward, data or config module.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                       "jaxrlhf.testing", "jaxrlhf.testing.*")),
     ("config", ("jaxrlhf.config",)),
     ("algorithms", ("jaxrlhf.algorithms", "jaxrlhf.algorithms.*")),
+    ("rollouts", ("jaxrlhf.rollouts", "jaxrlhf.rollouts.*")),
     ("environments", ("jaxrlhf.environments", "jaxrlhf.environments.*")),
     ("rewards", ("jaxrlhf.rewards", "jaxrlhf.rewards.*")),
     ("data", ("jaxrlhf.data", "jaxrlhf.data.*")),
@@ -50,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 JAX_PACKAGES = ("jax", "jaxlib", "flax", "optax")
 MODELS_SEEN_BY_PLACEMENT = ("jaxrlhf.models.axes", "jaxrlhf.models.pipeline", "jaxrlhf.models.config")
-NOT_RL = ("jaxrlhf.algorithms", "jaxrlhf.environments", "jaxrlhf.rewards", "jaxrlhf.data", "jaxrlhf.config")
+NOT_RL = ("jaxrlhf.algorithms", "jaxrlhf.rollouts", "jaxrlhf.environments", "jaxrlhf.rewards", "jaxrlhf.data", "jaxrlhf.config")
 
 
 def module_name(path: pathlib.Path) -> str:

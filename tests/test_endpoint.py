@@ -1,4 +1,4 @@
-"""The agent endpoint (jaxrlhf.run.endpoint) through the official `openai` client, against the real server on
+"""The agent endpoint (jaxrlhf.environments: service, server, agents) through the official `openai` client, against the real server on
 localhost and a tiny real model behind it: greedy answers equal the model's own greedy generation of the
 rendered prompt, a two-request episode is recorded token-in/token-out (the sampled ids kept, the new
 prompt text as observation tokens with loss mask 0, behaviour log-probs equal to a training forward's),
@@ -21,17 +21,17 @@ from flax import nnx
 from jaxrlhf.models.generation import Generator, generate
 from jaxrlhf.models.sampling import GREEDY
 from jaxrlhf.models.tokenizer import load_tokenizer
-from jaxrlhf.run.endpoint import (
+from jaxrlhf.environments.agents import (
     AgentRollout,
-    ChatEndpoint,
-    ModelBackend,
     agent_output,
-    decode_with_special_tokens,
     episode_trajectories,
     load_agent,
     openai_client,
     run_agents,
 )
+from jaxrlhf.environments.backends import ModelBackend
+from jaxrlhf.environments.records import decode_with_special_tokens
+from jaxrlhf.environments.server import ChatEndpoint
 from jaxrlhf.testing.models import random_model, save_tiny_tokenizer, tiny_config
 
 openai = pytest.importorskip("openai")
@@ -182,7 +182,7 @@ def test_a_prompt_whose_text_extends_the_record_keeps_the_sampled_spelling(token
     """A model may sample a spelling the tokenizer would not write ("t" + "he" for "the"): the agent's next
     prompt then re-tokenizes differently, but its text still extends the record's, so only the new text is
     tokenized and the sampled ids stay (hand-built record, no model)."""
-    from jaxrlhf.run.endpoint import Episode
+    from jaxrlhf.environments.records import Episode
 
     render = tokenizer.chat_template.render
     first = [{"role": "user", "content": "hello world"}]
@@ -316,15 +316,14 @@ def test_agent_episodes_are_the_generate_calls_outputs_with_the_steps_parameters
     call's outputs: prompt bucket + generation.max_new_tokens columns, action_mask, env_reward."""
     from jaxrlhf.config_schema import AgentServerConfig
     from jaxrlhf.models.lengths import bucket_length
-    from jaxrlhf.run.endpoint import AgentEpisodes
+    from jaxrlhf.environments.agents import AgentEpisodes
 
     graphdef, state = nnx.split(model)
     other = jax.tree.map(lambda x: x * 1.5, state)
     feed = {"prompts": ["a dog and a cat", "hello world", "12 + 7 = 19", "the cat sat"], "answers": ["cat"] * 4}
     episodes = AgentEpisodes(AgentServerConfig(window_ms=50.0), _qa_agent, graphdef=graphdef, tokenizer=tokenizer,
                              sampling=GREEDY, max_new_tokens=NEW_TOKENS, response_budget=NEW_TOKENS - 2, batch_size=4,
-                             max_positions=model.config.max_position_embeddings, eos_ids=(IM_END,),
-                             min_bucket=BUCKET)
+                             max_positions=model.config.max_position_embeddings, eos_ids=(IM_END,))
     prompts = [_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in feed["prompts"]]
     try:
         for params in (state, other):
@@ -387,10 +386,13 @@ def test_refusals_are_http_errors(server, tokenizer):
 class _BrokenBackend:
     """A generate call that fails (a device error, say): the error path, no model needed."""
 
-    max_new_tokens, max_positions = 4, 512
+    max_new_tokens, max_positions, sampling = 4, 512, None
 
-    def __call__(self, contexts):
+    def __call__(self, requests):
         raise RuntimeError("the device fell over")
+
+    def release(self, episode):
+        pass
 
 
 def test_a_failed_generate_call_is_a_500_and_a_huge_body_a_413(tokenizer):
@@ -488,12 +490,12 @@ def test_placed_backend_answers_on_the_generate_placement(model, tokenizer, devi
     over two devices, through the executor), answering as the unsharded model does."""
     import functools
 
-    from jaxrlhf.algorithms.rollout import generate_call
+    from jaxrlhf.rollouts.graph import generate_call
     from jaxrlhf.graph import CallGraph, CallSpec
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
     from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, validate
-    from jaxrlhf.run.endpoint import PlacedBackend
+    from jaxrlhf.environments.backends import PlacedBackend
 
     outputs = ("tokens", "mask", "positions", "response_tokens", "response_mask", "behaviour_logp", "ended_with_eos")
     graph = CallGraph((CallSpec("actor.generate", "actor", "generate",
@@ -595,3 +597,111 @@ def test_openai_agent_config_needs_its_agent():
     cfg = cfglib.load_config(None, [*grpo, "env.name=openai_agent",
                                     "env.agent=m:f", "rewards.rules=[]", "env.server.port=8123"])
     assert cfg.env.server.port == 8123 and cfg.env.server.host == "127.0.0.1"
+
+
+def test_a_body_over_the_limit_gets_its_413_reply(server):
+    """A 17 MiB body (over the 16 MiB limit): the endpoint reads and drops it and replies 413, so the client
+    reads an error instead of a broken pipe; the openai client raises it as a status error."""
+    from jaxrlhf.environments.server import MAX_BODY_BYTES
+
+    episode = server.open_episode()
+    path = f"/episodes/{episode.episode_id}/v1/chat/completions"
+    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (17 * 2**20)}]}).encode()
+    assert len(body) > MAX_BODY_BYTES
+    status, error = _request(server, "POST", path, body)
+    assert status == 413 and "over" in error["message"] and error["code"] == "request_too_large"
+    client = openai_client(server.base_url(episode))
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * (17 * 2**20)}])
+    assert e.value.status_code == 413
+    assert episode.requests == 0  # nothing recorded; the endpoint still answers
+    assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}]).choices
+    server.close_episode(episode)
+
+
+def _tools_then_none(client, row):
+    """Sends `tools` on its first request and not on its second (the conversation so far, then "and a cat"):
+    the second prompt does not extend the first's record, so the episode has two segments."""
+    first = [{"role": "user", "content": row["prompt"]}]
+    reply = client.chat.completions.create(model="policy", messages=first, tools=[WEATHER])
+    second = [*first, {"role": "assistant", "content": reply.choices[0].message.content or ""},
+              {"role": "user", "content": "and a cat"}]
+    client.chat.completions.create(model="policy", messages=second)
+    return 2.0
+
+
+def _two_turns(client, row):
+    """Two requests of one conversation: the second extends the first's record (an observation)."""
+    first = [{"role": "user", "content": row["prompt"]}]
+    reply = client.chat.completions.create(model="policy", messages=first)
+    second = [*first, {"role": "assistant", "content": reply.choices[0].message.content or ""},
+              {"role": "user", "content": "and a cat"}]
+    client.chat.completions.create(model="policy", messages=second)
+    return 1.0
+
+
+def _agent_episodes(model, tokenizer, agent, batch_size):
+    from jaxrlhf.config_schema import AgentServerConfig
+    from jaxrlhf.environments.agents import AgentEpisodes
+
+    return AgentEpisodes(AgentServerConfig(window_ms=50.0), agent, graphdef=nnx.split(model)[0], tokenizer=tokenizer,
+                         sampling=GREEDY, max_new_tokens=64, turn_tokens=NEW_TOKENS, response_budget=64,
+                         batch_size=batch_size,
+                         max_positions=model.config.max_position_embeddings, eos_ids=(IM_END,))
+
+
+def test_an_agent_that_drops_tools_on_its_second_request_trains_both_turns(model, tokenizer):
+    """Every segment is a row of its own with its episode's reward: rows [0, E) the episodes' last segments,
+    rows [E, 2E) the segments before them (the first turn, with its tools), each turn's sampled tokens in the
+    action mask; the feed's row values are repeated to match, and the metrics count episodes, not rows."""
+    feed = {"prompts": ["what is the weather in Paris", "hello world"], "answers": ["", ""],
+            "prompt_tokens": np.zeros((2, 4), np.int32), "prompt_mask": np.ones((2, 4), bool)}
+    episodes = _agent_episodes(model, tokenizer, _tools_then_none, batch_size=2)
+    try:
+        values, metrics = episodes(nnx.split(model)[1], feed)
+    finally:
+        episodes.close()
+    assert values["tokens"].shape[0] == 4 and values["prompts"] == feed["prompts"] * 2
+    assert values["prompt_tokens"].shape == (4, 4)
+    for r, prompt in enumerate(feed["prompts"]):
+        first = [{"role": "user", "content": prompt}]
+        ids = _prompt_ids(tokenizer, first, tools=[WEATHER])
+        answer, logprobs = _greedy(model, ids)
+        earlier = values["tokens"][2 + r][values["mask"][2 + r]].tolist()
+        assert earlier == ids + answer  # the first turn (tools in its prompt) is a row: trained
+        assert values["action_mask"][2 + r].sum() == len(answer) == values["response_mask"][2 + r].sum()
+        np.testing.assert_allclose(values["behaviour_logp"][2 + r][:len(answer)], logprobs, atol=1e-5)
+        last = values["tokens"][r][values["mask"][r]].tolist()
+        assert last[:len(_prompt_ids(tokenizer, first))] == _prompt_ids(tokenizer, first)  # no tools: a rewrite
+        assert values["action_mask"][r].sum() > 0
+    assert values["env_reward"].tolist() == [2.0] * 4  # the episode's reward on each of its rows
+    assert metrics["env/segments"] == 2.0 and metrics["env/requests"] == 2.0 and metrics["env/reward"] == 2.0
+    assert metrics["endpoint/match_rewrite"] == 2
+
+
+def test_a_request_after_an_observation_extends_the_cache(model, tokenizer):
+    """The run's agents generate on the multi-turn engine's cache: a second request that continues its
+    episode's record prefills only its new tokens (the observation, after the first answer's pending last
+    token), not its whole context, and answers as the model's greedy continuation of that whole context."""
+    feed = {"prompts": ["what is the weather in Paris", "hello world"], "answers": ["", ""]}
+    episodes = _agent_episodes(model, tokenizer, _two_turns, batch_size=2)
+    try:
+        values, metrics = episodes(nnx.split(model)[1], feed)
+    finally:
+        episodes.close()
+    assert values["tokens"].shape[0] == 2 and metrics["endpoint/match_rewrite"] == 0  # one segment each
+    cached = whole = 0
+    for r, prompt in enumerate(feed["prompts"]):
+        ids = _prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        response = values["response_tokens"][r][values["response_mask"][r]].tolist()
+        sampled = values["action_mask"][r][values["response_mask"][r]]
+        first = int(np.argmin(sampled))  # the first answer's tokens, then the observation's
+        observed = int(np.argmax(sampled[first:])) if sampled[first:].any() else len(sampled) - first
+        assert response[:first] == _greedy(model, ids)[0]
+        context = ids + response[:first + observed]
+        second, logprobs = _greedy(model, context)
+        assert response[first + observed:] == second  # the extended cache answers as a full prefill would
+        np.testing.assert_allclose(values["behaviour_logp"][r][first + observed:len(response)], logprobs, atol=1e-4)
+        cached += len(ids) + observed + 1  # the first prompt, then the observation and the pending token
+        whole += len(ids) + len(context)
+    assert metrics["endpoint/prefill_tokens"] == cached < whole

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -40,6 +41,14 @@ class Stream:
 
 
 class Algorithm:
+    """Draws its batches as the step graph's rollout does (`rollouts.graph`: the feed as drawn)."""
+
+    @functools.cached_property
+    def rollout(self):
+        from jaxrlhf.rollouts.graph import GraphRollout
+
+        return GraphRollout(self)
+
     def feed(self, batch, key):
         return {"batch": batch, "key": key}
 
@@ -71,7 +80,7 @@ class Executor:
         self.updates = 0  # weight updates the trainer made so far
         self.trained: list[tuple[int, int]] = []  # (batch, updates of the policy that generated it)
 
-    def step(self, feed, ahead=(), read=()):
+    def step(self, feed, ahead=(), read=(), overlap=None):
         self.calls.append((feed, tuple(f["batch"] for f in ahead), tuple(read)))
         batch, version = self.pending.popleft() if self.pending else (feed["batch"], self.updates)
         assert batch == feed["batch"]  # the loop hands each step the feed of the rollout it trains

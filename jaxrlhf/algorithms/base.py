@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from jaxrlhf.config_schema import ALGORITHM_CONFIGS, AlgorithmConfig
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from jaxrlhf.placement.executor import Executor, Role, StepResult
     from jaxrlhf.planner.plan import Execution
     from jaxrlhf.planner.workload import Workload
+    from jaxrlhf.rollouts import Rollout
 
 
 class AlgorithmConfigError(ValueError):
@@ -57,6 +59,7 @@ class Algorithm(abc.ABC):
         self.cfg = cfg
         self.tokenizer: "Tokenizer | None" = None
         self.models: dict[str, "Role"] = {}
+        self.model_configs: dict[str, Any] = {}  # role -> its `models.config.ModelConfig`; `bind` sets them
         self.execution: "Execution | None" = None  # `bind` sets it
 
     # ---- declaration: config only --------------------------------------------------------
@@ -108,16 +111,30 @@ class Algorithm(abc.ABC):
             packed=getattr(cfg.algorithm, "pack_sequences", False),
             token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None),
             **self.reward_fields(),
-            **self.episode_fields(),
+            **self.rollout_fields(),
         )
 
     def reward_fields(self) -> dict[str, Any]:
         """The workload's rule-reward fields (`planner.rewards`); none for a stage that scores no rules."""
         return {}
 
-    def episode_fields(self) -> dict[str, Any]:
-        """The workload's multi-turn episode fields (`planner.episodes`); none for single-turn generation."""
+    def rollout_fields(self) -> dict[str, Any]:
+        """The workload's fields of the rollout kind producing the samples (`jaxrlhf.rollouts`, priced through
+        `planner.episodes.rollout_cost`); none for a declaration or a stage without a generate call."""
         return {}
+
+    @property
+    def rollout_kind(self) -> str:
+        """The rollout kind that produces each step's batch (`jaxrlhf.rollouts.ROLLOUTS`): a stage's feed as
+        drawn, its calls in the step graph."""
+        return "graph"
+
+    @functools.cached_property
+    def rollout(self) -> "Rollout":
+        """What produces each step's batch, for the step loop (`run.stages.run_steps`)."""
+        from jaxrlhf.rollouts import make_rollout
+
+        return make_rollout(self)
 
     def base_views(self) -> dict[str, str]:
         """Frozen roles that are a LoRA role's base (role -> that role): copied from a role with adapters,

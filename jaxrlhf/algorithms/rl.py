@@ -11,20 +11,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxrlhf.algorithms.base import Algorithm, AlgorithmConfigError, RoleSpec
-from jaxrlhf.environments import ACTION_MASK, ENVIRONMENTS, TOOLS
 from jaxrlhf.algorithms.estimators import ESTIMATORS
-from jaxrlhf.rewards.rules import REWARD_FUNCTIONS
 from jaxrlhf.config_schema import AGENT_ENVIRONMENT
+from jaxrlhf.environments import ENVIRONMENTS, TOOLS
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
 from jaxrlhf.models.lengths import response_widths
-
-SEQUENCE = ("tokens", "mask", "positions")
-RESPONSE = ("response_tokens", "response_mask")
-GENERATED = (*SEQUENCE, *RESPONSE, "behaviour_logp", "ended_with_eos")
-ENV_GENERATED = (ACTION_MASK, "env_reward")  # an episode's values beside GENERATED (`env.name`)
-# router replay: every token's experts per layer as the generate call routed it, [batch, prompt + response,
-# layers, k] (`GenerationOutput.experts`); a sequence value (cut and packed as `tokens` are)
-ROUTED = "router_experts"
+from jaxrlhf.rewards.rules import REWARD_FUNCTIONS
+from jaxrlhf.rollouts import ENV_GENERATED, GENERATED, RESPONSE, ROLLOUTS, ROUTED, SEQUENCE
 
 
 class RolloutAlgorithm(Algorithm):
@@ -66,8 +59,20 @@ class RolloutAlgorithm(Algorithm):
 
     @property
     def runs_environments(self) -> bool:
-        """`env.name`: the rollouts are environment episodes (`RolloutRuntime.episode_values` generates them)."""
+        """`env.name`: the rollouts are environment episodes or agents' (their batch has `ENV_GENERATED`)."""
         return self.cfg.env.name is not None
+
+    @property
+    def rollout_kind(self) -> str:
+        """`generation.rollout`, else the kind the config implies: agents through the endpoint
+        (env.name=openai_agent), environment episodes (another env.name), a stream of partial rollouts
+        (`generation.partial_rollout`), else the step graph's generate call (`jaxrlhf.rollouts`)."""
+        gen, env = self.cfg.generation, self.cfg.env
+        if gen.rollout is not None:
+            return gen.rollout
+        if env.name is not None:
+            return "agents" if env.name == AGENT_ENVIRONMENT else "episodes"
+        return "stream" if gen.partial_rollout else "graph"
 
     @property
     def generated(self) -> tuple[str, ...]:
@@ -192,6 +197,8 @@ class RolloutAlgorithm(Algorithm):
             raise AlgorithmConfigError(
                 "generation.ignore_eos=true runs every response past EOS, so rewards.eos_only=true would score "
                 "none of them: set rewards.eos_only=false (or generation.ignore_eos=false)")
+        if cfg.generation.rollout is not None and cfg.generation.rollout not in ROLLOUTS:
+            raise AlgorithmConfigError(f"generation.rollout: {ROLLOUTS.unknown(cfg.generation.rollout)}")
         for i, rule in enumerate(cfg.rewards.rules):
             if rule.name not in REWARD_FUNCTIONS:
                 raise AlgorithmConfigError(f"rewards.rules[{i}].name: {REWARD_FUNCTIONS.unknown(rule.name)}")

@@ -1,6 +1,12 @@
 """Generation engines by name (`generation.engine`): one signature, so a placed generate call and the
 planner pick the same one from the config.
 
+These are the two engines the step graph's generate call runs (the `graph` rollout, `jaxrlhf.rollouts`).
+There are four generation paths in all; the other two drive their own programs from the host and keep
+state across calls: the streaming engine of partial rollouts (`models.streaming`, the `stream` rollout)
+and the multi-turn engine (`models.multiturn`: environment episodes, the `episodes` rollout, and the
+agent endpoint's per-episode cache, `environments.backends.CachedBackend`).
+
 - "static": `generation.generate_tokens`: each distinct prompt prefilled once, the whole batch decoded
   together until its longest row ends; cache batch x (prompt + max_new_tokens).
 - "continuous": `continuous.generate_continuous`: each distinct prompt prefilled once, a pool of `slots`

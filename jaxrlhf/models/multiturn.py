@@ -245,7 +245,42 @@ def stop(st: MultiTurnState, rows: Bool[Array, "rows"], reason: Int[Array, "rows
     return st.replace(status=jnp.where(rows, DONE, st.status), finish=jnp.where(rows, reason, st.finish))
 
 
+def admit(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState, prompt_tokens: Int[Array, "rows length"],
+          prompt_mask: Bool[Array, "rows length"], rows: Bool[Array, "rows"], rng: PRNGKeyArray, *,
+          spec: MultiTurnSpec) -> MultiTurnState:
+    """The `rows` start afresh from their prompts (prefilled into their own pages, first token sampled, as
+    `start` does); every other row keeps its state and pages. The prefill runs over every row (the others'
+    prompt rows are ignored): one program whatever rows are admitted."""
+    fresh = start(graphdef, params, prompt_tokens, prompt_mask, rng, spec=spec)
+    per_row = lambda x: x.reshape(x.shape[0], 1, spec.rows, spec.row_pages, *x.shape[3:])  # noqa: E731
+    pick = rows[None, None, :, None, None, None, None]
+    pool = tuple(jnp.where(pick, per_row(new), per_row(old)).reshape(old.shape) for new, old in zip(fresh.pool, st.pool))
+
+    def row_wise(new: jax.Array, old: jax.Array) -> jax.Array:
+        return jnp.where(rows.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+
+    others = {f.name: row_wise(getattr(fresh, f.name), getattr(st, f.name))
+              for f in dataclasses.fields(MultiTurnState) if f.name not in ("pool", "row_key")}
+    row_key = jax.vmap(lambda keep, new, old: jax.lax.select(keep, new, old))(
+        rows, jax.random.key_data(fresh.row_key), jax.random.key_data(st.row_key))
+    return st.replace(pool=pool, row_key=jax.random.wrap_key_data(row_key), **others)
+
+
+def rewind(st: MultiTurnState, rows: Bool[Array, "rows"], n: Int[Array, "rows"], *,
+           spec: MultiTurnSpec) -> MultiTurnState:
+    """The `rows` cut back to their first `n` response tokens (n >= 1), the last of them pending again (fed by
+    the next extend), waiting: their cache past it no longer counts. What a caller does when a row sampled
+    more than its record kept (an answer cut at a stop string or a token limit) before extending it."""
+    n = jnp.where(rows, n, st.n)
+    columns = jnp.arange(spec.columns)[None, :]
+    valid = jnp.where(rows[:, None] & (columns >= spec.prompt_bucket + n[:, None] - 1), False, st.valid)
+    return st.replace(n=n, valid=valid, turn_len=jnp.where(rows, 0, st.turn_len),
+                      status=jnp.where(rows, AWAIT, st.status), finish=jnp.where(rows, NOT_DONE, st.finish))
+
+
 start_fn = jax.jit(start, static_argnums=0, static_argnames=("spec",))
+admit_fn = jax.jit(admit, static_argnums=0, static_argnames=("spec",), donate_argnames=("st",))
+rewind_fn = jax.jit(rewind, static_argnames=("spec",), donate_argnames=("st",))
 decode_fn = jax.jit(decode, static_argnums=0, static_argnames=("spec", "steps"), donate_argnames=("st",))
 extend_fn = jax.jit(extend, static_argnums=0, static_argnames=("spec",), donate_argnames=("st",))
 stop_fn = jax.jit(stop, donate_argnames=("st",))
@@ -261,7 +296,10 @@ class MultiTurnOutput:
     (1 on sampled tokens), `response_mask` (every real response token), and per row the environment's
     reward, turns, counters (summed step infos) and why it ended (`FINISH_NAMES`); and for the batch, what the
     planner prices an episode batch with (`planner.episodes`): the decode steps the engine ran, its extend
-    forwards, the seconds it waited on environments with no row to decode, and each step's seconds."""
+    forwards, the seconds it waited on environments with no row to decode, and each step's seconds.
+    `episodes`: the first rows are whole episodes, the rest earlier segments of them (an agent that rewrote its
+    history, `environments.agents.agent_output`), trained as rows but not counted as episodes; None: every row
+    is an episode."""
 
     prompt_tokens: np.ndarray
     prompt_mask: np.ndarray
@@ -278,6 +316,7 @@ class MultiTurnOutput:
     extends: int = 0
     env_wait_s: float = 0.0
     step_seconds: list[float] = dataclasses.field(default_factory=list)
+    episodes: int | None = None
 
     def rollout_batch(self) -> dict[str, np.ndarray]:
         """The rollout batch's generated values (`algorithms.rl.GENERATED`, the generate call's layout: prompt
@@ -295,21 +334,23 @@ class MultiTurnOutput:
     def metrics(self) -> dict[str, float]:
         """`env/...` metrics: mean reward, turns, trajectory and observation tokens, each counter per
         trajectory, the fraction of trajectories ending each way, and the batch's engine work: decode
-        steps, extend forwards, seconds waiting on environments, an environment step's mean seconds."""
-        rows = max(len(self.finish), 1)
-        out = {"env/reward": float(self.env_reward.mean()), "env/turns": float(self.turns.mean()),
-               "env/tokens": float(self.lengths.mean()),
-               "env/observation_tokens": float((self.response_mask & ~self.loss_mask).sum() / rows)}
+        steps, extend forwards, seconds waiting on environments, an environment step's mean seconds. Over the
+        episodes' rows only (`episodes`)."""
+        e = len(self.finish) if self.episodes is None else self.episodes
+        rows = max(e, 1)
+        observed = self.response_mask[:e] & ~self.loss_mask[:e]
+        out = {"env/reward": float(self.env_reward[:e].mean()), "env/turns": float(self.turns[:e].mean()),
+               "env/tokens": float(self.lengths[:e].mean()), "env/observation_tokens": float(observed.sum() / rows)}
         if self.decode_steps is not None:
             out.update({"env/decode_steps": float(self.decode_steps), "env/extends": float(self.extends),
                         "env/wait_s": float(self.env_wait_s)})
         if self.step_seconds:
             out["env/step_s"] = float(np.mean(self.step_seconds))
-        for key in sorted({k for c in self.counters for k in c}):
-            out[f"env/{key}"] = sum(c.get(key, 0.0) for c in self.counters) / rows
+        for key in sorted({k for c in self.counters[:e] for k in c}):
+            out[f"env/{key}"] = sum(c.get(key, 0.0) for c in self.counters[:e]) / rows
         for name in FINISH_NAMES.values():
             if name:
-                out[f"env/finish/{name}"] = sum(f == name for f in self.finish) / rows
+                out[f"env/finish/{name}"] = sum(f == name for f in self.finish[:e]) / rows
         return out
 
 

@@ -290,6 +290,13 @@ def prompt_prefix(tokenizer: Tokenizer, add_bos: bool | None = None) -> list[int
     return [tokenizer.bos_id]
 
 
+def decode_responses(tokenizer: Tokenizer, tokens: Any, mask: Any) -> list[str]:
+    """Response text of every row of a batch (padding and every EOS id dropped): what rule rewards read."""
+    eos = set(tokenizer.eos_ids)
+    return [tokenizer.decode([int(t) for t, m in zip(row, mrow) if m and t not in eos])
+            for row, mrow in zip(tokens, mask)]
+
+
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
     if not path.exists():
         return {}

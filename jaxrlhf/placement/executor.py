@@ -432,8 +432,8 @@ class Executor:
 
     def collect(self, feed: Mapping[str, Any]) -> tuple[dict[str, Any], list[Op]]:
         """The collect phase of a step (everything that does not depend on training), dispatched; returns
-        its values and operations. A node whose outputs the feed already holds is not run (a streaming
-        generator hands in the generate call's outputs: `jaxrlhf.run.generator`)."""
+        its values and operations. A node whose outputs the feed already holds is not run (a rollout that
+        produces the generate call's outputs itself hands them in: `jaxrlhf.rollouts`)."""
         missing = [f for f in self.graph.feed if f not in feed]
         if missing:
             raise ValueError(f"step feed lacks {missing}")

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from jaxrlhf.graph import CallSpec
-from jaxrlhf.planner.episodes import episode_cost
+from jaxrlhf.planner.episodes import rollout_cost
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key, timed_placement
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
@@ -458,7 +458,7 @@ def profile_call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layo
     run's time of the call is compared with (`Run.estimate`)."""
     formula = formula_cost(call, cfg, group, layout, wl, hw)
     cost = measured_cost(call, cfg, group, layout, wl, hw, formula) or formula
-    return episode_cost(cost, wl) if call.kind == "generate" and wl.multi_turn else cost
+    return rollout_cost(cost, wl) if call.kind == "generate" else cost
 
 
 def formula_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layout, wl: Workload,

@@ -1,4 +1,11 @@
-"""What multi-turn episodes cost the generate call, as the multi-turn engine runs them (`env.name`).
+"""What a generate call costs as its rollout kind runs it (`jaxrlhf.rollouts`), and what multi-turn episodes
+cost it, as the multi-turn engine runs them (`env.name`).
+
+Every generate call's price goes through `rollout_cost`: the price registered in `ROLLOUT_PRICES` for the
+kind its workload describes (`rollout_kind`): `generation` (the engine's single-turn generation, its
+streaming and response lengths already in the call's cost) or `episodes` (below). A rollout kind tells the
+planner what it runs through its workload fields (`Rollout.workload_fields`); one that costs otherwise
+registers its price here, so the cost model and the search need no change.
 
 Why: an episode is several turns, each ending on an environment step the batch may wait for and an
 observation prefilled onto the row's cache (an extend forward); priced as one turn to the cap, a run whose
@@ -25,7 +32,9 @@ than the run that measured it saw (the estimate errs short there too). Before a 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+from jaxrlhf.registry import Registry
 
 if TYPE_CHECKING:  # cost.py imports this module
     from jaxrlhf.planner.cost import CallCost
@@ -46,3 +55,21 @@ def episode_cost(cost: CallCost, wl: Workload) -> CallCost:
     """`cost` (the generate call priced as one turn) as an episode batch costs it."""
     parts = episode_parts(cost.parts, wl)
     return dataclasses.replace(cost, seconds=sum(parts.values()), parts=parts)
+
+
+RolloutPrice = Callable[["CallCost", "Workload"], "CallCost"]  # (the call priced as one turn, workload) -> its cost
+ROLLOUT_PRICES: Registry[RolloutPrice] = Registry("rollout price", entries={
+    "generation": lambda cost, wl: cost,  # the engine's call as the cost model priced it
+    "episodes": episode_cost,
+})
+
+
+def rollout_kind(wl: Workload) -> str:
+    """The price a generate call of `wl` takes: its rollout's episodes (`multi_turn`), else generation."""
+    return "episodes" if wl.multi_turn else "generation"
+
+
+def rollout_cost(cost: CallCost, wl: Workload) -> CallCost:
+    """A generate call's `cost` (priced as one turn) as its rollout kind runs it."""
+    return ROLLOUT_PRICES.get(rollout_kind(wl))(cost, wl)
+

@@ -1,4 +1,4 @@
-"""The streaming generator of partial rollouts (`generation.partial_rollout: true`).
+"""The `stream` rollout: partial rollouts (`generation.partial_rollout: true`) from a streaming generator.
 
 Why: with long-tailed responses a synchronous step decodes its batch until the longest response ends,
 and the decode pool empties as rows finish. The streaming generator keeps the continuous engine's pool
@@ -18,7 +18,8 @@ enter only after the previous update: the synchronous step through the same engi
 Where the work runs: the generate call's placement (the plan's shadow generator on a disaggregated
 plan, or the actor's home placement). The executor runs everything else of the step on a batch whose
 generate outputs this module supplies (`Executor.collect` skips a node whose outputs are given), and
-calls `overlap` while the train calls run: decode chunks on the generator's devices meanwhile.
+calls `overlap` while the train calls run: decode chunks on the generator's devices meanwhile. A re-plan
+drains the stream before the weights move (`before_move`), and the stream goes on on the plan switched to.
 
 Several processes (`run.distributed`): every process runs this loop and must issue the same programs
 in the same order. Every host decision (admitted prompts, done groups, finished rows) is read from the
@@ -42,11 +43,12 @@ import numpy as np
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import streaming
 from jaxrlhf.models.lengths import bucket_length
+from jaxrlhf.models.tokenizer import decode_responses
 from jaxrlhf.models.transformer import positions_from_mask
+from jaxrlhf.rewards.rules import CombinedReward
+from jaxrlhf.rollouts import GENERATE_CALL, Rollout, RolloutStep
 from jaxrlhf.transfer.host import host_get
 from jaxrlhf.transfer.processes import any_process_at
-
-GENERATE_CALL = "actor.generate"
 
 
 @dataclasses.dataclass
@@ -88,7 +90,8 @@ class StreamingGenerator:
         # dynamic sampling (`algorithm.dynamic_sampling`): a step's feed holds factor x B prompts; the
         # stream admits them in order, B at first, and one more for each group whose scores are all equal,
         # until B informative groups are done (or the feed runs out: then the batch is filled as the
-        # synchronous `select_groups` fills it). Admission pacing is unchanged, so eta still bounds staleness
+        # synchronous step fills it). Admission pacing is unchanged, so eta still bounds staleness. The
+        # filter is the synchronous step's own (`algorithm.group_filter`)
         self.dynamic = algorithm.dynamic_sampling
         self.pool_prompts = self.prompts * algorithm.pool_factor  # prompts in a step's feed
         self.algorithm = algorithm
@@ -108,9 +111,9 @@ class StreamingGenerator:
         self.scored: set[int] = set()  # stream rows (serial x G + j) handed to the workers, until taken
         self.reward_decode_s = 0.0  # seconds decoding the next steps while waiting for a batch's scores
         if self.pool is not None or self.dynamic:
-            from jaxrlhf.rewards.rules import CombinedReward
-
             self.rules, self.tokenizer = CombinedReward(algorithm.rules_spec), algorithm.tokenizer
+        if self.dynamic:
+            self.filter = algorithm.group_filter
 
     def _place(self, executor) -> None:
         """Put an empty stream on `executor`'s generate placement (at the start, and after a re-plan's
@@ -219,24 +222,17 @@ class StreamingGenerator:
             return None
         return [drawn.scores[r][0].result()[0][drawn.scores[r][1]] for r in rows]
 
-    def _shaped(self, parts: list[dict[str, float]], ended: np.ndarray) -> np.ndarray:
-        """The score dynamic sampling filters on, as `select_groups` sees it (EOS gate and clip, no
-        overlong penalty)."""
-        from jaxrlhf.algorithms.rewards import shape_scores
-
-        s = self.algorithm.settings()
-        scores = np.asarray([self.rules.combine(c) for c in parts], np.float32)
-        return np.asarray(shape_scores(scores, ended, bias=s.reward_bias, scale=s.reward_scale,
-                                       clip=s.reward_clip, eos_only=s.eos_only))
+    def _rule_scores(self, parts: list[dict[str, float]]) -> np.ndarray:
+        return np.asarray([self.rules.combine(c) for c in parts], np.float32)
 
     def _classify(self, drawn: _Drawn) -> None:
-        """Decide each done, scored group of the step: informative when its shaped scores differ."""
+        """Decide each done, scored group of the step: informative when its scores differ (`GroupFilter`)."""
         for i, (values, _) in drawn.done.items():
             if i not in drawn.informative:
                 parts = self._group_parts(drawn, i)
                 if parts is not None:
-                    shaped = self._shaped(parts, values["ended_with_eos"])
-                    drawn.informative[i] = bool(np.any(shaped != shaped[0]))
+                    informative = self.filter.informative(self._rule_scores(parts), values["ended_with_eos"])
+                    drawn.informative[i] = bool(informative[0])
 
     def _admit_from(self, drawn: _Drawn, k: int) -> None:
         B, G, first = self.pool_prompts, self.group, drawn.admitted
@@ -286,8 +282,6 @@ class StreamingGenerator:
         return True
 
     def _score_here(self, drawn: _Drawn, i: int, values: dict[str, np.ndarray]) -> None:
-        from jaxrlhf.algorithms.rollout import decode_responses
-
         rows = range(i * self.group, (i + 1) * self.group)
         texts = decode_responses(self.tokenizer, values["response_tokens"], values["response_mask"])
         parts = self.rules.batch_components([drawn.feed["prompts"][r] for r in rows], texts,
@@ -299,8 +293,6 @@ class StreamingGenerator:
         group is done (a group ends with its slowest sample; its advantages still wait for the whole
         batch, in the step). Each step's new samples go as up to `workers` tasks (a rule that scores rows
         concurrently, as `remote` does, keeps that concurrency), queued by step: the oldest first."""
-        from jaxrlhf.algorithms.rollout import decode_responses
-
         done, serials = host_get(streaming.finished_rows_fn(self.state, spec=self.spec, tag=self.tag))
         G = self.group
         fresh: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # step -> (stream row, batch row)
@@ -408,21 +400,18 @@ class StreamingGenerator:
 
     def _selected(self, drawn: _Drawn, order: list[int], values: dict[str, np.ndarray], versions: np.ndarray
                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], np.ndarray]:
-        """Dynamic sampling: the step's batch chosen from its generated groups by `select_groups` (as the
-        synchronous step chooses from its whole pool: informative groups first, in the feed's order), in
+        """Dynamic sampling: the step's batch chosen from its generated groups by the synchronous step's filter
+        (`GroupFilter.select`: informative groups first, in the feed's order, as from its whole pool), in
         the feed as the outputs of the generate call, `score_rules` and `select_groups` (all three
         skipped in the step), with the feed's prompt rows cut to the chosen ones."""
-        from jaxrlhf.algorithms.rollout import select_groups
-
         G, feed = self.group, dict(drawn.feed)
         rows = np.asarray([i * G + j for i in order for j in range(G)])
         parts = [c for i in order for c in self._group_parts(drawn, i)]
-        shaped = self._shaped(parts, values["ended_with_eos"])
-        rules = {"rule_scores": np.asarray([self.rules.combine(c) for c in parts], np.float32),
+        rules = {"rule_scores": self._rule_scores(parts),
                  "rule_components": {n: np.asarray([c[n] for c in parts], np.float32) for n in self.rules.names}}
         rowwise = [k for k in ("prompts", "answers", "prompt_tokens", "prompt_mask", "max_lengths") if k in feed]
         pool = {**values, **rules, "versions": versions, **{k: np.asarray(feed[k])[rows] for k in rowwise}}
-        out, stats = select_groups(pool, shaped, G, self.prompts)
+        out, stats = self.filter.select(pool, rules["rule_scores"])
         for k in rowwise:
             feed[k] = out.pop(k).tolist() if isinstance(feed[k], (list, tuple)) else out.pop(k)
         versions = out.pop("versions")
@@ -476,3 +465,31 @@ class StreamingGenerator:
                                                     version=np.int32(self.version), tag=self.tag)
             jax.block_until_ready(self.state.pool)
             self.recompute_s += time.perf_counter() - t0
+
+
+class StreamRollout(Rollout):
+    """Partial rollouts: each step's batch from a `StreamingGenerator` on the generate call's placement, which
+    decodes on while the step trains (`overlap`) and takes the new weights after it (`trained`)."""
+
+    name = "stream"
+
+    def begin(self, executor, *, draw, start, stop, staleness=0):
+        super().begin(executor, draw=draw, start=start, stop=stop, staleness=staleness)
+        self.generator = StreamingGenerator(self.algorithm, executor, eta=staleness, start=start, stop=stop, draw=draw)
+
+    def step(self, step: int) -> RolloutStep:
+        feed, data_state, metrics = self.generator.batch(step)
+        # the trainer waited for the stream first, and for the reward workers' last groups
+        seconds = metrics["time/generate_wait_s"] + metrics.get("time/reward_wait_s", 0.0)
+        return RolloutStep(feed, data_state, metrics=metrics, seconds=seconds, overlap=self.generator.overlap)
+
+    def trained(self) -> None:
+        self.generator.updated()
+
+    def before_move(self) -> dict[str, float]:
+        return self.generator.drain()
+
+    def moved_to(self, executor) -> None:
+        super().moved_to(executor)
+        self.generator.moved_to(executor)
+

@@ -122,7 +122,7 @@ class RunSetup:
         budget is refused: the budget is what the algorithm was told its rollouts may lag. With partial
         rollouts (`generation.partial_rollout`) the stream runs ahead by the budget on any plan: on one
         that is not off-policy it refills its decode pool with the next steps' prompts and decodes while
-        the trainer waits for its batch (`run.generator`)."""
+        the trainer waits for its batch (`rollouts.stream`)."""
         if not plan.offpolicy:
             return self.cfg.staleness_budget if self.cfg.generation.partial_rollout else 0
         budget = self.cfg.generator_lead

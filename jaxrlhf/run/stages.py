@@ -21,30 +21,22 @@ WARMUP_SEED_OFFSET = 7919  # the warm-up's random stream is not the RL run's
 
 
 def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, staleness: int = 0,
-              partial: bool = False,
               around: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
               after: Callable[[int, dict[str, Any], Any], Any] | None = None,
               ) -> Iterator[tuple[int, dict[str, Any], dict]]:
     """Run steps `start + 1 .. stop`: yields (step, metrics, data position after the step's batch,
     where a run resumed from that step continues).
 
-    Step `s` draws from `fold_in(rng, s)`. With `staleness` eta > 0 (an off-policy plan: a shadow
-    generator on its own devices) the executor is handed, with each step, the feeds of the steps up to
-    `s + eta` not yet started, so their rollouts are generated while this step trains; the rollout of
-    step `s` then comes from the policy of update `s - 1 - k` for some k <= eta (admission pacing: no
-    step starts that could not be trained within eta). Each step reports `rollout/staleness` (k: the
-    trainer's updates since that policy) and `rollout/policy_version` (its update count). A resumed
-    run starts again from its own step: the rollouts in flight at the checkpoint are not in it, so they
-    are generated again, from the same batches with the same keys, and never trained twice.
-    With `partial` (`generation.partial_rollout`) the rollouts stream instead
-    (`jaxrlhf.run.generator`): admission per group, rows in flight going on under new weights, and
-    the same bound eta on the oldest trained token.
-    `around(step)` wraps the executor's step (a profiler trace). `after(step, metrics, executor)`,
-    when given, runs after each step (it may add metrics) and returns the executor for the next steps:
-    the same one, or one on another plan (`Replanner`: a live switch; the data stream and random keys
-    go on unchanged)."""
-    import collections
-
+    Step `s` draws from `fold_in(rng, s)`. The algorithm's rollout (`algorithm.rollout`, `jaxrlhf.rollouts`)
+    hands over each step's batch (its feed, with the generate call's outputs when the rollout produced them)
+    and the feeds of later steps whose rollouts start while this one trains; `staleness` eta > 0 (an
+    off-policy plan) lets a trained rollout's policy lag the trainer by up to eta updates, and each step then
+    reports `rollout/staleness` and `rollout/policy_version`. A resumed run starts again from its own step:
+    the rollouts in flight at the checkpoint are generated again, from the same batches with the same keys,
+    never trained twice. `around(step)` wraps the executor's step (a profiler trace). `after(step, metrics,
+    executor)`, when given, runs after each step (it may add metrics) and returns the executor for the next
+    steps: the same one, or one on another plan (`Replanner`: a live switch, the rollout drained first; the
+    data stream and random keys go on unchanged)."""
     import jax
 
     from jaxrlhf.transfer.host import HostValues
@@ -54,77 +46,28 @@ def run_steps(algorithm, executor, data, rng, start: int, stop: int, *, stalenes
         return {"step": step, "feed": algorithm.feed(batch, jax.random.fold_in(rng, step)),
                 "data_state": data.state_dict()}
 
-    if partial:
-        yield from _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, around, after)
-        return
-    inflight: collections.deque = collections.deque()  # steps whose rollouts were started ahead, oldest first
-    drawn = start  # the last step whose batch was drawn
+    rollout = algorithm.rollout
+    rollout.begin(executor, draw=draw, start=start, stop=stop, staleness=staleness)
+    if isinstance(after, Replanner):  # a re-plan leaves nothing of the rollout in flight before the weights move
+        after.before_switch = rollout.before_move
     for step in range(start + 1, stop + 1):
-        if inflight:
-            this = inflight.popleft()
-        else:
-            drawn, this = step, draw(step)
-            this["version"] = step - 1  # generated now, by the policy the trainer holds
-        ahead = []
-        while staleness and drawn < min(step + staleness, stop):
-            drawn += 1
-            nxt = draw(drawn)
-            nxt["version"] = step - 1  # the shadow syncs after this step's training
-            inflight.append(nxt)
-            ahead.append(nxt["feed"])
-        feed, episodes = this["feed"], {}
-        if getattr(algorithm, "runs_environments", False):  # env.name: the episodes are the generate call's outputs
-            began = time.perf_counter()
-            from jaxrlhf.run.endpoint import episode_player  # env.name=openai_agent: agents, else environments
-
-            values, episodes = episode_player(algorithm)(executor.params_for("actor", "actor.generate")[0], feed)
-            feed = {**feed, **values}  # the step skips actor.generate (its outputs are given)
-            episodes["time/episodes_s"] = time.perf_counter() - began
+        batch = rollout.step(step)
         with around(step):
-            result = executor.step(feed, ahead, read=algorithm.metric_values())
+            result = executor.step(batch.feed, batch.ahead, read=algorithm.metric_values(), overlap=batch.overlap)
+        rollout.trained()
         result.values = HostValues(result.values)  # other values read on first use, alike on every process
         metrics = algorithm.metrics(result)
         metrics.update(result.metrics())
-        if episodes:
-            metrics.update(episodes)
-            metrics["time/step_s"] = metrics.get("time/step_s", 0.0) + episodes["time/episodes_s"]
+        metrics.update(batch.metrics)
         metrics.update(data.metrics())
-        if staleness:
-            metrics["rollout/policy_version"] = float(this["version"])
-            metrics["rollout/staleness"] = float(step - 1 - this["version"])
-        if after is not None:
-            executor = after(step, metrics, executor)
-        yield step, metrics, this["data_state"]
-
-
-def _streamed_steps(algorithm, executor, data, draw, start, stop, staleness, around, after):
-    """`run_steps` with a streaming generator (partial rollouts): each step's batch comes from the
-    stream, and the stream decodes on while the step trains. A re-plan (`after`, a `Replanner`) drains
-    the stream before the weights move and the stream goes on on the plan switched to."""
-    from jaxrlhf.run.generator import StreamingGenerator
-    from jaxrlhf.transfer.host import HostValues
-
-    generator = StreamingGenerator(algorithm, executor, eta=staleness, start=start, stop=stop, draw=draw)
-    if hasattr(after, "before_switch"):  # a re-plan drains the stream before the weights move
-        after.before_switch = generator.drain
-    for step in range(start + 1, stop + 1):
-        feed, data_state, rollout = generator.batch(step)
-        with around(step):
-            result = executor.step(feed, read=algorithm.metric_values(), overlap=generator.overlap)
-        generator.updated()
-        result.values = HostValues(result.values)
-        metrics = algorithm.metrics(result)
-        metrics.update(result.metrics())
-        metrics.update(data.metrics())
-        metrics.update(rollout)
-        # the trainer waited for the stream first, and for the reward workers' last groups
-        metrics["time/step_s"] += rollout["time/generate_wait_s"] + rollout.get("time/reward_wait_s", 0.0)
+        if batch.seconds:  # the rollout's time outside the executor's step (episodes, waiting on a stream)
+            metrics["time/step_s"] = metrics.get("time/step_s", 0.0) + batch.seconds
         if after is not None:
             moved = after(step, metrics, executor)
-            if moved is not executor:  # a re-plan switched (the stream was drained first): go on there
-                generator.moved_to(moved)
+            if moved is not executor:  # a re-plan switched: the rollout goes on on the new plan
+                rollout.moved_to(moved)
                 executor = moved
-        yield step, metrics, data_state
+        yield step, metrics, batch.data_state
 
 
 class Replanner:

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.algorithms import AlgorithmConfigError, build_algorithm, declare, rollout, update
+from jaxrlhf.algorithms import AlgorithmConfigError, build_algorithm, declare, rollout, rollout_calls, update
 from jaxrlhf.algorithms.rl import ROUTED
 from jaxrlhf.models import moe, pipeline
 from jaxrlhf.models.config import preset
@@ -205,7 +205,7 @@ def test_router_replay_refusals():
     batch = {"tokens": jnp.ones((2, 4), jnp.int32), "positions": jnp.zeros((2, 4), jnp.int32),
              "mask": jnp.ones((2, 4), bool), ROUTED: jnp.zeros((2, 4, 2, 2), jnp.int8)}
     with pipeline.staged(2), pytest.raises(AlgorithmConfigError, match="pipelined .* layout with stage=1"):
-        rollout.response_logits(None, batch, 2)
+        rollout_calls.response_logits(None, batch, 2)  # the forward that reads response positions
     with pytest.raises(cfglib.ConfigError, match="set generation.partial_rollout=false"):
         _config("generation.engine=continuous", "generation.partial_rollout=true")
 

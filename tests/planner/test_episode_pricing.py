@@ -90,7 +90,7 @@ def test_the_workload_of_an_environment_run_carries_its_measured_episodes():
     alg = build_algorithm(load_config(None, [*base, "env.name=tools", "env.max_observation_tokens=31"]))
     wl = alg.workload()
     assert wl.multi_turn and wl.env_extend_width == 32 and wl.env_decode_steps == 0.0
-    alg.episode_timing.record(40, 2, 0.25)
+    alg.rollout.timing.record(40, 2, 0.25)  # what the episodes rollout measured
     assert (alg.workload().env_decode_steps, alg.workload().env_extends, alg.workload().env_wait_s) == (40.0, 2.0, 0.25)
     single = build_algorithm(load_config(None, [*base[:-2], "rewards.rules=[{name: exact_match, weight: 1.0}]"]))
     assert not single.workload().multi_turn
