@@ -644,7 +644,8 @@ class GenerationConfig:
     # prefilled once, `slots` rows decode over a paged KV cache, finished rows make room for waiting ones
     # and steps narrow to the rows still running (docs/generation.md)
     engine: Literal["static", "continuous"] = "static"
-    slots: Int | None = _field(None, check=positive)  # continuous engine's rows decoding at once; null = the batch
+    # continuous engine's rows decoding at once; null = the planner's choice (the whole batch unless memory needs fewer)
+    slots: Int | None = _field(None, check=positive)
     # continuous engine's KV page pool: response pages of 16 tokens (all batch shards together); null = every
     # slot can hold max_new_tokens (never preempts). Smaller trades memory for recomputing preempted rows
     kv_pages: Int | None = _field(None, check=positive)

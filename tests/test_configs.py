@@ -61,8 +61,11 @@ def test_realistic_config_plans_without_weights(name, monkeypatch):
     plan = planning.plan_for(cfg, algorithm, models, devices, devices_per_host=per_host)
     assert set(plan.calls) == set(graph.names)
     assert plan.num_devices == devices
-    # The plan fits in the memory of the hardware it names, for the workload the runtime will run.
-    report = plan_memory(plan, graph, models, algorithm.workload(), get_profile(cfg.plan.hardware))
+    # The plan fits in the memory of the hardware it names, for the workload the runtime will run: under the
+    # memory knobs the plan carries (the planner's choice where the config leaves them unset)
+    from jaxrlhf.planner.knobs import fixed_by
+
+    report = plan_memory(plan, graph, models, fixed_by(plan, algorithm.workload()), get_profile(cfg.plan.hardware))
     assert report.feasible, report.reason
     assert report.peak.max() <= report.capacity
 

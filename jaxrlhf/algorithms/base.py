@@ -100,7 +100,8 @@ class Algorithm(abc.ABC):
             remat={r: getattr(cfg.model, r).remat or AUTO for r in roles},
             donate=True,  # the executor always donates parameters and optimizer state to train calls
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
-            gen_engine=cfg.generation.engine, gen_group=self.group_size, gen_slots=cfg.generation.slots,
+            gen_engine=cfg.generation.engine, gen_group=self.group_size,
+            gen_slots=AUTO if cfg.generation.slots is None and cfg.generation.engine == "continuous" else cfg.generation.slots,
             gen_pages=cfg.generation.kv_pages,
             base_views=tuple(sorted(self.base_views().items())),
             staleness=cfg.generator_lead,
@@ -190,7 +191,7 @@ class Algorithm(abc.ABC):
         return Execution(
             micro_batch_size={c.name: micro for c in graph.calls if c.kind != "generate"} if micro else {},
             remat={c.role: getattr(cfg.model, c.role).remat or "none" for c in graph.calls if c.kind == "train"},
-            token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None))
+            token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None), gen_slots=cfg.generation.slots)
 
     def functions(self) -> dict[str, Any]:
         """Pure function of every call of the graph (see `jaxrlhf.placement.executor`), bound once."""

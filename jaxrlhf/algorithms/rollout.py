@@ -91,7 +91,9 @@ class RolloutRuntime:
             ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
-            ignore_eos=gen.ignore_eos, engine=gen.engine, slots=gen.slots, kv_pages=gen.kv_pages,
+            ignore_eos=gen.ignore_eos, engine=gen.engine, kv_pages=gen.kv_pages,
+            # the continuous engine's pool as the plan chose it (a set generation.slots is already the plan's)
+            slots=gen.slots if self.execution is None or self.execution.gen_slots is None else self.execution.gen_slots,
             correction=Correction.from_config(alg),
             router_aux_coef=alg.router_aux_loss_coef,
             router_top_k=actor.num_experts_per_tok if actor is not None else 0,

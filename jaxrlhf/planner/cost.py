@@ -66,6 +66,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.planner.episodes import rollout_cost
+from jaxrlhf.planner.knobs import knob_tag
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import model_key, timed_placement
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
@@ -335,6 +336,9 @@ def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, 
     seqs = wl.call_seqs(call) / c.batch_ways
     if not wl.packed:
         return seqs * wl.seq_len / c.c, wl.seq_len, seqs, wl.micro_batches(call)
+    if wl.varlen:
+        tokens, keys, micro, _ = wl.varlen_shape(call, c.batch_ways)
+        return tokens / c.c, keys, seqs, micro
     shape = wl.packed_shape(call, c.batch_ways)
     return shape.micro_batches * shape.rows * shape.width / c.c, shape.width, seqs, shape.micro_batches
 
@@ -344,6 +348,8 @@ def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
     response tokens, `PackedShape.reads` per micro-batch); None: every token of `forward_shape`."""
     if not wl.packed:
         return None
+    if wl.varlen:
+        return wl.varlen_shape(call, c.batch_ways)[3] / c.c
     shape = wl.packed_shape(call, c.batch_ways)
     return shape.micro_batches * shape.reads / c.c
 
@@ -440,7 +446,7 @@ def call_cost(call: CallSpec, cfg: ModelConfig, group: DeviceGroup, layout: Layo
         return base
     key = model_key(cfg, call.head)
     run = hw.measured.run(call.name, key, group.size, str(layout), wl.call_seqs(call), wl.seq_len,
-                          wl.micro_batches(call))
+                          wl.micro_batches(call), knob_tag(call, wl))
     if run is not None:
         scale = run.seconds / base.seconds if base.seconds > 0 else 0.0  # the estimate's parts, in the run's time
         parts = {k: v * scale for k, v in base.parts.items()} if scale else {"run": run.seconds}
@@ -635,7 +641,7 @@ class CostCache:
             return self.wl
         key = (call.name, knobs)
         if key not in self._workloads:
-            self._workloads[key] = self.wl.for_call(call, knobs.micro, knobs.remat)
+            self._workloads[key] = self.wl.for_call(call, knobs.micro, knobs.remat, knobs.slots)
         return self._workloads[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,

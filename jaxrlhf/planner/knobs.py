@@ -62,7 +62,7 @@ def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
     its pool from every row of a shard at once down by halves (fewer rows decoding at once hold less KV
     cache and take more rounds: vLLM's max_num_seqs)."""
     if call.kind == "generate":
-        if wl.gen_slots != AUTO or wl.gen_engine != "continuous" or wl.gen_stream or wl.multi_turn:
+        if wl.gen_slots != AUTO or wl.gen_engine != "continuous" or wl.multi_turn:
             return [CallKnobs()]
         rows = wl.call_seqs(call)
         if rows % layout.batch_ways:
@@ -107,11 +107,14 @@ def working_bytes(call: CallSpec, cfg: "ModelConfig", layout: Layout, wl: Worklo
 
 
 def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelConfig"], wl: Workload,
-           hw: "HardwareProfile", cache: "CostCache") -> tuple[dict[str, CallKnobs], MemoryReport]:
+           hw: "HardwareProfile", cache: "CostCache", best_effort: bool = False
+           ) -> tuple[dict[str, CallKnobs], MemoryReport]:
     """Each call's knobs for this plan and the plan's memory under them: every call at the fastest of its
     `front`, then, while the plan is over memory, each call whose peak overflows the fullest device
     steps to its next leaner option. When even the leanest options do not fit, those and their report
-    (the smallest shortfall there is)."""
+    (the smallest shortfall there is); with `best_effort`, the calls that can fit stop at the fastest
+    knobs that fit and only those that cannot are at their leanest (a placement priced for its time
+    although this runtime's memory would not hold it)."""
     fronts = {c.name: front(c, plan.group_of(c.name), plan.calls[c.name].layout, wl, cache) for c in graph.calls}
     at = dict.fromkeys(fronts, 0)
     leanest = {c: opts[-1] for c, opts in fronts.items()}
@@ -121,7 +124,7 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
         mem = plan_memory(plan, graph, models, wl, hw, cache.memory, knobs)
         if mem.feasible:
             return knobs, mem
-        if not lean_checked:  # most plans the search tries do not fit at all: say so after one more look
+        if not lean_checked and not best_effort:  # most plans the search tries do not fit at all: say so
             lean_checked = True
             lean = plan_memory(plan, graph, models, wl, hw, cache.memory, leanest)
             if not lean.feasible:

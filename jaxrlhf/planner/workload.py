@@ -129,6 +129,10 @@ class Workload:
     gen_stream: bool = False  # generation.partial_rollout (eta >= 1): the pool stays full across steps
     gen_chunk: int = 16  # generation.stream_chunk: decode steps between the stream's reads
     packed: bool = False  # algorithm.pack_sequences
+    # a packer without padding, whose attention stays inside each sequence (varlen kernels): how peers' dynamic
+    # batching runs (`scripts/validate_published.py` prices their runs with it). jaxrlhf's runtime packs rows
+    # as wide as the longest sequence and masks its attention: the planner never sets this
+    varlen: bool = False
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
     reward_row_s: float = 0.0  # one row's rule-reward seconds, measured by the run (0: not priced)
     reward_at_once: int | None = None  # rows the rules score in the time of one (`rows_at_once`)
@@ -305,6 +309,18 @@ class Workload:
         return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
                              self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
                              batch_ways, self.token_budget)
+
+    def varlen_shape(self, call: CallSpec, batch_ways: int) -> tuple[float, float, int, float]:
+        """A `varlen` packer's forward of `call` (one update, per shard): (real tokens, the attention keys a
+        token meets on average: sum L^2 / sum L over the drawn sequences, micro-batches of at most
+        `token_budget` tokens, response tokens read)."""
+        rows = self.call_seqs(call)
+        responses = self.response_lengths(rows).astype(np.float64)
+        seqs = responses + self.prompt_len
+        tokens = rows * float(seqs.mean()) / batch_ways
+        keys = float((seqs**2).sum() / seqs.sum())
+        micro = max(1, math.ceil(tokens * batch_ways / self.token_budget)) if self.token_budget else 1
+        return tokens, keys, micro, rows * float(responses.mean()) / batch_ways
 
     def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False,
                          width_share: float = 1.0) -> tuple[float, ...]:

@@ -1,0 +1,95 @@
+"""The planner's on-paper answers the docs quote, asked again: one command regenerates every number.
+
+    python scripts/plan_questions.py [--only NAME,...] [--json docs/results/plan_questions.json]
+
+Each question is a `python -m jaxrlhf.plan` command (the docs print it); this runs them in order through
+`jaxrlhf.plan.main` and prints a table of the searched plan's step time, the presets' (colocated, heuristic,
+verl) and, for a streamed run, the best synchronous plan's and the predicted gain, plus the search's
+evaluations. The search counts plans evaluated, not seconds, so a rerun prints the same numbers on any
+machine; the search's own seconds (the last column) are the only thing that depends on the machine and its
+load (docs/benchmarks.md gives them measured on a quiet 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxrlhf.plan import main as plan_main  # noqa: E402
+
+QUESTIONS: dict[str, list[str]] = {
+    # the three questions that said "no plan fits" before the search chose the memory knobs
+    "70b-ppo-64xh100": ["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "64", "--gen-len", "896",
+                        "--prompt-len", "128", "--batch", "128"],
+    "qwen2-7b-dapo-20k-streamed-64xh100": [
+        "--model-preset", "qwen2-7b", "--devices", "64", "--hardware", "h100", "--algorithm", "dapo",
+        "--gen-len", "20480", "--prompt-len", "1024", "--batch", "64", "algorithm.group_size=16",
+        "algorithm.dynamic_sampling=false", "algorithm.max_staleness=4", "generation.engine=continuous",
+        "generation.partial_rollout=true", "plan.response_length_median=4096", "plan.response_length_sigma=0.8",
+        "algorithm.pack_sequences=true"],
+    "qwen2-7b-ppo-32k-64xh100": ["--model-preset", "qwen2-7b", "--devices", "64", "--hardware", "h100",
+                                 "--algorithm", "ppo", "--gen-len", "30720", "--prompt-len", "2048", "--batch", "64"],
+    "qwen2-7b-ppo-32k-packed-64xh100": ["--model-preset", "qwen2-7b", "--devices", "64", "--hardware", "h100",
+                                        "--algorithm", "ppo", "--gen-len", "30720", "--prompt-len", "2048",
+                                        "--batch", "64", "algorithm.pack_sequences=true"],
+    # the search at its largest: 512 devices
+    "4x70b-ppo-512xh100": ["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "512", "--gen-len", "128",
+                           "--prompt-len", "128", "--batch", "512", "rewards.model=true"],
+    "qwen3-30b-a3b-grpo-512xh100": ["--model-preset", "qwen3-30b-a3b", "--hardware", "h100", "--devices", "512",
+                                    "--algorithm", "grpo", "--gen-len", "1024", "--prompt-len", "256", "--batch", "64"],
+}
+PRESETS = ("colocated", "heuristic", "verl")
+
+
+def ask(argv: list[str]) -> tuple[dict, float]:
+    """`python -m jaxrlhf.plan ARGV --json` in this process: its JSON answer and the wall seconds it took."""
+    with tempfile.TemporaryDirectory() as out:
+        buf = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(buf):
+            rc = plan_main([*argv, "--json", "--out", out])
+        took = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"python -m jaxrlhf.plan {' '.join(argv)} exited {rc}")
+    return json.loads(buf.getvalue().strip().splitlines()[-1]), took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help="comma-separated question names")
+    ap.add_argument("--json", help="write the answers here")
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(QUESTIONS)
+    rows = []
+    print(f"{'question':38s} {'searched':>9} " + " ".join(f"{p:>10}" for p in PRESETS)
+          + f" {'sync':>9} {'gain':>6} {'plans':>6} {'search s':>9}")
+    for name in names:
+        answer, took = ask(QUESTIONS[name])
+        step = answer["searched"]["step_s"]
+        presets = {p: answer["presets"].get(p, {}).get("step_s") for p in PRESETS}
+        gain = answer.get("async_gain")
+        row = {"question": name, "command": "python -m jaxrlhf.plan " + " ".join(QUESTIONS[name]), "step_s": step,
+               "presets": presets, "sync_step_s": answer.get("sync_step_s"), "gain": gain,
+               "evaluations": answer.get("evaluations"), "plan": answer["searched"]["plan"], "search_s": took}
+        rows.append(row)
+        cell = lambda v: f"{v:10.3g}" if v else f"{'n/a':>10}"  # noqa: E731
+        print(f"{name:38s} {step:9.3g} " + " ".join(cell(presets[p]) for p in PRESETS)
+              + f" {cell(row['sync_step_s'])[1:]} {gain or 1:6.2f} {row['evaluations'] or 0:6d} {took:9.1f}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python scripts/plan_questions.py", "rows": rows}, f, indent=1)
+    print(json.dumps({"rows": [{k: r[k] for k in ("question", "step_s", "gain", "search_s")} for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()

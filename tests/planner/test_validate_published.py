@@ -1,0 +1,111 @@
+"""scripts/validate_published.py: peers' published step times re-priced by the cost model. The shipped case file
+reads, a case maps onto a jaxrlhf question and plan as the script says, and a bad case is one line naming it
+and the field."""
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CASES = ROOT / "docs" / "results" / "published_cases.yaml"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("validate_published", ROOT / "scripts" / "validate_published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["validate_published"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_cases_read_and_come_from_at_least_three_sources(script):
+    cases = script.load_cases(str(CASES))
+    sources = {c["source"]["ref"].split(" ")[0] for c in cases}
+    assert len(cases) >= 10 and len(sources) >= 3
+    published = [c for c in cases if c["response_len"].get("mean") is not None]
+    assert published and all(c["response_len"]["from"].startswith("published") for c in published)
+    for c in cases:  # a case without published lengths has a colocated row in its pair to fit them on
+        if c["response_len"].get("mean") is None:
+            key = c["pair"].split(":")[0]
+            assert any(o["pair"] == f"{key}:colocated" for o in cases)
+
+
+def test_a_mean_under_the_cap_gives_the_median_of_its_lognormal(script):
+    median = script.lognormal_median(1000, 4096, 0.8)
+    assert median < 1000  # a log-normal's mean lies above its median
+    mu, s, cap = math.log(median), 0.8, 4096
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    z = (math.log(cap) - mu) / s
+    capped = median * math.exp(s * s / 2) * phi(z - s) + cap * (1 - phi(z))
+    assert capped == pytest.approx(1000, rel=2e-3)
+    assert script.lognormal_median(5000, 4096, 0.8) == 4096
+
+
+def _case(**changes) -> dict:
+    case = yaml.safe_load("""
+name: toy
+source: {ref: "toy source", version: "1", quote: "-"}
+models: {actor: llama3-8b, critic: null, ref: llama3-8b, reward: null}
+hardware: h100
+devices: 16
+algorithm: grpo
+prompts_per_step: 32
+samples_per_prompt: 8
+optimizer_steps_per_step: 2
+prompt_len: {mean: 128}
+response_len: {mean: 500, max: 2048}
+placement:
+  kind: split
+  generation: {devices: 8, tp: 2}
+  training: {devices: 8, backend: megatron, tp: 2, pp: 2}
+staleness: {max_trajectory_age_steps: 1}
+published: {step_s: 60.0}
+""")
+    for dotted, value in changes.items():
+        node = case
+        *path, last = dotted.split(".")
+        for key in path:
+            node = node[key]
+        if value is None:
+            node.pop(last)
+        else:
+            node[last] = value
+    return case
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"published": None}, "case 'toy': missing field 'published'"),
+    ({"models.actor": "llama9-8b"}, "case 'toy': field 'models.actor': unknown model preset 'llama9-8b'"),
+    ({"hardware": "b300"}, "case 'toy': field 'hardware': unknown hardware 'b300'"),
+    ({"placement.training.devices": 7}, "must add up to devices=16"),
+    ({"placement.generation.tp": 3}, "tp x pp x cp x ep = 3 does not divide its 8 devices"),
+    ({"response_len.mean": None}, "field 'response_len.mean' is missing and the case has no pair"),
+])
+def test_a_bad_case_is_one_line_naming_the_case_and_the_field(script, tmp_path, capsys, changes, words):
+    path = tmp_path / "cases.yaml"
+    path.write_text(yaml.safe_dump({"cases": [_case(**changes)]}))
+    assert script.main(["--cases", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
+def test_a_case_is_priced_on_its_own_placement(script):
+    """The toy split case: generation on 8 devices (4 replicas of tensor 2), Megatron training on the other 8
+    (tensor 2 x pipeline 2 x data 2), a shadow actor one step ahead, each call priced, and the time between
+    the published one's tenth and tenfold (a sanity bound; the shipped cases are the check)."""
+    from jaxrlhf.run.assembly import Machine, setup
+
+    case = _case()
+    cfg = script.run_config(case)
+    run = setup(cfg, machine=Machine.described(cfg, 16), runtime=False)
+    plan = script.peer_plan(case, run.graph, 16)
+    assert plan.groups["gen"].size == plan.groups["train"].size == 8 and plan.groups["train"].start == 8
+    assert str(plan.calls["actor.generate"].layout) == "d4f1t2" and str(plan.calls["actor.train"].layout) == "d2f1t2p2"
+    assert plan.shadow_roles == ("actor",) and plan.offpolicy and plan.staleness == 1
+    result = script.price(case, 0, search=False)
+    assert result.predicted_s and 6 < result.predicted_s < 600 and set(result.calls) == set(run.graph.names)
