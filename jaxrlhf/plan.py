@@ -50,6 +50,7 @@ FLAG_KEYS = {
     "seed": "run.seed",
 }
 PLAN_FILES = ("plan.yaml", "timeline.png")
+REPORTS = ("report.txt", "report.json")  # the answer as printed, kept beside the plan for the same question asked again
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -102,11 +103,12 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
     return cfglib.from_dict(data)
 
 
-def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> str:
+def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardware: str) -> tuple[str, dict | None]:
     """Where the plan files go: `--out`, else a folder named after the question: algorithm, model, devices
     and hardware to read, and a hash of everything else the plan depends on (`question_hash`), so another
-    workload gets another folder and the same question the same one. An earlier plan there is kept (a
-    ConfigError, nothing written) unless `--overwrite`."""
+    workload gets another folder and the same question the same one. An earlier answer to the same question
+    there is returned ({"text": ..., "json": ...}: printed again, nothing searched or written); an earlier
+    plan of another question is kept (a ConfigError, nothing written) unless `--overwrite`."""
     if args.out:
         out = args.out
     else:
@@ -118,13 +120,28 @@ def out_folder(args: argparse.Namespace, cfg: cfglib.Config, devices: int, hardw
         raise cfglib.ConfigError(f"--out {out!r} is a file, not a folder; choose another --out")
     earlier = [f for f in PLAN_FILES if os.path.exists(os.path.join(out, f))]
     if earlier and not args.overwrite:
+        stored = stored_answer(out, question_hash(args, cfg, devices, hardware))
+        if stored is not None:
+            return out, stored
         if not args.out:
             raise cfglib.ConfigError(f"{out} already holds {', '.join(earlier)} from an earlier plan of this same "
                                      "question (config, devices, hardware and search settings); nothing was "
                                      "changed. Read them there, or search again and replace them with --overwrite")
         raise cfglib.ConfigError(f"{out} already holds {', '.join(earlier)} from an earlier plan; nothing was "
                                  "changed. Choose another --out, or replace them with --overwrite")
-    return out
+    return out, None
+
+
+def stored_answer(out: str, question: str) -> dict | None:
+    """The answer kept in `out` (`REPORTS`) when it answers `question` (its `question_hash`), else None."""
+    try:
+        with open(os.path.join(out, "report.json")) as f:
+            answer = json.load(f)
+        with open(os.path.join(out, "report.txt")) as f:
+            text = f.read()
+    except (OSError, ValueError):
+        return None
+    return {"text": text, "json": answer} if answer.get("question") == question else None
 
 
 # Keys of the run section that say where a run writes and what it logs: no plan depends on them.
@@ -320,6 +337,7 @@ def report_json(res: SearchResult, algorithm: str, unstreamed: SearchResult | No
         "sync_step_s": (unstreamed.best.step_s if unstreamed else res.best_sync.step_s if res.best_sync else None),
         "async_gain": unstreamed.best.step_s / res.best.step_s if unstreamed else res.async_gain,
         "search_s": res.seconds,
+        "evaluations": res.evaluations,
     }
 
 
@@ -396,7 +414,11 @@ def _main(argv: Sequence[str]) -> int:
             hw = run_setup.hardware.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
             run_setup = dataclasses.replace(run_setup, hardware=hw)
         devices, hw, graph = run_setup.machine.devices, run_setup.hardware, run_setup.graph
-        out = out_folder(args, cfg, devices, hw.name)
+        out, stored = out_folder(args, cfg, devices, hw.name)
+        if stored is not None:  # the same question, answered before: its answer again, nothing searched
+            where = f"answered from the earlier plan of this same question in {out} (--overwrite searches again)"
+            print(json.dumps(stored["json"] | {"stored": True}) if args.json else stored["text"] + where)
+            return 0
         res = run_setup.search(time_budget_s=args.time_budget, iterations=args.iterations,
                                evaluations=args.evaluations)
         unstreamed = None
@@ -416,12 +438,17 @@ def _main(argv: Sequence[str]) -> int:
     res.best.plan.save(os.path.join(out, "plan.yaml"))
     draw_timeline(res.best.timeline, os.path.join(out, "timeline.png"),
                   title=f"searched plan: {res.best.step_s:.3g} s/step on {devices} x {hw.name}")
+    answer = report_json(res, cfg.algorithm.name, unstreamed) | {"out": out}
+    text = (f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}\n"
+            f"{report_text(res, devices, hw.name, unstreamed, run_setup)}\n")
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(answer | {"question": question_hash(args, cfg, devices, hw.name)}, f)
+    with open(os.path.join(out, "report.txt"), "w") as f:
+        f.write(text)
     if args.json:
-        print(json.dumps(report_json(res, cfg.algorithm.name, unstreamed) | {"out": out}))
+        print(json.dumps(answer))
     else:
-        print(f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}")
-        print(report_text(res, devices, hw.name, unstreamed, run_setup))
-        print(f"wrote {os.path.join(out, 'plan.yaml')} and {os.path.join(out, 'timeline.png')}")
+        print(text + f"wrote {os.path.join(out, 'plan.yaml')} and {os.path.join(out, 'timeline.png')}")
     return 0
 
 

@@ -17,7 +17,7 @@ def test_json_output_and_plan_file(tmp_path, capsys):
                "--prompt-len", "16", "--iterations", "300", "--json", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"algorithm", "searched", "presets", "sync_step_s", "async_gain", "search_s", "out"}
+    assert set(out) == {"algorithm", "searched", "presets", "sync_step_s", "async_gain", "search_s", "evaluations", "out"}
     assert out["algorithm"] == "ppo" and out["async_gain"] is None  # no staleness budget: not searched
     assert out["sync_step_s"] == out["searched"]["step_s"]
     assert out["searched"]["step_s"] > 0 and out["search_s"] > 0
@@ -89,18 +89,28 @@ def test_model_preset_is_applied_before_the_config_is_validated(tmp_path):
 
 
 @pytest.mark.slow
-def test_writes_into_a_folder_it_names_and_keeps_an_earlier_plan(tmp_path, capsys, monkeypatch):
+def test_writes_into_a_folder_it_names_and_answers_the_same_question_from_it(tmp_path, capsys, monkeypatch):
+    """The same question asked again prints the answer kept beside its plan (JSON with --json, the text
+    without) and says where it is; nothing is searched or written. Another question into that folder
+    (--out) is refused."""
     monkeypatch.chdir(tmp_path)
     argv = ["--model-preset", "tiny", "--hardware", "cpu", "--batch", "16", "--iterations", "100", "--json"]
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)["out"]
+    first = json.loads(capsys.readouterr().out)
+    out = first["out"]
     assert re.fullmatch(os.path.join("plans", "ppo-tiny-8xcpu-[0-9a-f]{8}"), out)
     assert os.path.exists(os.path.join(out, "plan.yaml"))
     assert not os.path.exists("plan.yaml")  # never into the current folder
     before = os.path.getmtime(os.path.join(out, "plan.yaml"))
-    assert main(argv) == 2
-    assert "already holds plan.yaml" in capsys.readouterr().err
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again.pop("stored") is True and again.pop("question") and again == first
+    assert main(argv[:-1]) == 0  # the text: the plan table, and where it was kept
+    text = capsys.readouterr().out
+    assert "strategy: searched" in text and f"answered from the earlier plan of this same question in {out}" in text
     assert os.path.getmtime(os.path.join(out, "plan.yaml")) == before
+    assert main([*argv, "--out", out, "--gen-len", "64"]) == 2
+    assert "already holds plan.yaml" in capsys.readouterr().err
     assert main([*argv, "--overwrite"]) == 0
     assert main([*argv, "--gen-len", "64"]) == 0  # another workload: another folder, no --overwrite needed
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["out"] != out
@@ -119,7 +129,7 @@ def test_the_default_folder_is_named_after_the_whole_question(tmp_path, monkeypa
 
     def folder(*argv: str) -> str:
         args = parse_args(["--model-preset", "llama2-7b", *argv])
-        return out_folder(args, resolve_config(args), 8, "h100")
+        return out_folder(args, resolve_config(args), 8, "h100")[0]
 
     first = folder("--gen-len", "256")
     assert re.fullmatch(os.path.join("plans", "dpo-llama2-7b-8xh100-[0-9a-f]{8}"), folder("--algorithm", "dpo"))
@@ -131,11 +141,11 @@ def test_the_default_folder_is_named_after_the_whole_question(tmp_path, monkeypa
     other = folder("--gen-len", "896")
     assert other != first and other.startswith(os.path.join("plans", "ppo-llama2-7b-8xh100-"))
     with pytest.raises(cfglib.ConfigError, match="already holds plan.yaml, timeline.png from an earlier plan of this "
-                                                 "same question"):
+                                                 "same question"):  # files without the kept answer
         folder("--gen-len", "256")
     code = ("from jaxrlhf.plan import out_folder, parse_args, resolve_config; "
             "a = parse_args(['--model-preset', 'llama2-7b', '--gen-len', '896']); "
-            "print(out_folder(a, resolve_config(a), 8, 'h100'))")
+            "print(out_folder(a, resolve_config(a), 8, 'h100')[0])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert proc.stdout.strip() == other, proc.stderr
