@@ -56,79 +56,80 @@ class GenerateBackend(Protocol):
 
 
 class Stateless:
-    """A backend that keeps nothing per episode: every request's context is prefilled whole."""
+    """A backend that keeps nothing per episode: each call pads its contexts to `batch_size` rows (copies of the
+    first), so a run compiles one program per prompt bucket, not one per count of waiting requests, and every
+    context is prefilled whole. Subclasses generate (`_generate`) for the padded rows with a call's key."""
+
+    batch_size: int
+
+    def __init__(self, batch_size: int, seed: int = 0):
+        import jax
+
+        self.batch_size = batch_size
+        self._key = jax.random.key(seed)
+        self._calls = 0
 
     def release(self, episode: str) -> None:
         pass
 
-
-class ModelBackend(Stateless):
-    """A `GenerateBackend` on a `models.generation.Generator`: `state()` gives the weights to sample with
-    (the actor's current state, read at every call); rows are padded to `batch_size` with copies of the
-    first, so a run compiles one program per prompt bucket, not one per count of waiting requests."""
-
-    def __init__(self, generator: Any, state: Callable[[], Any], *, max_new_tokens: int, sampling: Any,
-                 max_positions: int, batch_size: int, seed: int = 0):
-        import jax
-
-        self.generator, self.state, self.sampling = generator, state, sampling
-        self.max_new_tokens, self.max_positions, self.batch_size = max_new_tokens, max_positions, batch_size
-        self._key = jax.random.key(seed)
-        self._calls = 0
+    def _generate(self, rows: list[list[int]], key: Any) -> tuple[np.ndarray, ...]:
+        """(response tokens, response mask, log-probs, ended with EOS) of every row, on host."""
+        raise NotImplementedError
 
     def __call__(self, requests: Sequence[Request]) -> list[Sample]:
         import jax
-
-        contexts = [r.context for r in requests]
-        if len(contexts) > self.batch_size:
-            raise ValueError(f"{len(contexts)} contexts for a generate call of {self.batch_size} rows")
-        padded = [list(c) for c in contexts] + [list(contexts[0])] * (self.batch_size - len(contexts))
-        key = jax.random.fold_in(self._key, self._calls)
-        self._calls += 1
-        out = self.generator(self.state(), padded, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
-                             rng=key)
-        tokens, mask, logprobs, eos = (np.asarray(x) for x in jax.device_get(
-            (out.response_tokens, out.response_mask, out.logprobs, out.ended_with_eos)))
-        return [Sample(tokens[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), bool(eos[r]), len(contexts[r]))
-                for r in range(len(contexts))]
-
-
-class PlacedBackend(Stateless):
-    """A `GenerateBackend` on the run's own generate placement: `executor.run_at(call, generate, ...)` runs
-    `generate(params, inputs)` (e.g. the rollout's `generate_call` bound to the run's sampling settings, prefix
-    "") where the plan places `call`, with the role's current parameters brought there. Rows are padded to
-    `batch_size` (the rollout batch, which the placement's batch split divides), so a run compiles one program
-    per prompt bucket."""
-
-    def __init__(self, executor: Any, generate: Callable[..., Any], *, pad_id: int, max_new_tokens: int,
-                 max_positions: int, batch_size: int, sampling: Any = None, call: str = "actor.generate",
-                 seed: int = 0, min_bucket: int = 16):
-        import jax
-
-        self.executor, self.generate, self.call, self.sampling = executor, generate, call, sampling
-        self.pad_id, self.max_new_tokens, self.max_positions = pad_id, max_new_tokens, max_positions
-        self.batch_size, self.min_bucket = batch_size, min_bucket
-        self._key = jax.random.key(seed)
-        self._calls = 0
-
-    def __call__(self, requests: Sequence[Request]) -> list[Sample]:
-        import jax
-
-        from jaxrlhf.models.generation import pad_prompts
 
         contexts = [r.context for r in requests]
         if len(contexts) > self.batch_size:
             raise ValueError(f"{len(contexts)} contexts for a generate call of {self.batch_size} rows")
         rows = [list(c) for c in contexts] + [list(contexts[0])] * (self.batch_size - len(contexts))
-        tokens, mask = pad_prompts(rows, self.pad_id, self.min_bucket)
         key = jax.random.fold_in(self._key, self._calls)
         self._calls += 1
-        out = self.executor.run_at(self.call, self.generate,
-                                   {"prompt_tokens": tokens, "prompt_mask": mask, "rng_generate": key})
-        tokens, mask, logprobs, eos = (np.asarray(out[k]) for k in
-                                       ("response_tokens", "response_mask", "behaviour_logp", "ended_with_eos"))
+        tokens, mask, logprobs, eos = self._generate(rows, key)
         return [Sample(tokens[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), bool(eos[r]), len(contexts[r]))
                 for r in range(len(contexts))]
+
+
+class ModelBackend(Stateless):
+    """A `GenerateBackend` on a `models.generation.Generator`: `state()` gives the weights to sample with
+    (the actor's current state, read at every call)."""
+
+    def __init__(self, generator: Any, state: Callable[[], Any], *, max_new_tokens: int, sampling: Any,
+                 max_positions: int, batch_size: int, seed: int = 0):
+        super().__init__(batch_size, seed)
+        self.generator, self.state, self.sampling = generator, state, sampling
+        self.max_new_tokens, self.max_positions = max_new_tokens, max_positions
+
+    def _generate(self, rows: list[list[int]], key: Any) -> tuple[np.ndarray, ...]:
+        import jax
+
+        out = self.generator(self.state(), rows, max_new_tokens=self.max_new_tokens, sampling=self.sampling, rng=key)
+        return tuple(np.asarray(x) for x in jax.device_get(
+            (out.response_tokens, out.response_mask, out.logprobs, out.ended_with_eos)))
+
+
+class PlacedBackend(Stateless):
+    """A `GenerateBackend` on the run's own generate placement: `executor.run_at(call, generate, ...)` runs
+    `generate(params, inputs)` (e.g. the rollout's `generate_call` bound to the run's sampling settings, prefix
+    "") where the plan places `call`, with the role's current parameters brought there. `batch_size` is the
+    rollout batch, which the placement's batch split divides."""
+
+    def __init__(self, executor: Any, generate: Callable[..., Any], *, pad_id: int, max_new_tokens: int,
+                 max_positions: int, batch_size: int, sampling: Any = None, call: str = "actor.generate",
+                 seed: int = 0, min_bucket: int = 16):
+        super().__init__(batch_size, seed)
+        self.executor, self.generate, self.call, self.sampling = executor, generate, call, sampling
+        self.pad_id, self.max_new_tokens, self.max_positions = pad_id, max_new_tokens, max_positions
+        self.min_bucket = min_bucket
+
+    def _generate(self, rows: list[list[int]], key: Any) -> tuple[np.ndarray, ...]:
+        from jaxrlhf.models.generation import pad_prompts
+
+        tokens, mask = pad_prompts(rows, self.pad_id, self.min_bucket)
+        out = self.executor.run_at(self.call, self.generate,
+                                   {"prompt_tokens": tokens, "prompt_mask": mask, "rng_generate": key})
+        return tuple(np.asarray(out[k]) for k in ("response_tokens", "response_mask", "behaviour_logp",
+                                                  "ended_with_eos"))
 
 
 class CachedBackend:
