@@ -288,19 +288,23 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         raise ValueError(f"{call.name}: generation is never context-parallel; layout {c.layout} has context={c.c}")
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
-    # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps.
-    ctx_len = np.tile(wl.prompt_len + np.arange(wl.gen_len, dtype=np.float64), n // wl.gen_len)
+    # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps (rounds of
+    # gen_len steps). Each step's FLOPs and bytes grow linearly with its context, so the steps' sums (and the
+    # sum of each step's roofline, the larger of two linear terms) are taken in closed form.
+    rounds = n // wl.gen_len
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
 
-    def steps(rows: float) -> tuple[np.ndarray, np.ndarray, float, float]:
-        """FLOPs and bytes per decode step of `rows` rows, the steps' seconds and the tensor collectives'."""
-        flops = (2 * flop_params(cfg, c.head) * rows + attention_flops(cfg, rows, ctx_len)) / c.t
-        hbm = w_tensor + rows * ctx_len * kv_bytes_per_token(cfg) / kv_heads_ways
-        seconds = float(np.maximum(flops / c.flops_s, hbm / c.mem_bw).sum())
+    def steps(rows: float) -> tuple[float, float, float, float]:
+        """The decode steps of `rows` rows: their FLOPs, bytes and seconds summed, and the tensor collectives'."""
+        # per step: flops = f0 + f1 * ctx, bytes = h0 + h1 * ctx, ctx = prompt_len + s for s in 0..gen_len-1
+        f0, f1 = 2 * flop_params(cfg, c.head) * rows / c.t, attention_flops(cfg, rows, 1.0) / c.t
+        h0, h1 = w_tensor, rows * kv_bytes_per_token(cfg) / kv_heads_ways
+        lo, hi = wl.prompt_len, wl.prompt_len + wl.gen_len - 1
+        seconds = rounds * _sum_of_max(f0 / c.flops_s, f1 / c.flops_s, h0 / c.mem_bw, h1 / c.mem_bw, lo, hi)
         tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * rows * cfg.hidden_size * c.act_bytes * n,
                              c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
-        return flops, hbm, seconds, tp
+        return rounds * _linear_sum(f0, f1, lo, hi), rounds * _linear_sum(h0, h1, lo, hi), seconds, tp
 
     flops_steps, hbm_steps, decode, tp = steps(seqs)
     _, _, decode_half, tp_half = steps(seqs / 2)
@@ -319,9 +323,26 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     comm = pre["tp_bytes"] + pre["fsdp_bytes"] + (
         2 * (c.t - 1) / c.t * TP_ALLREDUCES_PER_LAYER * cfg.num_layers * seqs * cfg.hidden_size * c.act_bytes * n
     ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * w_tensor
-    cost = _finish(parts, pre["flops"] + float(flops_steps.sum()), pre["hbm"] + float(hbm_steps.sum()), comm)
+    cost = _finish(parts, pre["flops"] + flops_steps, pre["hbm"] + hbm_steps, comm)
     grows = 2 * (decode + tp - decode_half - tp_half)  # of the steps' seconds, what is in proportion to rows
     return dataclasses.replace(cost, decode_width_share=_share(grows, cost.seconds - parts["prefill"]))
+
+
+def _linear_sum(a: float, b: float, lo: int, hi: int) -> float:
+    """Sum of a + b x over the integers x in lo..hi."""
+    count = hi - lo + 1
+    return count * a + b * (lo + hi) * count / 2 if count > 0 else 0.0
+
+
+def _sum_of_max(a1: float, b1: float, a2: float, b2: float, lo: int, hi: int) -> float:
+    """Sum of max(a1 + b1 x, a2 + b2 x) over the integers x in lo..hi: the two lines cross at most once, so each
+    side of the crossing is a linear sum."""
+    if b1 == b2:
+        return _linear_sum(max(a1, a2), b1, lo, hi)
+    cross = (a2 - a1) / (b1 - b2)  # the first line is above the second for x > cross when b1 > b2
+    split = min(max(math.floor(cross), lo - 1), hi)  # x <= split on one side, x > split on the other
+    below, above = ((a2, b2), (a1, b1)) if b1 > b2 else ((a1, b1), (a2, b2))
+    return _linear_sum(*below, lo, split) + _linear_sum(*above, split + 1, hi)
 
 
 def _share(grows: float, total: float) -> float:

@@ -130,3 +130,22 @@ def test_generation_prefills_each_group_once_and_continuous_decodes_a_slot_pool(
     assert working_set(GEN, CFG, Layout(), small)["kv_cache"] == (2 * (8 * 128 + 100 * 16) + prefix) * per_token
     with pytest.raises(ValueError, match="gen_group"):
         Workload(batch_size=64, gen_group=5)
+
+
+def test_the_decode_steps_roofline_sums_in_closed_form():
+    """A decode step's FLOPs and bytes grow linearly with its context, so the sum of the steps' rooflines (the
+    larger of two lines) is summed in closed form (`cost._sum_of_max`): equal to the step-by-step sum."""
+    import random
+
+    import numpy as np
+
+    from jaxrlhf.planner.cost import _sum_of_max
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a1, b1, a2, b2 = (rng.uniform(-5, 5) for _ in range(4))
+        lo = rng.randint(0, 50)
+        hi = lo + rng.randint(-1, 100)
+        x = np.arange(lo, hi + 1, dtype=float)
+        want = float(np.maximum(a1 + b1 * x, a2 + b2 * x).sum()) if len(x) else 0.0
+        assert _sum_of_max(a1, b1, a2, b2, lo, hi) == pytest.approx(want, rel=1e-9, abs=1e-9)
