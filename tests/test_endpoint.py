@@ -646,7 +646,7 @@ def _agent_episodes(model, tokenizer, agent, batch_size):
 
     return AgentEpisodes(AgentServerConfig(window_ms=50.0), agent, graphdef=nnx.split(model)[0], tokenizer=tokenizer,
                          sampling=GREEDY, max_new_tokens=64, turn_tokens=NEW_TOKENS, response_budget=64,
-                         batch_size=batch_size,
+                         batch_size=batch_size, max_prompt_tokens=128,  # the cache's prompt bucket: tools fit
                          max_positions=model.config.max_position_embeddings, eos_ids=(IM_END,))
 
 
