@@ -238,9 +238,7 @@ def _train_layout(spec: dict, size: int, where: str) -> Layout:
     backend = str(spec.get("backend", "")).lower()
     # an FSDP group counts the sequence-parallel devices too (verl's Ulysses groups live inside it); jaxrlhf
     # shards parameters over the devices outside the context axis, at most fsdp_size of them
-    fsdp = min(int(spec.get("fsdp_size") or rest), rest) if backend.startswith(FSDP_BACKENDS) else 1
-    if rest % fsdp:
-        raise CaseError(f"{where}: fsdp_size={fsdp} does not divide the {rest} devices outside tp/pp/cp/ep")
+    fsdp = math.gcd(int(spec.get("fsdp_size") or rest), rest) if backend.startswith(FSDP_BACKENDS) else 1
     return Layout(data=rest // fsdp, fsdp=fsdp, tensor=t, stage=p, context=c, expert=e)
 
 
@@ -317,6 +315,7 @@ class Result:
     over_memory: bool = False  # jaxrlhf's runtime would not hold the peer's placement (priced for time anyway)
     mean: float | None = None  # the mean response length priced with
     fitted: bool = False  # its mean length was fitted to its published time (a check of its pair, not of itself)
+    fit_note: str | None = None  # the fit of its pair's length stopped at a bound
 
     @property
     def ratio(self) -> float | None:
@@ -396,22 +395,31 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
                   float(case["response_len"]["mean"]))
 
 
-def fitted_mean(case: dict) -> float:
+FIT_FLOOR = 16.0  # the shortest mean response a fit tries
+
+
+def fitted_mean(case: dict) -> tuple[float, str | None]:
     """The mean response length at which the case's own placement is priced at its published step time (for a
-    workload whose source publishes no lengths): bisection, the step growing with the length."""
-    lo, hi = 16.0, float(case["response_len"]["max"])
+    workload whose source publishes no lengths): bisection, the step growing with the length. With a note
+    when no length reaches the published time (the fit stops at the cap or the floor)."""
+    lo, hi = FIT_FLOOR, float(case["response_len"]["max"])
     target = float(case["published"]["step_s"])
+    at = lambda mean: price(case, 0, mean=mean, search=False).predicted_s  # noqa: E731
+    if at(hi) < target:
+        return hi, "priced below the published time even at the cap: the fit stops there"
+    if at(lo) > target:
+        return lo, "priced above the published time even at the floor: the fit stops there"
     for _ in range(14):
         mid = math.sqrt(lo * hi)
-        step = price(case, 0, mean=mid, search=False).predicted_s
+        step = at(mid)
         lo, hi = (mid, hi) if step is not None and step < target else (lo, mid)
-    return math.sqrt(lo * hi)
+    return math.sqrt(lo * hi), None
 
 
 def price_all(cases: list[dict], evaluations: int, report=lambda r: None) -> list[Result]:
     """Every case priced: with its published mean length, or (none published) with the length fitted on its
     pair's colocated row (`fitted_mean`), which then checks the pair's split row."""
-    fits: dict[str, float] = {}
+    fits: dict[str, tuple[float, str | None]] = {}
     for case in cases:
         key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
         if case["response_len"].get("mean") is None and side == "colocated":
@@ -422,7 +430,8 @@ def price_all(cases: list[dict], evaluations: int, report=lambda r: None) -> lis
         if case["response_len"].get("mean") is not None:
             r = price(case, evaluations)
         elif key in fits:
-            r = dataclasses.replace(price(case, evaluations, mean=fits[key]), fitted=side == "colocated")
+            mean, note = fits[key]
+            r = dataclasses.replace(price(case, evaluations, mean=mean), fitted=side == "colocated", fit_note=note)
         else:
             raise CaseError(f"case {case['name']!r}: field 'response_len.mean': none published and its pair "
                             f"{key!r} has no colocated row to fit it on")
@@ -493,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         rows = [{"name": r.name, "source": r.source, "published_s": r.published_s, "predicted_s": r.predicted_s,
                  "ratio": r.ratio, "reason": r.reason, "pick_s": r.pick_s, "gain": r.gain, "calls_s": r.calls,
-                 "mean_response": r.mean, "mean_fitted_here": r.fitted, "over_jaxrlhf_memory": r.over_memory,
+                 "mean_response": r.mean, "mean_fitted_here": r.fitted, "fit_note": r.fit_note,
+                 "over_jaxrlhf_memory": r.over_memory,
                  "peer_plan": r.peer.to_dict(), "searched_plan": r.pick.to_dict() if r.pick else None}
                 for r in results]
         with open(args.out, "w") as f:
@@ -509,6 +519,7 @@ def _print_row(r: Result) -> None:
     pick = f"{r.pick_s:8.1f}" if r.pick_s else f"{'n/a':>8}"
     gain = f"{r.gain:5.2f}x" if r.gain else "   n/a"
     how = "  (mean length fitted here)" if r.fitted else ""
+    how += f"  ({r.fit_note})" if r.fit_note else ""
     print(f"{r.name:46s} published {r.published_s:8.1f}  predicted {pred}  ratio {ratio}  searched {pick}  "
           f"gain {gain}  mean response {r.mean:6.0f}{how}", flush=True)
 
