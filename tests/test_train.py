@@ -67,8 +67,9 @@ def test_strategy_matches_colocated(strategy, colocated, tmp_path):
         # Parameters really moved between placements, device to device.
         assert all(r["realloc/bytes"] > 0 for r in records)
     else:
-        # Interleaved: parameters stay home; only rollout data crosses between the groups.
-        assert all(r["realloc/bytes"] == 0 and r["transfer/bytes"] > 0 for r in records)
+        # Interleaved: rollout data crosses between the groups; the actor generates on a tensor-parallel copy
+        # in its own group (moved inside it, as the colocated hybrid engine does), never across groups.
+        assert all(r["transfer/bytes"] > 0 for r in records)
 
 
 def _assert_same_metrics(ref_records, records, label):

@@ -6,7 +6,7 @@ that ignores it mis-prices the step (and a re-plan cannot see it). The scoring i
 calls that read the scores, lasting `score_seconds`:
 
 - `rewards.workers=0`: the trainer scores the batch after generation, `at_once` rows in the time of one
-  (`reward_pool.rows_at_once`: `remote`'s `concurrency`): ceil(B / at_once) rounds.
+  (`rewards.pool.rows_at_once`: `remote`'s `concurrency`): ceil(B / at_once) rounds.
 - workers W, a batch at a time: `RewardPool.score` splits the batch into W contiguous chunks, one per
   worker: ceil(ceil(B / W) / at_once) rounds.
 - workers W, streamed (`generation.partial_rollout` with eta >= 1): each sample is scored as it ends,
@@ -17,7 +17,7 @@ calls that read the scores, lasting `score_seconds`:
   stream's decoding of the next step during that wait is not counted as hiding it (conservative).
 
 A round lasts `Workload.reward_row_s`: the seconds of one row measured by the run
-(`reward_pool.RewardTiming`, read by `Algorithm.workload`); 0 (not measured yet) prices nothing.
+(`rewards.pool.RewardTiming`, read by `Algorithm.workload`); 0 (not measured yet) prices nothing.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Workload:
       priced by the shapes the runtime's packer gives the drawn lengths (`packed_shape`).
     - `reward_row_s`, `reward_at_once`, `reward_workers`: rule rewards (the `score_rules` host step):
       one row's measured seconds (0: not measured, not priced), the rows the rules score in the time of
-      one (`reward_pool.rows_at_once`; None: one at a time) and `rewards.workers`; priced by
+      one (`rewards.pool.rows_at_once`; None: one at a time) and `rewards.workers`; priced by
       `planner.rewards.score_seconds`.
     - `multi_turn`, `env_extend_width`, `env_decode_steps`, `env_extends`, `env_wait_s`: the generate call
       plays multi-turn episodes (`env.name`, `models.multiturn`): every device runs the whole batch (the
@@ -341,7 +341,7 @@ class Workload:
             return tuple(float(s / n) for s in lengths.max(axis=1))
         slots = pool_size(rows, self.slots, batch_ways) // batch_ways
         if streamed:
-            groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `run.generator`'s
+            groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `rollouts.stream`'s
             runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
                                    groups, self.gen_chunk, self.staleness)
         else:
@@ -371,7 +371,7 @@ class Workload:
 
     def stream_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns one device keeps between steps for a partial-rollout stream (`gen_stream`): its
-        page pool, whose group slots hold the prompts of staleness + 1 batches (`run.generator`), lives on
+        page pool, whose group slots hold the prompts of staleness + 1 batches (`rollouts.stream`), lives on
         the generate call's devices for the whole run; 0 without a stream."""
         rows = self.call_seqs(call)
         if not self.gen_stream or self.gen_engine != "continuous" or rows % batch_ways:
@@ -418,7 +418,7 @@ def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[
 @functools.lru_cache(maxsize=256)
 def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
                     chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
-    """(steps, summed width / slots) of a partial-rollout stream (`run.generator`, `models.streaming`)
+    """(steps, summed width / slots) of a partial-rollout stream (`rollouts.stream`, `models.streaming`)
     between one batch's completion and the next's, per batch of `lengths` [batches][rows], in steady state
     (the batches run three times over; the middle round's are returned: work enters it from the round
     before and leaves it for the round after). As the runtime runs it: `group_slots`
