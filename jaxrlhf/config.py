@@ -57,7 +57,9 @@ from jaxrlhf.config_schema import (
     positive,
     unit_interval,
 )
-from jaxrlhf.yaml_input import MAX_ALIAS_NODES, load as _load_yaml, read as _read_yaml
+from jaxrlhf.yaml_input import MAX_ALIAS_NODES
+from jaxrlhf.yaml_input import load as _load_yaml
+from jaxrlhf.yaml_input import read as _read_yaml
 
 __all__ = [
     # the schema (jaxrlhf.config_schema)

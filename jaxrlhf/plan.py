@@ -30,12 +30,12 @@ import sys
 from typing import Any, Sequence
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run import planning
 from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.budget import budget_line
 from jaxrlhf.planner.hardware import GB
 from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, SearchResult
 from jaxrlhf.planner.simulator import Timeline
+from jaxrlhf.run import planning
 
 GiB = 2**30
 

@@ -80,10 +80,9 @@ class Timer:
         from flax import nnx
         from jax.sharding import NamedSharding
 
+        from jaxrlhf.models.sampling import SamplingParams
         from jaxrlhf.models.transformer import build_model
         from jaxrlhf.placement.layout import activation_resolver, batch_spec, make_mesh, param_shardings
-
-        from jaxrlhf.models.sampling import SamplingParams
 
         self.cfg, self.layout, self.repeats = cfg, layout, repeats
         self.wl, self.sampling = wl, sampling or SamplingParams()  # the engine decode runs (None: static)

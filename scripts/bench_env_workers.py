@@ -68,8 +68,8 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from jaxrlhf.environments.pool import EnvPool
     from jaxrlhf.environments import EnvironmentContext, make_environment
+    from jaxrlhf.environments.pool import EnvPool
     from jaxrlhf.models import multiturn as mt
     from jaxrlhf.models.config import preset
     from jaxrlhf.models.sampling import SamplingParams

@@ -59,11 +59,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxrlhf.models import generation as gen  # noqa: E402
-from jaxrlhf.models.continuous import continuous_fn, kv_cache_bytes, kv_column_bytes  # noqa: E402
-from jaxrlhf.models.slots import kv_columns, page_size, pool_size  # noqa: E402
 from jaxrlhf.models.config import ModelConfig, preset  # noqa: E402
+from jaxrlhf.models.continuous import continuous_fn, kv_cache_bytes, kv_column_bytes  # noqa: E402
 from jaxrlhf.models.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from jaxrlhf.models.sampling import GREEDY, SamplingParams  # noqa: E402
+from jaxrlhf.models.slots import kv_columns, page_size, pool_size  # noqa: E402
 from jaxrlhf.models.transformer import build_model  # noqa: E402
 
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}

@@ -65,8 +65,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ppo import (  # noqa: E402
-    _cfg, byte_tokenizer_hf, comparison, finish, hf_special_ids, on_device, prompt_rows, run_jaxrlhf, summarize,
-    torch_dtype_name, trl_thread_counts,
+    _cfg,
+    byte_tokenizer_hf,
+    comparison,
+    finish,
+    hf_special_ids,
+    on_device,
+    prompt_rows,
+    run_jaxrlhf,
+    summarize,
+    torch_dtype_name,
+    trl_thread_counts,
 )
 
 TRL_MISSING = (
@@ -153,10 +162,9 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     if int(threads) > 0:
         torch.set_num_threads(int(threads))
     import transformers
+    import trl
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
-
-    import trl
     from trl import GRPOConfig, GRPOTrainer
 
     from jaxrlhf.rewards.rules import CombinedReward

@@ -81,7 +81,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ppo import (  # noqa: E402
-    _cfg, _median, byte_tokenizer_hf, finish, hf_special_ids, on_device, prompt_rows, run_jaxrlhf,
+    _cfg,
+    _median,
+    byte_tokenizer_hf,
+    finish,
+    hf_special_ids,
+    on_device,
+    prompt_rows,
+    run_jaxrlhf,
 )
 
 TUNIX_VERSION = "0.1.7"
@@ -120,12 +127,12 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
     else:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n_dev)  # before tunix touches a backend
+    from importlib.metadata import version
+
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
-    from importlib.metadata import version
-
     from tunix.models.llama3 import model as llama3
     from tunix.models.llama3 import params as llama3_params
     from tunix.rl import rl_cluster as rl
@@ -243,7 +250,6 @@ def tunix_worker(spec_path: str, out_path: str) -> None:
 def jax_worker(spec_path: str, out_path: str) -> None:
     """Runs jaxrlhf's GRPO (`jaxrlhf.train.run`) on `devices` simulated CPU devices."""
     spec = json.loads(Path(spec_path).read_text())
-    from jaxrlhf import train
 
     # on cuda the spec's overrides hold the GPU's (jaxrlhf_device_overrides): one process sees its GPUs
     overrides = spec["overrides"] + ([] if spec.get("device") == "cuda" else [f"run.devices={spec['devices']}"])
@@ -409,8 +415,8 @@ def main() -> int:
     args.skip_tunix = args.skip_tunix or bool(engines)
     overrides = on_device(args.config, WORKLOAD + ["sft.steps=0"] + list(args.overrides), args.device)
     cfg = _cfg(args.config, overrides, [])
-    from jaxrlhf.run.backend import setup_devices
     from jaxrlhf.models.tokenizer import load_tokenizer
+    from jaxrlhf.run.backend import setup_devices
     from jaxrlhf.run.planning import role_configs
 
     # this process only draws prompts and writes the HF checkpoint: on the CPU, leaving a GPU to the workers

@@ -43,8 +43,8 @@ def worker(spec: dict) -> None:
     """One process: train, timing host_get and barriers per step; process 0 writes the timings."""
     from jaxrlhf import config as cfglib
     from jaxrlhf import train
-    from jaxrlhf.run.backend import setup_devices
     from jaxrlhf.placement import executor
+    from jaxrlhf.run.backend import setup_devices
     from jaxrlhf.transfer import host, processes, realloc
 
     run = cfglib.RunConfig(platform="cpu", devices=spec["devices"], distributed=spec["processes"] > 1,

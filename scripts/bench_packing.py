@@ -57,9 +57,9 @@ from jaxrlhf.models.packing import pack_batch  # noqa: E402
 from jaxrlhf.models.sampling import SamplingParams  # noqa: E402
 from jaxrlhf.models.transformer import build_model, positions_from_mask  # noqa: E402
 from jaxrlhf.planner.cost import call_cost  # noqa: E402
-from jaxrlhf.planner.workload import Workload  # noqa: E402
 from jaxrlhf.planner.measured import Measured, Table, model_key  # noqa: E402
 from jaxrlhf.planner.plan import DeviceGroup, Layout  # noqa: E402
+from jaxrlhf.planner.workload import Workload  # noqa: E402
 
 PROMPT = 16
 MINIBATCHES = 4

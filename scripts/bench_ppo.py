@@ -271,14 +271,13 @@ def trl_worker(spec_path: str, out_path: str, threads: str = "0") -> None:
     if int(threads) > 0:
         torch.set_num_threads(int(threads))
     import transformers
+    import trl
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
         PreTrainedTokenizerFast,
     )
-
-    import trl
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())

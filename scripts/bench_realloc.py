@@ -64,11 +64,11 @@ def main(argv=None) -> int:
     from flax import nnx
     from jax.sharding import NamedSharding
 
+    from jaxrlhf.models.config import ModelConfig
+    from jaxrlhf.models.transformer import build_model
     from jaxrlhf.placement.layout import make_mesh, param_shardings
     from jaxrlhf.planner.plan import DeviceGroup, Layout
     from jaxrlhf.transfer.realloc import reallocate, tree_bytes
-    from jaxrlhf.models.config import ModelConfig
-    from jaxrlhf.models.transformer import build_model
 
     vocab, hidden, mlp, layers, heads, kv = SIZES[args.size]
     cfg = ModelConfig(
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             del out
             g1, g2 = guards()
             with g1, g2:
-                out, secs = timed(lambda: jax.device_put(mirror, dst_sh))
+                out, secs = timed(lambda m=mirror: jax.device_put(m, dst_sh))
             del out
             if rep:  # the first round compiles
                 realloc_s.append(stats.seconds)

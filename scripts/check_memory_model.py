@@ -95,7 +95,6 @@ def main() -> None:
 
 def _config(model: str, args):
     from jaxrlhf import config as cfglib
-
     from jaxrlhf.models.config import PRESETS
 
     micro = args.micro_batch or None

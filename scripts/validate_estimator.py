@@ -66,18 +66,18 @@ def main() -> None:
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxrlhf.planner.cost import call_cost
-    from jaxrlhf.planner.workload import Workload
-    from jaxrlhf.planner.sizes import kv_bytes_per_token, param_bytes
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.placement.calibrate import best_time, calibrate
-    from jaxrlhf.planner.hardware import get_profile
-    from jaxrlhf.models import pipeline
-    from jaxrlhf.placement.layout import STAGE_AXIS, activation_resolver, batch_spec, make_mesh, param_shardings
-    from jaxrlhf.planner.plan import DeviceGroup, Layout
     from jaxrlhf.models import axes as ax
+    from jaxrlhf.models import pipeline
     from jaxrlhf.models.config import preset
     from jaxrlhf.models.transformer import build_model
+    from jaxrlhf.placement.calibrate import best_time, calibrate
+    from jaxrlhf.placement.layout import STAGE_AXIS, activation_resolver, batch_spec, make_mesh, param_shardings
+    from jaxrlhf.planner.cost import call_cost
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+    from jaxrlhf.planner.sizes import kv_bytes_per_token, param_bytes
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.profile import Timer
 
     if args.profile and os.path.exists(args.profile):

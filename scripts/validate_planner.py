@@ -101,9 +101,9 @@ PLANS = PRESETS + VARIANTS + ("planner-pick",)
 def candidates(cfg, algorithm, models, n: int, hw, names, search_budget: float) -> list[Candidate]:
     """The plans `names` (of PLANS): presets, colocated variants and the planner's pick, deduplicated
     and each checked by the runtime's own plan validation (those that cannot run are skipped, saying why)."""
-    from jaxrlhf.run import planning
     from jaxrlhf.planner.plan import Layout, PlanError, validate
     from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.run import planning
 
     graph = algorithm.graph()
     batch = algorithm.batch_rows

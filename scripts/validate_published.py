@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from jaxrlhf import config as cfglib  # noqa: E402
 from jaxrlhf.models.config import PRESETS  # noqa: E402
 from jaxrlhf.planner.hardware import PROFILES  # noqa: E402
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, PlanError, Placement, layout_misfit  # noqa: E402
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit  # noqa: E402
 from jaxrlhf.yaml_input import read as read_yaml  # noqa: E402
 
 DEFAULT_SIGMA = 0.8  # spread of response lengths where a case states none

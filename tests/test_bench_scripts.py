@@ -148,9 +148,9 @@ def test_step_breakdown_sets_each_call_against_its_flops(tmp_path, capsys):
 
     # a run folder's plan.yaml and hardware.yaml (what `train` writes) are what the run ran: no re-planning
     from jaxrlhf import config as cfglib
-    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.run import planning
 
     config = args[args.index("--config") + 1]
     cfg = cfglib.load_config(config, [])

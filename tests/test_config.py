@@ -519,10 +519,10 @@ def test_the_checked_in_reference_is_current():
 
 def test_name_tables_are_registries():
     """Every table config validation looks names up in is a `Registry`: one did-you-mean for all."""
-    from jaxrlhf.rewards.rules import REWARD_FUNCTIONS
     from jaxrlhf.data.answers import ANSWER_EXTRACTORS
     from jaxrlhf.models.config import PRESETS
     from jaxrlhf.registry import Registry
+    from jaxrlhf.rewards.rules import REWARD_FUNCTIONS
 
     for table in (ALGORITHM_CONFIGS, PRESETS, ANSWER_EXTRACTORS, REWARD_FUNCTIONS):
         assert isinstance(table, Registry)

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run import planning
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import plan_memory
+from jaxrlhf.run import planning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,9 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlhf.models.generation import Generator, generate
-from jaxrlhf.models.sampling import GREEDY
-from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.environments.agents import (
     AgentRollout,
     agent_output,
@@ -32,6 +29,9 @@ from jaxrlhf.environments.agents import (
 from jaxrlhf.environments.backends import ModelBackend
 from jaxrlhf.environments.records import decode_with_special_tokens
 from jaxrlhf.environments.server import ChatEndpoint
+from jaxrlhf.models.generation import Generator, generate
+from jaxrlhf.models.sampling import GREEDY
+from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.testing.models import random_model, save_tiny_tokenizer, tiny_config
 
 openai = pytest.importorskip("openai")
@@ -315,8 +315,8 @@ def test_agent_episodes_are_the_generate_calls_outputs_with_the_steps_parameters
     handed over for this step (a second step's other parameters answer as that model does), as the generate
     call's outputs: prompt bucket + generation.max_new_tokens columns, action_mask, env_reward."""
     from jaxrlhf.config_schema import AgentServerConfig
-    from jaxrlhf.models.lengths import bucket_length
     from jaxrlhf.environments.agents import AgentEpisodes
+    from jaxrlhf.models.lengths import bucket_length
 
     graphdef, state = nnx.split(model)
     other = jax.tree.map(lambda x: x * 1.5, state)
@@ -490,12 +490,12 @@ def test_placed_backend_answers_on_the_generate_placement(model, tokenizer, devi
     over two devices, through the executor), answering as the unsharded model does."""
     import functools
 
-    from jaxrlhf.rollouts.graph import generate_call
+    from jaxrlhf.environments.backends import PlacedBackend
     from jaxrlhf.graph import CallGraph, CallSpec
     from jaxrlhf.placement.calls import CallCache
     from jaxrlhf.placement.executor import Executor, Role
     from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, validate
-    from jaxrlhf.environments.backends import PlacedBackend
+    from jaxrlhf.rollouts.graph import generate_call
 
     outputs = ("tokens", "mask", "positions", "response_tokens", "response_mask", "behaviour_logp", "ended_with_eos")
     graph = CallGraph((CallSpec("actor.generate", "actor", "generate",

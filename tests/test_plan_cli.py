@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from jaxrlhf.planner.plan import ExecutionPlan
 from jaxrlhf import config as cfglib
 from jaxrlhf.plan import main, parse_args, resolve_config
+from jaxrlhf.planner.plan import ExecutionPlan
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
@@ -178,9 +178,9 @@ def test_any_device_count_plans_or_is_refused_with_a_reason(devices, tmp_path, c
 def test_train_and_plan_choose_the_same_plan(tmp_path, capsys, monkeypatch):
     """Both tools take jaxrlhf.run.planning's path with its defaults (hardware, seed, off-policy, budget).
     Fewer search iterations for both, so a loaded machine never hits the time budget."""
-    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import build_algorithm
     from jaxrlhf.planner import search as search_module
+    from jaxrlhf.run import planning
 
     monkeypatch.setattr(search_module, "DEFAULT_ITERATIONS", 300)
     overrides = ["data.batch_size=16", "generation.max_new_tokens=8", "plan.hardware=cpu"]

@@ -3,11 +3,11 @@
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run import planning
 from jaxrlhf import profile as prof
 from jaxrlhf.algorithms import build_algorithm
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.simulator import estimate_plan
+from jaxrlhf.run import planning
 from jaxrlhf.testing import compile_cache
 
 

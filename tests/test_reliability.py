@@ -15,9 +15,10 @@ import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf import train
-from jaxrlhf.run import folder as run_dir, planning
 from jaxrlhf.errors import RunError
 from jaxrlhf.metrics import read_metrics
+from jaxrlhf.run import folder as run_dir
+from jaxrlhf.run import planning
 from jaxrlhf.testing import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,8 +153,8 @@ def test_damage_another_process_sees_moves_every_process_to_the_older_step(tmp_p
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf.transfer import processes
     from jaxrlhf.checkpoint import CheckpointManager
+    from jaxrlhf.transfer import processes
 
     def tree(v):
         return {"actor": {"params": {"w": jnp.full((4, 3), v, jnp.float32)}}}

@@ -63,7 +63,7 @@ class AdvantageBatch:
     rewards: TokenArray
     mask: TokenArray | Bool[Array, "batch time"]
     values: TokenArray | None = None
-    baseline_rewards: Float[Array, "batch"] | None = None
+    baseline_rewards: Float[Array, " batch"] | None = None
 
 
 class AdvantageFn(Protocol):
@@ -116,7 +116,7 @@ def _next_in_mask(x: TokenArray, mask: TokenArray) -> TokenArray:
     """For every position, `x` at the next position inside `mask` (0 when none follows): the plain shift by
     one for a mask without gaps, the first model token after an observation for a multi-turn mask."""
 
-    def step(following: Float[Array, "batch"], xs):
+    def step(following: Float[Array, " batch"], xs):
         x_t, m_t = xs
         return jnp.where(m_t > 0, x_t, following), following
 
@@ -161,11 +161,11 @@ def gae(batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 1.0) -> tuple
     return advantages, returns
 
 
-def _sequence_rewards(batch: AdvantageBatch) -> Float[Array, "batch"]:
+def _sequence_rewards(batch: AdvantageBatch) -> Float[Array, " batch"]:
     return masked_sum(batch.rewards.astype(jnp.float32), _float_mask(batch), axis=-1)
 
 
-def _grouped(x: Float[Array, "batch"], group_size: int) -> Float[Array, "prompts group"]:
+def _grouped(x: Float[Array, " batch"], group_size: int) -> Float[Array, "prompts group"]:
     if group_size < 1 or x.shape[0] % group_size:
         raise ValueError(
             f"batch of {x.shape[0]} sequences is not a whole number of groups of group_size={group_size}; "
@@ -174,7 +174,7 @@ def _grouped(x: Float[Array, "batch"], group_size: int) -> Float[Array, "prompts
     return x.reshape(-1, group_size)
 
 
-def _broadcast(seq_adv: Float[Array, "batch"], batch: AdvantageBatch) -> tuple[TokenArray, TokenArray]:
+def _broadcast(seq_adv: Float[Array, " batch"], batch: AdvantageBatch) -> tuple[TokenArray, TokenArray]:
     adv = seq_adv[:, None] * _float_mask(batch)
     return adv, adv
 
@@ -237,7 +237,7 @@ def remax(batch: AdvantageBatch, *, gamma: float = 1.0) -> tuple[TokenArray, Tok
 def _returns_to_go(rewards: TokenArray, mask: TokenArray, gamma: float) -> TokenArray:
     """G_t = sum_{k >= t} gamma^(k - t) r_k inside the mask (a reverse scan: one loop for any T)."""
 
-    def step(next_return: Float[Array, "batch"], xs):
+    def step(next_return: Float[Array, " batch"], xs):
         r_t, m_t = xs
         g_t = (r_t + gamma * next_return) * m_t
         return jnp.where(m_t > 0, g_t, next_return), g_t  # carried across a gap in the mask (observations)

@@ -32,7 +32,6 @@ from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.models.transformer import positions_from_mask
 
 
-
 def dpo_loss(
     logp: jax.Array, ref_logp: jax.Array, lengths: jax.Array, *, beta: float, label_smoothing: float, kind: str,
     present: jax.Array | None = None,

@@ -66,7 +66,7 @@ def kl_per_token(
 
 
 def token_level_rewards(
-    scores: Float[Array, "batch"],
+    scores: Float[Array, " batch"],
     mask: Mask,
     kl: TokenArray | None = None,
     kl_coef: float | Float[Array, ""] = 0.0,

@@ -18,7 +18,6 @@ from jaxrlhf.models.sampling import next_token_logprobs
 from jaxrlhf.models.transformer import positions_from_mask
 
 
-
 def pair_arrays(batch: Any) -> dict[str, Any]:
     """A `PreferenceBatch` as the named inputs of a pair call."""
     return {
@@ -34,7 +33,7 @@ def _stacked(inputs: dict[str, Any], name: str) -> jax.Array:
 
 def pair_scores(
     graphdef: nnx.GraphDef, params: nnx.State, inputs: dict[str, Any]
-) -> tuple[Float[Array, "batch"], Float[Array, "batch"]]:
+) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
     """Reward-model scores of the chosen and the rejected sequence of every pair."""
     tokens, mask = _stacked(inputs, "tokens"), _stacked(inputs, "mask")
     scores = nnx.merge(graphdef, params)(tokens, positions_from_mask(mask), mask)

@@ -12,7 +12,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.algorithms.stats import last_token_onehot
 
-
 # ---------------------------------------------------------------- shaping
 
 
@@ -20,7 +19,7 @@ def sequence_ended_with_eos(
     tokens: Int[Array, "batch time"],
     mask: Float[Array, "batch time"] | Bool[Array, "batch time"],
     eos_token_id: int | Sequence[int],
-) -> Bool[Array, "batch"]:
+) -> Bool[Array, " batch"]:
     """True where the last response token is an EOS (the model chose to stop, it was not cut off).
 
     `eos_token_id` may list several ids (Llama 3.1 ends turns with any of three); each counts.
@@ -32,15 +31,15 @@ def sequence_ended_with_eos(
 
 
 def shape_scores(
-    scores: Float[Array, "batch"],
-    ended_with_eos: Bool[Array, "batch"] | None = None,
+    scores: Float[Array, " batch"],
+    ended_with_eos: Bool[Array, " batch"] | None = None,
     *,
     bias: float = 0.0,
     scale: float = 1.0,
     clip: float | None = 20.0,
     eos_only: bool = True,
     no_eos_score: float = 0.0,
-) -> Float[Array, "batch"]:
+) -> Float[Array, " batch"]:
     """(score - bias) * scale, clipped to ±clip; `no_eos_score` for sequences that did not end with EOS.
 
     Used for reward-model and rule scores alike (ReaLHF defaults):
@@ -62,8 +61,8 @@ def shape_scores(
 
 
 def overlong_penalty(
-    lengths: Int[Array, "batch"] | Float[Array, "batch"], *, max_len: int, buffer: int, penalty: float = 1.0
-) -> Float[Array, "batch"]:
+    lengths: Int[Array, " batch"] | Float[Array, " batch"], *, max_len: int, buffer: int, penalty: float = 1.0
+) -> Float[Array, " batch"]:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to `max_len - buffer` response
     tokens, then falling linearly to `-penalty` at `max_len`.
 

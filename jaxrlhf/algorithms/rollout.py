@@ -43,13 +43,25 @@ from jaxrlhf.algorithms.correction import Correction
 from jaxrlhf.algorithms.evaluation import pass_at_k
 from jaxrlhf.algorithms.kl import adaptive_kl_coef
 from jaxrlhf.algorithms.rollout_calls import (  # noqa: F401  (the family's calls, as the runtime binds them)
-    RLSettings, critic_values, policy_logprobs, reward_scores, sampling_params,
+    RLSettings,
+    critic_values,
+    policy_logprobs,
+    reward_scores,
+    sampling_params,
 )
 from jaxrlhf.algorithms.rollout_host import (  # noqa: F401
-    GroupFilter, repeat_rows, select_groups, simulated_lengths, trim_responses,
+    GroupFilter,
+    repeat_rows,
+    select_groups,
+    simulated_lengths,
+    trim_responses,
 )
 from jaxrlhf.algorithms.rollout_train import (  # noqa: F401
-    actor_train, critic_train, model_tokens, rollout_advantages, shaped_scores,
+    actor_train,
+    critic_train,
+    model_tokens,
+    rollout_advantages,
+    shaped_scores,
 )
 from jaxrlhf.algorithms.stats import RunningMoments
 from jaxrlhf.algorithms.update import minibatch_indices
@@ -57,7 +69,6 @@ from jaxrlhf.models.packing import pack_batch
 from jaxrlhf.models.tokenizer import decode_responses
 from jaxrlhf.rewards.rules import CombinedReward
 from jaxrlhf.rollouts.graph import bound_generate, generate_call  # noqa: F401
-
 
 # RLSettings field -> the `algorithm` key of the sections that have it (PPO's GAE keys, the grpo family's std)
 _OWN_KEYS = {"gamma": "gamma", "lam": "lam", "norm_adv_by_std": "norm_adv_by_std", "whiten": "whiten_advantages",

@@ -191,7 +191,7 @@ def critic_values(
 def reward_scores(
     graphdef: nnx.GraphDef, prefixes: tuple[str, ...], micro_batch: int | None, params: nnx.State,
     inputs: dict[str, Any],
-) -> dict[str, Float[Array, "batch"]]:
+) -> dict[str, Float[Array, " batch"]]:
     """Reward-model score of each sequence (read at its last real token), for every prefix's sequences."""
     model = nnx.merge(graphdef, params)
     packed = inputs.get("packed_inference")

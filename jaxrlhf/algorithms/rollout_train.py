@@ -22,7 +22,12 @@ from jaxrlhf.algorithms.kl import kl_per_token, token_level_rewards
 from jaxrlhf.algorithms.losses import aggregation_weight, get_loss, importance_ratio_exploded, value_loss
 from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rollout_calls import (
-    RLSettings, _response_slice, on_response_grid, packed_output, response_logits, response_targets,
+    RLSettings,
+    _response_slice,
+    on_response_grid,
+    packed_output,
+    response_logits,
+    response_targets,
 )
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, minibatch_updates
@@ -32,7 +37,7 @@ from jaxrlhf.models.sampling import entropy, token_logprobs
 from jaxrlhf.rollouts import ROUTED
 
 
-def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Float[Array, "batch"]:
+def shaped_scores(inputs: dict[str, Any], s: RLSettings, prefix: str = "") -> Float[Array, " batch"]:
     """Rule plus reward-model score, then bias/scale, clip and the EOS gate; then the overlong
     penalty (outside the gate and the clip: a truncated response is the one it must reach)."""
     ended = inputs[f"{prefix}ended_with_eos"]
@@ -57,7 +62,7 @@ def model_tokens(inputs: dict[str, Any]) -> jax.Array:
 
 def rollout_advantages(
     inputs: dict[str, Any], s: RLSettings, kl_coef: Float[Array, ""], moments: RunningMoments | None
-) -> tuple[Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch"]]:
+) -> tuple[Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, "batch new"], Float[Array, " batch"]]:
     """(advantages, returns in reward units, per-token KL, shaped scores): identical wherever it runs."""
     mask = model_tokens(inputs).astype(jnp.float32)
     if "ref_logp" in inputs:

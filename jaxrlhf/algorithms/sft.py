@@ -84,8 +84,8 @@ class SFTRuntime:
                                                  self.execution.micro_batch("actor.train"))}
 
     def dataset(self, tokenizer: Any, split: str | None = None) -> Any:
-        from jaxrlhf.environments import TOOLS
         from jaxrlhf.data import SFTDataset
+        from jaxrlhf.environments import TOOLS
 
         names = self.cfg.sft.tools if self.warmup else None  # demonstrations of an environment's episodes
         tools = None if names is None else [TOOLS.get(name) for name in names]

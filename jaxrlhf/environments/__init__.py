@@ -18,8 +18,16 @@ that builds one by name finds it.
 
 from jaxrlhf.environments import tools  # noqa: F401  (registers env.name=tools)
 from jaxrlhf.environments.base import (
-    ACTION_MASK, ENVIRONMENTS, Environment, EnvironmentContext, EpisodeTiming, Observation, StepResult, Trajectory,
-    make_environment, register_environment,
+    ACTION_MASK,
+    ENVIRONMENTS,
+    Environment,
+    EnvironmentContext,
+    EpisodeTiming,
+    Observation,
+    StepResult,
+    Trajectory,
+    make_environment,
+    register_environment,
 )
 from jaxrlhf.environments.tools import TOOLS, ToolEnvironment, answer_reward, calculator, register_tool
 

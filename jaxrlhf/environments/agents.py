@@ -19,7 +19,6 @@ from jaxrlhf.environments.records import Episode
 from jaxrlhf.environments.server import ChatEndpoint
 from jaxrlhf.models.tokenizer import Tokenizer
 
-
 AgentFn = Callable[[Any, Any], "float | None"]
 
 

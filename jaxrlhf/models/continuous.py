@@ -46,12 +46,20 @@ from jaxrlhf.models import axes as ax
 from jaxrlhf.models import slots as sz
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.generation import (
-    GenerationOutput, _prefill, bucket_length, check_max_positions, eos_tuple, expert_dtype, note_trace,
-    prefill_routed, routed_experts,
+    GenerationOutput,
+    _prefill,
+    bucket_length,
+    check_max_positions,
+    eos_tuple,
+    expert_dtype,
+    note_trace,
+    prefill_routed,
+    routed_experts,
 )
 from jaxrlhf.models.moe import forward_with_router_logits
 from jaxrlhf.models.sampling import SamplingParams, sample
 from jaxrlhf.models.transformer import PagedKVCache, split_layers, write_pages
+
 
 def kv_column_bytes(config: ModelConfig) -> int:
     """Bytes of keys and values of one token over all layers (one cache column)."""
@@ -76,7 +84,7 @@ def kv_cache_bytes(
 
 def _sample_rows(
     keys: PRNGKeyArray, logits: Float[Array, "slots vocab"], sampling: SamplingParams
-) -> tuple[Int[Array, "slots"], Float[Array, "slots"]]:
+) -> tuple[Int[Array, " slots"], Float[Array, " slots"]]:
     """One token per slot, each from its own key (a row's draw never depends on the other slots)."""
     def one(key, row_logits):
         token, logp = sample(key, row_logits[None], sampling)
@@ -314,7 +322,7 @@ def generate_continuous(
     group_size: int = 1,
     slots: int | None = None,
     kv_pages: int | None = None,
-    max_lengths: Int[Array, "batch"] | None = None,
+    max_lengths: Int[Array, " batch"] | None = None,
     min_bucket: int = 16,
     record_experts: bool = False,
 ) -> GenerationOutput:

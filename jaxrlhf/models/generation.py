@@ -37,10 +37,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import moe
-from jaxrlhf.models.lengths import bucket_length
-from jaxrlhf.models.slots import check_groups, shard_group
-from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.lengths import bucket_length
+from jaxrlhf.models.sampling import SamplingParams, response_logprobs, sample
+from jaxrlhf.models.slots import check_groups, shard_group
 from jaxrlhf.models.transformer import KVCache, positions_from_mask, split_layers
 
 _TRACES: collections.Counter[str] = collections.Counter()
@@ -90,8 +90,8 @@ class GenerationOutput:
     response_tokens: Int[Array, "batch new"]
     response_mask: Bool[Array, "batch new"]
     logprobs: Float[Array, "batch new"]  # of the processed distribution, 0 where masked
-    lengths: Int[Array, "batch"]  # response lengths (EOS included)
-    ended_with_eos: Bool[Array, "batch"]
+    lengths: Int[Array, " batch"]  # response lengths (EOS included)
+    ended_with_eos: Bool[Array, " batch"]
     # the continuous engine's most response KV pages in use at once (all shards); None for the static engine
     kv_pages_used: Int[Array, ""] | None = None
     # with `record_experts` (router replay): the experts every layer routed each token to, as the forward that
@@ -184,7 +184,7 @@ def _decode(
     eos_ids: tuple[int, ...],
     pad_id: int,
     tag: Hashable = None,
-    max_lengths: Int[Array, "batch"] | None = None,
+    max_lengths: Int[Array, " batch"] | None = None,
     prompt_experts: Int[Array, "batch prompt layers k"] | None = None,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` tokens on device; a row ends on any of `eos_ids` or after its
@@ -267,7 +267,7 @@ def generate_tokens(
     eos_id: int | Sequence[int] | None,
     pad_id: int,
     min_bucket: int = 16,
-    max_lengths: Int[Array, "batch"] | None = None,
+    max_lengths: Int[Array, " batch"] | None = None,
     group_size: int = 1,
     record_experts: bool = False,
 ) -> GenerationOutput:

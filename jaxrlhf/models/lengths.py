@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def bucket_length(length: int, minimum: int = 16, *, multiple: int | None = None, cap: int | None = None) -> int:
     """The padded length for sequences of up to `length` tokens.
@@ -36,11 +38,9 @@ def response_width(longest: int, max_new_tokens: int) -> int:
     return next(w for w in response_widths(max_new_tokens) if w >= min(int(longest), int(max_new_tokens)))
 
 
-def lognormal_lengths(z: "np.ndarray", median: int, sigma: float, cap: int) -> "np.ndarray":
+def lognormal_lengths(z: np.ndarray, median: int, sigma: float, cap: int) -> np.ndarray:
     """Response lengths median x exp(sigma x z) for standard normal draws `z`, rounded, in [1, cap]: the
     long-tailed lengths of reasoning rollouts. The planner prices generation with them
     (`planner.workload.Workload.response_lengths`) and `generation.simulated_lengths` makes a run's responses
     end at them, so a plan is measured on the workload it was priced on."""
-    import numpy as np
-
     return np.clip(np.rint(median * np.exp(sigma * np.asarray(z, np.float64))), 1, cap).astype(np.int64)

@@ -47,7 +47,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jaxrlhf.models import slots as sz
 from jaxrlhf.models.continuous import _sample_rows, prompt_pages_of
-from jaxrlhf.models.generation import _prefill, bucket_length, check_max_positions, eos_tuple
+from jaxrlhf.models.generation import _prefill, check_max_positions
 from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.models.transformer import PagedKVCache, split_layers, write_pages
 
@@ -110,19 +110,19 @@ class MultiTurnState:
     valid: Bool[Array, "rows columns"]
     prompt_tokens: Int[Array, "rows bucket"]
     prompt_mask: Bool[Array, "rows bucket"]
-    prompt_len: Int[Array, "rows"]
+    prompt_len: Int[Array, " rows"]
     tokens: Int[Array, "rows n"]
     logp: Float[Array, "rows n"]
     loss_mask: Bool[Array, "rows n"]  # True on sampled tokens
-    n: Int[Array, "rows"]
-    turn_len: Int[Array, "rows"]  # model tokens sampled in the current turn
-    status: Int[Array, "rows"]
-    finish: Int[Array, "rows"]
-    ended: Bool[Array, "rows"]  # the last model token was an end-of-turn token
+    n: Int[Array, " rows"]
+    turn_len: Int[Array, " rows"]  # model tokens sampled in the current turn
+    status: Int[Array, " rows"]
+    finish: Int[Array, " rows"]
+    ended: Bool[Array, " rows"]  # the last model token was an end-of-turn token
     row_key: PRNGKeyArray
 
 
-def _tables(spec: MultiTurnSpec, rows: Bool[Array, "rows"]) -> Int[Array, "1 rows table"]:
+def _tables(spec: MultiTurnSpec, rows: Bool[Array, " rows"]) -> Int[Array, "1 rows table"]:
     """Each row's block table (its own pages, then unassigned entries); rows not in `rows` unassigned."""
     unassigned = spec.rows * spec.row_pages
     own = jnp.arange(spec.rows)[:, None] * spec.row_pages + jnp.arange(spec.row_pages)[None, :]
@@ -130,8 +130,8 @@ def _tables(spec: MultiTurnSpec, rows: Bool[Array, "rows"]) -> Int[Array, "1 row
     return jnp.where(rows[:, None], table, unassigned).astype(jnp.int32)[None]
 
 
-def _record(spec: MultiTurnSpec, st: MultiTurnState, write: Bool[Array, "rows"], token: Int[Array, "rows"],
-            logp: Float[Array, "rows"]) -> MultiTurnState:
+def _record(spec: MultiTurnSpec, st: MultiTurnState, write: Bool[Array, " rows"], token: Int[Array, " rows"],
+            logp: Float[Array, " rows"]) -> MultiTurnState:
     """Store a sampled token at each writing row's next index; end its turn or its trajectory."""
     r = jnp.arange(spec.rows)
     at = jnp.where(write, st.n, spec.max_tokens)  # out of range: dropped
@@ -183,7 +183,7 @@ def start(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens: Int[Array, "
     return _record(spec, st, jnp.ones((rows,), bool), token, logp)
 
 
-def _forward(model, layers, spec: MultiTurnSpec, st: MultiTurnState, rows: Bool[Array, "rows"],
+def _forward(model, layers, spec: MultiTurnSpec, st: MultiTurnState, rows: Bool[Array, " rows"],
              tokens: Int[Array, "rows t"], mask: Bool[Array, "rows t"]):
     """The `rows`' tokens (the pending one first) at their next columns, reading and then writing their
     pages; returns every position's logits and the state with the pool and valid columns updated."""
@@ -218,7 +218,7 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState, *, spe
 
 
 def extend(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState,
-           observation: Int[Array, "rows width"], length: Int[Array, "rows"], extending: Bool[Array, "rows"], *,
+           observation: Int[Array, "rows width"], length: Int[Array, " rows"], extending: Bool[Array, " rows"], *,
            spec: MultiTurnSpec) -> tuple[MultiTurnState, Float[Array, "rows vocab"]]:
     """The `extending` rows (waiting, with room for their observation and one more token) append their
     observation's `length` tokens (loss_mask 0) after their pending token, and sample their next token
@@ -240,13 +240,13 @@ def extend(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState,
     return _record(spec, st, extending, token, logp), last
 
 
-def stop(st: MultiTurnState, rows: Bool[Array, "rows"], reason: Int[Array, "rows"]) -> MultiTurnState:
+def stop(st: MultiTurnState, rows: Bool[Array, " rows"], reason: Int[Array, " rows"]) -> MultiTurnState:
     """Mark `rows` done (the host's reasons: the environment ended the episode, or a budget)."""
     return st.replace(status=jnp.where(rows, DONE, st.status), finish=jnp.where(rows, reason, st.finish))
 
 
 def admit(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState, prompt_tokens: Int[Array, "rows length"],
-          prompt_mask: Bool[Array, "rows length"], rows: Bool[Array, "rows"], rng: PRNGKeyArray, *,
+          prompt_mask: Bool[Array, "rows length"], rows: Bool[Array, " rows"], rng: PRNGKeyArray, *,
           spec: MultiTurnSpec) -> MultiTurnState:
     """The `rows` start afresh from their prompts (prefilled into their own pages, first token sampled, as
     `start` does); every other row keeps its state and pages. The prefill runs over every row (the others'
@@ -266,7 +266,7 @@ def admit(graphdef: nnx.GraphDef, params: nnx.State, st: MultiTurnState, prompt_
     return st.replace(pool=pool, row_key=jax.random.wrap_key_data(row_key), **others)
 
 
-def rewind(st: MultiTurnState, rows: Bool[Array, "rows"], n: Int[Array, "rows"], *,
+def rewind(st: MultiTurnState, rows: Bool[Array, " rows"], n: Int[Array, " rows"], *,
            spec: MultiTurnSpec) -> MultiTurnState:
     """The `rows` cut back to their first `n` response tokens (n >= 1), the last of them pending again (fed by
     the next extend), waiting: their cache past it no longer counts. What a caller does when a row sampled

@@ -84,7 +84,7 @@ def process_logits(
 
 def sample(
     rng: PRNGKeyArray, logits: Float[Array, "batch vocab"], params: SamplingParams
-) -> tuple[Int[Array, "batch"], Float[Array, "batch"]]:
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
     """Draw one token per row; returns (tokens, their log-probs under the processed distribution)."""
     logp = process_logits(logits, params)
     if params.greedy:

@@ -106,11 +106,11 @@ class StreamState:
     prompt_tokens: Int[Array, "groups bucket"]  # left-aligned
     prompt_mask: Bool[Array, "groups bucket"]
     prefill_logits: Float[Array, "groups vocab"]
-    first_version: Int[Array, "groups"]  # `admit`'s version: the prefill's weights (a row's token 0)
-    uid: Int[Array, "groups"]  # -1 for a free slot
-    serial: Int[Array, "groups"]  # admission order (lower enters slots first and keeps its pages)
-    status: Int[Array, "groups"]  # FREE / GROUP_RUNNING / GROUP_DONE
-    limit: Int[Array, "rows"]  # a row's cap on its response length
+    first_version: Int[Array, " groups"]  # `admit`'s version: the prefill's weights (a row's token 0)
+    uid: Int[Array, " groups"]  # -1 for a free slot
+    serial: Int[Array, " groups"]  # admission order (lower enters slots first and keeps its pages)
+    status: Int[Array, " groups"]  # FREE / GROUP_RUNNING / GROUP_DONE
+    limit: Int[Array, " rows"]  # a row's cap on its response length
     row_key: PRNGKeyArray  # [rows]: fold_in(rng, uid * G + j)
     admitted: Int[Array, ""]  # groups admitted so far (the next serial)
     steps: Int[Array, ""]  # decode steps run so far
@@ -183,14 +183,14 @@ def admit(
     state: StreamState,
     prompt_tokens: Int[Array, "k length"],
     prompt_mask: Bool[Array, "k length"],
-    uids: Int[Array, "k"],
+    uids: Int[Array, " k"],
     rng: PRNGKeyArray,
     *,
     spec: StreamSpec,
     version: Int[Array, ""] | int = 0,
-    max_lengths: Int[Array, "k"] | Int[Array, "k group"] | None = None,
+    max_lengths: Int[Array, " k"] | Int[Array, "k group"] | None = None,
     tag: Hashable = None,
-) -> tuple[StreamState, Bool[Array, "k"]]:
+) -> tuple[StreamState, Bool[Array, " k"]]:
     """Prefill k prompts (one row each, `length` <= the bucket) and place them, in order, into free group
     slots (the lowest of each shard first, round-robin over the shards); returns the state and which were
     admitted. A prompt with uid < 0 is a blank (pad a call to a fixed k with them: one program); prompts
@@ -291,7 +291,7 @@ def run(
 
 
 def release_done(state: StreamState, *, spec: StreamSpec, tag: Hashable = None
-                 ) -> tuple[StreamState, dict, Bool[Array, "groups"]]:
+                 ) -> tuple[StreamState, dict, Bool[Array, " groups"]]:
     """Every group slot's outputs (done or not), which are done, and the state with the done slots
     freed (their rows empty, outputs cleared; their response pages went back when their rows ended, and
     their prompt pages are the next admission's to overwrite)."""
@@ -405,14 +405,14 @@ recompute_fn = jax.jit(recompute, static_argnums=0, static_argnames=("spec", "ta
 
 
 def finished_rows(state: StreamState, *, spec: StreamSpec, tag: Hashable = None
-                  ) -> tuple[Bool[Array, "rows"], Int[Array, "groups"]]:
+                  ) -> tuple[Bool[Array, " rows"], Int[Array, " groups"]]:
     """Which rows have ended (row q x G + j of group slot q) and each group slot's admission serial: a
     row's output is final once it is done (a done row is never preempted), so it can be scored before
     its group ends (`response_rows` reads it). A read: the state is left as it is."""
     return state.rows["status"].reshape(spec.rows) == DONE, state.serial
 
 
-def response_rows(state: StreamState, rows: Int[Array, "k"], *, spec: StreamSpec, tag: Hashable = None
+def response_rows(state: StreamState, rows: Int[Array, " k"], *, spec: StreamSpec, tag: Hashable = None
                   ) -> tuple[Int[Array, "k new"], Bool[Array, "k new"]]:
     """The response tokens and valid mask of `rows` (indices as `finished_rows` numbers them): only
     those rows cross to the host, not the whole stream's."""

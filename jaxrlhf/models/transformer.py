@@ -65,7 +65,7 @@ class KVCache:
     k: Float[Array, "layers batch kv_heads slots head_dim"] | tuple[Float[Array, "batch kv_heads slots head_dim"], ...]
     v: Float[Array, "layers batch kv_heads slots head_dim"] | tuple[Float[Array, "batch kv_heads slots head_dim"], ...]
     valid: Bool[Array, "batch slots"]
-    index: Int[Array, ""] | Int[Array, "batch"]
+    index: Int[Array, ""] | Int[Array, " batch"]
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
@@ -114,7 +114,7 @@ class PagedKVCache:
     k: Float[Array, "layers shards pages kv_heads page head_dim"]
     v: Float[Array, "layers shards pages kv_heads page head_dim"]
     valid: Bool[Array, "batch slots"]  # slots = the columns a row attends over (prompt + response)
-    index: Int[Array, "batch"]  # each row's next column
+    index: Int[Array, " batch"]  # each row's next column
     table: Int[Array, "shards rows_per_shard table"]  # page ids of each row's columns, page by page
     new_k: Float[Array, "layers batch length kv_heads head_dim"] | None = None
     new_v: Float[Array, "layers batch length kv_heads head_dim"] | None = None
@@ -129,7 +129,7 @@ def positions_from_mask(mask: Bool[Array, "batch length"]) -> Int[Array, "batch 
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_inv_frequencies(config: ModelConfig, local: bool = False) -> Float[Array, "half_head_dim"]:
+def rope_inv_frequencies(config: ModelConfig, local: bool = False) -> Float[Array, " half_head_dim"]:
     """Inverse rotary frequencies, with Llama-3 style or linear scaling when configured; `local`: those of
     the sliding-window layers (base `local_rope_theta`, never scaled)."""
     dim = config.dim_per_head
@@ -158,7 +158,7 @@ Ropes = tuple[RopeTables, RopeTables | None]
 
 
 def rope_tables(
-    positions: Int[Array, "batch length"], inv_freq: Float[Array, "half_head_dim"], num_positions: int
+    positions: Int[Array, "batch length"], inv_freq: Float[Array, " half_head_dim"], num_positions: int
 ) -> RopeTables:
     """The cosines and sines of every token's rotation angles, for positions below `num_positions`.
 
@@ -403,7 +403,7 @@ def _write_slots(
     cache: Float[Array, "layers batch kv_heads slots head_dim"],
     new: Float[Array, "batch length kv_heads head_dim"],
     layer: Int[Array, ""],
-    offset: Int[Array, ""] | Int[Array, "batch"],
+    offset: Int[Array, ""] | Int[Array, " batch"],
 ) -> Float[Array, "layers batch kv_heads slots head_dim"]:
     """Write one layer's new keys (or values) at slots [offset, offset + T): one slice when every row
     shares the offset, a scatter when each row has its own (the continuous engine's slots)."""
@@ -418,7 +418,7 @@ def _write_slots(
 def write_pages(
     pool: Float[Array, "layers shards pages kv_heads page head_dim"],
     new: Float[Array, "layers batch length kv_heads head_dim"],
-    offset: Int[Array, "batch"],
+    offset: Int[Array, " batch"],
     pages: Int[Array, "shards rows table"],
 ) -> Float[Array, "layers shards pages kv_heads page head_dim"]:
     """Store every layer's new keys (or values) at each row's columns [offset, offset + T) in its pages
@@ -439,7 +439,7 @@ def _read_pages(
     layer: Int[Array, ""],
     pages: Int[Array, "shards rows table"],
     columns: int,
-    offset: Int[Array, "batch"],
+    offset: Int[Array, " batch"],
     new: Float[Array, "batch length kv_heads head_dim"],
 ) -> Float[Array, "batch kv_heads slots head_dim"]:
     """One layer's keys (or values) of each row's first `columns` columns in the dense cache's layout:
@@ -666,7 +666,7 @@ class Transformer(nnx.Module):
 
 
 def _write_valid(
-    valid: Bool[Array, "batch slots"], mask: Bool[Array, "batch length"], index: Int[Array, ""] | Int[Array, "batch"]
+    valid: Bool[Array, "batch slots"], mask: Bool[Array, "batch length"], index: Int[Array, ""] | Int[Array, " batch"]
 ) -> Bool[Array, "batch slots"]:
     """Mark the new tokens' slots in the cache's validity mask (shared or per-row index, as `_write_slots`)."""
     if jnp.ndim(index) == 0:
@@ -761,7 +761,7 @@ class ValueModel(nnx.Module):
         return v + self.value_bias.value.astype(jnp.float32)
 
 
-def last_token_index(mask: Bool[Array, "batch length"]) -> Int[Array, "batch"]:
+def last_token_index(mask: Bool[Array, "batch length"]) -> Int[Array, " batch"]:
     """Index of the last real (non-pad) token of each row."""
     t = mask.shape[-1]
     idx = jnp.where(mask.astype(bool), jnp.arange(t)[None, :], -1)
@@ -785,7 +785,7 @@ class RewardModel(nnx.Module):
         mask: Bool[Array, "batch length"],
         segment_ids: Int[Array, "batch length"] | None = None,
         read_at: Int[Array, "shards slots"] | None = None,
-    ) -> Float[Array, "batch"]:
+    ) -> Float[Array, " batch"]:
         """Each row's score at its last real token, or with `read_at` (packed rows: each sequence's last
         token) one per position given, [shards * slots] (`read_positions`)."""
         h, _ = self.model(tokens, positions, mask, segment_ids=segment_ids)

@@ -79,7 +79,8 @@ def collective_latency(devices, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
@@ -110,7 +111,8 @@ def calibrate(base: str = "cpu", *, matmul_size: int | None = None, copy_mb: int
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     base_profile = get_profile(base)
     devices = jax.local_devices()

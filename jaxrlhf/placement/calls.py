@@ -23,13 +23,19 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrlhf.placement.devices import Device
-from jaxrlhf.placement.layout import (
-    DEFAULT_RULES, STAGE_AXIS, AxisRules, activation_resolver, batch_spec, make_mesh, param_shardings,
-)
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models import pipeline
+from jaxrlhf.placement.devices import Device
+from jaxrlhf.placement.layout import (
+    DEFAULT_RULES,
+    STAGE_AXIS,
+    AxisRules,
+    activation_resolver,
+    batch_spec,
+    make_mesh,
+    param_shardings,
+)
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
 
 
 @dataclasses.dataclass(frozen=True)

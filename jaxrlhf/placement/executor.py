@@ -54,7 +54,13 @@ from jaxrlhf.placement.timeline import Op, StepTimes, Timeline, breakdown, devic
 from jaxrlhf.planner.plan import ExecutionPlan, PlanError
 from jaxrlhf.transfer.host import host_get
 from jaxrlhf.transfer.realloc import (
-    is_offloaded, move_where_needed, offload, put_host, reallocate, reload, tree_bytes,
+    is_offloaded,
+    move_where_needed,
+    offload,
+    put_host,
+    reallocate,
+    reload,
+    tree_bytes,
 )
 
 CallFn = Callable[..., Any]

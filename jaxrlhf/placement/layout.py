@@ -35,9 +35,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxrlhf.models import axes as ax
 from jaxrlhf.placement.devices import Device, group_devices
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout, PlanError
-from jaxrlhf.models import axes as ax
 
 MeshAxes = tuple[str, ...]
 STAGE_AXIS = "stage"  # the mesh axis of pipeline stages

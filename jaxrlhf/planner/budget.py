@@ -15,8 +15,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import PlanError
+from jaxrlhf.planner.workload import Workload
 
 BUDGET_SPLITS = (2, 4, 8)  # candidate budgets: an update's drawn tokens over these (about that many micro-batches)
 BUDGET_ROUND = 64  # budgets rounded up to a multiple of this many tokens

@@ -65,18 +65,29 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from jaxrlhf.graph import CallSpec
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner.episodes import rollout_cost
-from jaxrlhf.planner.knobs import knob_tag
 from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.planner.knobs import knob_tag
 from jaxrlhf.planner.measured import model_key, timed_placement
 from jaxrlhf.planner.plan import MESH_AXES, DeviceGroup, Layout
 from jaxrlhf.planner.sizes import (
-    DTYPE_BYTES, adapter_shard_bytes, attention_flops, expert_param_count, expert_split_count, flop_params,
-    kv_bytes_per_token, layer_param_count, optimizer_bytes_per_param, param_count, shard_bytes,
-    trained_dtype, trained_shard_bytes, trained_shard_count,
+    DTYPE_BYTES,
+    adapter_shard_bytes,
+    attention_flops,
+    expert_param_count,
+    expert_split_count,
+    flop_params,
+    kv_bytes_per_token,
+    layer_param_count,
+    optimizer_bytes_per_param,
+    param_count,
+    shard_bytes,
+    trained_dtype,
+    trained_shard_bytes,
+    trained_shard_count,
 )
 from jaxrlhf.planner.workload import Workload
-from jaxrlhf.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from jaxrlhf.planner.knobs import CallKnobs

@@ -20,15 +20,22 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from jaxrlhf.planner.sizes import (
-    DTYPE_BYTES, expert_split_count, kv_bytes_per_token, matmul_params, mlp_width, optimizer_bytes_per_param,
-    shard_bytes, trained_shard_bytes, trained_shard_count,
-)
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.plan import ExecutionPlan, Layout
-from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner.sizes import (
+    DTYPE_BYTES,
+    expert_split_count,
+    kv_bytes_per_token,
+    matmul_params,
+    mlp_width,
+    optimizer_bytes_per_param,
+    shard_bytes,
+    trained_shard_bytes,
+    trained_shard_count,
+)
+from jaxrlhf.planner.workload import Workload
 
 if TYPE_CHECKING:
     from jaxrlhf.planner.knobs import CallKnobs

@@ -21,16 +21,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from jaxrlhf.graph import CallGraph
-from jaxrlhf.planner.plan import host_rule_violation, valid_group_sizes
-from jaxrlhf.planner.plan import (
-    CONTEXT_MIN_TOKENS, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate,
-)
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner.plan import (
+    CONTEXT_MIN_TOKENS,
+    DeviceGroup,
+    ExecutionPlan,
+    Layout,
+    Placement,
+    PlanError,
+    host_rule_violation,
+    layout_misfit,
+    valid_group_sizes,
+    validate,
+)
 from jaxrlhf.registry import Registry
 
 if TYPE_CHECKING:
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import HardwareProfile
+    from jaxrlhf.planner.workload import Workload
 
 Builder = Callable[..., ExecutionPlan]
 STRATEGIES: Registry[Builder] = Registry("strategy", PlanError)

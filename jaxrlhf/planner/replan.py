@@ -19,11 +19,11 @@ from jaxrlhf.graph import CallGraph
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import knobs
 from jaxrlhf.planner.cost import profile_call_cost
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.measured import Measured, Run, model_key
 from jaxrlhf.planner.plan import ExecutionPlan
 from jaxrlhf.planner.simulator import PlanEstimate, estimate_plan, generate_seconds
+from jaxrlhf.planner.workload import Workload
 
 DEFAULT_THRESHOLD = 0.1  # plan.replan_threshold's default: switch for a predicted gain over 10 %
 

@@ -47,14 +47,20 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import knobs as knobs_lib
 from jaxrlhf.planner import presets
 from jaxrlhf.planner.cost import CostCache
-from jaxrlhf.planner.workload import Workload
-from jaxrlhf.planner.sizes import optimizer_bytes_per_param, shard_bytes, trained_shard_count
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
 from jaxrlhf.planner.plan import (
-    CONTEXT_MIN_TOKENS, DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, home_call_of,
+    CONTEXT_MIN_TOKENS,
+    DeviceGroup,
+    ExecutionPlan,
+    Layout,
+    Placement,
+    PlanError,
+    home_call_of,
 )
 from jaxrlhf.planner.simulator import MIN_STEPS, PlanEstimate, estimate_plan
+from jaxrlhf.planner.sizes import optimizer_bytes_per_param, shard_bytes, trained_shard_count
+from jaxrlhf.planner.workload import Workload
 
 Slot = tuple[int, int, Layout]  # (group start, group size, layout)
 

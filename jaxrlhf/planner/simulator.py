@@ -25,16 +25,16 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offload_cost
-from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
 from jaxrlhf.graph import CallGraph, CallSpec
-from jaxrlhf.planner.hardware import HardwareProfile
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import knobs as knobs_lib
+from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offload_cost
+from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.knobs import CallKnobs
 from jaxrlhf.planner.memory import MemoryReport
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit, offpolicy_problem
 from jaxrlhf.planner.rewards import score_seconds
-from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from jaxrlhf.registry import Registry
 from jaxrlhf.rewards import remote as remote_scoring
 from jaxrlhf.rewards import sandbox
-from jaxrlhf.registry import Registry
 
 FINAL_ANSWER_MARKER = "####"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

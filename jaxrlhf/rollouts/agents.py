@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from jaxrlhf.rollouts.episodes import PlayedRollout
 
 

@@ -137,7 +137,8 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     here as in `python -m jaxrlhf.plan`. The plan is validated once, before the memory model reads it.
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
     """
-    from jaxrlhf.planner.plan import ExecutionPlan, PlanError, validate as validate_plan
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+    from jaxrlhf.planner.plan import validate as validate_plan
     from jaxrlhf.planner.presets import build_plan
 
     graph = graph or algorithm.graph()

@@ -27,12 +27,12 @@ def wrong_profile(overrides: list[str], hardware: str = "cpu"):
     does not shift the placements the profile did not time (the planner scales those by the median
     error of the timed ones, `planner.cost.measured_cost`)."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import declare
     from jaxrlhf.planner.cost import profile_call_cost
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.measured import Measured, Table, model_key
     from jaxrlhf.planner.plan import DeviceGroup, Layout
+    from jaxrlhf.run import planning
 
     cfg = cfglib.load_config(None, overrides)
     algorithm = declare(cfg)

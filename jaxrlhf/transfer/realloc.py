@@ -63,7 +63,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding, Sharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jaxrlhf.transfer.processes import barrier
 

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf.environments.pool import EnvPool, EnvStepFailed, EnvWorkerError
 from jaxrlhf.environments import EnvironmentContext, make_environment
+from jaxrlhf.environments.pool import EnvPool, EnvStepFailed, EnvWorkerError
 from jaxrlhf.models.multiturn import ENGINE_METRICS
 
 # A user's module registering an environment: the workers import it by name (env.imports), as a run would.

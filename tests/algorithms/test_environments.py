@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from jaxrlhf import environments as envs
-from jaxrlhf.environments import ACTION_MASK, EnvironmentContext, make_environment
 from jaxrlhf.algorithms.losses import AGGREGATIONS, POLICY_LOSSES
 from jaxrlhf.algorithms.rollout import RLSettings, model_tokens, rollout_advantages
-from jaxrlhf.models.chat_template import ChatTemplate
+from jaxrlhf.environments import ACTION_MASK, EnvironmentContext, make_environment
 from jaxrlhf.environments.tool_calls import parse_tool_calls
+from jaxrlhf.models.chat_template import ChatTemplate
 
 QWEN25 = (  # Qwen2.5's tool template, trimmed to the parts a tool conversation renders
     "{%- if tools %}{{- '<|im_start|>system\\nYou are Qwen.\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}"

@@ -16,10 +16,10 @@ from flax import nnx
 
 from jaxrlhf import config as cfglib
 from jaxrlhf.algorithms import build_algorithm, rollout
-from jaxrlhf.models.packing import micro_batches, pack_batch, size_bucket
 from jaxrlhf.algorithms.stats import RunningMoments
 from jaxrlhf.algorithms.update import minibatch_indices
 from jaxrlhf.models.config import preset
+from jaxrlhf.models.packing import micro_batches, pack_batch, size_bucket
 from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.models.transformer import build_model, positions_from_mask
 
@@ -210,10 +210,10 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
     call of a long-tailed batch is priced (time and memory) below its padded form."""
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.planner.cost import call_cost
-    from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
     from jaxrlhf.planner.plan import DeviceGroup, Layout
+    from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
 
     wl = Workload(batch_size=64, prompt_len=16, gen_len=512, minibatches=4, gen_len_median=64, gen_len_sigma=1.0,
                   remat="none")

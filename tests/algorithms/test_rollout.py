@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrlhf.models.config import preset
-from jaxrlhf.models.transformer import build_model, positions_from_mask
 from jaxrlhf.algorithms import rollout
 from jaxrlhf.algorithms.optim import build_optimizer
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model, positions_from_mask
 
 B, P, N = 4, 4, 3
 

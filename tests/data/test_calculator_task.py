@@ -15,8 +15,8 @@ from jaxrlhf import environments as envs
 from jaxrlhf.data.bundled import bundled_file
 from jaxrlhf.data.dataset import ChatFormat, assistant_targets
 from jaxrlhf.data.sources import JsonFieldsSource, RowError
-from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.environments.tool_calls import detect_tool_format
+from jaxrlhf.models.tokenizer import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "jaxrlhf" / "data" / "bundled" / "calculator_tokenizer"

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from jaxrlhf.rewards.rules import CombinedReward
 from jaxrlhf.data.sources import open_source
+from jaxrlhf.rewards.rules import CombinedReward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RULE = CombinedReward([("sandboxed_python", 1.0, {"timeout": 10, "cpu_seconds": 2, "workers": 2})])

@@ -17,7 +17,13 @@ from jaxrlhf.models.transformer import build_model, positions_from_mask
 from jaxrlhf.placement.calls import CallCache
 from jaxrlhf.placement.layout import activation_resolver, make_mesh
 from jaxrlhf.planner.plan import (
-    DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate,
+    DeviceGroup,
+    ExecutionPlan,
+    Layout,
+    Placement,
+    PlanError,
+    layout_misfit,
+    validate,
 )
 from jaxrlhf.testing.graphs import ppo_graph
 
@@ -237,12 +243,12 @@ def test_context_degree_that_does_not_divide_the_sequence_is_a_clear_error():
 
 def test_cost_and_memory_models_price_the_context_axis():
     from jaxrlhf.graph import CallSpec
+    from jaxrlhf.models.config import preset
     from jaxrlhf.planner.cost import call_cost
-    from jaxrlhf.planner.workload import Workload
-    from jaxrlhf.planner.sizes import kv_bytes_per_token
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
-    from jaxrlhf.models.config import preset
+    from jaxrlhf.planner.sizes import kv_bytes_per_token
+    from jaxrlhf.planner.workload import Workload
 
     cfg, hw = preset("llama2-7b"), get_profile("h100")
     wl = Workload(batch_size=8, prompt_len=4096, gen_len=4096, minibatches=1)

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 
 from jaxrlhf.models import generation as gen
-from jaxrlhf.models.config import preset
 from jaxrlhf.models import slots as sz
+from jaxrlhf.models.config import preset
 from jaxrlhf.models.continuous import continuous_fn, generate_continuous, kv_cache_bytes, kv_column_bytes
-from jaxrlhf.models.slots import pool_size
 from jaxrlhf.models.engines import GENERATION_ENGINES
 from jaxrlhf.models.sampling import GREEDY, SamplingParams
+from jaxrlhf.models.slots import pool_size
 from jaxrlhf.models.transformer import build_model
 
 PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75]]

@@ -14,7 +14,13 @@ from jaxrlhf.models.config import PRESETS
 from jaxrlhf.placement.calls import CallCache
 from jaxrlhf.placement.layout import activation_resolver, make_mesh, param_shardings, param_specs
 from jaxrlhf.planner.plan import (
-    DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit, validate,
+    DeviceGroup,
+    ExecutionPlan,
+    Layout,
+    Placement,
+    PlanError,
+    layout_misfit,
+    validate,
 )
 from jaxrlhf.testing.graphs import ppo_graph
 from jaxrlhf.testing.models import random_model
@@ -157,8 +163,8 @@ def test_memory_model_within_15_percent_of_xla_for_an_expert_parallel_train_call
 
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.models.transformer import build_model
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, working_set
+    from jaxrlhf.planner.workload import Workload
 
     cfg = PRESETS["tiny-qwen3-moe"].replace(hidden_size=256, moe_intermediate_size=128, vocab_size=1024,
                                            max_position_embeddings=256)

@@ -568,10 +568,10 @@ def test_chat_templates_render_like_transformers(tmp_path, style, tokenizer_styl
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours, tok = ChatTemplate.from_folder(folder), load_tokenizer(folder)
     for messages in CONVERSATIONS:
-        for gen in (False, True):
-            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert ours.render(messages, add_generation_prompt=gen) == expected, (messages, gen)
-            expected_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)["input_ids"]
-            assert tok.encode(ours.render(messages, add_generation_prompt=gen)) == list(expected_ids)
+        for prompt in (False, True):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            assert ours.render(messages, add_generation_prompt=prompt) == expected, (messages, prompt)
+            expected_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)["input_ids"]
+            assert tok.encode(ours.render(messages, add_generation_prompt=prompt)) == list(expected_ids)
     if style == "qwen3":  # the last turn's reasoning is kept, an earlier one's dropped
         assert "add them" not in ours.render(CONVERSATIONS[1]) and "say hi" in ours.render(CONVERSATIONS[2])

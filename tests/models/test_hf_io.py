@@ -16,11 +16,11 @@ from jaxrlhf.models.hf_families import config_from_hf, config_to_hf
 from jaxrlhf.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.transformer import positions_from_mask
 from jaxrlhf.testing.models import (
+    hf_config,
     jax_logits,
     left_padded_batch,
     load_transformers_model,
     max_relative_error,
-    hf_config,
     random_model,
     save_tiny_hf_checkpoint,
     tiny_config,

@@ -16,7 +16,12 @@ from jaxrlhf.models.config import LoraConfig
 from jaxrlhf.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from jaxrlhf.models.transformer import build_model
 from jaxrlhf.testing.models import (
-    jax_logits, left_padded_batch, load_transformers_model, max_relative_error, random_model, tiny_config,
+    jax_logits,
+    left_padded_batch,
+    load_transformers_model,
+    max_relative_error,
+    random_model,
+    tiny_config,
     torch_logits,
 )
 

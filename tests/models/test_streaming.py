@@ -20,7 +20,7 @@ from jaxrlhf.models import streaming as sm
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.continuous import continuous_fn
 from jaxrlhf.models.sampling import GREEDY, SamplingParams, sample
-from jaxrlhf.models.transformer import KVCache, build_model
+from jaxrlhf.models.transformer import build_model
 
 # prompts by uid: up to 8 tokens, so the prompt bucket is 8 and pages hold 8 tokens (12 new tokens span 2)
 PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 60, 61, 62, 63, 64, 65], [1, 70, 71], [1, 80, 81, 82, 83]]

@@ -14,8 +14,6 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 import pytest
 
-from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
-from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.environments.tool_calls import (
     TOOL_CALL_FORMATS,
     ParsedToolCalls,
@@ -27,6 +25,8 @@ from jaxrlhf.environments.tool_calls import (
     parse_tool_calls,
     tool_parameters,
 )
+from jaxrlhf.models.chat_template import ChatTemplate, ChatTemplateError
+from jaxrlhf.models.tokenizer import load_tokenizer
 from jaxrlhf.testing.models import save_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -19,10 +19,11 @@ def realloc_check() -> dict:
     read them back gathered and compare on every process."""
     import jax
     import numpy as np
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxrlhf.transfer.host import host_get
     from jaxrlhf.placement.devices import global_devices
+    from jaxrlhf.transfer.host import host_get
     from jaxrlhf.transfer.realloc import put_host, reallocate
 
     devs = global_devices()

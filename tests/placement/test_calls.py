@@ -7,10 +7,10 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrlhf.placement.calls import CallCache
-from jaxrlhf.planner.presets import STRATEGIES, build_plan
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model, positions_from_mask
+from jaxrlhf.placement.calls import CallCache
+from jaxrlhf.planner.presets import STRATEGIES, build_plan
 from jaxrlhf.testing.graphs import ppo_graph
 
 PPO_GRAPH = ppo_graph()

@@ -16,8 +16,8 @@ from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 from jaxrlhf.placement.calls import CallCache
 from jaxrlhf.placement.executor import Executor, Role
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
 from jaxrlhf.transfer.realloc import is_offloaded, tree_bytes
-from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, PlanError, Placement, validate
 
 OPT = optax.adam(1e-3)
 GRAPH = CallGraph(

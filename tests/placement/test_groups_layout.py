@@ -2,13 +2,15 @@
 
 import jax
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.placement import devices as device_list, layout
-from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError
 from jaxrlhf.models import axes as ax
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
+from jaxrlhf.placement import devices as device_list
+from jaxrlhf.placement import layout
+from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError
 
 
 def test_global_devices_sorted_by_process_then_id(devices):

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model
 from jaxrlhf.placement.layout import make_mesh, param_shardings
 from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.transfer.realloc import offload, reallocate, reload, tree_bytes
-from jaxrlhf.models.config import preset
-from jaxrlhf.models.transformer import build_model
 
 
 @contextlib.contextmanager

@@ -6,12 +6,16 @@ import pytest
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import (
-    RING_MASK_BYTES, SCORE_COPIES_INFER, optimizer_per_device, params_per_device, working_set,
+    RING_MASK_BYTES,
+    SCORE_COPIES_INFER,
+    optimizer_per_device,
+    params_per_device,
+    working_set,
 )
 from jaxrlhf.planner.plan import Layout
+from jaxrlhf.planner.workload import Workload
 
 CFG = preset("llama3.2-1b").replace(dtype="float32", param_dtype="float32", max_position_embeddings=16384)
 TRAIN = CallSpec("actor.train", "actor", "train")

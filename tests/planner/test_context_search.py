@@ -9,9 +9,9 @@ import re
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import CONTEXT_MIN_TOKENS, ExecutionPlan
 from jaxrlhf.planner.search import valid_layouts
+from jaxrlhf.planner.workload import Workload
 
 TRAIN = CallSpec("actor.train", "actor", "train")
 GENERATE = CallSpec("actor.generate", "actor", "generate")
@@ -50,11 +50,10 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     (`planner.budget`), keeps the fastest plan that fits, writes its budget into the plan file, prints
     why, and the run's config takes it (a budget the config sets wins)."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf.planner.budget import budget_candidates
-    from jaxrlhf.run.planning import knob_workload
-
     from jaxrlhf.algorithms import declare
     from jaxrlhf.plan import parse_args, resolve_config
+    from jaxrlhf.planner.budget import budget_candidates
+    from jaxrlhf.run.planning import knob_workload
 
     argv = ["--devices", "16", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
             "--prompt-len", "512", "--gen-len", "8192", "--batch", "16", "--evaluations", "1000",

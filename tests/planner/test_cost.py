@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxrlhf.planner.cost import call_cost, realloc_cost, TP_ALLREDUCES_PER_LAYER
-from jaxrlhf.planner.workload import Workload
-from jaxrlhf.planner.sizes import attention_flops, DTYPE_BYTES, matmul_params
 from jaxrlhf.graph import CallSpec
-from jaxrlhf.planner.hardware import get_profile
-from jaxrlhf.planner.plan import DeviceGroup, Layout
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
+from jaxrlhf.planner.cost import TP_ALLREDUCES_PER_LAYER, call_cost, realloc_cost
+from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.planner.plan import DeviceGroup, Layout
+from jaxrlhf.planner.sizes import DTYPE_BYTES, attention_flops, matmul_params
+from jaxrlhf.planner.workload import Workload
 
 H100 = get_profile("h100")
 CFG = preset("llama2-7b")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.sizes import mlp_width, param_count
 from jaxrlhf.planner.plan import ExecutionPlan
+from jaxrlhf.planner.sizes import mlp_width, param_count
 
 
 def test_the_preset_has_deepseek_v2_lites_published_shape():

@@ -7,8 +7,8 @@ import pytest
 
 from jaxrlhf.environments import EpisodeTiming
 from jaxrlhf.planner.cost import CallCost
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.episodes import episode_cost
+from jaxrlhf.planner.workload import Workload
 
 EPISODES = dict(multi_turn=True, env_extend_width=33)
 MEASURED = dict(env_decode_steps=48.0, env_extends=3.0, env_wait_s=0.5)

@@ -83,9 +83,9 @@ def test_plans_on_a_tpu_slice_keep_tensor_parallelism_within_a_host():
     parallel; on 16 and on 32 chips of 4-chip hosts (v5e, v4) no call splits a layer over more than
     the 4 chips of a host, and generation still uses all 4."""
     from jaxrlhf import config as cfglib
-    from jaxrlhf.run import planning
     from jaxrlhf.algorithms import declare
     from jaxrlhf.planner.search import SearchSpace, search
+    from jaxrlhf.run import planning
 
     cfg = cfglib.load_config(None, [
         "algorithm.name=grpo", "model.actor.preset=llama3.2-1b", "model.actor.remat=full", "data.batch_size=32",

@@ -17,12 +17,12 @@ from jaxrlhf.models import lora
 from jaxrlhf.models.config import LoraConfig, preset
 from jaxrlhf.models.transformer import build_model
 from jaxrlhf.planner.cost import call_cost
-from jaxrlhf.planner.workload import Workload
-from jaxrlhf.planner.sizes import lora_param_count
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory, working_set
 from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError
 from jaxrlhf.planner.search import search
+from jaxrlhf.planner.sizes import lora_param_count
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.testing.graphs import algorithm_graph
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

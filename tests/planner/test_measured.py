@@ -7,10 +7,10 @@ import pytest
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
 from jaxrlhf.planner.cost import call_cost
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import HardwareProfile, get_profile
 from jaxrlhf.planner.measured import Measured, Table, model_key
 from jaxrlhf.planner.plan import DeviceGroup, Layout
+from jaxrlhf.planner.workload import Workload
 
 CFG = preset("tiny")
 KEY = model_key(CFG, "lm")

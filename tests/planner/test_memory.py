@@ -4,14 +4,14 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallSpec
+from jaxrlhf.models.config import preset
+from jaxrlhf.models.transformer import build_model
 from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 from jaxrlhf.planner.simulator import estimate_plan
-from jaxrlhf.models.config import preset
-from jaxrlhf.models.transformer import build_model
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.testing.graphs import ppo_graph
 
 PPO_GRAPH = ppo_graph()

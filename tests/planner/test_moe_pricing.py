@@ -11,9 +11,9 @@ from pytest import approx
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.plan import main
-from jaxrlhf.planner.sizes import flop_params, matmul_params, mlp_width, param_count
 from jaxrlhf.planner.measured import model_key
 from jaxrlhf.planner.plan import ExecutionPlan, Layout, layout_misfit
+from jaxrlhf.planner.sizes import flop_params, matmul_params, mlp_width, param_count
 
 
 def test_experts_count_in_memory_and_in_the_dense_dispatchs_flops():
@@ -67,10 +67,10 @@ def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers
     num_experts]) and reduce-scatters the partial sums ([e x n, hidden]): (e - 1) / e of each over the axis."""
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.planner.cost import call_cost
-    from jaxrlhf.planner.workload import Workload
-    from jaxrlhf.planner.sizes import expert_param_count, shard_count
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.plan import DeviceGroup
+    from jaxrlhf.planner.sizes import expert_param_count, shard_count
+    from jaxrlhf.planner.workload import Workload
 
     moe = preset("qwen3-30b-a3b")
     d, e, f, layers = moe.hidden_size, moe.num_experts, moe.expert_intermediate_size, moe.num_layers
@@ -98,8 +98,8 @@ def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers
 
 def test_the_search_considers_expert_degrees_for_a_mixture_of_experts_only():
     from jaxrlhf.graph import CallSpec
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.search import valid_layouts
+    from jaxrlhf.planner.workload import Workload
 
     wl = Workload(batch_size=64, prompt_len=256, gen_len=256, minibatches=1)
     train = CallSpec("actor.train", "actor", "train")

@@ -7,12 +7,12 @@ import pytest
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
 from jaxrlhf.planner.cost import call_cost
-from jaxrlhf.planner.workload import Workload
-from jaxrlhf.planner.sizes import layer_param_count, param_count
 from jaxrlhf.planner.hardware import GB, get_profile
 from jaxrlhf.planner.memory import params_per_device, working_set
 from jaxrlhf.planner.plan import DeviceGroup, Layout, PlanError, layout_misfit, validate
 from jaxrlhf.planner.presets import build_plan
+from jaxrlhf.planner.sizes import layer_param_count, param_count
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.testing.graphs import ppo_graph
 
 H100 = get_profile("h100")

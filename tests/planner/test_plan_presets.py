@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
+from jaxrlhf.models.config import preset
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, validate
 from jaxrlhf.planner.presets import STRATEGIES, build_plan, generation_layout, sharded_layout
-from jaxrlhf.models.config import preset
 from jaxrlhf.testing.graphs import ppo_graph
 
 PPO_GRAPH = ppo_graph()
@@ -160,9 +160,9 @@ def test_invalid_yaml_messages():
 # ---- heuristic and colocated baselines -------------------------------------------------------
 @pytest.mark.parametrize("size,n", [("7b", 8), ("13b", 16), ("70b", 128)])
 def test_heuristic_is_megatron_style_and_fits(size, n):
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import plan_memory
+    from jaxrlhf.planner.workload import Workload
 
     hw, models = get_profile("h100"), {r: preset(f"llama2-{size}") for r in ROLES}
     wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)
@@ -211,10 +211,10 @@ def test_verl_is_a_tuned_hybrid_engine_that_fits(size, n):
     """verl-style: everything on all devices, FSDP (over a node, data parallel across nodes) or tensor
     parallelism inside a node for training, generation on a tensor-parallel copy inside a node; its
     tuning never makes the plan slower than its untuned first fit."""
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import plan_memory
     from jaxrlhf.planner.simulator import estimate_plan
+    from jaxrlhf.planner.workload import Workload
 
     hw, models = get_profile("h100"), {r: preset(f"llama2-{size}") for r in ROLES}
     wl = Workload.from_tokens(2**17, 128, 128, micro_batch="auto")

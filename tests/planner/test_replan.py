@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from jaxrlhf import config as cfglib
-from jaxrlhf.run import planning
 from jaxrlhf.algorithms import declare
 from jaxrlhf.planner.cost import CostCache, call_cost, profile_call_cost
 from jaxrlhf.planner.hardware import HardwareProfile, get_profile
 from jaxrlhf.planner.measured import Measured, Run, Table, model_key
 from jaxrlhf.planner.presets import build_plan
-from jaxrlhf.planner.replan import decide, placements, timed_runs, with_runs
+from jaxrlhf.planner.replan import decide, timed_runs, with_runs
 from jaxrlhf.planner.simulator import estimate_plan, generate_seconds
+from jaxrlhf.run import planning
 from jaxrlhf.testing.replan import WRONG_LAYOUT, wrong_profile
 
 GRPO = ["model.actor.preset=tiny", "data.batch_size=8", "data.max_prompt_len=16", "generation.max_new_tokens=4",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxrlhf.graph import CallGraph, CallSpec, HostStep
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 from jaxrlhf.planner.rewards import score_seconds, tail_rows
 from jaxrlhf.planner.simulator import build_ops, host_links, schedule, steady_state
+from jaxrlhf.planner.workload import Workload
 
 # generate -> [score_rules] -> train, as an RL graph with rule rewards declares it
 G = CallGraph(

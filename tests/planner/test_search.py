@@ -4,15 +4,15 @@ import random
 
 import pytest
 
-from jaxrlhf.planner.cost import CostCache
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.graph import CallGraph, CallSpec
-from jaxrlhf.planner.hardware import get_profile
+from jaxrlhf.models.config import preset
 from jaxrlhf.planner import search as search_module
+from jaxrlhf.planner.cost import CostCache
+from jaxrlhf.planner.hardware import get_profile
 from jaxrlhf.planner.plan import Layout, PlanError
 from jaxrlhf.planner.search import SearchSpace, State, candidate_groups, search, state_to_plan, valid_layouts
 from jaxrlhf.planner.simulator import estimate_plan
-from jaxrlhf.models.config import preset
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.testing.graphs import ppo_graph
 
 H100 = get_profile("h100")

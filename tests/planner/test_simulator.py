@@ -189,9 +189,9 @@ def _llama_async(**wl_kw):
     import dataclasses
 
     from jaxrlhf.models.config import preset
-    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.presets import build_plan
+    from jaxrlhf.planner.workload import Workload
     from jaxrlhf.testing.graphs import ppo_graph
 
     # the h100 profile's efficiencies before their calibration on the H200 (scripts/calibrate_gpu_profiles.py),
@@ -224,8 +224,8 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
 
     from jaxrlhf.models.slots import pool_size
     from jaxrlhf.planner.cost import CostCache, generate_durations
-    from jaxrlhf.planner.workload import LENGTH_BATCHES
     from jaxrlhf.planner.simulator import estimate_plan
+    from jaxrlhf.planner.workload import LENGTH_BATCHES
 
     for engine in ("static", "continuous"):
         graph, models, wl, hw, p = _llama_async(gen_engine=engine, gen_slots=4, gen_len_median=16, gen_len_sigma=1.0)

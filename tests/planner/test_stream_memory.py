@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.plan import ExecutionPlan
+from jaxrlhf.planner.workload import Workload
 
 
 def test_a_partial_rollout_stream_is_resident_on_the_generators_devices():

@@ -13,10 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.transfer.realloc import (ReallocStats, host_memory_kind, is_offloaded, move_where_needed, offload,
-                                      put_host, reallocate, reload, tree_bytes)
+from jaxrlhf.transfer.realloc import (
+    ReallocStats,
+    host_memory_kind,
+    is_offloaded,
+    move_where_needed,
+    offload,
+    put_host,
+    reallocate,
+    reload,
+    tree_bytes,
+)
 
 
 @contextlib.contextmanager
