@@ -5,14 +5,15 @@ generation 128 / 384 / 896 (batch 512 / 256 / 128), on H100-class nodes of 8;
 three scenarios: four same-size models, a scaled actor (the actor at the size,
 the critic, reference and reward 7B) and a scaled critic (likewise). Every
 plan (searched and preset alike) is estimated in steady state (the simulator
-runs until the step gaps repeat) with each call's micro-batch count chosen for
-its placement (`Workload.search_micro`: the fewest that fit). For each setup:
-the searched plan's step time, every preset's, and searched vs the better of
+runs until the step gaps repeat) with each call's micro-batch count and each
+trained role's remat chosen for its placement (`planner.knobs`). For each setup:
+the searched plan's step time, every preset's (with the knobs it needs to fit,
+chosen the same way), and searched vs the better of
 the two expert baselines: `heuristic` (the Megatron-style plan ReaLHF compares
 with) and `verl` (a verl-style hybrid engine). These are the planner's model
 only (no plan is run), so they do not depend on the machine's load; the search
 times printed do (they are noisy on a shared machine). No absolute throughput
-is reported: the cost model is not calibrated against a measured profile.
+is reported here: scripts/validate_published.py holds the cost model to peers' published times.
 
     python scripts/bench_planner.py [--seeds 0] [--json docs/results/bench_planner.json]
 """
@@ -26,9 +27,9 @@ import time
 
 from jaxrlhf.models.config import preset
 from jaxrlhf.planner import search as search_module
-from jaxrlhf.planner.workload import Workload
 from jaxrlhf.planner.hardware import GB, get_profile
 from jaxrlhf.planner.search import DEFAULT_ITERATIONS, search
+from jaxrlhf.planner.workload import Workload
 from jaxrlhf.testing.graphs import ppo_graph
 
 GRAPH = ppo_graph()  # PPO with a reward model: the four models of ReaLHF's setups
@@ -50,7 +51,7 @@ BASELINES = ("heuristic", "verl")
 
 def workload(gen: int) -> Workload:
     """ReaLHF's token budget; each call's micro-batch count chosen per placement."""
-    return Workload.from_tokens(TOKENS, 128, gen, micro_batch="auto")
+    return Workload.from_tokens(TOKENS, 128, gen, micro_batch="auto", remat="auto")
 
 
 def step(res, name: str) -> float | None:
@@ -120,7 +121,7 @@ def main() -> None:
                     "x_verl": base["verl"] / s if base["verl"] else None,
                     "x_colocated": presets["colocated"] / s if presets.get("colocated") else None,
                     "search_s": took, "search_s_by_seed": [t for _, t in runs], "evaluations": res.evaluations,
-                    "budget_hit": res.budget_hit, "plan": res.best.plan.to_dict(), "micro": res.best.micro,
+                    "budget_hit": res.budget_hit, "plan": res.best.plan.to_dict(), "knobs": {c: str(k) for c, k in res.best.knobs.items()},
                     "call_s": {k: v.seconds for k, v in res.best.calls.items()},
                     "baseline_plans": {k: res.presets[k].plan.to_dict() for k in BASELINES if base[k]},
                 }
@@ -181,7 +182,7 @@ def summarize(rows: list[dict], timing: dict, seeds: list[int]) -> dict:
 def _write(args, hw, rows, summary) -> None:
     with open(args.json, "w") as f:
         json.dump({"hardware": hw.to_dict(), "iterations": args.iterations, "seeds": args.seeds,
-                   "micro_batches": "per call (search_micro)", "steady_state": True, "rows": rows,
+                   "micro_batches": "per call (planner.knobs)", "steady_state": True, "rows": rows,
                    "summary": summary}, f,
                   indent=1)
 
