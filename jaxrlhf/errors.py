@@ -133,8 +133,29 @@ def _exit_now(code: int, alone: bool = True) -> None:
     os._exit(code)
 
 
+USER_ERROR_MEETING_S = 30  # how long a process with a user's mistake waits for the others to have it too
+
+
 def _failed(code: int, alone: bool = True) -> int:
-    """`code` for the caller to return; with several processes, exit at once instead (see run_cli)."""
+    """`code` for the caller to return; with several processes, exit at once instead (see run_cli).
+
+    A user's mistake every process makes (a config key no process can use) is found by each on its own,
+    at its own pace: a process that exits first ends the coordination service (process 0's) while the
+    others still use it, and JAX aborts them before they say why. So the processes meet before exiting;
+    one that waits alone (its mistake is its own) exits after `USER_ERROR_MEETING_S`."""
     if _multiprocess():
+        if alone and code == EXIT_USER_ERROR:
+            alone = not _all_processes_meet("jaxrlhf/exit-on-user-error", USER_ERROR_MEETING_S)
         _exit_now(code, alone)
     return code
+
+
+def _all_processes_meet(barrier_id: str, timeout_s: float) -> bool:
+    """Whether every process of the run reached `barrier_id` within `timeout_s`."""
+    from jaxrlhf.jax_private import coordination_client
+
+    try:
+        coordination_client().wait_at_barrier(barrier_id, int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 - a missing or dead process surfaces as a generic client error
+        return False
+    return True

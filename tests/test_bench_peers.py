@@ -171,15 +171,20 @@ def test_grpo_bench_refuses_what_it_cannot_compare(grpo, capsys):
 
 
 @pytest.mark.slow
-def test_grpo_bench_runs_both_sides_on_the_cpu(grpo, tmp_path):
-    """A tiny end-to-end run (TRL when installed): both sides count the same tokens per step."""
+def test_grpo_bench_runs_both_sides_on_the_cpu(tmp_path):
+    """A tiny end-to-end run (TRL when installed): both sides count the same tokens per step. The script
+    runs as a user runs it, in its own process: it sets the device count before JAX starts, which a test
+    worker that already ran JAX could not."""
     pytest.importorskip("trl")
     import json
 
     out = tmp_path / "r.json"
-    assert grpo.main(["--steps", "1", "--warmup", "1", "--trl-threads", "1", "--workdir", str(tmp_path / "w"),
-                      "--out", str(out), "data.batch_size=2", "algorithm.group_size=2",
-                      "generation.max_new_tokens=4", "run.devices=1"]) == 0
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_grpo_trl.py"), "--steps", "1", "--warmup", "1",
+         "--trl-threads", "1", "--workdir", str(tmp_path / "w"), "--out", str(out), "data.batch_size=2",
+         "algorithm.group_size=2", "generation.max_new_tokens=4", "run.devices=1"],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["ratio"] > 0 and set(r["generate_share"]) == {"jaxrlhf", "trl"} and r["trl_reference"] == "1 thr"
     trl = r["trl"]["1 thr"]
