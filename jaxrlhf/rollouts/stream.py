@@ -360,7 +360,10 @@ class StreamingGenerator:
             if self._decode_chunk():
                 continue
             scoring = [] if drawn is None else [f for f, _ in drawn.scores.values() if not f.done()]
-            if not (self.dynamic and any_process_at("stream/scoring", bool(scoring))):
+            # A group whose scores came in after this pass classified it (unscored then) is decided on the
+            # next pass: it is no reason to stop. Both flags are read alike on every process.
+            undecided = drawn is not None and any(i not in drawn.informative for i in drawn.done)
+            if not (self.dynamic and any_process_at("stream/scoring", bool(scoring) or undecided)):
                 raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
             t1 = time.perf_counter()  # dynamic sampling: the next admissions wait for these scores
             concurrent.futures.wait(scoring, return_when=concurrent.futures.FIRST_COMPLETED)
