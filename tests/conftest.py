@@ -4,14 +4,39 @@ compilation cache for the whole test run."""
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tests run tiny models, so their time is XLA's compile time, most of it LLVM's optimisation passes:
-# level 0 halves it (a tiny PPO run: 45 s -> 25 s of CPU) and changes no HLO, only how fast the code
-# runs and how floats are contracted. Set for this process and every process a test starts (they
-# inherit the environment), so runs compared with each other are compiled alike.
-os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+
+# Tests run tiny models, so their time is XLA's compile time. Optimisation level 0 skips most of LLVM's
+# passes (a tiny PPO run: 45 s -> 25 s of CPU); the CPU backend's older fusion emitters compile in about
+# 60 % of the time of its MLIR fusion emitters (the same run, nothing cached: 32 -> 18-22 s of CPU, the
+# slow tier 2,020 -> 1,190 s). Neither changes the HLO, only how fast the code runs and how floats are
+# contracted; and code without FMA instructions (`max_isa=AVX`, no slower here) rounds every product
+# as written, so two programs of the same arithmetic agree to the bit whatever their fusions (tests
+# assert such equalities; the older emitters contract products into FMAs where the newer did not). Set
+# for this process and every process a test starts (they inherit the environment), so runs compared
+# with each other are compiled alike.
+_FLAGS_ENV = "JAXRLHF_TEST_XLA_FLAGS"
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_max_isa=AVX")
+
+
+def _test_xla_flags() -> str:
+    """The flags above that this jaxlib knows (XLA aborts on an unknown flag, and the emitter flag is
+    recent), probed once in a subprocess and handed to xdist workers through the environment."""
+    if _FLAGS_ENV not in os.environ:
+        flags = [_FAST_COMPILE[0]]
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                               env=dict(os.environ, XLA_FLAGS=" ".join(_FAST_COMPILE)), capture_output=True)
+        if probe.returncode == 0:
+            flags = list(_FAST_COMPILE)
+        os.environ[_FLAGS_ENV] = " ".join(flags)
+    return os.environ[_FLAGS_ENV]
+
+
+os.environ["XLA_FLAGS"] = _test_xla_flags()
 
 import jax  # noqa: E402
 
@@ -59,16 +84,19 @@ def _free_compiled_programs_after_each_file():
     gc.collect()
 
 
-# The slow tier's heaviest files, by worker-seconds measured on the 2-core machine (360 s down to 130 s),
-# handed out first: pytest-xdist gives each worker whole files in collection order (pyproject's addopts:
-# --no-loadscope-reorder; its default order is by test count, which put the 2-test multi-process file,
-# 150 s, near the end), and a long file handed out last keeps the other worker idle until it ends.
+# The slow tier's heaviest files, by worker-seconds measured on the 2-core machine (180 s down to 40 s),
+# handed out first, the two largest multi-process files apart (their processes then rarely share the
+# cores with each other's): pytest-xdist gives each worker whole files in collection order (pyproject's
+# addopts: --no-loadscope-reorder; its default order is by test count, which put the 2-test
+# multi-process file, 90 s, near the end), and a long file handed out last keeps the other worker idle
+# until it ends.
 HEAVIEST_FIRST = (
-    "tests/test_reliability.py", "tests/algorithms/test_end_to_end.py", "tests/multihost/test_multihost.py",
-    "tests/test_train.py", "tests/multihost/test_faults.py", "tests/test_partial_rollouts.py",
-    "tests/multihost/test_multihost_stream.py", "tests/algorithms/test_learning.py", "tests/test_profile_cli.py",
-    "tests/algorithms/test_rollout_correction.py", "tests/algorithms/test_evaluation.py",
-    "tests/data/test_coding_task.py", "tests/models/test_continuous.py", "tests/models/test_families.py",
+    "tests/multihost/test_multihost.py", "tests/algorithms/test_end_to_end.py", "tests/multihost/test_faults.py",
+    "tests/test_train.py", "tests/test_partial_rollouts.py", "tests/algorithms/test_learning.py",
+    "tests/test_reliability.py", "tests/multihost/test_multihost_stream.py", "tests/algorithms/test_environments.py",
+    "tests/algorithms/test_evaluation.py", "tests/models/test_families.py", "tests/models/test_continuous.py",
+    "tests/test_profile_cli.py", "tests/test_replan.py", "tests/algorithms/test_moe_training.py",
+    "tests/test_pipeline.py", "tests/test_bench_scripts.py", "tests/models/test_context_parallel.py",
 )
 
 
