@@ -3,6 +3,8 @@ the staleness bound under random generation times, every rollout algorithm, and 
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -174,3 +176,42 @@ def test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights():
     assert outputs["kept"].versions[4:, 0].tolist() == [0, 0]  # A's
     assert gap(outputs["recomputed"]) < 1e-4
     assert gap(outputs["kept"]) > 1e-2
+
+
+class _LateFuture(concurrent.futures.Future):
+    """A reward future whose first look after its scores are in still says "not done": scores seen a pass
+    late, as a process busy elsewhere sees them."""
+
+    looked = False
+
+    def done(self) -> bool:
+        if super().done() and not self.looked:
+            self.looked = True
+            return False
+        return super().done()
+
+
+@pytest.mark.slow
+def test_scores_seen_a_pass_late_never_stop_the_stream(tmp_path, monkeypatch):
+    """Dynamic sampling with reward workers, every score seen one look late: scores that come in after a
+    pass checked its batch leave nothing decoding and nothing scoring while the batch is in fact
+    complete, or short of a prompt its step may still admit; the stream looks again instead of stopping
+    with "nothing left to decode" (it did, here at step 1, and in a 2-process run in 2 of 3 runs)."""
+    from jaxrlhf.rewards.pool import RewardPool
+
+    submit = RewardPool.submit
+
+    def late_submit(self, *args, **kwargs):
+        late = _LateFuture()
+        submit(self, *args, **kwargs).add_done_callback(lambda f: late.set_result(f.result()))
+        return late
+
+    monkeypatch.setattr(RewardPool, "submit", late_submit)
+    records = _run(tmp_path, "late", "algorithm.name=dapo", "algorithm.group_size=4", "plan.strategy=colocated",
+                   "algorithm.max_staleness=0", *STREAM, "algorithm.dynamic_sampling_factor=4", "rewards.workers=2",
+                   "data.batch_size=2", "run.steps=3",
+                   'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-m]"}}]')
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["dynamic_sampling/kept_groups"] == min(2, r["dynamic_sampling/informative_groups"])
+    assert any(r["dynamic_sampling/pool_groups"] > 2 for r in records)  # some groups were dropped and replaced

@@ -359,9 +359,13 @@ class StreamingGenerator:
                 break
             if self._decode_chunk():
                 continue
+            # Nothing in flight. Scores that came in since this pass looked may have decided groups: the
+            # batch is then complete, or its step wants another prompt (admitted on the next pass).
+            if drawn is not None and self.dynamic and (self._complete(drawn) or self._wanted(drawn) > 0):
+                continue
             scoring = [] if drawn is None else [f for f, _ in drawn.scores.values() if not f.done()]
-            # A group whose scores came in after this pass classified it (unscored then) is decided on the
-            # next pass: it is no reason to stop. Both flags are read alike on every process.
+            # A group whose scores came in after it was last classified (unscored then) is decided on the
+            # next pass: no reason to stop either. Both flags are read alike on every process.
             undecided = drawn is not None and any(i not in drawn.informative for i in drawn.done)
             if not (self.dynamic and any_process_at("stream/scoring", bool(scoring) or undecided)):
                 raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
