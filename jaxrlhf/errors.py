@@ -145,17 +145,8 @@ def _failed(code: int, alone: bool = True) -> int:
     one that waits alone (its mistake is its own) exits after `USER_ERROR_MEETING_S`."""
     if _multiprocess():
         if alone and code == EXIT_USER_ERROR:
-            alone = not _all_processes_meet("jaxrlhf/exit-on-user-error", USER_ERROR_MEETING_S)
+            from jaxrlhf.jax_private import all_processes_meet
+
+            alone = not all_processes_meet("jaxrlhf/exit-on-user-error", USER_ERROR_MEETING_S)
         _exit_now(code, alone)
     return code
-
-
-def _all_processes_meet(barrier_id: str, timeout_s: float) -> bool:
-    """Whether every process of the run reached `barrier_id` within `timeout_s`."""
-    from jaxrlhf.jax_private import coordination_client
-
-    try:
-        coordination_client().wait_at_barrier(barrier_id, int(timeout_s * 1000))
-    except Exception:  # noqa: BLE001 - a missing or dead process surfaces as a generic client error
-        return False
-    return True

@@ -35,6 +35,17 @@ def coordination_client() -> Any:
     return _state().client
 
 
+def all_processes_meet(barrier_id: str, timeout_s: float) -> bool:
+    """Whether every process of the run reached `barrier_id` within `timeout_s`: how processes that
+    agree to exit on an error meet first (a process that exits first ends the coordination service,
+    process 0's, while the others still use it, and JAX aborts them)."""
+    try:
+        coordination_client().wait_at_barrier(barrier_id, int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 - a missing or dead process surfaces as a generic client error
+        return False
+    return True
+
+
 def joined_several_processes() -> bool:
     """Whether this process joined others through `jax.distributed` (False when JAX was never loaded:
     callers on the error path must not import JAX)."""

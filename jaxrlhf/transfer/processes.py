@@ -178,7 +178,7 @@ def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIM
             text = make()
         except Exception as e:  # the others stop too, with its reason, instead of waiting for a text
             client.key_value_set(key, _FAILED + _first_line(e))
-            _together(client, f"{key}/failed")
+            jax_private.all_processes_meet(f"{key}/failed", 60)
             raise
         client.key_value_set(key, text)
         return text
@@ -190,7 +190,7 @@ def main_text(name: str, make: Callable[[], str], timeout_s: float = BARRIER_TIM
             "process 0 failed, was killed or is stuck: its output has the first error"
         ) from None
     if text.startswith(_FAILED):
-        _together(client, f"{key}/failed")
+        jax_private.all_processes_meet(f"{key}/failed", 60)
         raise MainFailed(f"process 0 could not make the run's {name}: {text[len(_FAILED):]}")
     return text
 
@@ -200,15 +200,6 @@ class MainFailed(DistributedError):
     as `errors.EveryProcess`)."""
 
     every_process = True
-
-
-def _together(client, barrier_id: str, timeout_s: float = 60) -> None:
-    """Meet the other processes before all exit on an error they agreed on: a process that exits first
-    ends the coordination service (process 0's) while the others still use it, and JAX aborts them."""
-    try:
-        client.wait_at_barrier(barrier_id, int(timeout_s * 1000))
-    except Exception:  # noqa: BLE001 - a process that never comes is stopped by the heartbeats instead
-        pass
 
 
 def main_values(values: list[float]) -> list[float]:
