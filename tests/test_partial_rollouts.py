@@ -84,9 +84,11 @@ def test_no_trained_token_is_older_than_the_budget(tmp_path):
     rewards from two workers as samples end: groups whose scores are all equal are dropped as they are
     scored and the next prompts of the step's feed (dynamic_sampling_factor x B) admitted in their
     place, so every trained group has reward variance (kept = B) from fewer prompts than the
-    synchronous pool's, under the same bound."""
+    synchronous pool's, under the same bound. Its pool holds two batches' rows (`generation.slots=64`,
+    a batch is 32): the stream's group slots hold eta + 1 batches, so rows of two batches decode side by side."""
     records = _run(tmp_path, "eta2", "algorithm.name=dapo", "algorithm.group_size=4", "plan.strategy=disaggregated",
                    "algorithm.max_staleness=2", *STREAM, *RANDOM_LENGTHS, "run.steps=5", "run.seed=1",
+                   "generation.slots=64",
                    "generation.partial_recompute=true", "algorithm.dynamic_sampling_factor=4", "rewards.workers=2",
                    'rewards.rules=[{name: format, weight: 1.0, args: {pattern: "[a-m]"}}]')
     _check_bound(records, 2, 5)

@@ -29,6 +29,14 @@ def pool_size(rows: int, slots: int | None, batch_ways: int = 1) -> int:
     return min(-(-s // batch_ways) * batch_ways, rows)
 
 
+def stream_groups(prompts: int, lead: int, batch_ways: int = 1) -> int:
+    """Group slots of a partial-rollout stream, all shards: every group admitted and not yet trained may be in
+    it, the prompts of `lead` + 1 steps (`lead`: how far the generator may run ahead, at most), rounded up to
+    whole group slots per shard. Its rows (x group size) bound the stream's slot pool (`pool_size`), so a pool
+    set wider than one batch decodes rows of several batches side by side."""
+    return -(-(lead + 1) * prompts // batch_ways) * batch_ways
+
+
 def page_size(prompt_bucket: int) -> int:
     """Tokens per page: `PAGE_SIZE`, or less for a prompt bucket it does not divide (a response's
     first token must start a fresh page, so a prompt's pages are never written)."""

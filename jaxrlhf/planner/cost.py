@@ -451,15 +451,15 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
 
 
 def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways: int,
-                       streamed: bool = False) -> tuple[float, ...]:
+                       streamed: bool = False, eta: int | None = None) -> tuple[float, ...]:
     """Seconds of a generate call for each of the LENGTH_BATCHES batches of response lengths: the
     prefill as priced, everything else (decode, its collectives and kernel launches) scaled by the
     batch's decode steps, narrow ones at what a step of their width costs (`Workload.decode_fractions`
-    with the call's `decode_width_share`; `streamed` as there). A per-step scale, not a re-pricing: a
+    with the call's `decode_width_share`; `streamed` and `eta` as there). A per-step scale, not a re-pricing: a
     short batch's steps attend to a shorter cache, which this leaves out (it errs towards the longer
     time)."""
     prefill = cost.parts.get("prefill", 0.0)
-    fractions = wl.decode_fractions(call, batch_ways, streamed, cost.decode_width_share)
+    fractions = wl.decode_fractions(call, batch_ways, streamed, cost.decode_width_share, eta)
     return tuple(prefill + (cost.seconds - prefill) * f for f in fractions)
 
 

@@ -59,19 +59,26 @@ def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
     each device feeds (up to MAX_MICRO; a packed call's micro-batches follow its token budget) where
     `algorithm.micro_batch_size` is unset, times the remat policies of a train call's role where its
     `model.<role>.remat` is unset; for a generate call on the continuous engine with `generation.slots` unset,
-    its pool from every row of a shard at once down by halves (fewer rows decoding at once hold less KV
-    cache and take more rounds: vLLM's max_num_seqs)."""
+    its pool from every row of a shard's batch at once down by halves (fewer rows decoding at once hold less
+    KV cache and take more rounds: vLLM's max_num_seqs); a stream's also up by doubling to every row its group
+    slots hold (several batches' rows side by side when the generator runs ahead)."""
     if call.kind == "generate":
         if wl.gen_slots != AUTO or wl.gen_engine != "continuous" or wl.multi_turn:
             return [CallKnobs()]
         rows = wl.call_seqs(call)
-        if rows % layout.batch_ways:
+        if rows % layout.batch_ways and not wl.streams:
             return [CallKnobs()]
-        per_shard, pools = rows // layout.batch_ways, []
-        while per_shard >= 1 and (not pools or per_shard * MIN_SLOT_SHARE >= rows // layout.batch_ways):
-            pools.append(CallKnobs(slots=per_shard * layout.batch_ways))
+        ways = layout.batch_ways
+        batch, most = -(-rows // ways), wl.engine_rows(call, ways) // ways  # per shard
+        wider = []
+        while batch * 2 ** (len(wider) + 1) < most:
+            wider.append(batch * 2 ** (len(wider) + 1))
+        per_shard, narrower = batch, []
+        while per_shard >= 1 and (not narrower or per_shard * MIN_SLOT_SHARE >= batch):
+            narrower.append(per_shard)
             per_shard //= 2
-        return pools
+        widths = ([most] if most > batch else []) + wider[::-1] + narrower
+        return [CallKnobs(slots=w * ways) for w in widths]
     micros: list[int | None] = [None]
     if wl.micro_batch_for(call.name) == AUTO and not wl.packed:
         per_device = max(wl.call_batch(call.kind) // layout.batch_ways, 1)
@@ -157,8 +164,7 @@ def knob_tag(call: CallSpec, wl: Workload) -> str:
     if call.kind == "train":
         return f"remat={wl.remat_for(call.role)}"
     if call.kind == "generate" and wl.gen_engine == "continuous" and not wl.multi_turn:
-        rows = wl.call_seqs(call)
-        return f"slots={min(wl.slots or rows, rows)}"
+        return f"slots={wl.engine_pool(call, 1)}"
     return ""
 
 

@@ -45,7 +45,7 @@ def timed_runs(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Model
             continue
         group, layout = plan.group_of(call.name), plan.calls[call.name].layout
         base = profile_call_cost(call, models[call.role], group, layout, wl, hw)
-        if call.kind == "generate" and wl.lengths_vary:
+        if call.kind == "generate" and wl.priced_per_batch(call, layout.batch_ways):
             per_batch = generate_seconds(base, plan, wl, call)
             seconds = seconds * base.seconds / max(sum(per_batch) / len(per_batch), 1e-12)
         out.append(Run(call.name, model_key(models[call.role], call.head), group.size, str(layout),

@@ -382,11 +382,12 @@ def plan_staleness(plan: ExecutionPlan, wl: Workload) -> int:
 
 def generate_seconds(cost: CallCost, plan: ExecutionPlan, wl: Workload, call: CallSpec) -> tuple[float, ...]:
     """A generate call's seconds on `plan` for each batch of drawn response lengths (`cost.generate_durations`,
-    a stream paced by the plan's eta); the call's own seconds when the lengths do not vary."""
-    if not wl.lengths_vary:
+    a stream paced by the plan's eta); the call's own seconds when the lengths do not vary (but for a stream
+    whose pool spans several batches: a batch has a share of its steps)."""
+    ways = plan.calls[call.name].layout.batch_ways
+    if not wl.priced_per_batch(call, ways):
         return (cost.seconds,)
-    paced = dataclasses.replace(wl, staleness=plan_staleness(plan, wl))
-    return generate_durations(cost, paced, call, plan.calls[call.name].layout.batch_ways, wl.gen_stream)
+    return generate_durations(cost, wl, call, ways, wl.gen_stream, eta=plan_staleness(plan, wl))
 
 
 def reward_host_s(graph: CallGraph, wl: Workload, call_s: Mapping[str, float | Sequence[float]]
@@ -421,12 +422,10 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, knobs, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
-    if wl.lengths_vary:
-        for c in graph.calls:
-            if c.kind == "generate":
-                call_wl = cache.for_call(c, knobs.get(c.name))  # the engine's pool as chosen for it
-                call_s[c.name] = tuple(d + reloads.get(c.name, 0.0)
-                                       for d in generate_seconds(costs[c.name], plan, call_wl, c))
+    for c in graph.calls:
+        call_wl = cache.for_call(c, knobs.get(c.name))  # the engine's pool as chosen for it
+        if c.kind == "generate" and call_wl.priced_per_batch(c, plan.calls[c.name].layout.batch_ways):
+            call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, call_wl, c))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl),
                             reward_host_s(graph, wl, call_s))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, knobs, sources)

@@ -21,7 +21,7 @@ import numpy as np
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.packing import PackedShape, packing_layout
-from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths
+from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths, stream_groups
 from jaxrlhf.planner.plan import REMAT_POLICIES
 
 # A memory knob the planner chooses with the placement (`planner.knobs`): the micro-batch size of each call,
@@ -180,6 +180,42 @@ class Workload:
         return {True: "full", False: "none"}.get(p, p) if isinstance(p, bool) else p
 
     @property
+    def streams(self) -> bool:
+        """Whether generation runs as a partial-rollout stream (`rollouts.stream`): `gen_stream` on the
+        continuous engine, single-turn."""
+        return self.gen_stream and self.gen_engine == "continuous" and not self.multi_turn
+
+    def engine_rows(self, call: CallSpec, batch_ways: int) -> int:
+        """Rows the engine of generate call `call` holds at once, all shards: the batch, or for a stream its
+        group slots' rows, which hold the prompts of staleness + 1 batches (`rollouts.stream`, sized by the
+        run's staleness budget) rounded up to whole group slots per shard: a stream admits prompts to free
+        group slots, so its batch need not split evenly over the shards."""
+        rows = self.call_seqs(call)
+        if not self.streams:
+            return rows
+        return stream_groups(rows // self.gen_group, self.staleness, batch_ways) * self.gen_group
+
+    def engine_pool(self, call: CallSpec, batch_ways: int) -> int:
+        """Rows the continuous engine of `call` decodes at once, all shards (`models.slots.pool_size` of
+        `engine_rows`): the pool as set, else the whole batch (a stream's default is the synchronous
+        engine's pool, one batch, as `rollouts.stream` sizes it). A stream's pool may hold rows of
+        several batches: a generator running ahead decodes them side by side."""
+        rows = self.call_seqs(call)
+        if not self.streams:
+            return pool_size(rows, self.slots, batch_ways)
+        return pool_size(self.engine_rows(call, batch_ways), self.slots or rows, batch_ways)
+
+    def pool_spans_batches(self, call: CallSpec, batch_ways: int) -> bool:
+        """Whether a stream's pool is wider than one batch: its full-width steps then decode several batches'
+        rows, so a batch costs a share of them (`decode_fractions`), whatever the lengths."""
+        return self.streams and self.engine_pool(call, batch_ways) > self.call_seqs(call)
+
+    def priced_per_batch(self, call: CallSpec, batch_ways: int) -> bool:
+        """Whether generate call `call` costs each batch of lengths its own seconds (`decode_fractions`): drawn
+        lengths, or a stream whose pool spans several batches."""
+        return self.lengths_vary or self.pool_spans_batches(call, batch_ways)
+
+    @property
     def slots(self) -> int | None:
         """The continuous engine's slot pool as priced: `gen_slots`, with one the planner has not chosen yet
         (AUTO) priced as the whole batch, the fastest, until `planner.knobs` chooses it."""
@@ -269,19 +305,23 @@ class Workload:
         """Per device: (prompts prefilled, rows each decode step runs, decode steps) of a generate call as
         its engine runs it when every response is `gen_len` long (the planner's worst case): both engines
         prefill each group's prompt once per shard (`models.slots.shard_group`); static decodes all rows for
-        gen_len steps, continuous runs its slot pool (`models.slots.pool_size`) ceil(rows / pool) rounds of
-        gen_len at full width (a pool that preempts is not modelled); the multi-turn engine prefills and
+        gen_len steps, continuous runs its slot pool (`engine_pool`) ceil(rows / pool) rounds of gen_len at full
+        width (a pool that preempts is not modelled; a stream's pool wider than the batch: one round, and a
+        stream prefills each group once wherever its prompts land); the multi-turn engine prefills and
         decodes every row on every device (its pool is not sharded), gen_len steps before measurement
         (`planner.episodes` scales them to the measured steps)."""
         rows = self.call_seqs(call)
         if self.multi_turn:
             return rows, rows, self.gen_len
+        if self.streams:  # each admitted group's prompt prefilled once; the pool of `engine_pool` rows
+            pool = self.engine_pool(call, batch_ways)
+            return rows / batch_ways / self.gen_group, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
         if rows % batch_ways:
             return rows / batch_ways, rows / batch_ways, self.gen_len
         prompts = rows // batch_ways // shard_group(rows, self.gen_group, batch_ways)
         if self.gen_engine == "static":
             return prompts, rows / batch_ways, self.gen_len
-        pool = pool_size(rows, self.slots, batch_ways)
+        pool = self.engine_pool(call, batch_ways)
         return prompts, pool / batch_ways, math.ceil(rows / pool) * self.gen_len
 
     @property
@@ -323,7 +363,7 @@ class Workload:
         return tokens, keys, micro, rows * float(responses.mean()) / batch_ways
 
     def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False,
-                         width_share: float = 1.0) -> tuple[float, ...]:
+                         width_share: float = 1.0, eta: int | None = None) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
         cap, every step at the pool's full width): the static engine's loop runs until the batch's
         longest row ends (`models.generation` stops when every row is done), so max(L) / gen_len; the
@@ -331,19 +371,23 @@ class Workload:
         that holds the active rows (`continuous_decode_steps`: the tail's steps are narrow; a step costs
         (1 - width_share) + width_share x width / slots of a full one), over ceil(rows / P) x gen_len;
         `streamed` (partial rollouts running ahead: the next batches' rows keep the pool full) sum(L) / P
-        full-width steps. All 1.0 when the lengths do not vary."""
-        if not self.lengths_vary:
+        full-width steps, its admission paced by `eta` (the plan's; None: `staleness`) while its pool and
+        group slots are sized as the runtime sizes them (`engine_pool`, `engine_rows`). All 1.0 when the
+        lengths do not vary, but for a stream whose pool spans several batches (`pool_spans_batches`): there
+        a full-width step decodes rows of several batches, and the stream is simulated at the cap."""
+        if not self.lengths_vary and not (streamed and self.pool_spans_batches(call, batch_ways)):
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
         n = self.generate_shape(call, batch_ways)[2]
         lengths = self.response_lengths(rows).astype(np.float64)
-        if self.gen_engine == "static" or rows % batch_ways:  # (an uneven batch runs as static does)
+        if self.gen_engine == "static" or (rows % batch_ways and not self.streams):  # (an uneven batch runs as
+            # static does, but in a stream, whose prompts enter free group slots)
             return tuple(float(s / n) for s in lengths.max(axis=1))
-        slots = pool_size(rows, self.slots, batch_ways) // batch_ways
+        slots = self.engine_pool(call, batch_ways) // batch_ways
         if streamed:
-            groups = -(-(self.staleness + 1) * rows // self.gen_group // batch_ways)  # `rollouts.stream`'s
+            groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways  # `rollouts.stream`'s
             runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
-                                   groups, self.gen_chunk, self.staleness)
+                                   groups, self.gen_chunk, self.staleness if eta is None else eta)
         else:
             runs = [_continuous_batch(tuple(batch.astype(int)), batch_ways, slots) for batch in lengths]
         # a step of width w costs (1 - share) + share x w / slots of a full-width one
@@ -360,6 +404,8 @@ class Workload:
         rows = self.call_seqs(call)
         if self.multi_turn:
             return 2 * rows * (self.seq_len + self.env_extend_width) + rows * self.prompt_len
+        if self.streams:  # its pool, carried in and out, plus a batch's dense prefix
+            return 2 * self.stream_columns(call, batch_ways) + rows / batch_ways / self.gen_group * self.prompt_len
         if rows % batch_ways:
             return 2 * rows / batch_ways * self.seq_len
         if self.gen_engine == "static":
@@ -367,18 +413,16 @@ class Workload:
             return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
         prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.slots,
                                   self.gen_pages, batch_ways)
-        return 2 * (self.stream_columns(call, batch_ways) or pool) + prefix
+        return 2 * pool + prefix
 
     def stream_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns one device keeps between steps for a partial-rollout stream (`gen_stream`): its
         page pool, whose group slots hold the prompts of staleness + 1 batches (`rollouts.stream`), lives on
         the generate call's devices for the whole run; 0 without a stream."""
-        rows = self.call_seqs(call)
-        if not self.gen_stream or self.gen_engine != "continuous" or rows % batch_ways:
+        if not self.streams:
             return 0.0
-        prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.slots,
-                                  self.gen_pages, batch_ways)
-        return pool + prefix * self.staleness
+        return kv_columns(self.prompt_len, self.gen_len, self.engine_rows(call, batch_ways), self.gen_group,
+                          self.engine_pool(call, batch_ways), self.gen_pages, batch_ways)[1]
 
 
 def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None

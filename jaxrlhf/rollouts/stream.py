@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.models import axes as ax
+from jaxrlhf.models import slots as slot_sizes
 from jaxrlhf.models import streaming
 from jaxrlhf.models.lengths import bucket_length
 from jaxrlhf.models.tokenizer import decode_responses
@@ -128,8 +129,9 @@ class StreamingGenerator:
         # actor's home placement they would read the weights the update is donating.
         trained = executor.placed(executor.plan.home_call("actor"))
         self.overlaps = not ({d.id for d in placed.mesh.devices.flat} & {d.id for d in trained.mesh.devices.flat})
-        groups = (self.eta + 1) * self.prompts  # every group admitted and not yet trained may be in the stream
-        groups = -(-groups // ways) * ways
+        # sized by the run's lead (`Config.generator_lead`, eta's bound), as the planner sizes it
+        # (`Workload.engine_rows`): a pool wider than one batch decodes as many rows as the plan was priced with
+        groups = slot_sizes.stream_groups(self.prompts, max(self.eta, cfg.generator_lead), ways)
         self.spec = streaming.StreamSpec.make(
             groups=groups, group_size=self.group, max_new_tokens=s.max_new_tokens,
             prompt_bucket=bucket_length(cfg.data.max_prompt_len, multiple=16),
