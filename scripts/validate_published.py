@@ -326,9 +326,9 @@ class Result:
         return self.predicted_s / self.pick_s if self.predicted_s and self.pick_s else None
 
 
-def engine_slots(case: dict, cfg_model, hw, wl) -> int:
-    """Rows the peer's generation engine decodes at once over all its replicas: each replica (a tensor-parallel
-    group) runs up to `max_num_seqs` (vLLM's default 256 where the case states none; a hybrid engine's
+def engine_slots(case: dict, cfg_model, hw, wl, generate) -> int:
+    """Rows the peer's generation engine (`generate`, the call) decodes at once over all its replicas: each
+    replica (a tensor-parallel group) runs up to `max_num_seqs` (vLLM's default 256 where the case states none; a hybrid engine's
     micro-batch as `slots`), as many as its KV cache holds at the mean context (vLLM pages the cache by
     the tokens a row holds, not by the cap): `gpu_memory_utilization` of the device (0.6 colocated, where
     the trainer's state is offloaded meanwhile, 0.9 on generation's own devices, where none is stated) less
@@ -345,7 +345,9 @@ def engine_slots(case: dict, cfg_model, hw, wl) -> int:
     kv_budget = util * hw.hbm_capacity * tp - param_bytes(cfg_model, "lm")
     context = wl.prompt_len + float(case["response_len"]["mean"])
     fits = int(kv_budget // (kv_bytes_per_token(cfg_model) * context))
-    rows = wl.batch_size  # a generate call's sequences: its batch rows (prompts x samples)
+    # the rows its engine may hold: the batch (prompts x samples), or for a generator streaming partial rollouts
+    # ahead of the trainer the rows of staleness + 1 batches, as jaxrlhf's stream holds them (`engine_rows`)
+    rows = wl.engine_rows(generate, 1)
     per_replica = max(1, min(int(spec.get("max_num_seqs") or 256), fits, rows // replicas))
     return per_replica * replicas
 
@@ -372,7 +374,8 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
     peer = peer_plan(case, graph, case["devices"])
     check_layouts(case, peer, graph, models, wl)
     remat = "full" if (case["placement"].get("training") or {}).get("remat") else "none"
-    slots = engine_slots(case, models["actor"], hw, wl) if wl.gen_engine == "continuous" else wl.gen_slots
+    slots = engine_slots(case, models["actor"], hw, wl, graph["actor.generate"]) if wl.gen_engine == "continuous" \
+        else wl.gen_slots
     peer_wl = dataclasses.replace(
         wl, gen_slots=slots, micro_batch=None if wl.micro_batch == "auto" else wl.micro_batch, varlen=wl.packed,
         remat={r: (remat if r in ("actor", "critic") else "none") for r in models})
