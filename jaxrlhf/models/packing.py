@@ -48,6 +48,7 @@ with B rows, K, R and M take at most 2 log2(B) values each; in practice a run me
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -81,13 +82,15 @@ def size_bucket(n: int) -> int:
 
 
 def _spread(weights: np.ndarray, items: Sequence[int], bins: int) -> list[list[int]]:
-    """`items` over `bins`, longest first onto the lightest bin (deterministic: ties go to the lowest bin)."""
-    loads = np.zeros(bins, np.int64)
+    """`items` over `bins`, longest first onto the lightest bin (deterministic: ties go to the lowest bin; a
+    heap of (load, bin), which the planner's searches call often enough for an argmin per item to show)."""
+    w = {i: int(weights[i]) for i in items}
+    heap = [(0, b) for b in range(bins)]  # already a heap
     out: list[list[int]] = [[] for _ in range(bins)]
-    for i in sorted(items, key=lambda i: (-int(weights[i]), i)):
-        b = int(np.argmin(loads))
+    for i in sorted(items, key=lambda i: (-w[i], i)):
+        load, b = heap[0]
         out[b].append(i)
-        loads[b] += weights[i]
+        heapq.heapreplace(heap, (load + w[i], b))
     return out
 
 

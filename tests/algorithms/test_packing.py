@@ -94,6 +94,27 @@ def test_micro_batches_keep_the_budget_and_balance_the_shards():
     assert sorted(out["slots"][filled]) == list(range(64))  # each sequence once per epoch
 
 
+def test_sequences_go_longest_first_onto_the_lightest_bin_ties_to_the_lowest():
+    """`_spread` keeps its documented rule on ties (many equal weights) and on empty bins, against the plain
+    argmin over the bins' loads, which it replaced for speed (the planner packs every token budget it weighs)."""
+    from jaxrlhf.models.packing import _spread
+
+    def by_argmin(weights, items, bins):
+        loads, out = np.zeros(bins, np.int64), [[] for _ in range(bins)]
+        for i in sorted(items, key=lambda i: (-int(weights[i]), i)):
+            b = int(np.argmin(loads))
+            out[b].append(i)
+            loads[b] += weights[i]
+        return out
+
+    rng = np.random.default_rng(0)
+    for trial in range(500):
+        n, bins = int(rng.integers(0, 40)), int(rng.integers(1, 10))
+        weights = rng.integers(0, 4 if trial % 2 else 1000, size=n + 3)
+        items = [int(i) for i in rng.permutation(n + 3)[:n]]
+        assert _spread(weights, items, bins) == by_argmin(weights, items, bins), trial
+
+
 @pytest.fixture(scope="module")
 def models():
     return (nnx.split(build_model(preset("tiny"), seed=0)), nnx.split(build_model(preset("tiny"), "value", seed=1)),
