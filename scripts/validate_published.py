@@ -12,8 +12,9 @@ data sizes; per model where the source gives them) and staleness. For each case 
 - the peer's placement priced by jaxrlhf's cost model, simulator and memory model (the same code the
   planner searches with; the GPU efficiencies from jaxrlhf's own H200 measurements,
   scripts/calibrate_gpu_profiles.py, never fitted to these cases): predicted / published;
-- the planner's pick for the same cluster and workload (`planner.search`, this many evaluations) and its
-  predicted gain over the peer's placement;
+- the planner's pick for the same cluster and workload (`planner.search`, this many evaluations; its memory
+  knobs its own: the peer's token budget, engine pool and remat are how the peer runs, not the workload) and
+  its predicted gain over the peer's placement;
 
 then the median |log(predicted / published)| over the cases, and for cases published in pairs (the same
 workload synchronous and asynchronous) the predicted against the published ratio. With `--plans` each
@@ -164,8 +165,10 @@ def lognormal_median(mean: float, cap: int, sigma: float) -> int:
     return max(1, min(cap, int(round(lo))))
 
 
-def run_config(case: dict) -> cfglib.Config:
-    """The jaxrlhf config of the case's workload (what `python -m jaxrlhf.plan` would be asked)."""
+def run_config(case: dict, peer_knobs: bool = True) -> cfglib.Config:
+    """The jaxrlhf config of the case's workload (what `python -m jaxrlhf.plan` would be asked); with
+    `peer_knobs` also the memory knobs the peer states (its token budget, engine pool, remat), which its own
+    placement is priced with; without them the planner chooses its own for its pick, as for any run."""
     models, alg = case["models"], ALGORITHMS[case["algorithm"]]
     sigma = float(case["response_len"].get("sigma", DEFAULT_SIGMA))
     cap = int(case["response_len"]["max"])
@@ -185,12 +188,12 @@ def run_config(case: dict) -> cfglib.Config:
         overrides.append(f"algorithm.group_size={case['samples_per_prompt']}")
     if alg == "dapo":
         overrides.append("algorithm.dynamic_sampling=false")
-    if training.get("packed") and training.get("tokens_per_gpu"):  # the runtime's budget counts every shard's
+    if peer_knobs and training.get("packed") and training.get("tokens_per_gpu"):  # the budget counts every shard's
         overrides.append(f"algorithm.max_tokens_per_micro_batch={int(training['tokens_per_gpu']) * batch_ways(case)}")
     slots = (case["placement"].get("generation") or {}).get("slots")
-    if slots:
+    if peer_knobs and slots:
         overrides.append(f"generation.slots={int(slots)}")
-    if training.get("remat"):
+    if peer_knobs and training.get("remat"):
         overrides += [f"model.{role}.remat=full" for role in ("actor", "critic")
                       if models.get(role) and role != "ref"]
     if PRESETS.get(models["actor"]).num_experts:  # the peers' engines and trainers run each token through its k experts
@@ -388,7 +391,9 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
     pick_s, pick_plan = None, None
     try:
         if search:
-            pick = run.search(evaluations=evaluations).best
+            free = run_config(case, peer_knobs=False)  # the pick chooses its own knobs: the workload is the same
+            searcher = setup(free, machine=Machine.described(free, case["devices"]), runtime=False)
+            pick = searcher.search(evaluations=evaluations).best
             pick_s, pick_plan = pick.step_s, pick.plan
     except PlanError:
         pass
