@@ -70,9 +70,10 @@ def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
             return [CallKnobs()]
         ways = layout.batch_ways
         batch, most = -(-rows // ways), wl.engine_rows(call, ways) // ways  # per shard
-        wider = []
-        while batch * 2 ** (len(wider) + 1) < most:
-            wider.append(batch * 2 ** (len(wider) + 1))
+        wider, width = [], 2 * batch
+        while width < most:  # a stream's: several batches' rows at once
+            wider.append(width)
+            width *= 2
         per_shard, narrower = batch, []
         while per_shard >= 1 and (not narrower or per_shard * MIN_SLOT_SHARE >= batch):
             narrower.append(per_shard)

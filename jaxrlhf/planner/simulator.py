@@ -422,10 +422,11 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, knobs, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}
-    for c in graph.calls:
+    for c in (c for c in graph.calls if c.kind == "generate"):
         call_wl = cache.for_call(c, knobs.get(c.name))  # the engine's pool as chosen for it
-        if c.kind == "generate" and call_wl.priced_per_batch(c, plan.calls[c.name].layout.batch_ways):
-            call_s[c.name] = tuple(d + reloads.get(c.name, 0.0) for d in generate_seconds(costs[c.name], plan, call_wl, c))
+        if call_wl.priced_per_batch(c, plan.calls[c.name].layout.batch_ways):
+            reload = reloads.get(c.name, 0.0)
+            call_s[c.name] = tuple(d + reload for d in generate_seconds(costs[c.name], plan, call_wl, c))
     timeline = steady_state(graph, plan, call_s, moves, steps, hw.shared_host, plan_staleness(plan, wl),
                             reward_host_s(graph, wl, call_s))
     return PlanEstimate(plan, True, None, timeline.step_s, timeline, costs, moves, reloads, mem, knobs, sources)

@@ -380,8 +380,8 @@ class Workload:
         rows = self.call_seqs(call)
         n = self.generate_shape(call, batch_ways)[2]
         lengths = self.response_lengths(rows).astype(np.float64)
-        if self.gen_engine == "static" or (rows % batch_ways and not self.streams):  # (an uneven batch runs as
-            # static does, but in a stream, whose prompts enter free group slots)
+        # an uneven batch runs as static does, but in a stream (its prompts enter free group slots)
+        if self.gen_engine == "static" or (rows % batch_ways and not self.streams):
             return tuple(float(s / n) for s in lengths.max(axis=1))
         slots = self.engine_pool(call, batch_ways) // batch_ways
         if streamed:
