@@ -362,7 +362,8 @@ class _Annealer:
         key = (call, start, size)
         if key not in self._ranked:
             priced = {lay: self.fastest_alone(call, start, size, lay) for lay in self.space.layouts[(call, size)]}
-            fits = sorted((p, lay) for lay, p in priced.items() if p is not None)
+            # by (time, memory); an exact tie keeps the layouts' own order (layouts do not compare)
+            fits = sorted(((p, lay) for lay, p in priced.items() if p is not None), key=lambda pl: pl[0])
             front: list[Layout] = []
             for (_, need), lay in fits:
                 if not front or need < priced[front[-1]][1]:
