@@ -339,6 +339,10 @@ class RolloutConfig(AlgorithmConfig):
     # real tokens per micro-batch of packed rows (prompt + response; the micro-batches of one update balanced
     # under it): set, it turns pack_sequences on; null = one micro-batch per update
     max_tokens_per_micro_batch: Int | None = _field(None, check=positive)
+    # response positions a device whose full-vocabulary logits the actor's and reference's log-prob calls
+    # build at once (`models.logit_chunks`: head, log-softmax and entropy a chunk of positions at a time, each
+    # chunk's logits recomputed in the backward); null = all at once. Only the memory changes
+    logit_chunk_tokens: Int | None = _field(4096, check=positive)
 
     def __post_init__(self) -> None:
         # a null upper clip is the lower one, resolved here: the config holds the value the loss uses

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (0 = none)")
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+    ap.add_argument("--logit-chunk", type=int, default=4096,
+                    help="algorithm.logit_chunk_tokens: response positions a device whose logits are built at once "
+                         "(0 = all at once)")
     ap.add_argument("--calls", default="actor.train,ref.inference,actor.generate")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="parameter and compute dtype; float32 on CPU, whose XLA backend upcasts every bf16 "
@@ -109,6 +112,7 @@ def _config(model: str, args):
         f"model.critic.remat={args.remat}", f"data.batch_size={args.batch}",
         f"data.max_prompt_len={args.prompt_len}", f"generation.max_new_tokens={args.gen_len}",
         f"algorithm.minibatches={args.minibatches}", f"algorithm.micro_batch_size={micro if micro else 'null'}",
+        f"algorithm.logit_chunk_tokens={args.logit_chunk or 'null'}",
     ])
 
 
@@ -158,7 +162,7 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     wl = dataclasses.replace(algorithm.workload(), donate=not args.no_donate)
     roles = {}
     for name, spec in specs.items():
-        remat = getattr(cfg.model, name).remat
+        remat = getattr(cfg.model, name).remat or "none"  # a frozen role's null: it never trains
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(configs[name], spec.head, remat=remat)))
         role = Role(name, graphdef, abstract)
         if spec.trained:

@@ -111,6 +111,7 @@ class Algorithm(abc.ABC):
             # only the RL algorithms have the keys (algorithm.pack_sequences: packed train and inference calls)
             packed=getattr(cfg.algorithm, "pack_sequences", False),
             token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None),
+            logit_chunk=getattr(cfg.algorithm, "logit_chunk_tokens", None),  # the RL log-prob calls' (`logit_chunks`)
             **self.reward_fields(),
             **self.rollout_fields(),
         )

@@ -108,7 +108,7 @@ class RolloutRuntime:
             correction=Correction.from_config(alg),
             router_aux_coef=alg.router_aux_loss_coef,
             router_top_k=actor.num_experts_per_tok if actor is not None else 0,
-            router_replay=alg.router_replay,
+            router_replay=alg.router_replay, logit_chunk=alg.logit_chunk_tokens,
         )
 
     # ---- runtime --------------------------------------------------------------------------
@@ -126,10 +126,10 @@ class RolloutRuntime:
         if s.correction.active:  # pi_old: the actor's log-probs of the rollout before this step's update
             fns["actor.inference"] = functools.partial(policy_logprobs, m["actor"].graphdef, s.sampling,
                                                        micro("actor.inference"), output="old_logp",
-                                                       replay=s.router_replay)
+                                                       replay=s.router_replay, logit_chunk=s.logit_chunk)
         if "ref" in m:
             fns["ref.inference"] = functools.partial(policy_logprobs, m["ref"].graphdef, s.sampling,
-                                                     micro("ref.inference"))
+                                                     micro("ref.inference"), logit_chunk=s.logit_chunk)
         if "critic" in m:
             fns["critic.inference"] = functools.partial(critic_values, m["critic"].graphdef, micro("critic.inference"))
             fns["critic.train"] = functools.partial(critic_train, m["critic"].graphdef, m["critic"].optimizer,

@@ -22,8 +22,9 @@ from jaxrlhf.algorithms.base import AlgorithmConfigError
 from jaxrlhf.algorithms.correction import Correction
 from jaxrlhf.algorithms.update import map_microbatches, map_packed
 from jaxrlhf.models import pipeline
+from jaxrlhf.models.logit_chunks import chunked_token_stats
 from jaxrlhf.models.moe import replaying
-from jaxrlhf.models.sampling import SamplingParams, token_logprobs
+from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.rollouts import RESPONSE, ROUTED
 
 
@@ -69,6 +70,7 @@ class RLSettings:
     router_aux_coef: float = 0.0
     router_top_k: int = 0
     router_replay: bool = False  # algorithm.router_replay: the generate call records experts, the actor replays them
+    logit_chunk: int | None = None  # algorithm.logit_chunk_tokens: positions a device whose logits are built at once
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
@@ -91,20 +93,40 @@ def packed_output(model: nnx.Module, batch: dict[str, Any], at: str = "read") ->
     return out[0] if isinstance(out, tuple) else out
 
 
-def response_logits(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "batch new vocab"]:
-    """The logits that predict the response tokens, computed for those positions only (the prompt's
-    full-vocabulary logits are never built); from packed rows when the batch is packed, and then only
-    where a real response token is predicted ([reads, vocab], `packing`'s `take`: `response_targets` are
-    the tokens they predict, `on_response_grid` puts per-token results back). A batch holding
-    the rollout's experts (`ROUTED`, router replay) routes every token to them (`moe.replaying`)."""
-    if "packed" in batch:  # [s, P] read as [s, 1, P]: rows of the matmul-shaped [s, P, vocab]
+def response_hidden(model: nnx.Module, batch: dict[str, Any], prompt_len: int) -> Float[Array, "rows reads embed"]:
+    """The final hidden states that predict the response tokens, at those positions only (their
+    full-vocabulary logits are built later, a chunk at a time: `response_token_stats`); from packed rows
+    when the batch is packed, and then only where a real response token is predicted (`packing`'s `take`,
+    [slots, reads, embed]: `response_targets` are the tokens they predict, `on_response_grid` puts
+    per-token results back). A batch holding the rollout's experts (`ROUTED`, router replay) routes every
+    token to them (`moe.replaying`)."""
+    if "packed" in batch:  # [s, P] read as [s, 1, P]: rows [s, P, embed]
         pk = batch["packed"]
         with replaying(_replayed(pk.get("experts"))):  # packed rows' experts, packed as their tokens
-            logits = packed_output(model, {"packed": {**pk, "take": pk["take"][:, None]}}, "take")
-        return logits.reshape(-1, logits.shape[-1])
+            h, _ = model.hidden(pk["tokens"], pk["positions"], pk["segments"] > 0, segment_ids=pk["segments"],
+                                read_at=pk["take"][:, None])
+        return h
     with replaying(_replayed(batch.get(ROUTED))):
-        logits, _ = model(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
-    return logits[:, :-1]
+        h, _ = model.hidden(batch["tokens"], batch["positions"], batch["mask"], logits_from=prompt_len - 1)
+    return h[:, :-1]
+
+
+def response_token_stats(
+    model: nnx.Module, hidden: Float[Array, "rows reads embed"], batch: dict[str, Any], sampling: SamplingParams,
+    logit_chunk: int | None, with_entropy: bool = True,
+) -> tuple[Float[Array, "batch new"], Float[Array, "batch new"] | None]:
+    """Log-probs of the response tokens (and the entropies) on the [batch, new] response grid, from
+    `response_hidden`'s states through the model's head, `logit_chunk` positions a device at a time
+    (`algorithm.logit_chunk_tokens`, `logit_chunks`). Cells that hold no response token: 0 (packed) or
+    whatever the padding predicts (padded rows: the caller masks)."""
+    targets = response_targets(batch)
+    logp, ent = chunked_token_stats(model.head, hidden, targets.reshape(hidden.shape[:2]), sampling, logit_chunk,
+                                    with_entropy)
+
+    def grid(x):
+        return None if x is None else on_response_grid(batch, x.reshape(targets.shape))
+
+    return grid(logp), grid(ent)
 
 
 def _replayed(experts: jax.Array | None) -> jax.Array | None:
@@ -120,14 +142,14 @@ def _replayed(experts: jax.Array | None) -> jax.Array | None:
 
 
 def response_targets(batch: dict[str, Any]) -> Int[Array, "..."]:
-    """The tokens `response_logits` predict: the response grid, or a packed batch's taken ones."""
+    """The tokens `response_hidden`'s states predict: the response grid, or a packed batch's taken ones."""
     if "packed" not in batch:
         return batch["response_tokens"]
     return jnp.take(batch["response_tokens"].reshape(-1), batch["packed"]["take_from"], mode="fill", fill_value=0)
 
 
 def on_response_grid(batch: dict[str, Any], values: Float[Array, "..."]) -> Float[Array, "batch new"]:
-    """Per-token `values` at `response_logits`' positions on the [batch, new] response grid (a packed
+    """Per-token `values` at `response_hidden`'s positions on the [batch, new] response grid (a packed
     batch's cells that hold no real response token: 0)."""
     if "packed" not in batch:
         return values
@@ -143,12 +165,13 @@ def on_response_grid(batch: dict[str, Any], values: Float[Array, "..."]) -> Floa
 
 def policy_logprobs(
     graphdef: nnx.GraphDef, sampling: SamplingParams, micro_batch: int | None, params: nnx.State,
-    inputs: dict[str, Any], *, output: str = "ref_logp", replay: bool = False,
+    inputs: dict[str, Any], *, output: str = "ref_logp", replay: bool = False, logit_chunk: int | None = None,
 ) -> dict[str, Float[Array, "batch new"]]:
     """Log-probs of the response under a policy, same logits processing as sampling, named `output`: the
     reference model's (`ref_logp`), or the actor's before its update (`old_logp`, a rollout correction's).
     `replay` (the actor's, under router replay): its forward routes the tokens to the rollout's experts; the
-    reference routes its own way even where a shared packing carries them."""
+    reference routes its own way even where a shared packing carries them. `logit_chunk`: positions a device
+    whose logits are built at once (`algorithm.logit_chunk_tokens`)."""
     model = nnx.merge(graphdef, params)
     if not replay:
         inputs = {k: v for k, v in inputs.items() if k != ROUTED}
@@ -158,8 +181,9 @@ def policy_logprobs(
     p = 0 if packed is not None else inputs["tokens"].shape[1] - inputs["response_tokens"].shape[1]
 
     def one(b):
-        logp = token_logprobs(response_logits(model, b, p), response_targets(b), sampling)
-        return {output: jnp.where(b["response_mask"], on_response_grid(b, logp), 0.0)}
+        logp, _ = response_token_stats(model, response_hidden(model, b, p), b, sampling, logit_chunk,
+                                       with_entropy=False)
+        return {output: jnp.where(b["response_mask"], logp, 0.0)}
 
     if packed is not None:
         return map_packed(one, {k: inputs[k] for k in RESPONSE}, packed)

@@ -24,16 +24,14 @@ from jaxrlhf.algorithms.rewards import overlong_penalty, shape_scores
 from jaxrlhf.algorithms.rollout_calls import (
     RLSettings,
     _response_slice,
-    on_response_grid,
     packed_output,
-    response_logits,
-    response_targets,
+    response_hidden,
+    response_token_stats,
 )
 from jaxrlhf.algorithms.stats import RunningMoments, masked_mean, masked_whiten
 from jaxrlhf.algorithms.update import loss_aux, minibatch_updates
 from jaxrlhf.environments.base import ACTION_MASK
 from jaxrlhf.models.moe import forward_with_router_logits, load_balancing_loss, router_statistics
-from jaxrlhf.models.sampling import entropy, token_logprobs
 from jaxrlhf.rollouts import ROUTED
 
 
@@ -120,12 +118,11 @@ def actor_train(
     def loss_fn(params, mb):
         model = nnx.merge(graphdef, params)
         if s.router_top_k:  # a mixture of experts: its router logits too, for the balancing loss and statistics
-            logits, router = forward_with_router_logits(functools.partial(response_logits, model), mb, p)
+            hidden, router = forward_with_router_logits(functools.partial(response_hidden, model), mb, p)
         else:
-            logits = response_logits(model, mb, p)
-        logp = on_response_grid(mb, token_logprobs(logits, response_targets(mb), s.sampling))
+            hidden = response_hidden(model, mb, p)
+        logp, ent = response_token_stats(model, hidden, mb, s.sampling, s.logit_chunk)
         logp = jnp.where(mb["response_mask"], logp, 0.0)
-        ent = on_response_grid(mb, entropy(logits, s.sampling))
         mask = mb.get("loss_mask", model_tokens(mb))  # a correction's mask: no sequences it dropped
         weights = {"token_weights": mb["is_weight"]} if "is_weight" in mb else {}
         # a packed micro-batch's empty slots are no rows (Dr. GRPO's normaliser counts rows)

@@ -724,15 +724,34 @@ class CausalLM(nnx.Module):
         logits are the largest activation, so callers that need a suffix never build the rest.
         `read_at` (packed rows): logits at those positions only, [shards * slots, n, vocab]
         (`read_positions`). `layers_split`: see `Transformer.__call__`."""
+        h, cache = self.hidden(tokens, positions, mask, cache, segment_ids, logits_from, layers_split, read_at)
+        return self.head(h), cache
+
+    def hidden(
+        self,
+        tokens: Int[Array, "batch length"],
+        positions: Int[Array, "batch length"],
+        mask: Bool[Array, "batch length"],
+        cache: KVCache | PagedKVCache | None = None,
+        segment_ids: Int[Array, "batch length"] | None = None,
+        logits_from: int = 0,
+        layers_split: Sequence[nnx.State] | None = None,
+        read_at: Int[Array, "shards slots n"] | None = None,
+    ) -> tuple[Float[Array, "batch out embed"], KVCache | PagedKVCache | None]:
+        """The final hidden states at the positions `__call__` gives logits for: what `head` turns into
+        logits, for callers that apply the head a chunk at a time (`logit_chunks`)."""
         h, cache = self.model(tokens, positions, mask, cache, segment_ids, layers_split)
-        h = h[:, logits_from:] if read_at is None else read_positions(h, read_at)
+        return (h[:, logits_from:] if read_at is None else read_positions(h, read_at)), cache
+
+    def head(self, h: Float[Array, "batch length embed"]) -> Float[Array, "batch length vocab"]:
+        """Float32 logits of hidden states (the LM head, or the tied embedding, then the final softcap)."""
         dt = self.config.jnp_dtype
         if self.config.tie_word_embeddings:
             w = self.model.embed.value.astype(dt).T
         else:
             w = self.lm_head.value.astype(dt)
         logits = softcap(dense(h, w, preferred_element_type=jnp.float32), self.config.final_logit_softcap)
-        return ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB)), cache
+        return ax.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
 
 class ValueModel(nnx.Module):

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.logit_sizes import chunk_positions
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.plan import ExecutionPlan, Layout
 from jaxrlhf.planner.sizes import (
@@ -46,14 +47,17 @@ LOGIT_COPIES_TRAIN = 3  # plus their gradient
 # Dense attention's float32 [T, S] score matrices per head live at once (XLA:CPU, one 16k-token sequence a
 # device, scripts/check_memory_model.py; at 512 tokens it holds 2): three in a forward (scores,
 # exponentials, probabilities); in the backward of a rematerialised layer, beside the two it recomputes
-# (`layer_saved_bytes`), XLA's peak holds two more and the bool mask, in buffers the logits and their
-# gradient use at other times, which the model adds on top: 1.25 more fits the peak (fitted, -8 %).
+# (`layer_saved_bytes`), XLA's peak holds two more and the bool mask. Logits built a chunk at a time
+# (`algorithm.logit_chunk_tokens`, the default) leave them no buffers to share: two more (+0.8 % at 16k,
+# check_memory_model's f8 row); whole logits share some, and the model then over-counts.
 SCORE_COPIES_INFER = 3
-SCORE_COPIES_BACKWARD = 1.25
-# ... but only for long sequences: at 128 tokens (tests/planner/test_memory.py) and 512
-# (check_memory_model's default table) one copy fits XLA's totals, three over-count by a quarter. Below
-# this many keys a forward counts one (the step between 512 and 16k is not measured).
-LONG_SCORES_KEYS = 8192
+SCORE_COPIES_BACKWARD = 2
+# ... but only for long sequences: at 128 tokens (tests/planner/test_memory.py) one copy fits XLA's
+# totals. llama3.2-1b's inference, 8 rows a device (check_memory_model --micro-batch 0): at 1024, 1536 and
+# 2304 keys XLA holds three (the model's forward then within -3 %, +15 % and +10 %), as at 16k; below
+# this many keys a forward counts one (between 128 and 1024 not measured).
+LONG_SCORES_KEYS = 1024
+BACKWARD_SCORES_KEYS = 8192  # the backward's score temporaries below (measured at 16k; 1k-8k not measured)
 
 
 def dense_score_copies(keys: float) -> float:
@@ -199,13 +203,14 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     micro = wl.micro_batches(call)
     tok = _tokens_per_micro(call, seqs, wl.seq_len, wl) / layout.context
     logit_tok = _logit_tokens(call, tok, wl)
+    rows = tok * layout.context / wl.seq_len  # a micro-batch's rows on this device
     keys = wl.seq_len / layout.context  # the keys one score matrix holds: a ring's block
     width = wl.seq_len  # a row's tokens
     if wl.packed:  # a micro-batch's packed rows; logits only where they are read (its real response tokens)
         shape = wl.packed_shape(call, batch_ways)
         micro, keys, width = shape.micro_batches, shape.width / layout.context, shape.width
         tok = shape.rows * shape.width / layout.context
-        logit_tok = shape.reads
+        logit_tok, rows = shape.reads, shape.rows
     ring = tok * _per_token_widths(cfg, t)[2] * ab if layout.context > 1 else 0.0  # the block arriving
     # Pipeline: the current micro-batch's activation and the one arriving from the previous stage.
     hand_off = 2 * tok * cfg.hidden_size * ab if layout.stage > 1 else 0.0
@@ -217,10 +222,15 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         # shrink the logits.
         m = staged_micro
         hand_off += (1 + (m + layout.stage - 1) / m) * m * tok * cfg.hidden_size * ab
-        logit_tok *= m
+        logit_tok, rows = logit_tok * m, rows * m
+    # the RL log-prob calls build their logits a chunk of positions at a time (`models.logit_chunks`)
+    logit_tok = chunk_positions(logit_tok, rows, wl.logit_chunk)
     if call.kind == "inference":
         copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else None
-        act = layer_live_bytes(cfg, tok, keys, t, copies) + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER)
+        # the head runs after the last layer, so a forward's peak is the larger of a layer's and the logits'
+        # (the residual stream, in both, is counted in the layer's)
+        act = max(layer_live_bytes(cfg, tok, keys, t, copies),
+                  _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_INFER))
         out = {"activations": act + hand_off + ring, "fsdp_buffers": gathered + head_gathered}
         if layout.expert > 1:
             out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=False)
@@ -233,7 +243,7 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         layer = layer_saved_bytes(cfg, tok, keys, t, _ring_score_copies(width, layout.context, True))
     else:
         layer = layer_saved_bytes(cfg, tok, keys, t)
-    if layout.context == 1 and wl.remat_for(call.role) != "none" and keys >= LONG_SCORES_KEYS:
+    if layout.context == 1 and wl.remat_for(call.role) != "none" and keys >= BACKWARD_SCORES_KEYS:
         # the backward's own score-sized temporaries in the layer it recomputes and differentiates
         # (measured under remat at 16k tokens; without remat or at short lengths unmeasured, and not counted)
         layer += tok * keys * cfg.num_heads / t * 4 * SCORE_COPIES_BACKWARD

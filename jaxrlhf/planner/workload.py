@@ -134,6 +134,9 @@ class Workload:
     # as wide as the longest sequence and masks its attention: the planner never sets this
     varlen: bool = False
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
+    # algorithm.logit_chunk_tokens: response positions a device whose logits the actor's and reference's
+    # log-prob calls build at once (`models.logit_chunks`); None = all at once (and every non-RL call)
+    logit_chunk: int | None = None
     reward_row_s: float = 0.0  # one row's rule-reward seconds, measured by the run (0: not priced)
     reward_at_once: int | None = None  # rows the rules score in the time of one (`rows_at_once`)
     reward_workers: int = 0  # rewards.workers

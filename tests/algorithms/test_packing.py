@@ -5,6 +5,7 @@ tests/models/test_context_parallel.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -148,7 +149,11 @@ def test_packed_calls_equal_unpacked(models, estimator, loss, agg, epochs):
     packed.update(packed_inference=pack(None, 2), packed_actor=pack(unpacked["rng_actor"], 2),
                   packed_critic=pack(unpacked["rng_critic"], 4))
     sampling = SamplingParams(temperature=0.7)
-    logp = [rollout.policy_logprobs(actor_def, sampling, None, actor, x)["ref_logp"] for x in (unpacked, packed)]
+    # the packed side builds its logits 3 positions a device at a time (`logit_chunks`), the unpacked side
+    # all at once: chunks, like packing, change memory, not math
+    chunks = {"unpacked": None, "packed": 3}
+    logp = [rollout.policy_logprobs(actor_def, sampling, None, actor, x, logit_chunk=chunks[name])["ref_logp"]
+            for name, x in (("unpacked", unpacked), ("packed", packed))]
     np.testing.assert_allclose(logp[1], logp[0], rtol=1e-5, atol=1e-5)
     scores = [rollout.reward_scores(reward_def, ("",), None, reward, x)["model_scores"] for x in (unpacked, packed)]
     np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5, atol=1e-5)
@@ -157,8 +162,9 @@ def test_packed_calls_equal_unpacked(models, estimator, loss, agg, epochs):
     s = rollout.RLSettings(estimator=estimator, loss=loss, loss_agg=agg, group_size=2, minibatches=2, epochs=epochs,
                            kl_in_reward=loss == "ppo", kl_in_loss=loss == "grpo",
                            kl_estimator="k3" if loss == "grpo" else "k1", max_new_tokens=N, entropy_coef=0.01)
-    train_fn = jax.jit(functools.partial(rollout.actor_train, actor_def, opt, s))
-    (p_ref, _, o_ref), (p_got, _, o_got) = (train_fn(actor, opt.init(actor), x) for x in (unpacked, packed))
+    (p_ref, _, o_ref), (p_got, _, o_got) = (
+        jax.jit(functools.partial(rollout.actor_train, actor_def, opt, dataclasses.replace(s, logit_chunk=chunks[name])))(
+            actor, opt.init(actor), x) for name, x in (("unpacked", unpacked), ("packed", packed)))
     _close(p_got, p_ref, rtol=1e-5, atol=1e-6)
     for key, value in o_ref["actor_stats"].items():
         np.testing.assert_allclose(o_got["actor_stats"][key], value, rtol=2e-4, atol=1e-6, err_msg=key)

@@ -205,7 +205,7 @@ def test_router_replay_refusals():
     batch = {"tokens": jnp.ones((2, 4), jnp.int32), "positions": jnp.zeros((2, 4), jnp.int32),
              "mask": jnp.ones((2, 4), bool), ROUTED: jnp.zeros((2, 4, 2, 2), jnp.int8)}
     with pipeline.staged(2), pytest.raises(AlgorithmConfigError, match="pipelined .* layout with stage=1"):
-        rollout_calls.response_logits(None, batch, 2)  # the forward that reads response positions
+        rollout_calls.response_hidden(None, batch, 2)  # the forward that reads response positions
     with pytest.raises(cfglib.ConfigError, match="set generation.partial_rollout=false"):
         _config("generation.engine=continuous", "generation.partial_rollout=true")
 

@@ -56,7 +56,7 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     from jaxrlhf.run.planning import knob_workload
 
     argv = ["--devices", "16", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
-            "--prompt-len", "512", "--gen-len", "8192", "--batch", "16", "--evaluations", "1000",
+            "--prompt-len", "512", "--gen-len", "8192", "--batch", "32", "--evaluations", "1000",
             "algorithm.group_size=8", "algorithm.pack_sequences=true", "plan.response_length_median=1024",
             "plan.response_length_sigma=1", "--out", str(tmp_path)]
     rc = main(argv)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -8,7 +10,13 @@ from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model
 from jaxrlhf.planner.hardware import get_profile
-from jaxrlhf.planner.memory import optimizer_per_device, params_per_device, plan_memory, working_set
+from jaxrlhf.planner.memory import (
+    layer_live_bytes,
+    optimizer_per_device,
+    params_per_device,
+    plan_memory,
+    working_set,
+)
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 from jaxrlhf.planner.simulator import estimate_plan
 from jaxrlhf.planner.workload import Workload
@@ -84,6 +92,29 @@ def test_remat_saves_activation_memory():
     full = working_set(call, cfg, Layout(fsdp=8), Workload(batch_size=64, remat=False))["activations"]
     remat = working_set(call, cfg, Layout(fsdp=8), Workload(batch_size=64, remat=True))["activations"]
     assert remat < full / 4
+
+
+def test_logit_chunks_keep_one_chunk_of_logits():
+    """`algorithm.logit_chunk_tokens`: a log-prob call's float32 logits count one chunk of positions a device
+    (three copies in a train call: logits, softmax, gradient), the runtime's split (`models.logit_sizes`); an
+    inference call's peak is the larger of a layer's and the logits' (the head runs after the layers)."""
+    cfg = preset("qwen2-7b")
+    wl = Workload(batch_size=64, prompt_len=512, gen_len=8192, minibatches=1, remat="full")
+    layout = Layout(fsdp=8)  # 8 rows x 8192 response positions a device
+    train = CallSpec("actor.train", "actor", "train")
+    whole, chunked = (working_set(train, cfg, layout, dataclasses.replace(wl, logit_chunk=c))["activations"]
+                      for c in (None, 4096))
+    assert (whole - chunked) / ((8 * 8192 - 4096) * cfg.vocab_size * 4) == pytest.approx(3)
+    tiny, rows = (working_set(train, cfg, layout, dataclasses.replace(wl, logit_chunk=c))["activations"]
+                  for c in (1, 8))
+    assert tiny == rows  # a budget below a device's rows: one position a row
+    short = Workload(batch_size=512, prompt_len=64, gen_len=512, minibatches=1)  # 64 rows x 512 positions a device
+    infer = CallSpec("ref.inference", "ref", "inference")
+    whole, chunked = (working_set(infer, cfg, layout, dataclasses.replace(short, logit_chunk=c))["activations"]
+                      for c in (None, 4096))
+    layer = layer_live_bytes(cfg, 64 * 576, 576, 1)
+    assert whole == 64 * 512 * cfg.vocab_size * 4 > layer  # the logits outweigh a layer
+    assert chunked == max(layer, 4096 * cfg.vocab_size * 4) == layer  # one chunk's do not
 
 
 def _colocated(n: int, layout: Layout) -> ExecutionPlan:
