@@ -650,8 +650,10 @@ class GenerationConfig:
     engine: Literal["static", "continuous"] = "static"
     # continuous engine's rows decoding at once; null = the planner's choice (the whole batch unless memory needs fewer)
     slots: Int | None = _field(None, check=positive)
-    # continuous engine's KV page pool: response pages of 16 tokens (all batch shards together); null = every
-    # slot can hold max_new_tokens (never preempts). Smaller trades memory for recomputing preempted rows
+    # continuous engine's KV page pool: response pages of 16 tokens (all batch shards together); null = the
+    # planner's: the most pages its rows hold at once on the plan's response lengths (plan.response_length_median
+    # and _sigma) with a quarter to spare, else every slot can hold max_new_tokens (never preempts). Smaller
+    # trades memory for recomputing preempted rows
     kv_pages: Int | None = _field(None, check=positive)
     # cut the rollout batch after generation to its longest response, rounded up to max_new_tokens / 2^k
     # (k < 4, multiples of 8): the train and inference calls skip the padding past it (docs/generation.md)

@@ -102,7 +102,9 @@ class Algorithm(abc.ABC):
             adam_master_fp32={r: getattr(cfg.optimizer, r).master_weights for r in trained},
             gen_engine=cfg.generation.engine, gen_group=self.group_size,
             gen_slots=AUTO if cfg.generation.slots is None and cfg.generation.engine == "continuous" else cfg.generation.slots,
-            gen_pages=cfg.generation.kv_pages,
+            # unset: the planner sizes the page pool to the drawn lengths (`Workload.held_pages`)
+            gen_pages=AUTO if cfg.generation.kv_pages is None and cfg.generation.engine == "continuous"
+            else cfg.generation.kv_pages,
             base_views=tuple(sorted(self.base_views().items())),
             staleness=cfg.generator_lead,
             gen_len_median=cfg.plan.response_length_median, gen_len_sigma=cfg.plan.response_length_sigma,
@@ -192,7 +194,8 @@ class Algorithm(abc.ABC):
         return Execution(
             micro_batch_size={c.name: micro for c in graph.calls if c.kind != "generate"} if micro else {},
             remat={c.role: getattr(cfg.model, c.role).remat or "none" for c in graph.calls if c.kind == "train"},
-            token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None), gen_slots=cfg.generation.slots)
+            token_budget=getattr(cfg.algorithm, "max_tokens_per_micro_batch", None), gen_slots=cfg.generation.slots,
+            gen_pages=cfg.generation.kv_pages)
 
     def functions(self) -> dict[str, Any]:
         """Pure function of every call of the graph (see `jaxrlhf.placement.executor`), bound once."""

@@ -102,7 +102,10 @@ class RolloutRuntime:
             ratio_early_stop=alg.ratio_early_stop, entropy_coef=alg.entropy_coef, sampling=sampling_params(self.cfg),
             reward_bias=rw.bias, reward_scale=rw.scale, reward_clip=rw.clip, eos_only=rw.eos_only,
             overlong_buffer=alg.overlong_buffer, overlong_penalty=alg.overlong_penalty,
-            ignore_eos=gen.ignore_eos, engine=gen.engine, kv_pages=gen.kv_pages,
+            ignore_eos=gen.ignore_eos, engine=gen.engine,
+            # the continuous engine's page pool as the plan sized it (a set generation.kv_pages is already the plan's)
+            kv_pages=gen.kv_pages if self.execution is None or self.execution.gen_pages is None
+            else self.execution.gen_pages,
             # the continuous engine's pool as the plan chose it (a set generation.slots is already the plan's)
             slots=gen.slots if self.execution is None or self.execution.gen_slots is None else self.execution.gen_slots,
             correction=Correction.from_config(alg),

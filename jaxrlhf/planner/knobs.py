@@ -150,12 +150,14 @@ def fixed_by(plan: ExecutionPlan, wl: Workload) -> Workload:
     """`wl` with the memory knobs `plan` carries fixed, as a run executing `plan` runs them: each call's
     micro-batch rows (a call the plan lists none for in one micro-batch), each trained role's remat, the
     engine's pool and the token budget. A plan carrying none leaves `wl` as it is."""
-    if not (plan.micro_batch_size or plan.remat or plan.gen_slots is not None or plan.token_budget is not None):
+    if not (plan.micro_batch_size or plan.remat or plan.gen_slots is not None or plan.token_budget is not None
+            or plan.gen_pages is not None):
         return wl
     roles = wl.remat.keys() if isinstance(wl.remat, Mapping) else plan.remat.keys()
     return dataclasses.replace(
         wl, micro_batch=dict(plan.micro_batch_size), remat={r: plan.remat.get(r, "none") for r in roles},
         gen_slots=plan.gen_slots if plan.gen_slots is not None else wl.slots,
+        gen_pages=plan.gen_pages if plan.gen_pages is not None else None if wl.gen_pages == AUTO else wl.gen_pages,
         token_budget=plan.token_budget if wl.packed and plan.token_budget is not None else wl.token_budget)
 
 
@@ -171,16 +173,19 @@ def knob_tag(call: CallSpec, wl: Workload) -> str:
 
 def with_knobs(plan: ExecutionPlan, graph: CallGraph, wl: Workload, knobs: Mapping[str, CallKnobs]) -> ExecutionPlan:
     """`plan` carrying what the run executes (`ExecutionPlan.micro_batch_size`, `.remat`, `.token_budget`,
-    `.gen_slots`): each micro-batched call's rows per micro-batch, every trained role's remat policy and the
-    continuous engine's pool, from `knobs` where they chose, else as `wl` sets them, and a packed run's
-    token budget."""
+    `.gen_slots`, `.gen_pages`): each micro-batched call's rows per micro-batch, every trained role's remat
+    policy and the continuous engine's pool, from `knobs` where they chose, else as `wl` sets them, its page
+    pool sized to the drawn lengths where the config leaves it unset (`Workload.held_pages`), and a packed
+    run's token budget."""
     micro: dict[str, int] = {}
     remat: dict[str, str] = {}
-    slots = wl.slots
+    slots, pages = wl.slots, None if wl.gen_pages == AUTO else wl.gen_pages
     for c in graph.calls:
         k = knobs.get(c.name, CallKnobs())
         if c.kind == "generate" and k.slots is not None:
             slots = k.slots
+        if c.kind == "generate" and wl.gen_pages == AUTO and c.name in plan.calls:  # sized for its pool and shards
+            pages = wl.for_call(c, slots=slots).kv_pages(c, plan.calls[c.name].layout.batch_ways)
         if c.kind != "generate" and not wl.packed:
             count = k.micro if k.micro is not None else wl.micro_batches(c)
             if count > 1:
@@ -189,4 +194,5 @@ def with_knobs(plan: ExecutionPlan, graph: CallGraph, wl: Workload, knobs: Mappi
             remat[c.role] = k.remat if k.remat is not None else wl.remat_for(c.role)
     return dataclasses.replace(plan, micro_batch_size=micro, remat=remat,
                                token_budget=wl.token_budget if wl.packed else None,
-                               gen_slots=slots if wl.gen_engine == "continuous" else None)
+                               gen_slots=slots if wl.gen_engine == "continuous" else None,
+                               gen_pages=pages if wl.gen_engine == "continuous" else None)

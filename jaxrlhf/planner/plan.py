@@ -132,13 +132,14 @@ REMAT_POLICIES = ("none", "full", "dots")
 class Execution:
     """The memory knobs a run executes a plan with (`ExecutionPlan.execution`): rows per micro-batch of each
     micro-batched call, each trained role's remat policy, a packed run's token budget, the continuous engine's
-    slot pool. The algorithms and
+    slot pool and page pool. The algorithms and
     role builders read these, never the config's keys, so the run does what the plan was priced with."""
 
     micro_batch_size: Mapping[str, int] = dataclasses.field(default_factory=dict)
     remat: Mapping[str, str] = dataclasses.field(default_factory=dict)
     token_budget: int | None = None
     gen_slots: int | None = None  # the continuous engine's rows decoding at once; None: the config's
+    gen_pages: int | None = None  # the continuous engine's response pages (all shards); None: the config's
 
     def micro_batch(self, call: str) -> int | None:
         """Rows per micro-batch of `call` (None: the whole batch, or minibatch, at once)."""
@@ -182,6 +183,9 @@ class ExecutionPlan:
     micro_batch_size: dict[str, int] = dataclasses.field(default_factory=dict)
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
     gen_slots: int | None = None  # the continuous engine's rows decoding at once (generation.slots); None = all
+    # the continuous engine's response pages over all shards (generation.kv_pages), sized by the planner to the
+    # drawn lengths where the config leaves it unset; None = every slot holds a full response
+    gen_pages: int | None = None
 
     # ---- queries -----------------------------------------------------------------
     def group_of(self, call: str) -> DeviceGroup:
@@ -197,7 +201,8 @@ class ExecutionPlan:
     @property
     def execution(self) -> "Execution":
         """The memory knobs the run executes this plan's calls with."""
-        return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget, self.gen_slots)
+        return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget, self.gen_slots,
+                         self.gen_pages)
 
     # ---- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -217,12 +222,13 @@ class ExecutionPlan:
             **({"micro_batch_size": dict(self.micro_batch_size)} if self.micro_batch_size else {}),
             **({"remat": dict(self.remat)} if self.remat else {}),
             **({"gen_slots": self.gen_slots} if self.gen_slots is not None else {}),
+            **({"gen_pages": self.gen_pages} if self.gen_pages is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
         known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
-                 "staleness", "token_budget", "micro_batch_size", "remat", "gen_slots"}
+                 "staleness", "token_budget", "micro_batch_size", "remat", "gen_slots", "gen_pages"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -270,6 +276,9 @@ class ExecutionPlan:
         slots = d.get("gen_slots")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise PlanError(f"{where}.gen_slots must be an integer >= 1 (rows decoding at once), got {slots!r}")
+        pages = d.get("gen_pages")
+        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int) or pages < 1):
+            raise PlanError(f"{where}.gen_pages must be an integer >= 1 (the KV cache's response pages), got {pages!r}")
         return cls(
             strategy=str(d.get("strategy", "custom")),
             num_devices=int(d["num_devices"]),
@@ -284,6 +293,7 @@ class ExecutionPlan:
             micro_batch_size={str(k): int(v) for k, v in micro.items()},
             remat={str(k): str(v) for k, v in remat.items()},
             gen_slots=slots,
+            gen_pages=pages,
         )
 
     def to_yaml(self) -> str:
@@ -321,6 +331,8 @@ class ExecutionPlan:
             parts.append("micro-batches of " + ", ".join(f"{rows} rows ({c})" for c, rows in self.micro_batch_size.items()))
         if self.gen_slots is not None:
             parts.append(f"generation {self.gen_slots} rows at once")
+        if self.gen_pages is not None:
+            parts.append(f"{self.gen_pages} KV pages")
         return "; ".join(parts)
 
     def table(self) -> str:

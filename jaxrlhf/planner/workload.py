@@ -21,13 +21,25 @@ import numpy as np
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
 from jaxrlhf.models.packing import PackedShape, packing_layout
-from jaxrlhf.models.slots import kv_columns, pool_size, shard_group, step_widths, stream_groups
+from jaxrlhf.models.slots import (
+    kv_columns,
+    page_size,
+    pages_per_row,
+    pool_size,
+    shard_group,
+    step_widths,
+    stream_groups,
+)
 from jaxrlhf.planner.plan import REMAT_POLICIES
 
 # A memory knob the planner chooses with the placement (`planner.knobs`): the micro-batch size of each call,
 # the remat policy of each trained role. The config's unset keys (null) arrive here as AUTO.
 AUTO = "auto"
 LENGTH_BATCHES = 8  # K: the batches of drawn response lengths the steps cycle through (step i has batch i % K)
+# A page pool the planner sizes (`generation.kv_pages` unset) holds this much more than the most pages the
+# drawn batches of lengths hold at once: room for batches not drawn. Past it the engine preempts and
+# recomputes rows (the same tokens, a slower step).
+KV_PAGE_MARGIN = 1.25
 LENGTH_SEED = 0
 
 
@@ -120,7 +132,7 @@ class Workload:
     gen_engine: str = "static"  # generation.engine
     gen_group: int = 1  # adjacent rows sharing a prompt (GRPO's G): either engine prefills one
     gen_slots: Any = None  # generation.slots; None = the whole batch; AUTO = the planner's (continuous engine)
-    gen_pages: int | None = None  # generation.kv_pages; None = every slot holds gen_len
+    gen_pages: Any = None  # generation.kv_pages; None = every slot holds gen_len; AUTO = sized to the drawn lengths
     # (role, source): frozen roles that hold no weights and run on a LoRA source's frozen base
     base_views: tuple[tuple[str, str], ...] = ()
     staleness: int = 1  # steps the generator may run ahead on an off-policy plan
@@ -396,6 +408,34 @@ class Workload:
         # a step of width w costs (1 - share) + share x w / slots of a full-width one
         return tuple(float(min(((1 - width_share) * steps + width_share * widths) / n, 1.0)) for steps, widths in runs)
 
+    def kv_pages(self, call: CallSpec, batch_ways: int) -> int | None:
+        """The continuous engine's response pages over all shards as priced (`generation.kv_pages`): as set,
+        or where the planner sizes them (AUTO) `held_pages`'s pool."""
+        return self.held_pages(call, batch_ways) if self.gen_pages == AUTO else self.gen_pages
+
+    def held_pages(self, call: CallSpec, batch_ways: int) -> int | None:
+        """Response pages over all shards that hold, with KV_PAGE_MARGIN to spare, the most pages the engine's
+        rows hold at once on any drawn batch of lengths, decoding them slot by slot as `decode_fractions`
+        does (a stream in steady state): a pool of pages for the tokens rows hold, not one full response per
+        slot (vLLM's paged KV cache). At least one full response per shard; None (every slot can hold a
+        full response) where that is no fewer, or where the lengths do not vary."""
+        rows = self.call_seqs(call)
+        if (not self.lengths_vary or self.gen_engine != "continuous" or self.multi_turn
+                or (rows % batch_ways and not self.streams)):
+            return None
+        slots = self.engine_pool(call, batch_ways) // batch_ways
+        one_row = pages_per_row(self.prompt_len, self.gen_len)[1]
+        lengths = tuple(map(tuple, self.response_lengths(rows).astype(int)))
+        page = page_size(self.prompt_len)
+        if self.streams:
+            groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways
+            held = _stream_held(lengths, self.gen_group, batch_ways, slots, groups, self.gen_chunk, self.staleness,
+                                page)
+        else:
+            held = max(_continuous_held(batch, batch_ways, slots, page) for batch in lengths)
+        need = max(math.ceil(held * KV_PAGE_MARGIN), one_row)
+        return None if need >= slots * one_row else need * batch_ways
+
     def generate_kv_columns(self, call: CallSpec, batch_ways: int) -> float:
         """KV-cache columns (tokens) one device holds during a generate call, as its engine allocates them:
         static: its rows x (prompt + gen_len), carried into and out of the decode loop (two copies), plus
@@ -415,7 +455,7 @@ class Workload:
             prompts = self.generate_shape(call, batch_ways)[0]
             return (2 * rows / batch_ways + (prompts if prompts < rows / batch_ways else 0)) * self.seq_len
         prefix, pool = kv_columns(self.prompt_len, self.gen_len, rows, self.gen_group, self.slots,
-                                  self.gen_pages, batch_ways)
+                                  self.kv_pages(call, batch_ways), batch_ways)
         return 2 * pool + prefix
 
     def stream_columns(self, call: CallSpec, batch_ways: int) -> float:
@@ -425,7 +465,7 @@ class Workload:
         if not self.streams:
             return 0.0
         return kv_columns(self.prompt_len, self.gen_len, self.engine_rows(call, batch_ways), self.gen_group,
-                          self.engine_pool(call, batch_ways), self.gen_pages, batch_ways)[1]
+                          self.engine_pool(call, batch_ways), self.kv_pages(call, batch_ways), batch_ways)[1]
 
 
 def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None
@@ -448,9 +488,10 @@ def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cu
 
 
 @functools.lru_cache(maxsize=256)
-def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
-    """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`: each
-    shard's rows (contiguous blocks) enter its `slots` in order, a row taking the slot that frees first."""
+def _continuous_spans(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Each shard's rows' (starts, ends) in decode steps on the continuous engine, for one batch of response
+    `lengths`: each shard's rows (contiguous blocks) enter its `slots` in order, a row taking the slot that
+    frees first."""
     spans = []
     for shard in np.asarray(lengths, dtype=np.int64).reshape(ways, -1):
         free = [0] * slots  # when each slot frees (a heap)
@@ -459,16 +500,60 @@ def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[
             starts[i] = heapq.heappop(free)
             heapq.heappush(free, int(starts[i] + n))
         spans.append((starts, starts + shard))
-    return _steps_and_widths(spans, slots)[0]
+    return tuple(spans)
+
+
+@functools.lru_cache(maxsize=256)
+def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
+    """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`."""
+    return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _continuous_held(lengths: tuple[int, ...], ways: int, slots: int, page: int) -> int:
+    """The most response pages a shard's rows hold at once on the continuous engine (`_held_pages`)."""
+    return _held_pages(_continuous_spans(lengths, ways, slots), page)
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_held(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
+                 chunk: int, staleness: int, page: int) -> int:
+    """The most response pages a shard's rows hold at once in a partial-rollout stream (`_held_pages`)."""
+    return _held_pages(_stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)[0], page)
+
+
+def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> int:
+    """The most response pages any one shard's rows hold at once: a row takes a page at the step it decodes
+    its first token and at every `page`-th after (`models.continuous`: as its length crosses a page boundary)
+    and frees them all when it ends."""
+    most = 0
+    for starts, ends in spans:
+        pages = -(-(ends - starts) // page)
+        takes = np.repeat(starts, pages) + page * (np.arange(pages.sum()) - np.repeat(np.cumsum(pages) - pages, pages))
+        events = np.zeros(int(ends.max()) + 1, dtype=np.int64)
+        np.add.at(events, takes, 1)
+        np.add.at(events, ends, -pages)
+        most = max(most, int(np.cumsum(events).max()))
+    return most
 
 
 @functools.lru_cache(maxsize=256)
 def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
                     chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
-    """(steps, summed width / slots) of a partial-rollout stream (`rollouts.stream`, `models.streaming`)
-    between one batch's completion and the next's, per batch of `lengths` [batches][rows], in steady state
-    (the batches run three times over; the middle round's are returned: work enters it from the round
-    before and leaves it for the round after). As the runtime runs it: `group_slots`
+    """(steps, summed width / slots) of a partial-rollout stream between one batch's completion and the
+    next's, per batch of `lengths` [batches][rows], in steady state: the middle round of `_stream_spans`
+    (work enters it from the round before and leaves it for the round after)."""
+    shards, done_at = _stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)
+    parts = _steps_and_widths(list(shards), slots, np.array(done_at))  # part k: batch k's, up to its completion
+    return tuple(parts[len(lengths):2 * len(lengths)])
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_spans(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
+                  chunk: int, staleness: int) -> tuple[tuple[tuple[np.ndarray, np.ndarray], ...], tuple[int, ...]]:
+    """Each shard's rows' (starts, ends) in decode steps of a partial-rollout stream (`rollouts.stream`,
+    `models.streaming`) running the batches of `lengths` [batches][rows] three times over, and the step at
+    which each batch completes. As the runtime runs it: `group_slots`
     group slots per shard (staleness + 1 batches' groups), groups admitted in order to the shard with the
     most free ones, batch k's only once batch k - 1 - staleness is trained (admission pacing; an update
     counts as instant here: the simulator schedules it); a group's rows wait for the shard's `slots`
@@ -507,7 +592,6 @@ def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int,
             heapq.heappush(running, (max(t + chunk, -(-end // chunk) * chunk), shard, k))
             nxt += 1
         t = running[0][0] if running else t + chunk
-    shards = [(np.array([a for a, _ in s], dtype=np.int64), np.array([b for _, b in s], dtype=np.int64))
-              for s in spans if s]
-    parts = _steps_and_widths(shards, slots, np.array(done_at))  # part k: batch k's, up to its completion
-    return tuple(parts[len(lengths):2 * len(lengths)])
+    shards = tuple((np.array([a for a, _ in s], dtype=np.int64), np.array([b for _, b in s], dtype=np.int64))
+                   for s in spans if s)
+    return shards, tuple(done_at)

@@ -5,6 +5,7 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxrlhf import config as cfglib
@@ -201,3 +202,62 @@ def test_the_continuous_engines_pool_is_a_knob_where_its_kv_cache_does_not_fit()
     algorithm = build_algorithm(cfglib.load_config(None, ["algorithm.name=grpo", "generation.engine=continuous"]))
     algorithm.execution = Execution(gen_slots=16)
     assert algorithm.settings().slots == 16
+
+
+def _held_by_brute_force(lengths, ways: int, slots: int, page: int) -> int:
+    """The most response pages a shard's rows hold at once, stepping the engine token by token: rows enter
+    free slots in order, a row with k tokens holds ceil(k / page) pages and frees them when it ends."""
+    most = 0
+    for shard in np.asarray(lengths).reshape(ways, -1):
+        waiting, active = list(shard), []  # active: [tokens so far, length]
+        while waiting or active:
+            while waiting and len(active) < slots:
+                active.append([0, waiting.pop(0)])
+            for row in active:
+                row[0] += 1
+            most = max(most, sum(-(-k // page) for k, _ in active))
+            active = [row for row in active if row[0] < row[1]]
+    return most
+
+
+def test_the_page_pool_is_sized_to_the_tokens_rows_hold():
+    """`generation.kv_pages` unset: the planner sizes the continuous engine's page pool to the most pages its
+    rows hold at once on the drawn lengths (stepped here token by token), with a quarter to spare, not a full
+    response per slot; memory shrinks, the time does not move, the plan carries the pool and the run's engine
+    takes it. With every response at the cap, or the key set, the pool is as before."""
+    from jaxrlhf.algorithms import build_algorithm
+    from jaxrlhf.models.slots import page_size
+    from jaxrlhf.planner.plan import Execution
+    from jaxrlhf.planner.workload import KV_PAGE_MARGIN, LENGTH_BATCHES
+
+    graph = declare(cfglib.load_config(None, ["algorithm.name=grpo", "algorithm.group_size=8"])).graph()
+    generate = graph["actor.generate"]
+    small = Workload(batch_size=64, prompt_len=32, gen_len=256, gen_engine="continuous", gen_slots=8, gen_group=8,
+                     gen_pages=AUTO, gen_len_median=40, gen_len_sigma=1.0)
+    held = max(_held_by_brute_force(batch, 2, 4, page_size(32)) for batch in small.response_lengths(64))
+    assert small.held_pages(generate, 2) == 2 * int(np.ceil(held * KV_PAGE_MARGIN)) < 2 * 4 * 256 // 16
+    assert LENGTH_BATCHES == len(small.response_lengths(64))
+
+    models = {r: preset("llama3-8b") for r in ("actor", "ref")}
+    wl = Workload(batch_size=512, prompt_len=128, gen_len=4096, minibatches=4, gen_engine="continuous",
+                  gen_slots=AUTO, gen_group=8, micro_batch=AUTO, remat=AUTO, gen_pages=AUTO,
+                  gen_len_median=512, gen_len_sigma=1.0)
+    plan = build_plan("colocated", 8, models, graph, batch_size=wl.batch_size, devices_per_host=8)
+    cache = CostCache(models, wl, H100)
+    chosen, mem = knobs.choose(plan, graph, models, wl, H100, cache)
+    written = knobs.with_knobs(plan, graph, wl, chosen)
+    ways = plan.calls["actor.generate"].layout.batch_ways
+    full = knobs.fixed_by(dataclasses.replace(written, gen_pages=None), dataclasses.replace(wl, gen_pages=None))
+    sized = knobs.fixed_by(written, wl)
+    assert written.gen_pages == sized.kv_pages(generate, ways) == wl.for_call(
+        generate, slots=written.gen_slots).held_pages(generate, ways) is not None
+    assert written.gen_pages < written.gen_slots * 4096 // 16  # fewer than a full response per slot
+    assert sized.generate_kv_columns(generate, ways) < full.generate_kv_columns(generate, ways) / 3
+    assert ExecutionPlan.from_yaml(written.to_yaml()) == written and f"{written.gen_pages} KV pages" in written.table()
+    est, est_full = (estimate_plan(written, graph, models, w, H100) for w in (sized, full))
+    assert est.calls["actor.generate"].seconds == est_full.calls["actor.generate"].seconds
+    assert dataclasses.replace(wl, gen_len_median=None).held_pages(generate, ways) is None  # every row to the cap
+    assert knobs.with_knobs(plan, graph, dataclasses.replace(wl, gen_pages=64), chosen).gen_pages == 64
+    algorithm = build_algorithm(cfglib.load_config(None, ["algorithm.name=grpo", "generation.engine=continuous"]))
+    algorithm.execution = Execution(gen_pages=48)
+    assert algorithm.settings().kv_pages == 48
