@@ -667,6 +667,18 @@ class CostCache:
                                          self.hw)
         return self._calls[key]
 
+    def step_seconds(self, call: CallSpec, group: DeviceGroup, layout: Layout, knobs: "CallKnobs | None" = None
+                     ) -> float:
+        """`call`'s seconds in a step as the simulator prices them: a generate call's mean over the drawn
+        batches of response lengths where they vary (`generate_durations`: a pool's tail and refill rounds,
+        which its own seconds, priced at the cap, leave out), else `call`'s seconds. What a knob is ranked by."""
+        cost = self.call(call, group, layout, knobs)
+        wl = self.for_call(call, knobs)
+        if call.kind != "generate" or not wl.priced_per_batch(call, layout.batch_ways):
+            return cost.seconds
+        durations = generate_durations(cost, wl, call, layout.batch_ways, wl.gen_stream)
+        return sum(durations) / len(durations)
+
     def for_call(self, call: CallSpec, knobs: "CallKnobs | None") -> Workload:
         """The workload as `call` runs it under `knobs` (`Workload.for_call`), made once per setting."""
         if knobs is None:

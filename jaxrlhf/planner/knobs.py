@@ -92,7 +92,8 @@ def options(call: CallSpec, layout: Layout, wl: Workload) -> list[CallKnobs]:
 
 def front(call: CallSpec, group: DeviceGroup, layout: Layout, wl: Workload, cache: "CostCache") -> list[CallKnobs]:
     """`call`'s options (`options`) that no other beats on both time and working-set bytes, fastest first
-    (so each next one is leaner): time from `cache.call`, bytes from `memory.working_set`."""
+    (so each next one is leaner): time as a step prices it (`cache.step_seconds`: a generate pool's drawn
+    lengths, its tail and refill rounds, not its seconds at the cap), bytes from `memory.working_set`."""
     key = ("knob front", call.name, group.start, group.size, layout)
     if key not in cache.memory:
         cfg = cache.models[call.role]
@@ -102,7 +103,7 @@ def front(call: CallSpec, group: DeviceGroup, layout: Layout, wl: Workload, cach
         else:
             work = {k: sum(working_set(call, cfg, layout, cache.for_call(call, k)).values()) for k in opts}
             out: list[CallKnobs] = []
-            for k in sorted(opts, key=lambda k: (cache.call(call, group, layout, k).seconds, work[k])):
+            for k in sorted(opts, key=lambda k: (cache.step_seconds(call, group, layout, k), work[k])):
                 if not out or work[k] < work[out[-1]]:
                     out.append(k)
             cache.memory[key] = out

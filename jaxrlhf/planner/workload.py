@@ -425,14 +425,10 @@ class Workload:
             return None
         slots = self.engine_pool(call, batch_ways) // batch_ways
         one_row = pages_per_row(self.prompt_len, self.gen_len)[1]
-        lengths = tuple(map(tuple, self.response_lengths(rows).astype(int)))
-        page = page_size(self.prompt_len)
-        if self.streams:
-            groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways
-            held = _stream_held(lengths, self.gen_group, batch_ways, slots, groups, self.gen_chunk, self.staleness,
-                                page)
-        else:
-            held = max(_continuous_held(batch, batch_ways, slots, page) for batch in lengths)
+        stream = (self.gen_group, self.engine_rows(call, batch_ways) // self.gen_group // batch_ways, self.gen_chunk,
+                  self.staleness) if self.streams else None
+        held = _held(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows, page_size(self.prompt_len),
+                     batch_ways, slots, stream)
         need = max(math.ceil(held * KV_PAGE_MARGIN), one_row)
         return None if need >= slots * one_row else need * batch_ways
 
@@ -509,17 +505,18 @@ def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[
     return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots)[0]
 
 
-@functools.lru_cache(maxsize=256)
-def _continuous_held(lengths: tuple[int, ...], ways: int, slots: int, page: int) -> int:
-    """The most response pages a shard's rows hold at once on the continuous engine (`_held_pages`)."""
-    return _held_pages(_continuous_spans(lengths, ways, slots), page)
-
-
-@functools.lru_cache(maxsize=256)
-def _stream_held(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
-                 chunk: int, staleness: int, page: int) -> int:
-    """The most response pages a shard's rows hold at once in a partial-rollout stream (`_held_pages`)."""
-    return _held_pages(_stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)[0], page)
+@functools.lru_cache(maxsize=1024)
+def _held(median: int, sigma: float, cap: int, rows: int, page: int, ways: int, slots: int,
+          stream: tuple[int, int, int, int] | None) -> int:
+    """The most response pages a shard's rows hold at once (`_held_pages`) over the drawn batches of lengths
+    (`_drawn_lengths`): on the continuous engine, batch by batch, or in a partial-rollout stream of
+    `stream` = (group, group slots, chunk, staleness) in steady state. Cached: the search asks it for every
+    plan it weighs."""
+    lengths = tuple(map(tuple, _drawn_lengths(median, sigma, cap, rows).astype(int)))
+    if stream is not None:
+        group, group_slots, chunk, staleness = stream
+        return _held_pages(_stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)[0], page)
+    return max(_held_pages(_continuous_spans(batch, ways, slots), page) for batch in lengths)
 
 
 def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> int:

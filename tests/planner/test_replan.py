@@ -14,6 +14,7 @@ import pytest
 
 from jaxrlhf import config as cfglib
 from jaxrlhf.algorithms import declare
+from jaxrlhf.planner import knobs
 from jaxrlhf.planner.cost import CostCache, call_cost, profile_call_cost
 from jaxrlhf.planner.hardware import HardwareProfile, get_profile
 from jaxrlhf.planner.measured import Measured, Run, Table, model_key
@@ -152,8 +153,11 @@ def test_a_run_that_times_what_the_planner_predicts_changes_no_estimate(streamed
     cfg, algorithm, graph, models, wl = setup(*extra)
     hw = get_profile("cpu")
     plan = build_plan("colocated", 8, models, graph, batch_size=algorithm.batch_rows)
+    # the plan carrying the knobs it is priced with, as a run executes it (the runs are timed under them)
+    plan = knobs.with_knobs(plan, graph, wl, estimate_plan(plan, graph, models, wl, hw).knobs)
     before = estimate_plan(plan, graph, models, wl, hw)
-    predicted = {c.name: float(np.mean(generate_seconds(before.calls[c.name], plan, wl, c))) if c.kind == "generate"
+    predicted = {c.name: float(np.mean(generate_seconds(before.calls[c.name], plan, knobs.fixed_by(plan, wl), c)))
+                 if c.kind == "generate"
                  else before.calls[c.name].seconds for c in graph.calls}
     fed = with_runs(hw, timed_runs(plan, graph, models, wl, hw, predicted))
     after = estimate_plan(plan, graph, models, wl, fed)
