@@ -520,17 +520,19 @@ def _held(median: int, sigma: float, cap: int, rows: int, page: int, ways: int, 
 
 
 def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> int:
-    """The most response pages any one shard's rows hold at once: a row takes a page at the step it decodes
-    its first token and at every `page`-th after (`models.continuous`: as its length crosses a page boundary)
-    and frees them all when it ends."""
+    """The most response pages any one shard's rows hold at once, to within a page a row: a row that has
+    decoded k tokens holds ceil(k / page) pages (`models.continuous` takes one as its length crosses a page
+    boundary and frees them when it ends), at most k / page + 1, so at each step the active rows hold at
+    most their tokens / page plus one page each (counted from the rows' starts and ends alone: the search
+    asks this of every pool it weighs)."""
     most = 0
     for starts, ends in spans:
-        pages = -(-(ends - starts) // page)
-        takes = np.repeat(starts, pages) + page * (np.arange(pages.sum()) - np.repeat(np.cumsum(pages) - pages, pages))
-        events = np.zeros(int(ends.max()) + 1, dtype=np.int64)
-        np.add.at(events, takes, 1)
-        np.add.at(events, ends, -pages)
-        most = max(most, int(np.cumsum(events).max()))
+        steps = int(ends.max())
+        active = np.cumsum(np.bincount(starts, minlength=steps + 1) - np.bincount(ends, minlength=steps + 1))[:steps]
+        begun = np.cumsum(np.bincount(starts, weights=starts, minlength=steps + 1)
+                          - np.bincount(ends, weights=starts, minlength=steps + 1))[:steps]
+        tokens = active * (np.arange(steps) + 1) - begun  # the active rows' tokens after each step
+        most = max(most, int(np.max(np.ceil(tokens / page) + active)))
     return most
 
 
