@@ -399,12 +399,13 @@ class Workload:
         if self.gen_engine == "static" or (rows % batch_ways and not self.streams):
             return tuple(float(s / n) for s in lengths.max(axis=1))
         slots = self.engine_pool(call, batch_ways) // batch_ways
+        drawn = (self.gen_len_median, self.gen_len_sigma) if self.lengths_vary else (None, 0.0)
         if streamed:
             groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways  # `rollouts.stream`'s
-            runs = _stream_batches(tuple(map(tuple, lengths.astype(int))), self.gen_group, batch_ways, slots,
-                                   groups, self.gen_chunk, self.staleness if eta is None else eta)
+            runs = _stream_runs(*drawn, self.gen_len, rows, self.gen_group, batch_ways, slots,
+                                groups, self.gen_chunk, self.staleness if eta is None else eta)
         else:
-            runs = [_continuous_batch(tuple(batch.astype(int)), batch_ways, slots) for batch in lengths]
+            runs = _continuous_batches(*drawn, self.gen_len, rows, batch_ways, slots)
         # a step of width w costs (1 - share) + share x w / slots of a full-width one
         return tuple(float(min(((1 - width_share) * steps + width_share * widths) / n, 1.0)) for steps, widths in runs)
 
@@ -499,20 +500,34 @@ def _continuous_spans(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[
     return tuple(spans)
 
 
-@functools.lru_cache(maxsize=256)
+def _batches(median: int | None, sigma: float, cap: int, rows: int) -> tuple[tuple[int, ...], ...]:
+    """The LENGTH_BATCHES batches of `rows` drawn response lengths (`_drawn_lengths`; every one at `cap`
+    without a median), as tuples: what the engine simulations below are cached by."""
+    if median is None:
+        return ((cap,) * rows,) * LENGTH_BATCHES
+    return tuple(map(tuple, _drawn_lengths(median, sigma, cap, rows).astype(int).tolist()))
+
+
 def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
     """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`."""
     return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots)[0]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)  # small entries, keyed by the lengths' parameters: the search asks for every pool
+def _continuous_batches(median: int | None, sigma: float, cap: int, rows: int, ways: int, slots: int
+                        ) -> tuple[tuple[float, float], ...]:
+    """`_continuous_batch` on each drawn batch of response lengths (`_batches`)."""
+    return tuple(_continuous_batch(batch, ways, slots) for batch in _batches(median, sigma, cap, rows))
+
+
+@functools.lru_cache(maxsize=4096)
 def _held(median: int, sigma: float, cap: int, rows: int, page: int, ways: int, slots: int,
           stream: tuple[int, int, int, int] | None) -> int:
     """The most response pages a shard's rows hold at once (`_held_pages`) over the drawn batches of lengths
     (`_drawn_lengths`): on the continuous engine, batch by batch, or in a partial-rollout stream of
     `stream` = (group, group slots, chunk, staleness) in steady state. Cached: the search asks it for every
     plan it weighs."""
-    lengths = tuple(map(tuple, _drawn_lengths(median, sigma, cap, rows).astype(int)))
+    lengths = _batches(median, sigma, cap, rows)
     if stream is not None:
         group, group_slots, chunk, staleness = stream
         return _held_pages(_stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)[0], page)
@@ -536,7 +551,13 @@ def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> 
     return most
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
+def _stream_runs(median: int | None, sigma: float, cap: int, rows: int, group: int, ways: int, slots: int,
+                 group_slots: int, chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
+    """`_stream_batches` on the drawn batches of response lengths (`_batches`)."""
+    return _stream_batches(_batches(median, sigma, cap, rows), group, ways, slots, group_slots, chunk, staleness)
+
+
 def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
                     chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
     """(steps, summed width / slots) of a partial-rollout stream between one batch's completion and the
