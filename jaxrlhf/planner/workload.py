@@ -538,15 +538,18 @@ def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> 
     """The most response pages any one shard's rows hold at once, to within a page a row: a row that has
     decoded k tokens holds ceil(k / page) pages (`models.continuous` takes one as its length crosses a page
     boundary and frees them when it ends), at most k / page + 1, so at each step the active rows hold at
-    most their tokens / page plus one page each (counted from the rows' starts and ends alone: the search
+    most their tokens / page plus one page each. Between a shard's events that only grows, so it peaks on
+    the step before some row ends: counted there alone, from the rows' sorted starts and ends (the search
     asks this of every pool it weighs)."""
     most = 0
     for starts, ends in spans:
-        steps = int(ends.max())
-        active = np.cumsum(np.bincount(starts, minlength=steps + 1) - np.bincount(ends, minlength=steps + 1))[:steps]
-        begun = np.cumsum(np.bincount(starts, weights=starts, minlength=steps + 1)
-                          - np.bincount(ends, weights=starts, minlength=steps + 1))[:steps]
-        tokens = active * (np.arange(steps) + 1) - begun  # the active rows' tokens after each step
+        by_start, by_end = np.sort(starts), np.argsort(ends, kind="stable")
+        last = ends[by_end] - 1  # the step before each row ends
+        began = np.searchsorted(by_start, last, side="right")
+        ended = np.searchsorted(ends[by_end], last, side="right")
+        begun = np.concatenate([[0], np.cumsum(by_start)])[began] - np.concatenate([[0], np.cumsum(starts[by_end])])[ended]
+        active = began - ended
+        tokens = active * (last + 1) - begun  # the active rows' tokens after that step
         most = max(most, int(np.max(np.ceil(tokens / page) + active)))
     return most
 
