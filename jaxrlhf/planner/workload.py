@@ -394,10 +394,9 @@ class Workload:
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
         n = self.generate_shape(call, batch_ways)[2]
-        lengths = self.response_lengths(rows).astype(np.float64)
         # an uneven batch runs as static does, but in a stream (its prompts enter free group slots)
         if self.gen_engine == "static" or (rows % batch_ways and not self.streams):
-            return tuple(float(s / n) for s in lengths.max(axis=1))
+            return tuple(float(s / n) for s in self.response_lengths(rows).max(axis=1))
         slots = self.engine_pool(call, batch_ways) // batch_ways
         drawn = (self.gen_len_median, self.gen_len_sigma) if self.lengths_vary else (None, 0.0)
         if streamed:
