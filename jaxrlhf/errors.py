@@ -136,6 +136,21 @@ def _exit_now(code: int, alone: bool = True) -> None:
 USER_ERROR_MEETING_S = 30  # how long a process with a user's mistake waits for the others to have it too
 
 
+COORDINATOR_GRACE_S = 3.0  # how long process 0 outlives the others after they met to exit
+
+
+def _leave_the_service_last() -> None:
+    """Process 0 hosts the coordination service: where every process exits together it waits a moment, so
+    the others have exited before the service ends. Each runs a thread that aborts its process (SIGABRT)
+    as soon as the service is gone, which raced their own exit right after the meeting (CI saw -6, not 2)."""
+    import time
+
+    import jax
+
+    if jax.process_index() == 0:
+        time.sleep(COORDINATOR_GRACE_S)
+
+
 def _failed(code: int, alone: bool = True) -> int:
     """`code` for the caller to return; with several processes, exit at once instead (see run_cli).
 
@@ -148,5 +163,7 @@ def _failed(code: int, alone: bool = True) -> int:
             from jaxrlhf.jax_private import all_processes_meet
 
             alone = not all_processes_meet("jaxrlhf/exit-on-user-error", USER_ERROR_MEETING_S)
+        if not alone or code == EXIT_INTERRUPTED:  # every process exits at this point together
+            _leave_the_service_last()
         _exit_now(code, alone)
     return code
