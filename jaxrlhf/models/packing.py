@@ -85,6 +85,9 @@ def _spread(weights: np.ndarray, items: Sequence[int], bins: int) -> list[list[i
     """`items` over `bins`, longest first onto the lightest bin (deterministic: ties go to the lowest bin; a
     heap of (load, bin), which the planner's searches call often enough for an argmin per item to show)."""
     w = {i: int(weights[i]) for i in items}
+    if len(w) <= bins and all(w.values()):  # each onto an empty bin in turn, as the heap would place them
+        first = [[i] for i in sorted(w, key=lambda i: (-w[i], i))]
+        return first + [[] for _ in range(bins - len(first))]
     heap = [(0, b) for b in range(bins)]  # already a heap
     out: list[list[int]] = [[] for _ in range(bins)]
     for i in sorted(items, key=lambda i: (-w[i], i)):
@@ -96,6 +99,10 @@ def _spread(weights: np.ndarray, items: Sequence[int], bins: int) -> list[list[i
 
 def _rows(lengths: np.ndarray, items: Sequence[int], width: int) -> list[list[int]]:
     """First-fit decreasing of `items` into rows of `width` tokens."""
+    if len(items) <= 1:  # most parts of a finely split batch (the planner asks for every shard's)
+        return [list(items)] if len(items) else []
+    if len(items) > FIRST_FIT_SCAN:
+        return _rows_scanned(lengths, items, width)
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(items, key=lambda i: (-int(lengths[i]), i)):
@@ -107,6 +114,25 @@ def _rows(lengths: np.ndarray, items: Sequence[int], width: int) -> list[list[in
         else:
             rows.append([i])
             free.append(width - int(lengths[i]))
+    return rows
+
+
+FIRST_FIT_SCAN = 64  # parts with more items find each one's row by an array scan (same rows, fewer loops)
+
+
+def _rows_scanned(lengths: np.ndarray, items: Sequence[int], width: int) -> list[list[int]]:
+    """`_rows` for many items: the first row with room found by one comparison over every row's room."""
+    rows: list[list[int]] = []
+    free = np.empty(len(items), dtype=np.int64)
+    for i in sorted(items, key=lambda i: (-int(lengths[i]), i)):
+        n = int(lengths[i])
+        fits = np.flatnonzero(free[:len(rows)] >= n)
+        if len(fits):
+            rows[fits[0]].append(i)
+            free[fits[0]] -= n
+        else:
+            free[len(rows)] = width - n
+            rows.append([i])
     return rows
 
 
@@ -157,21 +183,45 @@ def packing_layout(
     of `lengths` real tokens (`reads` of them real response tokens; default none) trained in `updates`
     ([U, rows]) in rows of `width` tokens, every `group` consecutive rows of an update in one
     micro-batch, and the packing's shapes."""
+    return _pack(lengths, updates, shards, width, budget, group, reads, keep=True)
+
+
+def packing_shape(
+    lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None, group: int = 1,
+    reads: np.ndarray | None = None,
+) -> PackedShape:
+    """`packing_layout`'s shapes alone, without keeping where each sequence goes: what the planner prices
+    (it asks for every layout's shard count; a finely split batch leaves most shards' parts empty)."""
+    return _pack(lengths, updates, shards, width, budget, group, reads, keep=False)[1]
+
+
+def _pack(lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None, group: int,
+          reads: np.ndarray | None, keep: bool) -> tuple[list, PackedShape]:
+    """The packing of `packing_layout` and its shapes (the largest part of any shard sets them); with
+    `keep` False the placement is not kept (returned empty) and empty parts are skipped."""
     if int(np.max(lengths, initial=0)) > width:
         raise ValueError(f"a sequence of {int(np.max(lengths))} tokens does not fit a row of {width}")
-    plan = []
-    for rows in np.asarray(updates):
-        micro = micro_batches(lengths, [int(r) for r in rows], budget, group)
-        plan.append([[_rows(lengths, part, width) for part in _spread(lengths, mb, shards)] for mb in micro])
-    shape = PackedShape(
-        updates=len(plan),
-        micro_batches=size_bucket(max(len(m) for m in plan)),
-        rows=size_bucket(max(len(rows) for m in plan for mb in m for rows in mb)),
-        slots=size_bucket(max(sum(len(row) for row in rows) for m in plan for mb in m for rows in mb)),
-        width=width,
-        reads=0 if reads is None else size_bucket(
-            max(sum(int(reads[i]) for row in rows for i in row) for m in plan for mb in m for rows in mb)),
-    )
+    read = None if reads is None else np.asarray(reads).tolist()
+    plan: list = []
+    counts, most_rows, most_slots, most_reads = [], 0, 0, 0  # over every shard of every micro-batch
+    for rows_of_update in np.asarray(updates):
+        micro = micro_batches(lengths, [int(r) for r in rows_of_update], budget, group)
+        counts.append(len(micro))
+        placed = []
+        for mb in micro:
+            parts = [_rows(lengths, part, width) if part else [] for part in _spread(lengths, mb, shards)
+                     if keep or part]
+            for rows in parts:
+                most_rows = max(most_rows, len(rows))
+                most_slots = max(most_slots, sum(map(len, rows)))
+                if read is not None:
+                    most_reads = max(most_reads, sum(read[i] for row in rows for i in row))
+            if keep:
+                placed.append(parts)
+        if keep:
+            plan.append(placed)
+    shape = PackedShape(updates=len(counts), micro_batches=size_bucket(max(counts)), rows=size_bucket(most_rows),
+                        slots=size_bucket(most_slots), width=width, reads=0 if reads is None else size_bucket(most_reads))
     return plan, shape
 
 

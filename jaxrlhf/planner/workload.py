@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
-from jaxrlhf.models.packing import PackedShape, packing_layout
+from jaxrlhf.models.packing import PackedShape, packing_shape
 from jaxrlhf.models.slots import (
     kv_columns,
     page_size,
@@ -63,8 +63,8 @@ def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, 
     parts = np.concatenate([order] * epochs)
     # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`); every
     # response token read (`take`)
-    shapes = [packing_layout(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
-                             budget, reads=batch)[1] for batch in responses]
+    shapes = [packing_shape(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
+                            budget, reads=batch) for batch in responses]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
     return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
                        slots=mean("slots"), width=mean("width"), reads=mean("reads"))
@@ -605,12 +605,12 @@ def _stream_spans(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, s
             if not free_groups[shard]:
                 break
             free_groups[shard] -= 1
-            end = 0
-            for n in rows:
-                start = max(t, heapq.heappop(free_slots[shard]))
-                heapq.heappush(free_slots[shard], start + int(n))
-                spans[shard].append((start, start + int(n)))
-                end = max(end, start + int(n))
+            end, heap, out = 0, free_slots[shard], spans[shard]
+            for n in rows.tolist():
+                start = heap[0] if heap[0] > t else t
+                heapq.heapreplace(heap, start + n)  # the row takes the slot that frees first
+                out.append((start, start + n))
+                end = end if end > start + n else start + n
             heapq.heappush(running, (max(t + chunk, -(-end // chunk) * chunk), shard, k))
             nxt += 1
         t = running[0][0] if running else t + chunk

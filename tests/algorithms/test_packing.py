@@ -116,6 +116,37 @@ def test_sequences_go_longest_first_onto_the_lightest_bin_ties_to_the_lowest():
         assert _spread(weights, items, bins) == by_argmin(weights, items, bins), trial
 
 
+def test_rows_are_first_fit_decreasing_and_the_planner_shapes_are_the_runtime_ones():
+    """`_rows` (an array scan past FIRST_FIT_SCAN items) is the plain first-fit decreasing loop, and
+    `packing_shape` (the planner's, which skips empty parts) gives `packing_layout`'s shapes."""
+    from jaxrlhf.models.packing import _rows, packing_layout, packing_shape
+
+    def first_fit(lengths, items, width):
+        rows, free = [], []
+        for i in sorted(items, key=lambda i: (-int(lengths[i]), i)):
+            r = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+            if r is None:
+                rows.append([i])
+                free.append(width - int(lengths[i]))
+            else:
+                rows[r].append(i)
+                free[r] -= int(lengths[i])
+        return rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n, width = int(rng.integers(0, 300)), int(rng.integers(20, 200))
+        lengths = rng.integers(1, width + 1, size=n)
+        assert _rows(lengths, list(range(n)), width) == first_fit(lengths, range(n), width), trial
+        if n % 2 or not n:
+            continue
+        updates, shards = np.arange(n).reshape(2, -1), int(rng.integers(1, 48))
+        budget = None if trial % 3 == 0 else int(rng.integers(width, 6 * width))
+        reads = rng.integers(0, 9, size=n)
+        assert packing_shape(lengths, updates, shards, width, budget, reads=reads) == \
+            packing_layout(lengths, updates, shards, width, budget, reads=reads)[1], trial
+
+
 @pytest.fixture(scope="module")
 def models():
     return (nnx.split(build_model(preset("tiny"), seed=0)), nnx.split(build_model(preset("tiny"), "value", seed=1)),
