@@ -1,7 +1,7 @@
 """The planner's cost model held to peers' published step times: re-price their runs, and search them.
 
     python scripts/validate_published.py [--cases docs/results/published_cases.yaml] [--out F.json]
-        [--plans DIR] [--evaluations 3000] [--only NAME,...]
+        [--plans DIR] [--evaluations N] [--only NAME,...]
 
 Each case (a YAML list under `cases:`; docs/results/published_cases.yaml ships them with their citations)
 is a published RL step time of another system: its models, hardware, devices, algorithm, batch (prompts,
@@ -12,9 +12,10 @@ data sizes; per model where the source gives them) and staleness. For each case 
 - the peer's placement priced by jaxrlhf's cost model, simulator and memory model (the same code the
   planner searches with; the GPU efficiencies from jaxrlhf's own H200 measurements,
   scripts/calibrate_gpu_profiles.py, never fitted to these cases): predicted / published;
-- the planner's pick for the same cluster and workload (`planner.search`, this many evaluations; its memory
-  knobs its own: the peer's token budget, engine pool and remat are how the peer runs, not the workload) and
-  its predicted gain over the peer's placement;
+- the planner's pick for the same cluster and workload (`planner.search`, evaluating as many plans as
+  `python -m jaxrlhf.plan` does unless `--evaluations` says otherwise; its memory knobs its own: the
+  peer's token budget, engine pool and remat are how the peer runs, not the workload) and its predicted
+  gain over the peer's placement;
 
 then the median |log(predicted / published)| over the cases, and for cases published in pairs (the same
 workload synchronous and asynchronous) the predicted against the published ratio. With `--plans` each
@@ -41,9 +42,12 @@ the published mean under the cap. A bad case file is one line naming the case an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import sys
@@ -57,6 +61,7 @@ from jaxrlhf import config as cfglib  # noqa: E402
 from jaxrlhf.models.config import PRESETS  # noqa: E402
 from jaxrlhf.planner.hardware import PROFILES  # noqa: E402
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement, PlanError, layout_misfit  # noqa: E402
+from jaxrlhf.planner.search import DEFAULT_EVALUATIONS  # noqa: E402
 from jaxrlhf.yaml_input import read as read_yaml  # noqa: E402
 
 DEFAULT_SIGMA = 0.8  # spread of response lengths where a case states none
@@ -424,9 +429,32 @@ def fitted_mean(case: dict) -> tuple[float, str | None]:
     return math.sqrt(lo * hi), None
 
 
-def price_all(cases: list[dict], evaluations: int, report=lambda r: None) -> list[Result]:
+def price_all(cases: list[dict], evaluations: int, report=lambda r: None, jobs: int = 1) -> list[Result]:
     """Every case priced: with its published mean length, or (none published) with the length fitted on its
-    pair's colocated row (`fitted_mean`), which then checks the pair's split row."""
+    pair's colocated row (`fitted_mean`), which then checks the pair's split row. With `jobs` > 1 the pairs
+    (and lone cases) are priced in that many processes at once: the same numbers, as each search counts
+    plans, not seconds."""
+    for case in cases:
+        key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
+        if case["response_len"].get("mean") is None and not any(
+                str(o.get("pair")) == f"{key}:colocated" and o["response_len"].get("mean") is None for o in cases):
+            raise CaseError(f"case {case['name']!r}: field 'response_len.mean': none published and its pair "
+                            f"{key!r} has no colocated row to fit it on")
+    units: dict[str, list[dict]] = {}  # a pair's rows together: the split row needs the colocated row's fit
+    for case in cases:
+        units.setdefault(str(case.get("pair") or "").split(":")[0] or case["name"], []).append(case)
+    price_unit = functools.partial(_price_unit, evaluations=evaluations)
+    by_name: dict[str, Result] = {}
+    with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        for priced in (pool.imap(price_unit, units.values()) if pool else map(price_unit, units.values())):
+            for r in priced:  # each unit reported as it is done, in the file's order
+                report(r)
+                by_name[r.name] = r
+    return [by_name[case["name"]] for case in cases]
+
+
+def _price_unit(cases: list[dict], evaluations: int) -> list[Result]:
+    """`price_all` of one pair's rows (or one case)."""
     fits: dict[str, tuple[float, str | None]] = {}
     for case in cases:
         key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
@@ -436,15 +464,11 @@ def price_all(cases: list[dict], evaluations: int, report=lambda r: None) -> lis
     for case in cases:
         key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
         if case["response_len"].get("mean") is not None:
-            r = price(case, evaluations)
-        elif key in fits:
-            mean, note = fits[key]
-            r = dataclasses.replace(price(case, evaluations, mean=mean), fitted=side == "colocated", fit_note=note)
+            results.append(price(case, evaluations))
         else:
-            raise CaseError(f"case {case['name']!r}: field 'response_len.mean': none published and its pair "
-                            f"{key!r} has no colocated row to fit it on")
-        results.append(r)
-        report(r)
+            mean, note = fits[key]
+            results.append(dataclasses.replace(price(case, evaluations, mean=mean), fitted=side == "colocated",
+                                               fit_note=note))
     return results
 
 
@@ -477,8 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=str(ROOT / "docs" / "results" / "published_cases.yaml"))
     ap.add_argument("--out", help="write every case's numbers and the summary here (JSON)")
     ap.add_argument("--plans", help="write each case's peer plan and searched plan into this folder")
-    ap.add_argument("--evaluations", type=int, default=3000, help="plans the planner's search evaluates per case")
+    ap.add_argument("--evaluations", type=int, default=DEFAULT_EVALUATIONS,
+                    help="plans the planner's search evaluates per case (default: as `python -m jaxrlhf.plan`)")
     ap.add_argument("--only", help="comma-separated case names")
+    ap.add_argument("--jobs", type=int, default=1, help="price this many pairs of cases at once (processes)")
     args = ap.parse_args(argv)
     try:
         cases = load_cases(args.cases)
@@ -488,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise CaseError(f"--only: no case named {unknown}")
             cases = [c for c in cases if c["name"] in wanted]
-        results = price_all(cases, args.evaluations, _print_row)
+        results = price_all(cases, args.evaluations, _print_row, jobs=args.jobs)
     except CaseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
