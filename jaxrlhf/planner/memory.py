@@ -386,12 +386,12 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         resident_by_role[role] = arr
 
     # A partial-rollout stream keeps its page pool on the generate call's devices between steps
-    # (`Workload.stream_columns`): resident there during every other call, and part of (not added to)
-    # the generate call's own working set.
+    # (`Workload.stream_columns`, at the pool its knobs chose): resident there during every other call,
+    # and part of (not added to) the generate call's own working set.
     stream: dict[str, float] = {}
     for c in calls:
         lay = plan.calls[c.name].layout
-        cols = wl.stream_columns(c, lay.batch_ways) if c.kind == "generate" else 0.0
+        cols = for_call(c, knobs.get(c.name)).stream_columns(c, lay.batch_ways) if c.kind == "generate" else 0.0
         if cols:
             cfg = models[c.role]
             stream[c.name] = cols * kv_bytes_per_token(cfg) / max(min(lay.tensor, cfg.num_kv_heads), 1)

@@ -38,6 +38,30 @@ def test_a_partial_rollout_stream_is_resident_on_the_generators_devices():
     assert streamed.call_bytes["actor.generate"] >= alone.call_bytes["actor.generate"]
 
 
+def test_a_streams_resident_pool_is_the_one_its_knobs_chose():
+    """The stream stays resident at the pool the plan runs (`gen_slots`, here a knob): a narrower pool holds
+    fewer pages between steps. The memory model had sized it at the workload's pool whatever the knob, so no
+    knob could make a stream fit."""
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.knobs import CallKnobs
+    from jaxrlhf.planner.memory import plan_memory
+    from jaxrlhf.planner.plan import DeviceGroup, Layout, Placement
+    from jaxrlhf.testing.graphs import algorithm_graph
+
+    graph = algorithm_graph("grpo", "algorithm.group_size=4")
+    models = {r: preset("small") for r in graph.roles}
+    wl = Workload(batch_size=64, prompt_len=64, gen_len=512, minibatches=4, gen_engine="continuous", gen_group=4,
+                  staleness=2, gen_stream=True, gen_len_median=128, gen_len_sigma=0.8)
+    plan = ExecutionPlan("t", 2, {"gen": DeviceGroup("gen", 0, 1), "train": DeviceGroup("train", 1, 1)},
+                         {c: Placement("gen" if c == "actor.generate" else "train", Layout()) for c in graph.names})
+    generate, hw = graph["actor.generate"], get_profile("h100")
+    wide, narrow = (plan_memory(plan, graph, models, wl, hw, knobs={"actor.generate": CallKnobs(slots=s)})
+                    for s in (64, 8))
+    kv = (wl.for_call(generate, slots=s).stream_columns(generate, 1) for s in (64, 8))
+    assert next(kv) > next(kv)
+    assert wide.resident[0] > narrow.resident[0] and wide.resident[1] == narrow.resident[1]
+
+
 @pytest.mark.parametrize("ways,eta,slots", [(1, 1, None), (2, 2, 16), (2, 3, 64), (4, 2, 200), (2, 1, 24)])
 def test_the_planner_sizes_a_stream_as_the_runtime_builds_it(ways, eta, slots):
     """A stream's group slots hold the prompts of eta + 1 batches, so its pool may be wider than one batch
