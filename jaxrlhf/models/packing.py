@@ -209,8 +209,7 @@ def _pack(lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, bud
         counts.append(len(micro))
         placed = []
         for mb in micro:
-            parts = [_rows(lengths, part, width) if part else [] for part in _spread(lengths, mb, shards)
-                     if keep or part]
+            parts = [_rows(lengths, part, width) for part in _spread(lengths, mb, shards) if keep or part]
             for rows in parts:
                 most_rows = max(most_rows, len(rows))
                 most_slots = max(most_slots, sum(map(len, rows)))
