@@ -1,7 +1,7 @@
 """The planner's cost model held to peers' published step times: re-price their runs, and search them.
 
     python scripts/validate_published.py [--cases docs/results/published_cases.yaml] [--out F.json]
-        [--plans DIR] [--evaluations N] [--only NAME,...]
+        [--plans DIR] [--evaluations N] [--only NAME,...] [--jobs N]
 
 Each case (a YAML list under `cases:`; docs/results/published_cases.yaml ships them with their citations)
 is a published RL step time of another system: its models, hardware, devices, algorithm, batch (prompts,
