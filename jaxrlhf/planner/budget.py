@@ -57,11 +57,28 @@ def choose_token_budget(search: Callable[[Workload], "SearchResult"], wl: Worklo
     budget, best = min(fits, key=lambda t: t[1].best.step_s)
     plan = dataclasses.replace(best.best.plan, token_budget=budget)
     done = [r for _, r in tried if r is not None]
+    syncs = [r.best_sync for r in done if r.best_sync is not None and r.best_sync.feasible]
     return dataclasses.replace(
-        best, best=dataclasses.replace(best.best, plan=plan),
+        best, best=dataclasses.replace(best.best, plan=plan), presets=_presets_at_their_best(done),
+        best_sync=min(syncs, key=lambda e: e.step_s) if syncs else best.best_sync,
         token_budgets=tuple((b, r.best.step_s if r is not None and r.best.feasible else None) for b, r in tried),
         seconds=sum(r.seconds for r in done), evaluations=sum(r.evaluations for r in done),
         budget_hit=any(r.budget_hit for r in done))
+
+
+def _presets_at_their_best(results: list) -> dict:
+    """Each preset at the budget where it is fastest (its plan carries that budget), as the best synchronous
+    plan is: a preset priced at the budget the search's pick chose can be far from its best (verl's at a
+    20k-token question: 740 s there, its own best budget elsewhere). A preset that fits no budget keeps the
+    first reason it was given."""
+    out: dict = {}
+    for r in results:
+        for name, est in r.presets.items():
+            held = out.get(name)
+            if held is None or (not isinstance(est, str) and est.feasible and (
+                    isinstance(held, str) or not held.feasible or est.step_s < held.step_s)):
+                out[name] = est
+    return out
 
 
 def budget_line(res) -> str | None:
