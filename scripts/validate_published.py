@@ -429,20 +429,26 @@ def fitted_mean(case: dict) -> tuple[float, str | None]:
     return math.sqrt(lo * hi), None
 
 
+def _pair(case: dict) -> tuple[str, str]:
+    """(pair key, side) of a case's `pair: key:side`; ("", "") for a case without one."""
+    key, _, side = str(case.get("pair") or "").partition(":")
+    return key, side
+
+
 def price_all(cases: list[dict], evaluations: int, report=lambda r: None, jobs: int = 1) -> list[Result]:
     """Every case priced: with its published mean length, or (none published) with the length fitted on its
     pair's colocated row (`fitted_mean`), which then checks the pair's split row. With `jobs` > 1 the pairs
     (and lone cases) are priced in that many processes at once: the same numbers, as each search counts
     plans, not seconds."""
     for case in cases:
-        key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
+        key = _pair(case)[0]
         if case["response_len"].get("mean") is None and not any(
-                str(o.get("pair")) == f"{key}:colocated" and o["response_len"].get("mean") is None for o in cases):
+                _pair(o) == (key, "colocated") and o["response_len"].get("mean") is None for o in cases):
             raise CaseError(f"case {case['name']!r}: field 'response_len.mean': none published and its pair "
                             f"{key!r} has no colocated row to fit it on")
     units: dict[str, list[dict]] = {}  # a pair's rows together: the split row needs the colocated row's fit
     for case in cases:
-        units.setdefault(str(case.get("pair") or "").split(":")[0] or case["name"], []).append(case)
+        units.setdefault(_pair(case)[0] or case["name"], []).append(case)
     price_unit = functools.partial(_price_unit, evaluations=evaluations)
     by_name: dict[str, Result] = {}
     with multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
@@ -457,12 +463,12 @@ def _price_unit(cases: list[dict], evaluations: int) -> list[Result]:
     """`price_all` of one pair's rows (or one case)."""
     fits: dict[str, tuple[float, str | None]] = {}
     for case in cases:
-        key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
+        key, side = _pair(case)
         if case["response_len"].get("mean") is None and side == "colocated":
             fits[key] = fitted_mean(case)
     results = []
     for case in cases:
-        key, side = (str(case.get("pair") or ":").split(":") + [""])[:2]
+        key, side = _pair(case)
         if case["response_len"].get("mean") is not None:
             results.append(price(case, evaluations))
         else:

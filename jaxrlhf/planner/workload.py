@@ -543,9 +543,10 @@ def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> 
     most = 0
     for starts, ends in spans:
         by_start, by_end = np.sort(starts), np.argsort(ends, kind="stable")
-        last = ends[by_end] - 1  # the step before each row ends
+        sorted_ends = ends[by_end]
+        last = sorted_ends - 1  # the step before each row ends
         began = np.searchsorted(by_start, last, side="right")
-        ended = np.searchsorted(ends[by_end], last, side="right")
+        ended = np.searchsorted(sorted_ends, last, side="right")
         begun = np.concatenate([[0], np.cumsum(by_start)])[began] - np.concatenate([[0], np.cumsum(starts[by_end])])[ended]
         active = began - ended
         tokens = active * (last + 1) - begun  # the active rows' tokens after that step
