@@ -452,9 +452,11 @@ def _read_pages(
     x = jnp.moveaxis(x, 3, 2).reshape(shards * per_shard, kvh, width * page, hd)[:, :, :columns]
     rows = jnp.arange(x.shape[0])
     start = jnp.broadcast_to(jnp.reshape(offset, (-1,)), rows.shape)
-    for j in range(new.shape[1]):  # a scatter of the new columns, not a select over every column
-        x = x.at[rows, :, start + j, :].set(new[:, j].astype(x.dtype), mode="drop")
-    return x
+    # one scatter of the new columns (not a select over every column, nor one scatter per column: an
+    # extend's 257 columns unrolled took XLA:CPU 50 s to compile); the advanced indices (rows, columns) lead
+    # the update's layout: [B, T, kv_heads, head_dim], `new`'s own
+    columns = start[:, None] + jnp.arange(new.shape[1])[None, :]
+    return x.at[rows[:, None], :, columns, :].set(new.astype(x.dtype), mode="drop")
 
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
