@@ -191,6 +191,12 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     head_gathered = head_gather_bytes(cfg, head, layout)
     seqs = wl.call_seqs(call) / batch_ways
     if call.kind == "generate":  # the engine's cache as it allocates it (`Workload.generate_kv_columns`)
+        if layout.fsdp > 1:
+            # the engines decode from weights split into layers once, outside the token loop
+            # (`transformer.split_layers`), so each layer's FSDP all-gather is loop-invariant and XLA hoists
+            # them all out of the loop: every layer's weights live gathered for the whole call
+            # (scripts/check_memory_model.py's generate rows, XLA:CPU)
+            gathered = layer_bytes * cfg.num_layers / t
         prompts, rows, _ = wl.generate_shape(call, batch_ways)
         kv = wl.generate_kv_columns(call, batch_ways) * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
         tok = _tokens_per_micro(call, prompts, wl.prompt_len, wl)
