@@ -184,19 +184,17 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     t = layout.tensor
     batch_ways = layout.batch_ways
     ab = DTYPE_BYTES[cfg.dtype]
-    # FSDP: two decoder layers gathered at a time (the one computing, the next one arriving)
+    # FSDP: two decoder layers gathered at a time (the one computing, the next one arriving); a generate call
+    # all of them: the engines decode from weights split into layers once, outside the token loop
+    # (`transformer.split_layers`), so each layer's all-gather is loop-invariant and XLA hoists them all out
+    # of the loop, every layer's weights gathered for the whole call (scripts/check_memory_model.py, XLA:CPU)
     layer_bytes = (matmul_params(cfg, "value") - cfg.hidden_size - expert_split_count(cfg, layout)) / cfg.num_layers \
         * DTYPE_BYTES[cfg.param_dtype]  # (this device's experts only, under expert parallelism)
-    gathered = 2 * layer_bytes / t if layout.fsdp > 1 else 0.0
+    gathered_layers = cfg.num_layers if call.kind == "generate" else 2
+    gathered = gathered_layers * layer_bytes / t if layout.fsdp > 1 else 0.0
     head_gathered = head_gather_bytes(cfg, head, layout)
     seqs = wl.call_seqs(call) / batch_ways
     if call.kind == "generate":  # the engine's cache as it allocates it (`Workload.generate_kv_columns`)
-        if layout.fsdp > 1:
-            # the engines decode from weights split into layers once, outside the token loop
-            # (`transformer.split_layers`), so each layer's FSDP all-gather is loop-invariant and XLA hoists
-            # them all out of the loop: every layer's weights live gathered for the whole call
-            # (scripts/check_memory_model.py's generate rows, XLA:CPU)
-            gathered = layer_bytes * cfg.num_layers / t
         prompts, rows, _ = wl.generate_shape(call, batch_ways)
         kv = wl.generate_kv_columns(call, batch_ways) * kv_bytes_per_token(cfg) / max(min(t, cfg.num_kv_heads), 1)
         tok = _tokens_per_micro(call, prompts, wl.prompt_len, wl)
