@@ -36,7 +36,9 @@ How a case's placement maps onto jaxrlhf's layouts:
   placement (the fewest micro-batches and the least remat that fit: the peer at its best).
 
 Response lengths are log-normal with the case's `sigma` (0.8 where it states none) and a median that gives
-the published mean under the cap. A bad case file is one line naming the case and the field.
+the published mean under the cap (`length_distribution`: a mean too close to the cap for that spread keeps the
+median at the cap and narrows the spread). A peer's paged engine (vLLM, SGLang) reads only the tokens each row
+holds (`Workload.live_kv`). A bad case file is one line naming the case and the field.
 """
 
 from __future__ import annotations
@@ -149,25 +151,36 @@ def check_case(case: dict) -> None:
 
 # ---- a case as jaxrlhf's question -----------------------------------------------------------------
 
-def lognormal_median(mean: float, cap: int, sigma: float) -> int:
-    """The median of log-normal lengths with `sigma` whose mean under the cap (lengths above it cut to it) is
-    `mean`: found by bisection on the capped mean."""
-    if mean >= cap:
-        return cap
+def _capped_mean(median: float, sigma: float, cap: int) -> float:
+    """The mean of log-normal lengths (median, sigma) with every length above `cap` cut to it."""
     if sigma == 0:
-        return int(round(mean))
+        return min(median, cap)
+    z = (math.log(cap) - math.log(median)) / sigma
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    return median * math.exp(sigma**2 / 2) * phi(z - sigma) + cap * (1 - phi(z))
 
-    def capped_mean(median: float) -> float:
-        mu = math.log(median)
-        z = (math.log(cap) - mu) / sigma
-        phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
-        return median * math.exp(sigma**2 / 2) * phi(z - sigma) + cap * (1 - phi(z))
 
+def length_distribution(mean: float, cap: int, sigma: float) -> tuple[int, float]:
+    """(median, sigma) of log-normal lengths whose mean under the cap is `mean`: the median found by bisection
+    at the stated `sigma`; where even a median at the cap keeps the mean below `mean` (a wide spread cut at
+    the cap cannot average that close to it: NeMo-RL's Qwen3 runs average 3,200 of 3,968 tokens), the median
+    is the cap and sigma the spread, narrower than stated, that gives `mean` (bisection). A mean at or above
+    the cap: every response at the cap (sigma 0)."""
+    if mean >= cap:
+        return cap, 0.0
+    if sigma == 0:
+        return int(round(mean)), 0.0
+    if _capped_mean(cap, sigma, cap) < mean:  # narrow the spread, the median at the cap
+        lo, hi = 0.0, sigma
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if _capped_mean(cap, mid, cap) < mean else (mid, hi)
+        return cap, round(lo, 4)
     lo, hi = 1.0, float(cap)
     for _ in range(100):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if capped_mean(mid) < mean else (lo, mid)
-    return max(1, min(cap, int(round(lo))))
+        lo, hi = (mid, hi) if _capped_mean(mid, sigma, cap) < mean else (lo, mid)
+    return max(1, min(cap, int(round(lo)))), sigma
 
 
 def run_config(case: dict, peer_knobs: bool = True) -> cfglib.Config:
@@ -177,13 +190,13 @@ def run_config(case: dict, peer_knobs: bool = True) -> cfglib.Config:
     models, alg = case["models"], ALGORITHMS[case["algorithm"]]
     sigma = float(case["response_len"].get("sigma", DEFAULT_SIGMA))
     cap = int(case["response_len"]["max"])
-    median = lognormal_median(float(case["response_len"]["mean"]), cap, sigma)
+    median, sigma = length_distribution(float(case["response_len"]["mean"]), cap, sigma)
     training = case["placement"].get("training") or {}
     overrides = [
         f"algorithm.name={alg}", f"data.batch_size={case['prompts_per_step']}",
         f"algorithm.minibatches={case['optimizer_steps_per_step']}", "algorithm.epochs=1",
         f"data.max_prompt_len={int(case['prompt_len']['mean'])}", f"generation.max_new_tokens={cap}",
-        f"plan.response_length_median={median}", f"plan.response_length_sigma={sigma if median < cap else 0.0}",
+        f"plan.response_length_median={median}", f"plan.response_length_sigma={sigma}",
         "generation.engine=continuous", f"plan.hardware={case['hardware']}", "run.devices=8", "plan.strategy=auto",
         f"algorithm.kl_coef={0.01 if models.get('ref') else 0.0}",
         f"algorithm.pack_sequences={str(bool(training.get('packed'))).lower()}",
@@ -198,6 +211,8 @@ def run_config(case: dict, peer_knobs: bool = True) -> cfglib.Config:
     slots = (case["placement"].get("generation") or {}).get("slots")
     if peer_knobs and slots:
         overrides.append(f"generation.slots={int(slots)}")
+    if peer_knobs and recomputes_logprobs(case):  # the peer's trainer forward for the old policy's log-probs
+        overrides.append("algorithm.rollout_correction=decoupled")
     if peer_knobs and training.get("remat"):
         overrides += [f"model.{role}.remat=full" for role in ("actor", "critic")
                       if models.get(role) and role != "ref"]
@@ -217,6 +232,17 @@ def run_config(case: dict, peer_knobs: bool = True) -> cfglib.Config:
         return cfglib.load_config(None, overrides)
     except ValueError as e:
         raise CaseError(f"case {case['name']!r}: its workload is not a valid jaxrlhf config: {e}") from None
+
+
+def recomputes_logprobs(case: dict) -> bool:
+    """Whether the peer's trainer recomputes the rollout's log-probs under the weights before the update (a
+    forward over the batch, jaxrlhf's `actor.inference` of a rollout correction), where jaxrlhf's own run takes
+    the engine's: as `placement.training.recompute_logprobs` says, else where the published breakdown has an
+    `old_log_prob` stage that took time (verl's synchronous trainer; its fully-async trainer uses the rollout's)."""
+    stated = (case["placement"].get("training") or {}).get("recompute_logprobs")
+    if stated is not None:
+        return bool(stated)
+    return bool(((case["published"].get("breakdown_s") or {}).get("old_log_prob") or 0) > 0)
 
 
 def batch_ways(case: dict) -> int:
@@ -360,6 +386,16 @@ def engine_slots(case: dict, cfg_model, hw, wl, generate) -> int:
     return per_replica * replicas
 
 
+PAGED_ENGINES = ("vllm", "sglang")  # engines whose attention reads only the tokens a row holds (paged attention)
+
+
+def paged_engine(case: dict) -> bool:
+    """Whether the case's generation engine is a paged one (`PAGED_ENGINES`; `Workload.live_kv`): vLLM and
+    SGLang page the KV cache and attend over each row's own tokens; a hybrid engine decodes HF-style."""
+    engine = str((case["placement"].get("generation") or {}).get("engine") or "").lower()
+    return engine.startswith(PAGED_ENGINES)
+
+
 def price(case: dict, evaluations: int, mean: float | None = None, search: bool = True) -> Result:
     """The case's own placement priced as the peer runs it, and the planner's pick for its cluster.
 
@@ -386,6 +422,7 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
         else wl.gen_slots
     peer_wl = dataclasses.replace(
         wl, gen_slots=slots, micro_batch=None if wl.micro_batch == "auto" else wl.micro_batch, varlen=wl.packed,
+        live_kv=paged_engine(case),
         remat={r: (remat if r in ("actor", "critic") else "none") for r in models})
     roomy = dataclasses.replace(hw, hbm_capacity=hw.hbm_capacity * 1e3)
     est = estimate_plan(peer, graph, models, peer_wl, roomy)

@@ -301,8 +301,11 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
     # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps (rounds of
     # gen_len steps). Each step's FLOPs and bytes grow linearly with its context, so the steps' sums (and the
-    # sum of each step's roofline, the larger of two linear terms) are taken in closed form.
+    # sum of each step's roofline, the larger of two linear terms) are taken in closed form. A `live_kv` engine
+    # (a peer's paged attention) with drawn lengths reads each row's own context: `decode_fractions` scale the
+    # steps by the rows they run, so every step is priced at the drawn rows' mean context (`live_context`).
     rounds = n // wl.gen_len
+    context = wl.live_context() if wl.live_kv and wl.lengths_vary and not wl.multi_turn else None
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
 
@@ -312,6 +315,8 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         f0, f1 = 2 * flop_params(cfg, c.head) * rows / c.t, attention_flops(cfg, rows, 1.0) / c.t
         h0, h1 = w_tensor, rows * kv_bytes_per_token(cfg) / kv_heads_ways
         lo, hi = wl.prompt_len, wl.prompt_len + wl.gen_len - 1
+        if context is not None:  # the same context at every step: constant terms over the gen_len steps
+            f0, f1, h0, h1 = f0 + f1 * context, 0.0, h0 + h1 * context, 0.0
         seconds = rounds * _sum_of_max(f0 / c.flops_s, f1 / c.flops_s, h0 / c.mem_bw, h1 / c.mem_bw, lo, hi)
         tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * rows * cfg.hidden_size * c.act_bytes * n,
                              c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)

@@ -145,6 +145,10 @@ class Workload:
     # batching runs (`scripts/validate_published.py` prices their runs with it). jaxrlhf's runtime packs rows
     # as wide as the longest sequence and masks its attention: the planner never sets this
     varlen: bool = False
+    # a paged engine whose attention reads only the tokens each row holds (vLLM's and SGLang's paged attention):
+    # how peers' engines decode (`scripts/validate_published.py` prices their runs with it). jaxrlhf's engines
+    # read every column of a row's cache, masked, at every step: the planner never sets this
+    live_kv: bool = False
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
     # algorithm.logit_chunk_tokens: response positions a device whose logits the actor's and reference's
     # log-prob calls build at once (`models.logit_chunks`); None = all at once (and every non-RL call)
@@ -364,6 +368,12 @@ class Workload:
         return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
                              self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
                              batch_ways, self.token_budget)
+
+    def live_context(self) -> float:
+        """Cached tokens a decoded token attends to on average under a `live_kv` engine: a row of L tokens
+        reads prompt_len + s at its step s < L, so over the drawn rows prompt_len + sum L(L - 1) / 2 / sum L."""
+        lengths = self.response_lengths(self.batch_size).astype(np.float64)
+        return self.prompt_len + float((lengths * (lengths - 1) / 2).sum() / lengths.sum())
 
     def varlen_shape(self, call: CallSpec, batch_ways: int) -> tuple[float, float, int, float]:
         """A `varlen` packer's forward of `call` (one update, per shard): (real tokens, the attention keys a

@@ -132,6 +132,31 @@ def test_generation_prefills_each_group_once_and_continuous_decodes_a_slot_pool(
         Workload(batch_size=64, gen_group=5)
 
 
+def test_a_live_kv_engine_decodes_at_the_drawn_rows_own_context():
+    """A peer's paged engine (`Workload.live_kv`) reads each row's own tokens: a row of L tokens reads prompt + s
+    at its step s < L, so every step is priced at prompt + sum L(L - 1) / 2 / sum L of the drawn rows (by hand
+    here), where jaxrlhf's pricing runs the context from the prompt to the cap."""
+    from jaxrlhf.planner.sizes import kv_bytes_per_token
+
+    drawn = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous", gen_len_median=300,
+                     gen_len_sigma=0.8)
+    live = dataclasses.replace(drawn, live_kv=True)
+    lengths = [int(x) for x in drawn.response_lengths(64).ravel()]
+    by_hand = 128 + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
+    assert live.live_context() == pytest.approx(by_hand, rel=1e-12)
+    assert 128 + 300 / 2 < by_hand < 128 + 1023 / 2  # long rows weigh more than the median; the cap's mean is far
+    layout = Layout(data=2, tensor=4)
+    priced, paged = cost(GEN, 8, layout, drawn), cost(GEN, 8, layout, live)
+    rows = 64 / 2  # rows a replica decodes per step, every step of the cap (decode_fractions scale them later)
+    per_token = rows * kv_bytes_per_token(CFG) / min(4, CFG.num_kv_heads)
+    want = 1024 * per_token * (by_hand - (128 + 1023 / 2))  # the cap's steps read 128 + s, s < 1024
+    assert paged.hbm_bytes - priced.hbm_bytes == pytest.approx(want, rel=1e-9)
+    assert paged.parts["decode"] < priced.parts["decode"]
+    # every response at the cap: the context runs from the prompt to the cap either way
+    at_cap = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous")
+    assert cost(GEN, 8, layout, dataclasses.replace(at_cap, live_kv=True)).seconds == cost(GEN, 8, layout, at_cap).seconds
+
+
 def test_the_decode_steps_roofline_sums_in_closed_form():
     """A decode step's FLOPs and bytes grow linearly with its context, so the sum of the steps' rooflines (the
     larger of two lines) is summed in closed form (`cost._sum_of_max`): equal to the step-by-step sum."""

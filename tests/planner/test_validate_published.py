@@ -38,14 +38,28 @@ def test_the_shipped_cases_read_and_come_from_at_least_three_sources(script):
 
 
 def test_a_mean_under_the_cap_gives_the_median_of_its_lognormal(script):
-    median = script.lognormal_median(1000, 4096, 0.8)
+    median, sigma = script.length_distribution(1000, 4096, 0.8)
+    assert sigma == 0.8
     assert median < 1000  # a log-normal's mean lies above its median
     mu, s, cap = math.log(median), 0.8, 4096
     phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
     z = (math.log(cap) - mu) / s
     capped = median * math.exp(s * s / 2) * phi(z - s) + cap * (1 - phi(z))
     assert capped == pytest.approx(1000, rel=2e-3)
-    assert script.lognormal_median(5000, 4096, 0.8) == 4096
+    assert script.length_distribution(5000, 4096, 0.8) == (4096, 0.0)
+
+
+def test_a_mean_near_the_cap_narrows_the_spread_with_the_median_at_the_cap(script):
+    """NeMo-RL's Qwen3 runs average 3,200 of 3,968 tokens: at sigma 0.8 even a median at the cap averages less
+    (cut at the cap, 0.79 of it), so the lengths keep the median at the cap and a narrower spread that gives
+    the published mean (checked here by drawing, not by the script's closed form), not every response at
+    the cap (24 % more tokens than published)."""
+    import numpy as np
+
+    median, sigma = script.length_distribution(3200, 3968, 0.8)
+    assert median == 3968 and 0.5 < sigma < 0.8
+    drawn = np.minimum(3968 * np.exp(sigma * np.random.default_rng(0).standard_normal(400_000)), 3968)
+    assert drawn.mean() == pytest.approx(3200, rel=5e-3)
 
 
 def _case(**changes) -> dict:
@@ -111,3 +125,28 @@ def test_a_case_is_priced_on_its_own_placement(script):
     assert plan.shadow_roles == ("actor",) and plan.offpolicy and plan.staleness == 1
     result = script.price(case, 0, search=False)
     assert result.predicted_s and 6 < result.predicted_s < 600 and set(result.calls) == set(run.graph.names)
+
+
+def test_a_peers_paged_engine_is_priced_reading_each_rows_own_tokens(script):
+    """vLLM and SGLang (paged attention) read only the tokens a row holds (`Workload.live_kv`); DeepSpeed-Chat's
+    hybrid engine and a case that names no engine are priced as jaxrlhf's engines decode."""
+    for engine, paged in (("vllm", True), ("vllm (async engine)", True), ("sglang 0.4.6", True),
+                          ("deepspeed-hybrid-engine", False), (None, False)):
+        case = _case()
+        if engine:
+            case["placement"]["generation"]["engine"] = engine
+        assert script.paged_engine(case) is paged, engine
+
+
+def test_a_peer_that_recomputes_the_old_log_probs_runs_the_actors_forward_first(script):
+    """verl's synchronous trainer recomputes the rollout's log-probs (its breakdown's `old_log_prob` stage) where
+    its fully-async trainer takes the rollout's: the peer's config gets the actor's forward before the update
+    (a rollout correction's `actor.inference`) only where the case says so or its breakdown shows that stage."""
+    case = _case()
+    assert not script.recomputes_logprobs(case)
+    assert script.recomputes_logprobs(_case(**{"published.breakdown_s": {"old_log_prob": 107.7}}))
+    assert not script.recomputes_logprobs(_case(**{"published.breakdown_s": {"old_log_prob": None}}))
+    stated = _case(**{"placement.training.recompute_logprobs": True})
+    assert script.recomputes_logprobs(stated)
+    assert script.run_config(stated).algorithm.rollout_correction == "decoupled"
+    assert script.run_config(stated, peer_knobs=False).algorithm.rollout_correction == "none"  # the pick's own run
