@@ -299,13 +299,20 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
         raise ValueError(f"{call.name}: generation is never context-parallel; layout {c.layout} has context={c.c}")
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
-    # Decode: step s of a row attends to prompt_len + s cached tokens; `seqs` rows per step, n steps (rounds of
-    # gen_len steps). Each step's FLOPs and bytes grow linearly with its context, so the steps' sums (and the
-    # sum of each step's roofline, the larger of two linear terms) are taken in closed form. A `live_kv` engine
-    # (a peer's paged attention) with drawn lengths reads each row's own context: `decode_fractions` scale the
-    # steps by the rows they run, so every step is priced at the drawn rows' mean context (`live_context`).
+    # Decode: `seqs` rows per step, n steps (rounds of gen_len steps). jaxrlhf's engines attend over every column
+    # of a row's cache at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
+    # pages gathered whole, `transformer._read_pages`), so every step reads and scores the whole cache. A
+    # `live_kv` engine (a peer's paged attention) reads the row's own tokens: prompt_len + s at its step s, a
+    # context growing linearly (the steps' sums, and the sum of each step's roofline, the larger of two linear
+    # terms, in closed form); with drawn lengths each row's own, so every step is priced at the drawn rows' mean
+    # context (`live_context`), `decode_fractions` scaling the steps by the rows they run.
     rounds = n // wl.gen_len
-    context = wl.live_context() if wl.live_kv and wl.lengths_vary and not wl.multi_turn else None
+    if not wl.live_kv:
+        context = wl.prompt_len + wl.gen_len
+    elif wl.lengths_vary and not wl.multi_turn:
+        context = wl.live_context()
+    else:
+        context = None  # growing, step by step
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
 

@@ -163,19 +163,32 @@ class HardwareProfile:
         return cls.from_dict(data, where=path)
 
 
-# What whole calls of jaxrlhf's runtime reach of a GPU's datasheet peaks, measured on one H200 (matmul FLOP/s
-# of train and inference calls, HBM bandwidth of decode steps): `python scripts/calibrate_gpu_profiles.py`
-# derives them from docs/results/h200_validate_estimator.json; every GPU profile takes them.
-GPU_MATMUL_EFFICIENCY = 0.465
-GPU_MEMORY_EFFICIENCY = 0.576
+# What jaxrlhf's runtime reached on one H200, as fractions of its datasheet peaks: `python
+# scripts/calibrate_gpu_profiles.py` derives them from docs/results/h200_validate_estimator.json.
+GPU_MATMUL_KERNEL = 0.660  # FLOP/s of its matmul kernels
+# the memory-bound work of a whole train or inference call (norms, softmax, casts, masks), in seconds per second
+# of the call's matmuls at the kernels' rate: whole calls ran at 1 / (1 + 0.419) of that rate
+GPU_CALL_OVERHEAD = 0.419
+GPU_MEMORY_EFFICIENCY = 0.593  # bytes/s of decode steps
+H200_BF16_PEAK, H200_HBM_PEAK = 989e12, 4.8e12  # the datasheet the fractions are of
+
+
+def gpu_matmul_efficiency(bf16: float, hbm_bw: float) -> float:
+    """The fraction of a GPU's datasheet FLOP/s whole train and inference calls reach: the matmuls at
+    GPU_MATMUL_KERNEL of it, and the call's memory-bound work, GPU_CALL_OVERHEAD x the matmuls' seconds on the
+    H200, the same bytes per FLOP on any chip: its seconds scale with the chip's FLOP/s per byte/s. A chip whose
+    tensor cores are slow for its memory spends less of a call on it (H20: 37 FLOP a byte against the H200's
+    206, 0.614), one with less bandwidth more (H100: 295, 0.412); the H200 itself 0.465."""
+    return GPU_MATMUL_KERNEL / (1 + GPU_CALL_OVERHEAD * (bf16 / hbm_bw) / (H200_BF16_PEAK / H200_HBM_PEAK))
 
 
 def _gpu(name: str, bf16: float, tf32: float, hbm_bw: float, hbm_gb: float, nvlink: float,
          inter_host: float, **kw: Any) -> HardwareProfile:
     return HardwareProfile(
         name=name, flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, hbm_bandwidth=hbm_bw,
-        hbm_capacity=hbm_gb * GB, intra_host_bandwidth=nvlink, inter_host_bandwidth=inter_host,
-        devices_per_host=8, matmul_efficiency=GPU_MATMUL_EFFICIENCY, memory_efficiency=GPU_MEMORY_EFFICIENCY, **kw,
+        hbm_capacity=hbm_gb * GB, intra_host_bandwidth=nvlink, inter_host_bandwidth=inter_host, devices_per_host=8,
+        matmul_efficiency=round(gpu_matmul_efficiency(bf16, hbm_bw), 3), memory_efficiency=GPU_MEMORY_EFFICIENCY,
+        **kw,
     )
 
 

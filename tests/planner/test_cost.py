@@ -132,10 +132,11 @@ def test_generation_prefills_each_group_once_and_continuous_decodes_a_slot_pool(
         Workload(batch_size=64, gen_group=5)
 
 
-def test_a_live_kv_engine_decodes_at_the_drawn_rows_own_context():
-    """A peer's paged engine (`Workload.live_kv`) reads each row's own tokens: a row of L tokens reads prompt + s
-    at its step s < L, so every step is priced at prompt + sum L(L - 1) / 2 / sum L of the drawn rows (by hand
-    here), where jaxrlhf's pricing runs the context from the prompt to the cap."""
+def test_decode_reads_the_whole_cache_as_jaxrlhf_does_and_a_paged_peer_only_its_rows_tokens():
+    """jaxrlhf's engines attend over every column of a row's cache at every step, masked (prompt + gen_len
+    columns), so each step reads the whole cache. A peer's paged engine (`Workload.live_kv`) reads each row's
+    own tokens: prompt + s at its step s; with drawn lengths (a row of L tokens, s < L) every step at
+    prompt + sum L(L - 1) / 2 / sum L of the drawn rows (by hand here)."""
     from jaxrlhf.planner.sizes import kv_bytes_per_token
 
     drawn = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous", gen_len_median=300,
@@ -146,15 +147,20 @@ def test_a_live_kv_engine_decodes_at_the_drawn_rows_own_context():
     assert live.live_context() == pytest.approx(by_hand, rel=1e-12)
     assert 128 + 300 / 2 < by_hand < 128 + 1023 / 2  # long rows weigh more than the median; the cap's mean is far
     layout = Layout(data=2, tensor=4)
-    priced, paged = cost(GEN, 8, layout, drawn), cost(GEN, 8, layout, live)
     rows = 64 / 2  # rows a replica decodes per step, every step of the cap (decode_fractions scale them later)
-    per_token = rows * kv_bytes_per_token(CFG) / min(4, CFG.num_kv_heads)
-    want = 1024 * per_token * (by_hand - (128 + 1023 / 2))  # the cap's steps read 128 + s, s < 1024
-    assert paged.hbm_bytes - priced.hbm_bytes == pytest.approx(want, rel=1e-9)
-    assert paged.parts["decode"] < priced.parts["decode"]
-    # every response at the cap: the context runs from the prompt to the cap either way
+    per_token = rows * kv_bytes_per_token(CFG) / min(4, CFG.num_kv_heads)  # a context token's bytes, all rows
+
+    def kv_bytes(a: Workload, b: Workload) -> float:  # decode bytes of a less those of b: only the reads differ
+        return cost(GEN, 8, layout, a).hbm_bytes - cost(GEN, 8, layout, b).hbm_bytes
+
+    # 1024 steps: at the drawn rows' mean context against the whole cache's 128 + 1024 columns
+    assert kv_bytes(live, drawn) == pytest.approx(1024 * per_token * (by_hand - (128 + 1024)), rel=1e-9)
+    assert cost(GEN, 8, layout, live).parts["decode"] < cost(GEN, 8, layout, drawn).parts["decode"]
+    # every response at the cap: a paged engine's context runs from the prompt to the cap, 128 + s at step s
     at_cap = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous")
-    assert cost(GEN, 8, layout, dataclasses.replace(at_cap, live_kv=True)).seconds == cost(GEN, 8, layout, at_cap).seconds
+    growing = sum(128 + s for s in range(1024))
+    assert kv_bytes(dataclasses.replace(at_cap, live_kv=True), at_cap) == pytest.approx(
+        per_token * (growing - 1024 * (128 + 1024)), rel=1e-9)
 
 
 def test_the_decode_steps_roofline_sums_in_closed_form():
