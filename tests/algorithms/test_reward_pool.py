@@ -93,8 +93,8 @@ def test_a_free_worker_gathers_the_queued_samples_up_to_the_rules_concurrency(sl
         assert wall < 5 * DELAY, wall
         assert [r[0] for r in results] == [[{"remote": float(i), "remote/failure": 0.0, **{
             k: 0.0 for k in results[0][0][0] if k not in ("remote", "remote/failure")}}] for i in range(8)]
-        assert sum(r[1] for r in results) == pytest.approx(2 * DELAY, rel=0.5)
-        assert pool.timing.row_s == pytest.approx(DELAY, rel=0.5)  # every task was one round
+        assert 2 * DELAY * 0.95 <= sum(r[1] for r in results) < 5 * DELAY  # two rounds, not eight
+        assert DELAY * 0.95 <= pool.timing.row_s < 4 * DELAY  # every task was one round (not 8 x DELAY)
     finally:
         pool.close()
 
@@ -126,4 +126,6 @@ def test_the_step_measures_its_rules_for_the_planner(slow_url):
     wall = time.perf_counter() - start
     assert out["rule_scores"].tolist() == [float(len(t)) for t in texts]
     assert alg.workload().reward_row_s == pytest.approx(wall / 2, rel=0.2)
-    assert alg.workload().reward_row_s == pytest.approx(DELAY, rel=0.5)
+    # a round of 8 rows at once is one delay, not eight (sequential rows: 8 x DELAY); never shorter than the
+    # server's sleep, longer on a loaded machine (HTTP and thread start-up ride on it)
+    assert DELAY * 0.95 <= alg.workload().reward_row_s < 4 * DELAY
