@@ -32,6 +32,8 @@ How a case's placement maps onto jaxrlhf's layouts:
   update; a staleness of at least one step makes it off-policy (the generator that many steps ahead), and
   partial rollouts (`partial_rollout`) stream responses across steps;
 - a trainer that packs sequences (dynamic batch size, sequence packing) runs packed calls;
+- a trainer that recomputes the old policy's log-probs before its update (`placement.training.recompute_logprobs`,
+  or a published breakdown with an `old_log_prob` stage that took time) runs that forward (`recomputes_logprobs`);
 - knobs the source states (gradient checkpointing) are kept; others are the planner's choice for that
   placement (the fewest micro-batches and the least remat that fit: the peer at its best).
 
