@@ -84,7 +84,8 @@ def main(argv=None) -> int:
             cache = CallCache(plan)
             placed = cache.placed("actor.train")
             fn = functools.partial(sft_train, graphdef, opt, args.batch // m if m > 1 else None)
-            call = cache.function("actor.train", fn, in_shardings=None, out_shardings=None, donate_argnums=(0, 1))
+            call = cache.function("actor.train", fn, in_shardings=None, out_shardings=None, donate_argnums=(0, 1),
+                                  kind="train")
             params = jax.device_put(host, placed.param_shardings(host))
             opt_state = jax.jit(opt.init, out_shardings=placed.opt_state_shardings(opt, params))(params)
             batch = {k: jax.device_put(v, placed.batch_sharding(v.ndim)) for k, v in inputs.items()}

@@ -195,7 +195,8 @@ def check(model: str, layout_name: str, args) -> list[dict]:
             fn_args, donate = (params, opt_state, inputs), (() if args.no_donate else (0, 1))
         else:
             fn_args, donate = (params, inputs), ()
-        fn = cache.function(call, functions[call], in_shardings=None, out_shardings=None, donate_argnums=donate)
+        fn = cache.function(call, functions[call], in_shardings=None, out_shardings=None, donate_argnums=donate,
+                            kind=spec.kind)
         t0 = time.perf_counter()
         mem = fn.compiled(*fn_args).memory_analysis()
         compile_s = time.perf_counter() - t0

@@ -33,6 +33,7 @@ from jaxrlhf.placement.layout import (
     activation_resolver,
     batch_spec,
     make_mesh,
+    optimizer_spec,
     param_shardings,
 )
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Placement, PlanError
@@ -53,13 +54,14 @@ class Placed:
         return param_shardings(tree, self.mesh, self.rules)
 
     def opt_state_shardings(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
-        """Optimizer state laid out like the parameters it mirrors; counters replicated. An optimizer over
-        part of the parameters (LoRA, `PartialOptimizer`) says which part with `trainable_params`."""
+        """Optimizer state laid out like the parameters it mirrors and split further over the data axis
+        (ZeRO-1, `layout.optimizer_spec`); counters replicated. An optimizer over part of the parameters
+        (LoRA, `PartialOptimizer`) says which part with `trainable_params`."""
         params = getattr(optimizer, "trainable_params", lambda p: p)(params)
         shapes = jax.eval_shape(optimizer.init, params)
         return optax.tree_map_params(
             optimizer,
-            lambda _, s: s,
+            lambda leaf, s: NamedSharding(self.mesh, optimizer_spec(s.spec, leaf.shape, self.mesh), s.memory_kind),
             shapes,
             self.param_shardings(params),
             transform_non_params=lambda t: jax.tree_util.tree_map(lambda _: self.replicated(), t),
@@ -116,7 +118,13 @@ def compile_lowered(lowered: jax.stages.Lowered, options: dict[str, Any]) -> jax
 
 class PlacedFunction:
     """`fn` jitted for one placement, compiled once per argument signature; `kind` (the call's: train,
-    inference, generate) picks the compile options of a process with one device (`COMPILER_OPTIONS`)."""
+    inference, generate) picks the compile options of a process with one device (`COMPILER_OPTIONS`).
+
+    A train call, fn(params, opt_state, inputs) -> (params, opt_state, outputs), with `out_shardings`
+    None, returns its parameters and optimizer state laid out as they came in. Left to the compiler,
+    the new parameters would follow the ZeRO-1 optimizer state into its split over data (`Placed.
+    opt_state_shardings`) and every later call would gather them.
+    """
 
     def __init__(
         self,
@@ -139,8 +147,10 @@ class PlacedFunction:
 
         base = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "call")
         placed_fn.__name__ = placed_fn.__qualname__ = f"{base}@{placed.call}"
+        self._placed_fn, self._in_shardings, self._donate = placed_fn, in_shardings, tuple(donate_argnums)
+        self._keeps_state = kind == "train" and out_shardings is None
         self._jitted = jax.jit(
-            placed_fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums)
+            placed_fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=self._donate
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._lock = threading.Lock()
@@ -159,8 +169,17 @@ class PlacedFunction:
         with self._lock:
             if key not in self._compiled:
                 with ax.activation_sharding(self.placed.resolver()), pipeline.staged(self.placed.stages, STAGE_AXIS):
-                    self._compiled[key] = compile_lowered(self._jitted.lower(*args), self.compiler_options)
+                    self._compiled[key] = compile_lowered(self._jit_for(args).lower(*args), self.compiler_options)
             return self._compiled[key]
+
+    def _jit_for(self, args: tuple) -> Any:
+        """The jitted function; for a train call, one whose params and optimizer state come out as they
+        went in (the arguments' shardings: committed arrays', or abstract ones' `sharding`)."""
+        if not self._keeps_state:
+            return self._jitted
+        kept = tuple(jax.tree_util.tree_map(lambda x: x.sharding, a) for a in args[:2])
+        return jax.jit(self._placed_fn, in_shardings=self._in_shardings, out_shardings=kept + (None,),
+                       donate_argnums=self._donate)
 
     @property
     def num_compiled(self) -> int:

@@ -12,7 +12,8 @@ the layout's collectives and a per-kernel dispatch cost:
 - train: forward + backward (+ a recomputed forward with remat) for every
   minibatch of every PPO epoch, the AdamW update, FSDP all-gathers /
   reduce-scatters per micro-batch and the data-parallel gradient all-reduce
-  per optimizer step.
+  per optimizer step; each data replica updates its 1/data of the optimizer
+  state (ZeRO-1) and the new parameters are all-gathered over data.
 - pipelines (layout.stage = S > 1, train and inference only): each stage
   holds num_layers / S consecutive layers (embedding and heads on every
   stage); a GPipe schedule over the call's M micro-batches runs M + S - 1
@@ -436,14 +437,18 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     # Expert parallelism splits the batch: the weights outside the experts are summed over the expert axis too.
     outside = grad_shard if cfg.lora else (param_count(cfg, c.head) - expert_param_count(cfg)) * pb / c.shards
     expert_ar = _ring_allreduce(outside, lay.expert, c.bw["expert"], hw)
-    n_params_dev = trained_shard_count(cfg, c.head, lay)
+    # ZeRO-1: each data replica updates its 1/data of the optimizer state, then the new parameters are
+    # all-gathered over data (`placement.layout.optimizer_spec`)
+    n_params_dev = trained_shard_count(cfg, c.head, lay) / lay.data
     tb = DTYPE_BYTES[trained_dtype(cfg)]
     opt_bytes = n_params_dev * (3 * tb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
+    param_gather = _ring_gather(grad_shard, lay.data, c.bw["data"], hw)
     per_step = {
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],
         "fsdp_comm": fsdp,
         "grad_allreduce": dp + stage_ar + expert_ar,
+        "param_gather": param_gather,
         "stage_comm": 2 * f["stage_comm"],  # activations forward, their gradients backward
         "optimizer": opt_bytes / c.mem_bw + hw.kernel_latency * OPS_PER_LAYER,
         "overhead": passes * f["overhead"],
@@ -456,7 +461,7 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     parts = {k: v * steps for k, v in per_step.items()}
     comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
                     + ring_passes * f["context_bytes"] + tp_passes * f["trade_bytes"] + tp_passes * f["expert_bytes"]
-                    + (2 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
+                    + (3 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0)
                     + (2 * (lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)

@@ -10,6 +10,7 @@ from flax import nnx
 from jaxrlhf.models.config import preset
 from jaxrlhf.models.transformer import build_model, positions_from_mask
 from jaxrlhf.placement.calls import CallCache
+from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 from jaxrlhf.planner.presets import STRATEGIES, build_plan
 from jaxrlhf.testing.graphs import ppo_graph
 
@@ -51,7 +52,7 @@ def make_train_step(graphdef):
     return train_step
 
 
-def run_step(plan, call, actor):
+def run_step(plan, call, actor, out=None):
     graphdef, host, tokens, mask = actor
     cache = CallCache(plan)
     placed = cache.placed(call)
@@ -63,9 +64,11 @@ def run_step(plan, call, actor):
         call, make_train_step(graphdef),
         in_shardings=(ps, os, bs, bs), out_shardings=(ps, os, placed.replicated()), donate_argnums=(0, 1),
     )
-    new_params, _, loss = step(params, opt_state, jax.device_put(tokens, bs), jax.device_put(mask, bs))
+    new_params, new_opt_state, loss = step(params, opt_state, jax.device_put(tokens, bs), jax.device_put(mask, bs))
     leaves = jax.tree_util.tree_leaves(new_params)
     assert all(x.sharding.mesh == placed.mesh for x in leaves)
+    if out is not None:
+        out.update(params=new_params, opt_state=new_opt_state, placed=placed)
     return [np.asarray(x) for x in leaves], float(loss)
 
 
@@ -88,6 +91,28 @@ def test_train_step_under_each_preset_matches_colocated(strategy, call, actor, c
     assert any(not np.allclose(a, b) for a, b in zip(want, before))  # the step changed something
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_optimizer_state_split_over_data_replicas_gives_the_colocated_step(actor, colocated_result):
+    """ZeRO-1: on data x fsdp x tensor each device holds 1/data of the Adam moments its parameter shard
+    mirrors, and the step (update on slices, parameters all-gathered) is the colocated one."""
+    plan = ExecutionPlan("zero1", 8, {"all": DeviceGroup("all", 0, 8)},
+                         {c: Placement("all", Layout(data=4, tensor=2)) for c in PPO_GRAPH.names})
+    out = {}
+    got, loss = run_step(plan, "actor.train", actor, out)
+    want, want_loss = colocated_result
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+    params = jax.tree_util.tree_leaves(out["params"])
+    mu = jax.tree_util.tree_leaves(out["opt_state"][0].mu)
+    split = 0
+    for p, m in zip(params, mu):
+        assert "data" not in str(p.sharding.spec)  # parameters stay replicated over data
+        shard = lambda x: x.addressable_shards[0].data.size  # noqa: E731
+        split += shard(m) * 4 == shard(p)
+    assert split >= len(params) - 1  # every moment but an odd-sized one holds a quarter of its parameter shard
 
 
 def test_compiled_once_per_shape_bucket_and_dispatched_without_host_sync():

@@ -31,6 +31,21 @@ def test_make_mesh_axes_and_device_order(devices):
         layout.make_mesh(DeviceGroup("g", 0, 4), Layout(fsdp=8))
 
 
+def test_optimizer_state_split_over_data_on_its_largest_dividing_dimension():
+    """ZeRO-1: optimizer state mirrors its parameter's spec and adds the data axis where it divides."""
+    lay = Layout(data=4, fsdp=2, tensor=2)
+    # [embed, heads] kernel P("fsdp", "tensor") of (64, 8): 32 x 4 per shard, data goes on embed
+    assert layout.optimizer_spec(P("fsdp", "tensor"), (64, 8), lay) == P(("fsdp", "data"), "tensor")
+    # the largest dimension per shard wins, even when another comes first
+    assert layout.optimizer_spec(P(), (4, 64), lay) == P(None, "data")
+    # a vector, and one no dimension of which data divides (stays as its parameter is)
+    assert layout.optimizer_spec(P(), (64,), lay) == P("data")
+    assert layout.optimizer_spec(P("fsdp"), (6, 3), lay) == P("fsdp")
+    # no data axis, or a scalar: unchanged
+    assert layout.optimizer_spec(P("fsdp"), (64,), Layout(fsdp=8)) == P("fsdp")
+    assert layout.optimizer_spec(P(), (), lay) == P()
+
+
 def test_logical_to_spec_rules():
     rules = layout.DEFAULT_RULES
     lay = Layout(data=2, fsdp=2, tensor=2)

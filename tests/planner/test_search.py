@@ -127,15 +127,15 @@ def test_narrowing_keeps_the_best_of_each_basin_before_a_second_of_any(monkeypat
     assert not hit and finalists == [pool[0], apart]
 
 
-def _annealer_on_64_h100(sizes: dict[str, str]) -> search_module._Annealer:
-    """The search's annealer for PPO with LLaMA-2 models of `sizes` on 64 H100s, batch as in bench_planner.py.
-    The landscapes below (a local optimum, a bottom no kick beats) were found on the h100 profile's
+def _annealer_on_h100(sizes: dict[str, str], n: int = 64) -> search_module._Annealer:
+    """The search's annealer for PPO with LLaMA-2 models of `sizes` on `n` H100s, batch as in bench_planner.py.
+    The landscapes below (a local optimum, a bottom only a kick leaves) were found on the h100 profile's
     efficiencies before their calibration on the H200 (scripts/calibrate_gpu_profiles.py): they test the
     search's moves, so they keep those numbers."""
     models = {role: preset(f"llama2-{size}") for role, size in sizes.items()}
     wl = Workload.from_tokens(2**17, 128, 128, micro_batch=16)
     hw = dataclasses.replace(H100, matmul_efficiency=0.6, memory_efficiency=0.8)
-    space = SearchSpace.build(ppo_graph(), models, wl, 64, hw)
+    space = SearchSpace.build(ppo_graph(), models, wl, n, hw)
     return search_module._Annealer(space, models, wl, hw, steps=3, allow_offpolicy=False)
 
 
@@ -145,13 +145,14 @@ def _lay(data: int, tensor: int, stage: int) -> Layout:
 
 @pytest.mark.slow
 def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
-    """Scaled critic, 70B critic and reward with 7B actor and reference on 64 H100s: every call on all
-    devices is a local optimum for single-call moves, but reward and critic inference on the two
-    halves at once (the critic keeping a shadow copy there) are faster. The polish finds it."""
-    ann = _annealer_on_64_h100({"actor": "7b", "ref": "7b", "critic": "70b", "reward": "70b"})
-    together = State((("actor.generate", (0, 64, _lay(8, 8, 1))), ("reward.inference", (0, 64, _lay(8, 1, 8))),
-                      ("ref.inference", (0, 64, _lay(16, 1, 4))), ("critic.inference", (0, 64, _lay(2, 4, 8))),
-                      ("actor.train", (0, 64, _lay(4, 2, 8))), ("critic.train", (0, 64, _lay(2, 4, 8)))))
+    """Scaled critic, 34B critic and reward with 7B actor and reference on 32 H100s: every call on all
+    devices (each at the layout single-call moves settle on) is a local optimum for single-call moves,
+    but reward and critic inference on the two halves at once (the critic keeping a shadow copy there)
+    are faster. The polish finds it. (The gain is small, 6.420 -> 6.419 s: the test is about reaching it.)"""
+    ann = _annealer_on_h100({"actor": "7b", "ref": "7b", "critic": "34b", "reward": "34b"}, n=32)
+    together = State((("actor.generate", (0, 32, _lay(4, 8, 1))), ("reward.inference", (0, 32, _lay(16, 1, 2))),
+                      ("ref.inference", (0, 32, _lay(8, 1, 4))), ("critic.inference", (0, 32, _lay(4, 2, 4))),
+                      ("actor.train", (0, 32, _lay(4, 2, 4))), ("critic.train", (0, 32, _lay(4, 2, 4)))))
     e_together = ann.energy(together)[0]
     assert e_together < 1e6  # fits
     for call, _ in together.slots:
@@ -160,32 +161,32 @@ def test_side_by_side_reaches_a_split_no_single_call_move_reaches():
     assert ("reward.inference", "critic.inference") in ann.independent
     assert ("actor.generate", "critic.inference") not in ann.independent  # critic.inference reads the samples
     polished, hit = ann.polish(together)
-    assert not hit and ann.energy(polished)[0] < e_together * 0.99
+    assert not hit and ann.energy(polished)[0] < e_together * (1 - 1e-6)
     halves = {polished.get(c)[:2] for c in ("reward.inference", "critic.inference")}
-    assert halves == {(0, 32), (32, 32)} and "critic" in polished.shadow
+    assert halves == {(0, 16), (16, 16)} and "critic" in polished.shadow
 
 
 @pytest.mark.slow
-def test_a_kick_keeps_a_bottom_no_kick_beats():
-    """Four 70B models on 64 H100s: generation on all devices without shadow copies is a bottom for the
-    polish (every single-call and compound move is slower). The kicks (a critic shadow copy with one
-    critic call moved, then a sweep) land in the critic-shadow family, which a 3-step average made
-    look 5 % faster; in steady state it is slower (15.0 s vs 14.6 s), so the kick keeps the bottom."""
-    ann = _annealer_on_64_h100({"actor": "70b", "ref": "70b", "critic": "70b", "reward": "70b"})
+def test_a_kick_leaves_a_bottom_the_polish_cannot_and_stops_at_one_no_kick_beats():
+    """Four 70B models on 64 H100s: generation on all devices, the trained roles' calls on halves, without
+    shadow copies, is a bottom for the polish (every single-call and compound move is slower), and no shadow
+    move alone helps. A kick (a critic shadow copy with one critic call moved, then a sweep) reaches the
+    critic-shadow family 11 % faster (12.8 s vs 14.4 s); from there no kick helps, and the bottom is kept."""
+    ann = _annealer_on_h100({"actor": "70b", "ref": "70b", "critic": "70b", "reward": "70b"})
     bottom = State((("actor.generate", (0, 64, _lay(8, 8, 1))), ("reward.inference", (32, 32, _lay(4, 1, 8))),
                     ("ref.inference", (0, 32, _lay(4, 1, 8))), ("critic.inference", (0, 64, _lay(2, 2, 16))),
-                    ("actor.train", (32, 32, _lay(1, 8, 4))), ("critic.train", (0, 32, _lay(1, 8, 4)))))
+                    ("actor.train", (32, 32, _lay(2, 8, 2))), ("critic.train", (0, 32, _lay(2, 8, 2)))))
     e_bottom = ann.energy(bottom)[0]
     assert e_bottom < 1e6  # fits
     polished, hit = ann.polish(bottom)
-    assert not hit and ann.energy(polished)[0] == e_bottom
+    assert not hit and polished == bottom
     kicks = sorted(dict.fromkeys(ann.shadow_moves(bottom)), key=lambda k: ann.energy(k)[0])
     assert ann.energy(kicks[0])[0] > e_bottom  # no move alone helps
-    landed = [ann.polish(k, passes=1)[0] for k in kicks[:search_module.KICKS]]
-    best = min(landed, key=lambda st: ann.energy(st)[0])
-    assert best.shadow == {"critic"} and e_bottom < ann.energy(best)[0] < e_bottom * 1.05
     kicked, hit = ann.kicked(bottom)
-    assert not hit and kicked == bottom
+    assert not hit and kicked.shadow == {"critic"} and ann.energy(kicked)[0] < e_bottom * 0.95
+    again, hit = ann.kicked(kicked)
+    assert not hit and again == kicked
+
 
 def _async_annealer(staleness: int):
     """The small instance with long-tailed response lengths (median 8 of 128 tokens, sigma 1.5), the
