@@ -349,7 +349,10 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
     like DeepSpeed-Chat's hybrid engine). Roles start at the cheapest rung of their ladder; while
     the plan does not fit `hardware`'s memory (each call split into the micro-batches
     `simulator.plan_fit` gives it), the role with the most bytes on the fullest device
-    climbs one rung. Without `workload` and `hardware` the cheapest rungs are taken as they are.
+    climbs one rung; then each role tries every rung of its ladder, keeping what is faster and fits
+    (a Megatron user tunes the pipeline depth: with ZeRO-1's optimizer split a 70B model fits without
+    stages, which is not always fastest). Without `workload` and `hardware` the cheapest rungs are
+    taken as they are.
     """
     # memory imports the cost model; imported here so the other presets stay light
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
@@ -387,7 +390,7 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
     while True:
         mem = plan_fit(plan, graph, models, workload, hardware)[1]
         if mem.feasible:
-            return plan
+            return _tuned(make, [(rung, r, len(ladders[r])) for r in graph.roles], graph, models, workload, hardware)
         climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
         if not climbable:
             raise PlanError(f"heuristic: does not fit even with the most memory-saving layouts ({mem.reason})")
@@ -454,7 +457,7 @@ def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=N
     layouts, keeping what the cost model says is faster and still fits. Without them: the first rungs
     and the widest rollout tensor size inside a node."""
     from jaxrlhf.planner.memory import optimizer_per_device, params_per_device
-    from jaxrlhf.planner.simulator import estimate_plan, plan_fit
+    from jaxrlhf.planner.simulator import plan_fit
 
     dph = devices_per_host or (hardware.devices_per_host if hardware else n)
     group = DeviceGroup("all", 0, n)
@@ -499,12 +502,23 @@ def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=N
         if not climbable:
             raise PlanError(f"verl: does not fit even with the most memory-saving layouts ({mem.reason})")
         rung[max(climbable, key=resident)] += 1
+    return _tuned(make, [*((rung, r, len(ladders[r])) for r in graph.roles),
+                         *((tp, c, len(rollouts[c])) for c in rollouts)], graph, models, workload, hardware)
+
+
+def _tuned(make: Callable[[], ExecutionPlan], choices: list[tuple[dict, str, int]], graph: CallGraph,
+           models: Mapping[str, ModelConfig], workload: "Workload", hardware: "HardwareProfile") -> ExecutionPlan:
+    """A fitting preset tuned as a practitioner would: one pass over `choices` (a dict of chosen indices, the
+    key, how many options), each tried at every option with the others held, keeping what the cost model
+    says is faster and still fits."""
+    from jaxrlhf.planner.simulator import estimate_plan
+
     best = estimate_plan(make(), graph, models, workload, hardware).step_s
-    for knob, options in [*((rung, (r, len(ladders[r]))) for r in graph.roles),
-                          *((tp, (c, len(rollouts[c]))) for c in rollouts)]:
-        key, count = options
+    for knob, key, count in choices:
         chosen = knob[key]
         for i in range(count):
+            if i == chosen:
+                continue
             knob[key] = i
             est = estimate_plan(make(), graph, models, workload, hardware)
             if est.feasible and est.step_s < best:
