@@ -511,16 +511,18 @@ def _tuned(make: Callable[[], ExecutionPlan], choices: list[tuple[dict, str, int
     """A fitting preset tuned as a practitioner would: one pass over `choices` (a dict of chosen indices, the
     key, how many options), each tried at every option with the others held, keeping what the cost model
     says is faster and still fits."""
+    from jaxrlhf.planner.cost import CostCache
     from jaxrlhf.planner.simulator import estimate_plan
 
-    best = estimate_plan(make(), graph, models, workload, hardware).step_s
+    cache = CostCache(models, workload, hardware)  # most calls keep their placement from one try to the next
+    best = estimate_plan(make(), graph, models, workload, hardware, cache=cache).step_s
     for knob, key, count in choices:
         chosen = knob[key]
         for i in range(count):
             if i == chosen:
                 continue
             knob[key] = i
-            est = estimate_plan(make(), graph, models, workload, hardware)
+            est = estimate_plan(make(), graph, models, workload, hardware, cache=cache)
             if est.feasible and est.step_s < best:
                 best, chosen = est.step_s, i
         knob[key] = chosen
