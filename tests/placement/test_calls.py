@@ -115,6 +115,27 @@ def test_optimizer_state_split_over_data_replicas_gives_the_colocated_step(actor
     assert split >= len(params) - 1  # every moment but an odd-sized one holds a quarter of its parameter shard
 
 
+@pytest.mark.slow
+def test_a_train_call_left_to_the_compiler_returns_its_state_laid_out_as_it_came(actor):
+    """The executor's train calls give no shardings (they follow the committed arguments): the new parameters
+    come out as they went in, not pulled into the ZeRO-1 split of the optimizer state they were updated from."""
+    graphdef, host, tokens, mask = actor
+    plan = ExecutionPlan("zero1", 8, {"all": DeviceGroup("all", 0, 8)},
+                         {c: Placement("all", Layout(data=4, tensor=2)) for c in PPO_GRAPH.names})
+    cache = CallCache(plan)
+    placed = cache.placed("actor.train")
+    params = jax.device_put(host, placed.param_shardings(host))
+    opt_state = jax.jit(OPT.init, out_shardings=placed.opt_state_shardings(OPT, host))(params)
+    want = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
+    step = cache.function("actor.train", make_train_step(graphdef), in_shardings=None, out_shardings=None,
+                          donate_argnums=(0, 1), kind="train")
+    bs = placed.batch_sharding(2)
+    new_params, new_opt_state, _ = step(params, opt_state, jax.device_put(tokens, bs), jax.device_put(mask, bs))
+    got = jax.tree_util.tree_map(lambda x: x.sharding, (new_params, new_opt_state))
+    assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(want)
+    assert any("data" in str(s.spec) for s in jax.tree_util.tree_leaves(got[1]))
+
+
 def test_compiled_once_per_shape_bucket_and_dispatched_without_host_sync():
     plan = build_plan("interleaved", 8, TINY, PPO_GRAPH, batch_size=BATCH)
     cache = CallCache(plan)
