@@ -210,30 +210,31 @@ def param_shardings(tree: Any, mesh: Mesh, rules: AxisRules | None = None, memor
     )
 
 
-OPTIMIZER_AXIS = "data"  # the mesh axis optimizer state is split over beyond its parameter's sharding (ZeRO-1)
+OPTIMIZER_AXES = ("data", EXPERT_AXIS)  # the data-parallel axes optimizer state is split over (ZeRO-1)
 
 
 def optimizer_spec(spec: PartitionSpec, shape: Sequence[int], mesh_or_layout: Mesh | Layout) -> PartitionSpec:
-    """`spec` of a parameter, further split over the data axis for optimizer state that mirrors it (ZeRO-1).
+    """`spec` of a parameter, further split for optimizer state that mirrors it over the data-parallel axes its
+    parameter is replicated over: data, and expert for weights outside the experts (ZeRO-1).
 
-    Data-parallel replicas hold the same parameters and, after the gradient all-reduce, compute the same
-    update; each keeps only its 1/data of the moments (and fp32 master) and updates that slice, and the
-    compiler all-gathers the new parameters. The split goes on the dimension with the most elements per
-    shard that data divides; an array no dimension of which it divides stays as its parameter is.
+    Replicas that split the batch hold the same parameters and, after the gradient all-reduce, compute the
+    same update; each keeps only its slice of the moments (and fp32 master) and updates that, and the
+    compiler all-gathers the new parameters. Each axis goes on the dimension with the most elements per
+    shard that it divides; where it divides none, the state stays as its parameter is along that axis.
     """
-    ways = _axis_sizes(mesh_or_layout).get(OPTIMIZER_AXIS, 1)
-    if ways == 1 or not shape:
-        return spec
     sizes = _axis_sizes(mesh_or_layout)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     names = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
-    per_shard = [dim // math.prod(sizes[a] for a in n) for dim, n in zip(shape, names)]
-    fits = [i for i, n in enumerate(per_shard) if n % ways == 0 and OPTIMIZER_AXIS not in names[i]]
-    if not fits:
-        return spec
-    best = max(fits, key=lambda i: per_shard[i])
-    chosen = names[best] + (OPTIMIZER_AXIS,)
-    entries[best] = chosen[0] if len(chosen) == 1 else chosen
+    for axis in OPTIMIZER_AXES:
+        ways = sizes.get(axis, 1)
+        if ways == 1 or any(axis in n for n in names):
+            continue
+        per_shard = [dim // math.prod(sizes[a] for a in n) for dim, n in zip(shape, names)]
+        fits = [i for i, n in enumerate(per_shard) if n % ways == 0]
+        if fits:
+            best = max(fits, key=lambda i: per_shard[i])
+            names[best] = names[best] + (axis,)
+    entries = [None if not n else n[0] if len(n) == 1 else n for n in names]
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)

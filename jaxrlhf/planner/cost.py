@@ -13,7 +13,8 @@ the layout's collectives and a per-kernel dispatch cost:
   minibatch of every PPO epoch, the AdamW update, FSDP all-gathers /
   reduce-scatters per micro-batch and the data-parallel gradient all-reduce
   per optimizer step; each data replica updates its 1/data of the optimizer
-  state (ZeRO-1) and the new parameters are all-gathered over data.
+  state (ZeRO-1; the weights outside a mixture's experts split over the
+  expert axis too) and the new parameters are all-gathered back.
 - pipelines (layout.stage = S > 1, train and inference only): each stage
   holds num_layers / S consecutive layers (embedding and heads on every
   stage); a GPipe schedule over the call's M micro-batches runs M + S - 1
@@ -82,11 +83,11 @@ from jaxrlhf.planner.sizes import (
     kv_bytes_per_token,
     layer_param_count,
     optimizer_bytes_per_param,
+    optimizer_shard_count,
     param_count,
     shard_bytes,
     trained_dtype,
     trained_shard_bytes,
-    trained_shard_count,
 )
 from jaxrlhf.planner.workload import Workload
 
@@ -439,10 +440,11 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     expert_ar = _ring_allreduce(outside, lay.expert, c.bw["expert"], hw)
     # ZeRO-1: each data replica updates its 1/data of the optimizer state, then the new parameters are
     # all-gathered over data (`placement.layout.optimizer_spec`)
-    n_params_dev = trained_shard_count(cfg, c.head, lay) / lay.data
+    n_params_dev = optimizer_shard_count(cfg, c.head, lay)
     tb = DTYPE_BYTES[trained_dtype(cfg)]
     opt_bytes = n_params_dev * (3 * tb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
-    param_gather = _ring_gather(grad_shard, lay.data, c.bw["data"], hw)
+    param_gather = (_ring_gather(grad_shard, lay.data, c.bw["data"], hw)
+                    + _ring_gather(outside, lay.expert, c.bw["expert"], hw))  # weights outside the experts
     per_step = {
         "compute": passes * f["compute"],
         "tensor_comm": tp_passes * f["tensor_comm"],
@@ -462,6 +464,7 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     comm = steps * (tp_passes * f["tp_bytes"] + 3 * f["fsdp_bytes"] + 2 * f["stage_bytes"]
                     + ring_passes * f["context_bytes"] + tp_passes * f["trade_bytes"] + tp_passes * f["expert_bytes"]
                     + (3 * (lay.data - 1) / lay.data * grad_shard if lay.data > 1 else 0.0)
+                    + ((lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0)
                     + (2 * (lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0))
     return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)

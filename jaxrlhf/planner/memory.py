@@ -32,9 +32,9 @@ from jaxrlhf.planner.sizes import (
     matmul_params,
     mlp_width,
     optimizer_bytes_per_param,
+    optimizer_shard_count,
     shard_bytes,
-    trained_shard_bytes,
-    trained_shard_count,
+    trained_dtype,
 )
 from jaxrlhf.planner.workload import Workload
 
@@ -155,9 +155,9 @@ def params_per_device(cfg: ModelConfig, head: str, layout: Layout) -> float:
 
 def optimizer_per_device(cfg: ModelConfig, head: str, layout: Layout, wl: Workload, role: str | None = None) -> float:
     """AdamW state of what the role trains (under LoRA: the adapters only), its parameter shard's split
-    further over the data axis (ZeRO-1, `placement.layout.optimizer_spec`; an array no dimension of which
-    data divides stays whole there, a norm scale of an odd width: under 0.1 % of a model)."""
-    return trained_shard_count(cfg, head, layout) * optimizer_bytes_per_param(cfg, wl, role) / layout.data
+    further over the data-parallel axes (ZeRO-1, `sizes.optimizer_shard_count`; an array no dimension of
+    which they divide stays whole there, a norm scale of an odd width: under 0.1 % of a model)."""
+    return optimizer_shard_count(cfg, head, layout) * optimizer_bytes_per_param(cfg, wl, role)
 
 
 def _logit_tokens(call: CallSpec, tokens: float, wl: Workload) -> float:
@@ -266,11 +266,11 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     else:
         saved = kept * layer
     act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off + ring
-    # under LoRA: the adapters' gradients only. Split over data like the optimizer state they feed (ZeRO-1):
+    # under LoRA: the adapters' gradients only. Split like the optimizer state they feed (ZeRO-1):
     # the compiler carries that split back into the backward, each layer's summed gradient sliced as it is
     # made, and into the accumulator (XLA's temporaries for llama3.2-1b's train call on 8 devices at data 8,
     # data 4 x fsdp 2, data 2 x fsdp 4, data 2 x tensor 4 were 0.96-1.06x this count; scripts/check_memory_model.py)
-    grads = trained_shard_bytes(cfg, head, layout) / layout.data
+    grads = optimizer_shard_count(cfg, head, layout) * DTYPE_BYTES[trained_dtype(cfg)]
     # the gathered head and its gradient at full size, before the gradient is reduce-scattered
     out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
     if layout.expert > 1:
@@ -279,7 +279,7 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         out["ring_masks"] = layout.context * tok * keys * RING_MASK_BYTES
     if micro > 1 and staged_micro == 1:
         # the fp32 accumulated gradient beside each micro-batch's own (a staged call has one backward)
-        out["gradient_accumulator"] = trained_shard_count(cfg, head, layout) * 4 / layout.data
+        out["gradient_accumulator"] = optimizer_shard_count(cfg, head, layout) * 4
     # After the backward (its activations freed) the optimizer computes its update beside the gradients: one
     # more gradient-sized buffer, which sets the peak where the gradients outweigh the backward's working
     # set (large models, few tokens per device: XLA's temporaries for Qwen3-30B-A3B's train call on 8

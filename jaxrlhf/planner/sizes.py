@@ -114,6 +114,16 @@ def trained_shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
     return (lora_param_count(cfg) / layout.stage + heads) / (layout.fsdp * layout.tensor)
 
 
+def optimizer_shard_count(cfg: ModelConfig, head: str, layout: Layout) -> float:
+    """Trained parameters whose optimizer state (and gradients) one device holds: its trained shard split over
+    data, and the part outside the experts, replicated over the expert axis, over expert too (ZeRO-1,
+    `placement.layout.optimizer_spec`; LoRA adapters lie outside the experts)."""
+    trained = trained_shard_count(cfg, head, layout)
+    experts = 0.0 if cfg.lora is not None else \
+        (expert_param_count(cfg) / layout.stage - expert_split_count(cfg, layout)) / (layout.fsdp * layout.tensor)
+    return experts / layout.data + (trained - experts) / (layout.data * layout.expert)
+
+
 def shard_bytes(cfg: ModelConfig, head: str, layout: Layout) -> float:
     """A device's parameter bytes: its shard of the base, plus its adapters (their own dtype) under LoRA."""
     adapters = lora_param_count(cfg) * DTYPE_BYTES[trained_dtype(cfg)] / (layout.stage * layout.fsdp * layout.tensor)

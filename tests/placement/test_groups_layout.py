@@ -32,7 +32,7 @@ def test_make_mesh_axes_and_device_order(devices):
 
 
 def test_optimizer_state_split_over_data_on_its_largest_dividing_dimension():
-    """ZeRO-1: optimizer state mirrors its parameter's spec and adds the data axis where it divides."""
+    """ZeRO-1: optimizer state mirrors its parameter's spec and adds the data-parallel axes where they divide."""
     lay = Layout(data=4, fsdp=2, tensor=2)
     # [embed, heads] kernel P("fsdp", "tensor") of (64, 8): 32 x 4 per shard, data goes on embed
     assert layout.optimizer_spec(P("fsdp", "tensor"), (64, 8), lay) == P(("fsdp", "data"), "tensor")
@@ -44,6 +44,11 @@ def test_optimizer_state_split_over_data_on_its_largest_dividing_dimension():
     # no data axis, or a scalar: unchanged
     assert layout.optimizer_spec(P("fsdp"), (64,), Layout(fsdp=8)) == P("fsdp")
     assert layout.optimizer_spec(P(), (), lay) == P()
+    # under expert parallelism the weights outside the experts split over expert too; the experts' own
+    # state (already split over expert) only over data
+    moe = Layout(data=2, expert=4)
+    assert layout.optimizer_spec(P(), (64, 32), moe) == P(("data", "expert"))
+    assert layout.optimizer_spec(P(None, "expert"), (16, 8, 32), moe) == P(None, "expert", "data")
 
 
 def test_logical_to_spec_rules():

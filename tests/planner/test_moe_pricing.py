@@ -96,6 +96,21 @@ def test_the_expert_axis_divides_the_experts_memory_and_prices_its_token_gathers
     assert train.parts["expert_comm"] == approx(3 * cost.parts["expert_comm"])
 
 
+def test_optimizer_state_splits_over_data_and_outside_the_experts_over_expert_too():
+    """ZeRO-1 as `placement.layout.optimizer_spec` lays it out: the experts' state (already split over
+    expert) over data, the weights outside the experts (replicated over expert) over data x expert."""
+    from jaxrlhf.planner.sizes import expert_param_count, optimizer_shard_count, shard_count
+
+    moe = preset("qwen3-30b-a3b")
+    experts, whole = expert_param_count(moe), shard_count(moe, "lm", Layout())
+    outside = whole - experts
+    assert optimizer_shard_count(moe, "lm", Layout(data=2, expert=4)) == approx(experts / 4 / 2 + outside / 8)
+    assert optimizer_shard_count(moe, "lm", Layout(expert=8)) == approx(whole / 8)
+    assert optimizer_shard_count(moe, "lm", Layout(data=4, tensor=2)) == approx(whole / 8)
+    dense = preset("llama3-8b")
+    assert optimizer_shard_count(dense, "lm", Layout(data=4, fsdp=2)) == approx(shard_count(dense, "lm", Layout()) / 8)
+
+
 def test_the_search_considers_expert_degrees_for_a_mixture_of_experts_only():
     from jaxrlhf.graph import CallSpec
     from jaxrlhf.planner.search import valid_layouts
