@@ -54,8 +54,8 @@ class Placed:
         return param_shardings(tree, self.mesh, self.rules)
 
     def opt_state_shardings(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
-        """Optimizer state laid out like the parameters it mirrors and split further over the data axis
-        (ZeRO-1, `layout.optimizer_spec`); counters replicated. An optimizer over part of the parameters
+        """Optimizer state laid out like the parameters it mirrors and split further over the data-parallel
+        axes (ZeRO-1, `layout.optimizer_spec`); counters replicated. An optimizer over part of the parameters
         (LoRA, `PartialOptimizer`) says which part with `trainable_params`."""
         params = getattr(optimizer, "trainable_params", lambda p: p)(params)
         shapes = jax.eval_shape(optimizer.init, params)
@@ -122,8 +122,8 @@ class PlacedFunction:
 
     A train call, fn(params, opt_state, inputs) -> (params, opt_state, outputs), with `out_shardings`
     None, returns its parameters and optimizer state laid out as they came in. Left to the compiler,
-    the new parameters would follow the ZeRO-1 optimizer state into its split over data (`Placed.
-    opt_state_shardings`) and every later call would gather them.
+    the new parameters would follow the ZeRO-1 optimizer state into its split over the data-parallel
+    axes (`Placed.opt_state_shardings`) and every later call would gather them.
     """
 
     def __init__(

@@ -438,8 +438,8 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     # Expert parallelism splits the batch: the weights outside the experts are summed over the expert axis too.
     outside = grad_shard if cfg.lora else (param_count(cfg, c.head) - expert_param_count(cfg)) * pb / c.shards
     expert_ar = _ring_allreduce(outside, lay.expert, c.bw["expert"], hw)
-    # ZeRO-1: each data replica updates its 1/data of the optimizer state, then the new parameters are
-    # all-gathered over data (`placement.layout.optimizer_spec`)
+    # ZeRO-1: each data replica updates its 1/data of the optimizer state (the weights outside the experts'
+    # 1/(data x expert)), then the new parameters are all-gathered back (`placement.layout.optimizer_spec`)
     n_params_dev = optimizer_shard_count(cfg, c.head, lay)
     tb = DTYPE_BYTES[trained_dtype(cfg)]
     opt_bytes = n_params_dev * (3 * tb + 2 * optimizer_bytes_per_param(cfg, wl, call.role))
