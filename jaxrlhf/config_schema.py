@@ -202,6 +202,9 @@ class PlanConfig:
     axis_rules: dict[str, Any] | None = None  # logical axis -> mesh axis (or list, or null)
     # frozen roles kept in host memory between their calls; null = what the memory model needs to fit
     offload: tuple[Literal["actor", "critic", "ref", "reward"], ...] | None = None
+    # trained roles whose optimizer state waits in host memory between train calls (two host copies of it per
+    # step); null = what the memory model needs to fit
+    offload_optimizer: tuple[Literal["actor", "critic", "reward"], ...] | None = None
     # with strategy=auto: every K steps feed the run's own call times into the cost model, search again and
     # switch to another plan live when it is predicted faster by more than replan_threshold; 0 = never
     replan_every: Int = _field(0, check=non_negative)

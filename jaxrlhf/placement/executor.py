@@ -4,7 +4,9 @@ For every model call it asks the plan where the call runs, brings the role's
 parameters there (no move when the call runs where they live; the persistent
 shadow copy for roles the plan shadows; otherwise a reallocation whose copy
 is dropped after the call; for a role the plan offloads, a device copy of
-its host-resident parameters), moves the call's inputs to that placement,
+its host-resident parameters; for a role whose optimizer state the plan
+offloads, that state comes to device for the train call and goes back to
+host memory after it), moves the call's inputs to that placement,
 dispatches the function compiled for it and times it. Host steps run in
 between on the values they name. Which function a call or host step runs is
 the algorithm's business (`functions`, `host_steps`); the executor knows
@@ -234,13 +236,37 @@ class Executor:
         return self.move(inputs, jax.tree_util.tree_map(target, inputs), call=call, params=False)
 
     def offload_idle(self) -> None:
-        """Keep the roles the plan offloads in host memory (they come back for each of their calls).
+        """Keep the roles the plan offloads in host memory (they come back for each of their calls), and
+        the optimizer state of the roles in `plan.offload_optimizer` (it comes back for each train call).
 
-        Call again after replacing their parameters (a checkpoint restore)."""
+        Call again after replacing their parameters or optimizer state (a checkpoint restore)."""
         for name in self.plan.offload_roles:
             role = self.roles.get(name)
             if role is not None and role.base_of is None and not is_offloaded(role.params):
                 role.params = offload(role.params)
+        for name in self.plan.offload_optimizer:
+            role = self.roles.get(name)
+            if role is not None and role.trainable and not is_offloaded(role.opt_state):
+                role.opt_state = offload(role.opt_state)
+
+    def opt_state_for(self, role: Role, call: str) -> Any:
+        """The role's optimizer state on device for its train call `call`: a host -> device copy where the
+        plan keeps it in host memory (the host copy is dropped: the call writes a new state)."""
+        if not is_offloaded(role.opt_state):
+            return role.opt_state
+        state = reload(role.opt_state, free_source=False)
+        self._ops.append(self.timeline.device("move", call, state, device_ids(state), what="opt_reload",
+                                              nbytes=tree_bytes(state)))
+        return state
+
+    def park_opt_state(self, role: Role, call: str) -> None:
+        """Send the optimizer state a train call just wrote back to host memory (`plan.offload_optimizer`).
+        Dispatched, not waited for: the device copy is freed once the copy is done."""
+        if role.name not in self.plan.offload_optimizer:
+            return
+        role.opt_state = offload(role.opt_state, free_source=False)
+        self._ops.append(self.timeline.device("move", call, role.opt_state, device_ids(role.opt_state),
+                                              what="opt_offload", nbytes=tree_bytes(role.opt_state)))
 
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
         """The role's parameters on `call`'s placement, and whether that copy is temporary (it is freed
@@ -318,8 +344,8 @@ class Executor:
         """An executor for `plan` (with `cache` compiled for it) that owns this one's roles and carried
         state, resharded device to device onto the new plan: each role's parameters and optimizer state
         to its new home placement, carried values to where their first reader runs. Shadow copies are
-        dropped (the new plan makes its own where it needs them) and offloaded roles come back to
-        device first (the new executor offloads what its plan offloads). Values are moved, never
+        dropped (the new plan makes its own where it needs them) and offloaded roles and optimizer
+        states come back to device first (the new executor offloads what its plan offloads). Values are moved, never
         recomputed, so the run's math does not change: the live switch of a re-plan. Call it between
         steps; this executor must not be used afterwards."""
         if self._pending:
@@ -334,6 +360,8 @@ class Executor:
             placed = cache.placed(plan.home_call(name))
             if is_offloaded(role.params):
                 role.params = reload(role.params)
+            if role.trainable and is_offloaded(role.opt_state):
+                role.opt_state = reload(role.opt_state)
             role.params, _ = move_where_needed(role.params, placed.param_shardings(role.params), free_source=True)
             if role.trainable:
                 target = placed.opt_state_shardings(role.optimizer, role.params)
@@ -355,7 +383,7 @@ class Executor:
         fn = self.function(spec.name)
         devices = frozenset(d.id for d in self.placed(spec.name).mesh.devices.flat)
         self._serialise(devices)
-        call_args = (params, role.opt_state, args) if spec.kind == "train" else (params, args)
+        call_args = (params, self.opt_state_for(role, spec.name), args) if spec.kind == "train" else (params, args)
         with jax.profiler.TraceAnnotation(spec.name):
             program = fn.compiled(*call_args)  # compiled on first use: compiling is not the call's time
             dispatched = time.perf_counter()  # XLA:GPU's launch runs the program's while loops (timeline.py)
@@ -363,6 +391,7 @@ class Executor:
         if spec.kind == "train":
             role.params, role.opt_state, out = result
             done = (role.params, out)
+            self.park_opt_state(role, spec.name)
         else:
             out = done = result
         self._ops.append(self.timeline.device("compute", spec.name, done, devices, dispatched=dispatched))

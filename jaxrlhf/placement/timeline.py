@@ -51,7 +51,7 @@ class Op:
     dispatched: float
     done: float | None = None
     start: float | None = None  # derived for device work (see the module docstring); measured for host work
-    what: str = ""  # for moves: "params" or "batch"
+    what: str = ""  # for moves: "params", "batch", "reload", "opt_reload" or "opt_offload"
     nbytes: int = 0
     finished: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -155,7 +155,7 @@ class StepTimes:
     seconds: float
     split: dict[str, float]  # compute, move, host, other
     calls: dict[str, dict[str, float]]  # call -> run, wait, move
-    moves: dict[str, float]  # "params" / "batch" / "reload" -> seconds moves of that kind ran (may overlap compute)
+    moves: dict[str, float]  # "params" / "batch" / "reload" / "opt_reload" / "opt_offload" -> seconds moves of that kind ran (may overlap compute)
 
     def metrics(self) -> dict[str, float]:
         out = {"time/step_s": self.seconds}
@@ -167,6 +167,7 @@ class StepTimes:
         out["time/realloc_s"] = self.moves.get("params", 0.0)
         out["time/transfer_s"] = self.moves.get("batch", 0.0)
         out["time/reload_s"] = self.moves.get("reload", 0.0)
+        out["time/optimizer_offload_s"] = self.moves.get("opt_reload", 0.0) + self.moves.get("opt_offload", 0.0)
         return out
 
 

@@ -170,6 +170,10 @@ class ExecutionPlan:
     shadow_roles: tuple[str, ...] = ()  # roles whose off-home copies persist (disaggregated)
     offpolicy: bool = False  # generate step i+1 while training step i (needs a shadow actor)
     offload_roles: tuple[str, ...] = ()  # frozen roles kept in host memory between their calls
+    # trained roles whose optimizer state waits in host memory between their train calls (it comes back to
+    # device for each train call and goes out again after it): ZeRO-Offload's trade of two host copies of
+    # the state per step for its device memory
+    offload_optimizer: tuple[str, ...] = ()
     notes: str = ""
     # off-policy only: steps the generator may run ahead of the trainer (eta, chosen by the search);
     # None = the run's budget (`Config.generator_lead`)
@@ -216,6 +220,7 @@ class ExecutionPlan:
             "shadow_roles": list(self.shadow_roles),
             "offpolicy": self.offpolicy,
             "offload_roles": list(self.offload_roles),
+            **({"offload_optimizer": list(self.offload_optimizer)} if self.offload_optimizer else {}),
             "notes": self.notes,
             **({"staleness": self.staleness} if self.staleness is not None else {}),
             **({"token_budget": self.token_budget} if self.token_budget is not None else {}),
@@ -228,7 +233,7 @@ class ExecutionPlan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "ExecutionPlan":
         known = {"strategy", "num_devices", "groups", "calls", "shadow_roles", "offpolicy", "offload_roles", "notes",
-                 "staleness", "token_budget", "micro_batch_size", "remat", "gen_slots", "gen_pages"}
+                 "offload_optimizer", "staleness", "token_budget", "micro_batch_size", "remat", "gen_slots", "gen_pages"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(known)}")
@@ -287,6 +292,7 @@ class ExecutionPlan:
             shadow_roles=tuple(d.get("shadow_roles", ()) or ()),
             offpolicy=bool(d.get("offpolicy", False)),
             offload_roles=tuple(d.get("offload_roles", ()) or ()),
+            offload_optimizer=tuple(d.get("offload_optimizer", ()) or ()),
             notes=str(d.get("notes", "") or ""),
             staleness=staleness,
             token_budget=budget,
@@ -350,6 +356,8 @@ class ExecutionPlan:
             lines[0] += f"; shadow copies: {', '.join(self.shadow_roles)}"
         if self.offload_roles:
             lines[0] += f"; offloaded to host between calls: {', '.join(self.offload_roles)}"
+        if self.offload_optimizer:
+            lines[0] += f"; optimizer state in host memory between train calls: {', '.join(self.offload_optimizer)}"
         if self.offpolicy and self.staleness:
             lines[0] += f"; off-policy, the generator up to {self.staleness} steps ahead"
         elif self.offpolicy:
@@ -618,6 +626,12 @@ def validate(
             )
         if role in plan.shadow_roles:
             raise PlanError(f"role {role!r} is both offloaded and shadowed; choose one")
+    for role in plan.offload_optimizer:
+        if role not in trained:
+            raise PlanError(
+                f"offload_optimizer role {role!r} has no train call in this graph: only trained roles "
+                f"{sorted(trained)} have optimizer state to keep in host memory"
+            )
     if plan.staleness is not None and (not plan.offpolicy or plan.staleness < 1):
         raise PlanError(f"staleness={plan.staleness} needs an off-policy plan (offpolicy=true) and eta >= 1")
     problem = offpolicy_problem(plan, graph)

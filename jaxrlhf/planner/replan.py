@@ -63,7 +63,8 @@ def with_runs(hw: HardwareProfile, runs: list[Run]) -> HardwareProfile:
 def placements(plan: ExecutionPlan) -> tuple:
     """What a plan decides, without names: where each call runs, shadows, off-policy, offloads."""
     calls = tuple(sorted((c, plan.group_of(c).start, plan.group_of(c).size, p.layout) for c, p in plan.calls.items()))
-    return calls, tuple(sorted(plan.shadow_roles)), plan.offpolicy, tuple(sorted(plan.offload_roles))
+    return (calls, tuple(sorted(plan.shadow_roles)), plan.offpolicy, tuple(sorted(plan.offload_roles)),
+            tuple(sorted(plan.offload_optimizer)))
 
 
 @dataclasses.dataclass(frozen=True)

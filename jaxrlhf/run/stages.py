@@ -198,6 +198,7 @@ def warmup_plan(plan):
     placement = plan.calls["actor.train"]
     group = plan.groups[placement.group]
     return ExecutionPlan("warm-up", plan.num_devices, {group.name: group}, {"actor.train": placement},
+                         offload_optimizer=tuple(r for r in plan.offload_optimizer if r == "actor"),
                          notes="SFT warm-up on the actor's training placement")
 
 

@@ -4,6 +4,8 @@ their calls and come back for them device to device, with the same results."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +49,12 @@ def _functions(graphdef):
     return {"ref.inference": infer, "actor.train": train}
 
 
-def _executor(offload: tuple[str, ...] = (), ref_layout: Layout = Layout(fsdp=4)) -> Executor:
+def _executor(offload: tuple[str, ...] = (), ref_layout: Layout = Layout(fsdp=4),
+              offload_optimizer: tuple[str, ...] = ()) -> Executor:
     plan = ExecutionPlan(
         "test", 8, {"a": DeviceGroup("a", 0, 4), "b": DeviceGroup("b", 4, 4)},
         {"actor.train": Placement("a", Layout(fsdp=4)), "ref.inference": Placement("b", ref_layout)},
-        offload_roles=offload,
+        offload_roles=offload, offload_optimizer=offload_optimizer,
     )
     validate(plan, GRAPH)
     cache = CallCache(plan)
@@ -121,6 +124,43 @@ def test_offloaded_role_reloads_without_a_host_round_trip():
     assert all(x.sharding.memory_kind == "device" for x in jax.tree_util.tree_leaves(params))
 
 
+@pytest.mark.slow
+def test_offloaded_optimizer_state_waits_in_host_memory_and_gives_the_same_updates():
+    """`plan.offload_optimizer`: the actor's optimizer state is in host memory between steps, comes to
+    device (same sharding) for actor.train and goes back after it; the updates are the plain plan's."""
+    from jaxrlhf.transfer.host import host_get
+
+    plain, parked = _executor(), _executor(offload_optimizer=("actor",))
+    assert is_offloaded(parked.roles["actor"].opt_state) and not is_offloaded(plain.roles["actor"].opt_state)
+    for _ in range(3):
+        want, got = plain.step(FEED), parked.step(FEED)
+        np.testing.assert_allclose(got.values["loss"], want.values["loss"], rtol=1e-6)
+        assert is_offloaded(parked.roles["actor"].opt_state)
+    for a, b in zip(jax.tree_util.tree_leaves(host_get(parked.roles["actor"].params)),
+                    jax.tree_util.tree_leaves(host_get(plain.roles["actor"].params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    host_state = jax.tree_util.tree_leaves(parked.roles["actor"].opt_state)
+    device_state = jax.tree_util.tree_leaves(plain.roles["actor"].opt_state)
+    assert [x.sharding.spec for x in host_state] == [x.sharding.spec for x in device_state]
+    assert {x.sharding.memory_kind for x in host_state} <= {"pinned_host", "unpinned_host"}
+    assert got.times.moves["opt_reload"] > 0 and got.times.moves["opt_offload"] > 0
+    assert "opt_reload" not in want.times.moves
+    assert got.metrics()["time/optimizer_offload_s"] > 0
+    # the params never leave the device; only the optimizer state does
+    assert not is_offloaded(parked.roles["actor"].params)
+
+
+def test_only_trained_roles_have_optimizer_state_to_offload():
+    plan = ExecutionPlan("test", 4, {"a": DeviceGroup("a", 0, 4)},
+                         {c: Placement("a", Layout(fsdp=4)) for c in GRAPH.names}, offload_optimizer=("ref",))
+    with pytest.raises(PlanError, match="offload_optimizer role 'ref' has no train call"):
+        validate(plan, GRAPH)
+    again = ExecutionPlan.from_yaml(dataclasses.replace(plan, offload_optimizer=("actor",)).to_yaml())
+    assert again.offload_optimizer == ("actor",)
+    assert "optimizer state in host memory between train calls: actor" in again.table()
+    assert "offload_optimizer" not in dataclasses.replace(plan, offload_optimizer=()).to_yaml()  # old files stay
+
+
 def test_only_frozen_roles_can_be_offloaded():
     plan = ExecutionPlan("test", 4, {"a": DeviceGroup("a", 0, 4)},
                          {c: Placement("a", Layout(fsdp=4)) for c in GRAPH.names}, offload_roles=("actor",))
@@ -133,18 +173,18 @@ def test_only_frozen_roles_can_be_offloaded():
 @pytest.mark.slow
 def test_a_live_switch_reshards_every_role_and_the_next_step_is_unchanged():
     """`Executor.moved_to` (a re-plan's switch): parameters and optimizer state land on their home in
-    the new plan with the same values, the offloaded reference comes back to device, and the next
-    step gives what the old plan gives."""
+    the new plan with the same values, the offloaded reference and the actor's offloaded optimizer state
+    come back to device, and the next step gives what the old plan gives."""
     from jaxrlhf.transfer.host import host_get
 
     def values(tree):
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(host_get(tree))]
 
-    old, twin = _executor(offload=("ref",)), _executor(offload=("ref",))
+    old, twin = (_executor(offload=("ref",), offload_optimizer=("actor",)) for _ in range(2))
     for ex in (old, twin):
         ex.step(FEED)
     before = {n: (values(r.params), values(r.opt_state)) for n, r in old.roles.items()}
-    assert is_offloaded(old.roles["ref"].params)
+    assert is_offloaded(old.roles["ref"].params) and is_offloaded(old.roles["actor"].opt_state)
     plan = ExecutionPlan(
         "other", 8, {"all": DeviceGroup("all", 0, 8), "a": DeviceGroup("a", 0, 4)},
         {"actor.train": Placement("all", Layout(data=2, fsdp=4)),
@@ -159,6 +199,7 @@ def test_a_live_switch_reshards_every_role_and_the_next_step_is_unchanged():
             assert x.sharding.is_equivalent_to(s, x.ndim), name
         assert all(np.array_equal(a, b) for a, b in zip(values(role.params), before[name][0])), name
         if role.trainable:
+            assert not is_offloaded(role.opt_state)
             assert all(np.array_equal(a, b) for a, b in zip(values(role.opt_state), before[name][1]))
     got, ref = new.step(FEED, read=("loss", "ref_mean")), twin.step(FEED, read=("loss", "ref_mean"))
     assert float(got.values["loss"]) == pytest.approx(float(ref.values["loss"]), rel=1e-5)
