@@ -189,6 +189,9 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     if best.memory.offloaded:
         lines.append(f"  offloaded to host between calls: {', '.join(best.memory.offloaded)}")
+    if best.memory.offloaded_optimizers:
+        lines.append("  optimizer state in host memory between train calls (its copies in the train call's time): "
+                     + ", ".join(best.memory.offloaded_optimizers))
     if run_setup is not None:
         lines += context_lines(res, run_setup)
         lines += expert_lines(res, run_setup)

@@ -406,9 +406,11 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
     concurrency (`engine_slots`) and, for a trainer that packs (dynamic batch size, sequence packing), its
     packer: no padding and attention inside each sequence (`Workload.varlen`; jaxrlhf's own packer pads
     rows to the longest sequence and masks, which the planner prices for jaxrlhf's runs). Memory is the peer's business here: peers offload or free the trainer's
-    state while generating and shard the optimizer (Megatron's distributed optimizer), which jaxrlhf's
-    runtime does not, so the time is priced on devices with room to spare, and `over_memory` says when
-    jaxrlhf's own memory model would not hold the placement."""
+    parameters while generating and run Adam on the host (DeepSpeed's CPU Adam), which jaxrlhf's runtime
+    does not (it splits the optimizer state over data, ZeRO-1, and keeps frozen roles and optimizer state in
+    host memory between their calls, `plan.offload`, `plan.offload_optimizer`), so the time is priced on
+    devices with room to spare, and `over_memory` says when jaxrlhf's own memory model would not hold the
+    placement."""
     from jaxrlhf.planner.simulator import estimate_plan
     from jaxrlhf.run.assembly import Machine, setup
 

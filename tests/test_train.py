@@ -242,6 +242,20 @@ def test_plan_cli_output_trains(tmp_path):
 
 
 @pytest.mark.slow
+def test_optimizer_state_in_host_memory_matches_colocated_and_resumes(colocated, tmp_path):
+    """plan.offload_optimizer: actor and critic keep their optimizer state in host memory between train
+    calls; the run is the colocated one, its checkpoint saves that state from host memory and a resume
+    restores it there."""
+    offload = "plan.offload_optimizer=[actor, critic]"
+    first = _run(tmp_path, "run", "plan.strategy=colocated", offload, "run.steps=2")
+    assert all(r["time/optimizer_offload_s"] > 0 for r in first)
+    records = _run(tmp_path, "run", "plan.strategy=colocated", offload, "run.steps=3", "run.resume=true")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    _assert_same_metrics(colocated, records, "optimizer state in host memory, resumed")
+    assert "offload_optimizer" in (tmp_path / "run" / "plan.yaml").read_text()
+
+
+@pytest.mark.slow
 def test_resume_onto_a_different_plan(colocated, tmp_path):
     """A colocated checkpoint restores under the interleaved plan and continues the same run."""
     _run(tmp_path, "run", "plan.strategy=colocated", "run.steps=2")

@@ -49,7 +49,8 @@ the layout's collectives and a per-kernel dispatch cost:
 Network: inside a host a ring runs at one device's NVLink/ICI share; across
 hosts a host's NICs are shared by its devices that send at once, and a ring
 pools the shares of its members on that host (`HardwareProfile.link_bandwidth`).
-- host offload / reload: shard bytes over the device <-> host link.
+- host offload / reload: shard bytes over the device <-> host link (a frozen role's weights once per
+  call; an offloaded optimizer state there and back per train call).
 
 Device order inside a group follows the mesh (stage, data, fsdp, context, tensor):
 tensor neighbours are adjacent devices, so tensor collectives stay inside a
@@ -665,6 +666,14 @@ def realloc_cost(cfg: ModelConfig, head: str, src: DeviceGroup, src_layout: Layo
 def offload_cost(cfg: ModelConfig, head: str, layout: Layout, hw: HardwareProfile) -> float:
     """Seconds to bring a device's shard back from host memory (the host copy stays, so offload is free)."""
     return shard_bytes(cfg, head, layout) / hw.host_bandwidth
+
+
+def optimizer_offload_cost(state_bytes: float, hw: HardwareProfile) -> float:
+    """Seconds a train call adds when its role's optimizer state waits in host memory between train calls
+    (`ExecutionPlan.offload_optimizer`): a device's `state_bytes` come over the host link before the call and
+    go back after it. Both are counted in the call: the copy back shares the device's link and memory with
+    whatever runs next there."""
+    return 2 * state_bytes / hw.host_bandwidth
 
 
 class CostCache:

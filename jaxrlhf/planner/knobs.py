@@ -12,7 +12,8 @@ everything else (`CostCache.call`, `memory.working_set`): each call's options (t
 config leaves unset, `workload.AUTO`; a key it sets is the only option) reduced to their time-memory
 front (`front`: fastest first, each next one leaner), every call starting at its fastest and, while
 the plan is over memory, the calls that overflow the fullest device stepping to their next leaner
-option (`choose`): what a practitioner does, the fewest micro-batches and the least remat that fit.
+option (`choose`): what a practitioner does, the fewest micro-batches and the least remat that fit,
+and only where none fits, trained roles' optimizer state in host memory between their train calls.
 The plan carries what was chosen (`ExecutionPlan.micro_batch_size`, `.remat`) and the run executes
 exactly that (`ExecutionPlan.execution`).
 """
@@ -125,26 +126,36 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
     knobs that fit and only those that cannot are at their leanest (a placement priced for its time
     although this runtime's memory would not hold it)."""
     fronts = {c.name: front(c, plan.group_of(c.name), plan.calls[c.name].layout, wl, cache) for c in graph.calls}
-    at = dict.fromkeys(fronts, 0)
     leanest = {c: opts[-1] for c, opts in fronts.items()}
-    lean_checked = all(len(opts) == 1 for opts in fronts.values())
-    while True:
-        knobs = {c: fronts[c][i] for c, i in at.items()}
-        mem = plan_memory(plan, graph, models, wl, hw, cache.memory, knobs)
-        if mem.feasible:
-            return knobs, mem
-        if not lean_checked and not best_effort:  # most plans the search tries do not fit at all: say so
-            lean_checked = True
-            lean = plan_memory(plan, graph, models, wl, hw, cache.memory, leanest)
-            if not lean.feasible:
-                return leanest, lean
-        worst = int(mem.peak.argmax())
-        over = [c for c in at if plan.group_of(c).start <= worst < plan.group_of(c).stop
-                and mem.call_bytes[c] > mem.capacity and at[c] + 1 < len(fronts[c])]
-        if not over:  # the resident bytes alone overflow, or only calls at their leanest do
-            return knobs, mem
-        for c in over:
-            at[c] += 1
+
+    def settle(offload_optimizers: bool) -> tuple[dict[str, CallKnobs], MemoryReport]:
+        at = dict.fromkeys(fronts, 0)
+        lean_checked = all(len(opts) == 1 for opts in fronts.values())
+        while True:
+            knobs = {c: fronts[c][i] for c, i in at.items()}
+            mem = plan_memory(plan, graph, models, wl, hw, cache.memory, knobs, offload_optimizers)
+            if mem.feasible:
+                return knobs, mem
+            if not lean_checked and not best_effort:  # most plans the search tries do not fit at all: say so
+                lean_checked = True
+                lean = plan_memory(plan, graph, models, wl, hw, cache.memory, leanest, offload_optimizers)
+                if not lean.feasible:
+                    return leanest, lean
+            worst = int(mem.peak.argmax())
+            over = [c for c in at if plan.group_of(c).start <= worst < plan.group_of(c).stop
+                    and mem.call_bytes[c] > mem.capacity and at[c] + 1 < len(fronts[c])]
+            if not over:  # the resident bytes alone overflow, or only calls at their leanest do
+                return knobs, mem
+            for c in over:
+                at[c] += 1
+
+    # The knobs first, as a practitioner turns them: optimizer state goes to host memory (two copies of it
+    # over the host link per step) only where no setting of them fits without.
+    knobs, mem = settle(False)
+    if mem.feasible:
+        return knobs, mem
+    offloaded_knobs, offloaded = settle(True)
+    return (offloaded_knobs, offloaded) if offloaded.feasible or offloaded.offloaded_optimizers else (knobs, mem)
 
 
 def fixed_by(plan: ExecutionPlan, wl: Workload) -> Workload:

@@ -9,8 +9,10 @@ reallocated parameter copy when the call runs away from its role's home.
 A device's peak is its resident bytes plus the largest working set of the
 calls that run on it. When that exceeds the usable capacity, frozen roles
 (no train call: reference, reward) are offloaded to host memory and
-reloaded for their own calls; if it still does not fit the plan is
-infeasible, with the reason.
+reloaded for their own calls; then, where the search allows it, trained
+roles' optimizer state waits in host memory between their train calls (on
+device only while its own train call runs); if it still does not fit the
+plan is infeasible, with the reason.
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ class MemoryReport:
     offloaded: tuple[str, ...]
     call_bytes: dict[str, float]  # per-device peak while each call runs (on its busiest device)
     reason: str | None = None
+    offloaded_optimizers: tuple[str, ...] = ()  # trained roles whose optimizer state waits in host memory
 
     @property
     def feasible(self) -> bool:
@@ -319,11 +322,16 @@ class MemoryReport:
 
 def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, ModelConfig], wl: Workload,
                 hw: HardwareProfile, memo: dict | None = None,
-                knobs: Mapping[str, "CallKnobs"] | None = None) -> MemoryReport:
-    """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit.
+                knobs: Mapping[str, "CallKnobs"] | None = None, offload_optimizers: bool = False) -> MemoryReport:
+    """Peak per-device memory of `plan`, offloading frozen roles to host when that makes it fit, and with
+    `offload_optimizers`, when those are not enough, trained roles' optimizer state.
 
-    The roles the plan already offloads (`plan.offload_roles`) start offloaded;
-    `MemoryReport.offloaded` is what the runtime must offload for the estimate to hold.
+    The roles the plan already offloads (`plan.offload_roles`, `plan.offload_optimizer`) start offloaded;
+    `MemoryReport.offloaded` and `.offloaded_optimizers` are what the runtime must offload for the estimate
+    to hold. An offloaded optimizer state is on device only during its role's train call (the executor
+    brings it back for the call, and the update runs on device), so it is counted in that call's working
+    set: it frees the memory of every other call on those devices (generation's KV cache, the other models'
+    calls), never the train call's own.
     `memo` keeps per-(call, layout) byte counts between calls for the same models and
     workload (the search evaluates thousands of plans). `knobs` gives calls their own
     micro-batch counts and remat policies (`planner.knobs`, `Workload.for_call`).
@@ -379,10 +387,13 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
             resident_by_role[role] = arr
             continue
         per = params_per_device(cfg, head, home.layout)
-        if role in trained:
-            per += optimizer_per_device(cfg, head, home.layout, wl, role)
         for i in span(home_call):
             arr[i] += per
+        if role in trained:
+            state = [0.0] * segments
+            for i in span(home_call):
+                state[i] = optimizer_per_device(cfg, head, home.layout, wl, role)
+            resident_by_role[f"optimizer:{role}"] = state
         if role in plan.shadow_roles:
             seen = {(plan.group_of(home_call).start, plan.group_of(home_call).size, home.layout)}
             for c in calls:
@@ -432,24 +443,43 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     for r in offloaded:
         resident_by_role[r] = [0.0] * segments
     frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles and r not in views]
+    state_of = {r: resident_by_role[f"optimizer:{r}"] for r in trained if f"optimizer:{r}" in resident_by_role}
+    parked: list[str] = [r for r in plan.offload_optimizer if r in state_of]
+    for r in parked:
+        resident_by_role[f"optimizer:{r}"] = [0.0] * segments
     while True:
         resident = [sum(col) for col in zip(*resident_by_role.values())] if resident_by_role else [0.0] * segments
         peak = list(resident)
+        peak_call: list[CallSpec | None] = [None] * segments
         call_bytes: dict[str, float] = {}
         for c in calls:
             name, role = c.name, c.role
             extra = work[name]
             if role in offloaded:  # reloaded for its own call
                 extra += params_per_device(models[role], c.head, plan.calls[name].layout)
+            if c.kind == "train" and role in parked:  # its optimizer state, back on device for the update
+                extra += max(state_of[role][i] for i in span(name))
             worst = 0.0
             for i in span(name):
                 worst = max(worst, resident[i] + extra)
-                peak[i] = max(peak[i], resident[i] + extra)
+                if resident[i] + extra > peak[i]:
+                    peak[i], peak_call[i] = resident[i] + extra, c
             call_bytes[name] = worst
         over = [i for i in range(segments) if peak[i] > cap]
         if not over:
-            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes)
+            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes,
+                                offloaded_optimizers=tuple(parked))
         candidates = [r for r in frozen if r not in offloaded and any(resident_by_role[r][i] for i in over)]
+        # then optimizer state (two host copies of it per step, where a frozen role's costs one of its weights),
+        # where it is resident beside a call that overflows other than its own train call (which holds it anyway)
+        states = [r for r in state_of if offload_optimizers and not candidates and r not in parked
+                  and any(state_of[r][i] and not (peak_call[i] and peak_call[i].kind == "train"
+                                                  and peak_call[i].role == r) for i in over)]
+        if states:
+            largest = max(states, key=lambda r: max(state_of[r][i] for i in over))
+            parked.append(largest)
+            resident_by_role[f"optimizer:{largest}"] = [0.0] * segments
+            continue
         if not candidates:
             seg = max(range(segments), key=lambda i: (peak[i], -i))
             dev = cuts[seg]
@@ -459,9 +489,11 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
                 f"(resident {resident[seg] / GiB:.1f} GiB"
                 + (f"; largest call {worst} adds {(call_bytes[worst] - resident[seg]) / GiB:.1f} GiB" if worst else "")
                 + (f"; offloaded {offloaded}" if offloaded else "")
+                + (f"; optimizer state offloaded {parked}" if parked else "")
                 + ")"
             )
-            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes, reason)
+            return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes, reason,
+                                tuple(parked))
         largest = max(candidates, key=lambda r: max(resident_by_role[r][i] for i in over))
         offloaded.append(largest)
         resident_by_role[largest] = [0.0] * segments

@@ -701,22 +701,27 @@ _RESULTS: dict[str, SearchResult] = {}  # finished searches, so the n -> 2n seed
 
 
 def state_bytes(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload) -> float:
-    """Bytes of every role's parameters and, for trained roles, optimizer state: what any plan must hold."""
-    total = 0.0
+    """Bytes any plan must hold on its devices at once: the trained roles' parameters, and the largest of
+    what waits in host memory between its own calls (a frozen role's parameters, `ExecutionPlan.offload_roles`;
+    a trained role's optimizer state, `.offload_optimizer`), on device while that call runs."""
+    trained, parked = 0.0, [0.0]
     views = dict(wl.base_views)
     for role in graph.roles:
         if views.get(role) in graph.roles:  # a LoRA role's base: its weights are counted with that role
             continue
         cfg, head = models[role], graph.head(role)
-        total += shard_bytes(cfg, head, Layout())
-        if graph.train_call(role) is not None:
-            total += trained_shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role)
-    return total
+        if graph.train_call(role) is None:
+            parked.append(shard_bytes(cfg, head, Layout()))
+            continue
+        trained += shard_bytes(cfg, head, Layout())
+        parked.append(trained_shard_count(cfg, head, Layout()) * optimizer_bytes_per_param(cfg, wl, role))
+    return trained + max(parked)
 
 
 def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workload, hw: HardwareProfile,
                 n: int) -> bool:
-    """True when the parameters and optimizer states alone exceed `n` devices' memory (no plan fits)."""
+    """True when the parameters and the largest optimizer state alone exceed `n` devices' memory (no plan
+    fits)."""
     return state_bytes(models, graph, wl) > n * hw.usable_memory
 
 
@@ -817,7 +822,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     if _cannot_fit(models, graph, wl, hw, num_devices):
         need = state_bytes(models, graph, wl)
         raise PlanError(
-            f"no plan fits on {num_devices} x {hw.name}: the parameters and optimizer states alone take "
+            f"no plan fits on {num_devices} x {hw.name}: the trained models and the largest state that can wait "
+            "in host memory alone take "
             f"{need / 2**30:.0f} GiB and the devices hold {num_devices * hw.usable_memory / 2**30:.0f} GiB usable; "
             f"use at least {math.ceil(need / hw.usable_memory)} devices (more for activations), "
             "smaller models or another hardware profile")
@@ -881,6 +887,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     best = dataclasses.replace(best, plan=dataclasses.replace(
         knobs_lib.with_knobs(best.plan, graph, wl, best.knobs), strategy="searched",
         offload_roles=best.memory.offloaded if best.memory else (),
+        offload_optimizer=best.memory.offloaded_optimizers if best.memory else (),
         notes=f"searched (seed {seed}, {len(ann.seen)} plans evaluated; best found from {origin!r})"))
     runners: list[PlanEstimate] = []
     seen_times = {round(feasible[0][0], 9)}

@@ -28,10 +28,10 @@ from typing import Mapping, Sequence
 from jaxrlhf.graph import CallGraph, CallSpec
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.planner import knobs as knobs_lib
-from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offload_cost
+from jaxrlhf.planner.cost import CallCost, CostCache, generate_durations, offload_cost, optimizer_offload_cost
 from jaxrlhf.planner.hardware import HardwareProfile
 from jaxrlhf.planner.knobs import CallKnobs
-from jaxrlhf.planner.memory import MemoryReport
+from jaxrlhf.planner.memory import MemoryReport, optimizer_per_device
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, PlanError, layout_misfit, offpolicy_problem
 from jaxrlhf.planner.rewards import score_seconds
 from jaxrlhf.planner.workload import LENGTH_BATCHES, Workload
@@ -419,6 +419,10 @@ def estimate_plan(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mo
         c.name: offload_cost(models[c.role], c.head, plan.calls[c.name].layout, hw)
         for c in graph.calls if c.role in mem.offloaded
     }
+    for c in graph.calls:
+        if c.kind == "train" and c.role in mem.offloaded_optimizers:
+            state = optimizer_per_device(models[c.role], c.head, plan.calls[c.name].layout, wl, c.role)
+            reloads[c.name] = reloads.get(c.name, 0.0) + optimizer_offload_cost(state, hw)
     if not mem.feasible:
         return PlanEstimate(plan, False, mem.reason, None, None, costs, moves, reloads, mem, knobs, sources)
     call_s: dict[str, float | tuple[float, ...]] = {n: c.seconds + reloads.get(n, 0.0) for n, c in costs.items()}

@@ -190,19 +190,28 @@ def uneven_minibatches(plan, graph, workload) -> list[str]:
 
 
 def with_offload(cfg: cfglib.Config, algorithm, plan, models: Mapping[str, Any], hw, graph=None):
-    """The plan with the frozen roles the runtime keeps in host memory between calls: `plan.offload`
-    when set, else the plan file's own list, else what the memory model needs for the plan to fit
-    under its knobs (`with_knobs`)."""
+    """The plan with what the runtime keeps in host memory between calls: frozen roles (`plan.offload`)
+    and trained roles' optimizer state (`plan.offload_optimizer`). Each is the config key when set, else
+    the plan file's own list, else what the memory model needs for the plan to fit under its knobs
+    (`with_knobs`)."""
     from jaxrlhf.planner.simulator import plan_fit
 
     if cfg.plan.offload is not None:
-        return dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
-    if plan.offload_roles or plan.strategy == "searched":
+        plan = dataclasses.replace(plan, offload_roles=tuple(cfg.plan.offload))
+    if cfg.plan.offload_optimizer is not None:
+        plan = dataclasses.replace(plan, offload_optimizer=tuple(cfg.plan.offload_optimizer))
+    chosen = (cfg.plan.offload is not None or bool(plan.offload_roles),
+              cfg.plan.offload_optimizer is not None or bool(plan.offload_optimizer))
+    if all(chosen) or plan.strategy == "searched":
         return plan
     report = plan_fit(plan, graph or algorithm.graph(), models, knob_workload(algorithm, plan), hw)[1]
     if not report.feasible:
         print(f"warning: the memory model expects this plan not to fit: {report.reason}", flush=True)
-    return dataclasses.replace(plan, offload_roles=report.offloaded)
+    return dataclasses.replace(
+        plan,
+        offload_roles=plan.offload_roles if chosen[0] else report.offloaded,
+        offload_optimizer=plan.offload_optimizer if chosen[1] else report.offloaded_optimizers,
+    )
 
 
 def knob_workload(algorithm, plan):

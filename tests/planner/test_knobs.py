@@ -140,11 +140,11 @@ def test_70b_ppo_on_64_h100_plans_without_a_hand_set_knob(tmp_path, capsys):
 
 
 def test_no_plan_fits_names_the_smallest_shortfall(capsys):
-    rc = main(["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "32", "--gen-len", "896",
+    rc = main(["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "16", "--gen-len", "896",
                "--prompt-len", "128", "--batch", "128", "--evaluations", "300", "--out", "/nonexistent/never"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
-    assert "no plan fits on 32 x h100: the closest (" in err and "GiB over on its fullest device" in err
+    assert "no plan fits on 16 x h100: the closest (" in err and "GiB over on its fullest device" in err
     assert "it would fit on devices of" in err
 
 

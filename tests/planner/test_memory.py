@@ -142,3 +142,41 @@ def test_frozen_models_are_offloaded_when_that_makes_a_plan_fit():
     assert mem.feasible and set(mem.offloaded) <= {"ref", "reward"} and mem.offloaded
     est = estimate_plan(_colocated(16, Layout(fsdp=16)), PPO_GRAPH, models, wl, tight)
     assert est.reloads and all(c.split(".")[0] in mem.offloaded for c in est.reloads)
+
+
+def test_optimizer_state_waits_in_host_memory_only_where_frozen_offload_does_not_fit():
+    """`plan.offload_optimizer`, by hand: a parked optimizer state leaves the resident bytes and joins its own
+    train call's working set (the update runs on device), so it frees memory for every other call there.
+    The memory model parks one only when allowed and when offloading the frozen roles is not enough; the
+    estimate then prices the state's two trips over the host link in the train call."""
+    hw = get_profile("h100")
+    models = {r: preset("llama2-13b") for r in ("actor", "critic", "ref", "reward")}
+    wl = Workload(batch_size=128, gen_len=1024)  # fixed knobs (one micro-batch, full remat)
+    plan = dataclasses.replace(_colocated(16, Layout(fsdp=16)), offload_roles=("ref", "reward"))
+    base = plan_memory(plan, PPO_GRAPH, models, wl, hw)
+    layout = Layout(fsdp=16)
+    params = {r: params_per_device(models[r], PPO_GRAPH.head(r), layout) for r in ("actor", "critic")}
+    state = {r: optimizer_per_device(models[r], PPO_GRAPH.head(r), layout, wl, r) for r in ("actor", "critic")}
+    work = {c.name: sum(working_set(c, models[c.role], layout, wl).values()) for c in PPO_GRAPH.calls}
+    resident = sum(params.values()) + sum(state.values())
+    assert base.resident.max() == pytest.approx(resident)
+    assert base.call_bytes["actor.generate"] == pytest.approx(resident + work["actor.generate"])
+
+    # the plan parks the actor's state: it is resident no more, and back on device for actor.train only
+    parked = plan_memory(dataclasses.replace(plan, offload_optimizer=("actor",)), PPO_GRAPH, models, wl, hw)
+    assert parked.offloaded_optimizers == ("actor",)
+    assert parked.resident.max() == pytest.approx(resident - state["actor"])
+    assert parked.call_bytes["actor.generate"] == pytest.approx(resident - state["actor"] + work["actor.generate"])
+    assert parked.call_bytes["actor.train"] == pytest.approx(base.call_bytes["actor.train"])
+
+    # a device just too small for the generate call's peak: frozen offload is not enough, parking is
+    gen_peak = base.call_bytes["actor.generate"]
+    assert gen_peak > max(v for c, v in base.call_bytes.items() if c != "actor.generate")
+    tight = hw.__class__(**{**hw.to_dict(), "hbm_capacity": (gen_peak - 1e6) / hw.usable_memory * hw.hbm_capacity})
+    assert not plan_memory(plan, PPO_GRAPH, models, wl, tight).feasible
+    fitted = plan_memory(plan, PPO_GRAPH, models, wl, tight, offload_optimizers=True)
+    assert fitted.feasible and len(fitted.offloaded_optimizers) == 1
+    est = estimate_plan(plan, PPO_GRAPH, models, wl, tight)
+    assert est.feasible and est.memory.offloaded_optimizers == fitted.offloaded_optimizers
+    role = fitted.offloaded_optimizers[0]
+    assert est.reloads[f"{role}.train"] == pytest.approx(2 * state[role] / tight.host_bandwidth)
