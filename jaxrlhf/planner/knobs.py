@@ -152,7 +152,7 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
     # The knobs first, as a practitioner turns them: optimizer state goes to host memory (two copies of it
     # over the host link per step) only where no setting of them fits without.
     knobs, mem = settle(False)
-    if mem.feasible:
+    if mem.feasible or not mem.parkable:  # most plans the search tries: offload cannot help where they overflow
         return knobs, mem
     offloaded_knobs, offloaded = settle(True)
     return (offloaded_knobs, offloaded) if offloaded.feasible or offloaded.offloaded_optimizers else (knobs, mem)

@@ -310,6 +310,9 @@ class MemoryReport:
     call_bytes: dict[str, float]  # per-device peak while each call runs (on its busiest device)
     reason: str | None = None
     offloaded_optimizers: tuple[str, ...] = ()  # trained roles whose optimizer state waits in host memory
+    # infeasible only: whether parking some optimizer state could lower an overflowing device's peak (its
+    # memory resident beside a call there that is not its own train call); when not, no offload helps
+    parkable: bool = False
 
     @property
     def feasible(self) -> bool:
@@ -443,7 +446,8 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
     for r in offloaded:
         resident_by_role[r] = [0.0] * segments
     frozen = [r for r in roles if r not in trained and r not in plan.shadow_roles and r not in views]
-    state_of = {r: resident_by_role[f"optimizer:{r}"] for r in trained if f"optimizer:{r}" in resident_by_role}
+    # in the graph's order of roles (not the set's, whose order varies between processes): ties park the same role
+    state_of = {r: resident_by_role[f"optimizer:{r}"] for r in roles if f"optimizer:{r}" in resident_by_role}
     parked: list[str] = [r for r in plan.offload_optimizer if r in state_of]
     for r in parked:
         resident_by_role[f"optimizer:{r}"] = [0.0] * segments
@@ -472,10 +476,10 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         candidates = [r for r in frozen if r not in offloaded and any(resident_by_role[r][i] for i in over)]
         # then optimizer state (two host copies of it per step, where a frozen role's costs one of its weights),
         # where it is resident beside a call that overflows other than its own train call (which holds it anyway)
-        states = [r for r in state_of if offload_optimizers and not candidates and r not in parked
+        states = [r for r in state_of if r not in parked
                   and any(state_of[r][i] and not (peak_call[i] and peak_call[i].kind == "train"
                                                   and peak_call[i].role == r) for i in over)]
-        if states:
+        if states and offload_optimizers and not candidates:
             largest = max(states, key=lambda r: max(state_of[r][i] for i in over))
             parked.append(largest)
             resident_by_role[f"optimizer:{largest}"] = [0.0] * segments
@@ -493,7 +497,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
                 + ")"
             )
             return MemoryReport(per_device(peak), per_device(resident), cap, tuple(offloaded), call_bytes, reason,
-                                tuple(parked))
+                                tuple(parked), parkable=bool(states))
         largest = max(candidates, key=lambda r: max(resident_by_role[r][i] for i in over))
         offloaded.append(largest)
         resident_by_role[largest] = [0.0] * segments
