@@ -139,10 +139,10 @@ def test_70b_ppo_on_64_h100_plans_without_a_hand_set_knob(tmp_path, capsys):
         assert rows == 8 and 8 % plan.calls[call].layout.batch_ways == 0
 
 
-def test_four_70b_models_on_32_h100_plan_with_optimizer_state_in_host_memory(tmp_path):
-    """4 x 70B PPO on 32 H100: no setting of the knobs fits (each trained role's optimizer state is 26 GB a device
-    even split over all 32), so the search parks optimizer state in host memory between train calls; the plan
-    says so and its train calls pay the copies."""
+def test_70b_ppo_on_32_h100_plans_with_optimizer_state_in_host_memory(tmp_path):
+    """Llama-2-70B PPO (actor, critic, reference) on 32 H100: no setting of the knobs fits (each trained role's
+    optimizer state is 26 GB a device even split over all 32), so the search parks optimizer state in host memory
+    between train calls, and the plan says so."""
     assert main(["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "32", "--gen-len", "896",
                  "--prompt-len", "128", "--batch", "128", "--evaluations", "300", "--out", str(tmp_path)]) == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
