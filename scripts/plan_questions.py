@@ -41,6 +41,9 @@ QUESTIONS: dict[str, list[str]] = {
     "qwen2-7b-ppo-32k-packed-64xh100": ["--model-preset", "qwen2-7b", "--devices", "64", "--hardware", "h100",
                                         "--algorithm", "ppo", "--gen-len", "30720", "--prompt-len", "2048",
                                         "--batch", "64", "algorithm.pack_sequences=true"],
+    # the same 70B question on half the devices: it plans only with optimizer state in host memory
+    "70b-ppo-32xh100": ["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "32", "--gen-len", "896",
+                        "--prompt-len", "128", "--batch", "128"],
     # the search at its largest: 512 devices
     "4x70b-ppo-512xh100": ["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "512", "--gen-len", "128",
                            "--prompt-len", "128", "--batch", "512", "rewards.model=true"],
