@@ -252,28 +252,25 @@ class Executor:
     def opt_state_for(self, role: Role, call: str) -> Any:
         """The role's optimizer state on device for its train call `call`: a host -> device copy where the
         plan keeps it in host memory, waited for (the call needs all of it) before the host copy is freed
-        (the call writes a new state)."""
+        (the call writes a new state). Its timeline op holds no arrays: the call donates them at once, and
+        a waiter still looking at a donated array could not tell when it was ready."""
         if not is_offloaded(role.opt_state):
             return role.opt_state
         dispatched = time.perf_counter()
         state = reload(role.opt_state, free_source=True)
-        self._ops.append(self.timeline.device("move", call, state, device_ids(state), what="opt_reload",
+        self._ops.append(self.timeline.device("move", call, (), device_ids(state), what="opt_reload",
                                               nbytes=tree_bytes(state), dispatched=dispatched))
         return state
 
     def park_opt_state(self, role: Role, call: str) -> None:
         """Send the optimizer state a train call just wrote back to host memory (`plan.offload_optimizer`).
-        Waited for, and the device copy then freed: with the copies left in flight (the source dropped, or
-        donated by the next train call, while its transfer ran) a CPU test run crashed once in many. The host
-        therefore waits for the train call here, which delays dispatching what follows it (an off-policy
-        plan's next rollout among it)."""
+        Dispatched, not waited for, so what follows the train call (an off-policy plan's next rollout) is
+        dispatched at once; the device copy is freed when its transfer is done."""
         if role.name not in self.plan.offload_optimizer:
             return
-        dispatched = time.perf_counter()
-        role.opt_state = offload(role.opt_state, free_source=True)
+        role.opt_state = offload(role.opt_state, free_source=False)
         self._ops.append(self.timeline.device("move", call, role.opt_state, device_ids(role.opt_state),
-                                              what="opt_offload", nbytes=tree_bytes(role.opt_state),
-                                              dispatched=dispatched))
+                                              what="opt_offload", nbytes=tree_bytes(role.opt_state)))
 
     def params_for(self, role_name: str, call: str) -> tuple[nnx.State, bool]:
         """The role's parameters on `call`'s placement, and whether that copy is temporary (it is freed

@@ -100,9 +100,16 @@ class Timeline:
                 what=what, nbytes=nbytes)
 
         def wait():
-            jax.block_until_ready(outputs)
-            op.done = time.perf_counter()
-            op.finished.set()
+            try:
+                jax.block_until_ready(outputs)
+            except Exception as e:  # noqa: BLE001 - re-raised below unless an output was already consumed
+                # An output donated to (or deleted by) later work before this thread looked: that work was
+                # dispatched after this op, so the op is done by now. Any other error is re-raised.
+                if "deleted" not in str(e) and "donated" not in str(e):
+                    raise
+            finally:  # always: a waiter that never sets `finished` would hang whoever waits for the op
+                op.done = time.perf_counter()
+                op.finished.set()
 
         th = threading.Thread(target=wait, daemon=True)
         with self._lock:

@@ -53,6 +53,37 @@ def test_start_is_the_end_of_earlier_work_on_shared_devices():
     assert first.wait == 0.0 and second.wait >= 0.0
 
 
+def test_an_output_donated_before_its_waiter_looks_still_finishes_the_op():
+    """A later call may donate an op's output before the op's waiter thread gets to it (the optimizer state
+    reloaded for a train call): the waiter's error must not leave the op unfinished, or whoever waits for
+    its devices would hang (a CI worker did, until pytest's faulthandler timeout ended it)."""
+    timeline = Timeline()
+    donated = jnp.ones(4)
+    donated.delete()  # what donation does to the Python array
+    op = timeline.device("move", "actor.train", donated, frozenset({0}), what="opt_reload")
+    assert op.finished.wait(timeout=60), "the op's waiter died without finishing it"
+    timeline.wait_for_devices(frozenset({0}))
+    timeline.finish([op])
+    assert op.done is not None and op.start is not None
+
+
+def test_a_waiter_reraises_errors_other_than_a_consumed_output():
+    timeline = Timeline()
+
+    class Failing:
+        def block_until_ready(self):
+            raise ValueError("device lost")
+
+    seen = []
+    hook, threading.excepthook = threading.excepthook, lambda args: seen.append(args.exc_value)
+    try:
+        op = timeline.device("compute", "a", Failing(), frozenset({0}))
+        timeline.finish([op])
+    finally:
+        threading.excepthook = hook
+    assert op.finished.is_set() and [str(e) for e in seen] == ["device lost"]
+
+
 @pytest.mark.slow
 def test_executor_step_explains_its_time(devices):
     """A real step (reference inference on one group, actor training on the other): the parts add up to
