@@ -478,7 +478,7 @@ def run_jaxrlhf(config_path: str, strategy: str, overrides: list[str], n_steps: 
     out_dir = workdir / f"jax_{strategy}"
     shutil.rmtree(out_dir, ignore_errors=True)
     cfg = _cfg(config_path, overrides, [
-        "sft.steps=0", f"run.steps={n_steps}", "run.checkpoint_every=0", "run.export_hf=false",
+        "sft.steps=0", f"run.steps={n_steps}", "run.save_checkpoints=false", "run.export_hf=false",
         "run.tensorboard=false", "run.resume=false", "run.eval_every=0", f"run.output_dir={out_dir}",
         f"plan.strategy={strategy}",
     ])

@@ -99,18 +99,22 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output to t
   ((limit > left)) && limit=$left
   echo "=== $name (limit ${limit}s)"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | grep -v "donated buffers\|warnings.warn\|buffer-donation" | tee -a "$OUT/log.txt"
+  # -k: a run told to stop (SIGTERM) may finish its step first; it gets 10 s, then is killed
+  timeout -k 10 "$limit" "$@" 2>&1 | grep -v "donated buffers\|warnings.warn\|buffer-donation" | tee -a "$OUT/log.txt"
   echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
 
 # Same work on both sides: every response max_new_tokens long (EOS ignored), as the peer benchmarks run it.
+# On a bare H200 (2026-11-29) TRL's side took 66 s (PPO) and 57 s (GRPO), and jaxrlhf's first step (compiling
+# a 1.2B actor, critic and reference from nothing) did not end in the 74 and 63 s the old limits left: the peer
+# steps alone fill most of one lease, so run them by themselves (STEPS='ppo-trl grpo-trl') and the rest in another.
 SAME=(generation.ignore_eos=true rewards.eos_only=false)
-step ppo-trl $((140 * T)) env "$(site trl-ppo)" "$PY" scripts/bench_ppo.py "${PEER[@]}" --strategies colocated \
+step ppo-trl $((240 * T)) env "$(site trl-ppo)" "$PY" scripts/bench_ppo.py "${PEER[@]}" --strategies colocated \
   --out "$OUT/ppo-trl.json" "${PPO[@]}" "${SAME[@]}"
-step grpo-trl $((120 * T)) env "$(site trl-grpo)" "$PY" scripts/bench_grpo_trl.py "${PEER[@]}" \
+step grpo-trl $((200 * T)) env "$(site trl-grpo)" "$PY" scripts/bench_grpo_trl.py "${PEER[@]}" \
   --out "$OUT/grpo-trl.json" "${GRPO[@]}"
 if env "$(site tunix)" "$PY" -c "import tunix.rl.grpo.grpo_learner" >/dev/null 2>&1; then
-  step grpo-tunix $((60 * T)) env "$(site tunix)" "$PY" scripts/bench_grpo_tunix.py "${PEER[@]}" \
+  step grpo-tunix $((120 * T)) env "$(site tunix)" "$PY" scripts/bench_grpo_tunix.py "${PEER[@]}" \
     --devices 1 --out "$OUT/grpo-tunix.json" "${GRPO[@]}" "${SAME[@]}"
 else
   echo "=== grpo-tunix: skipped, tunix does not import (its wheels: scripts/gpu_wheels.txt [tunix])"
