@@ -18,7 +18,9 @@ from jaxrlhf import train
 from jaxrlhf.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 20
+# PPO's rise comes in steps 10-20 (the schedule depends on the run's length): with 20 steps its last five
+# averaged 0.53-0.75 over seeds 0-2 on this package set, at the edge of the bar below; with 25, seed 0 ends at 0.91
+STEPS = 25
 
 
 @pytest.mark.slow
