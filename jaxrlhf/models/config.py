@@ -157,6 +157,11 @@ class ModelConfig:
     lora: LoraConfig | None = None  # LoRA adapters on chosen projections (models/lora.py); None: none
     # run the layer loop unrolled (True) or rolled (False); None: by depth (`UNROLL_MAX_LAYERS`, see `on_platform`)
     unroll_layers: bool | None = None
+    # Forwards without a KV cache over rows of at least this many tokens attend a block of `attention_block`
+    # queries and keys at a time (`models.blockwise`: one block's scores live, recomputed in the backward)
+    # instead of holding every [T, T] score matrix; None: always dense. Under context parallelism the ring does.
+    blockwise_attention_from: int | None = 8192
+    attention_block: int = 1024
 
     def __post_init__(self):
         self._normalize_eos()
@@ -183,6 +188,11 @@ class ModelConfig:
             raise ValueError(f"model.sliding_window_pattern={pattern!r} must be an integer >= 2 (or None)")
         if pattern is not None and self.sliding_window is None:
             raise ValueError("model.sliding_window_pattern needs a sliding_window")
+        for name in ("attention_block", "blockwise_attention_from"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"model.{name}={value!r} must be a positive integer"
+                                 + (" (or None: dense attention)" if name == "blockwise_attention_from" else ""))
         if self.rope_scaling is not None and self.rope_linear_factor is not None:
             raise ValueError("model.rope_scaling and model.rope_linear_factor: choose one rope scaling")
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta",
@@ -244,6 +254,12 @@ class ModelConfig:
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a sequence, the primary first; empty when the model has no EOS."""
         return () if self.eos_token_id is None else (self.eos_token_id, *self.extra_eos_token_ids)
+
+    def attends_blockwise(self, length: int, context: int = 1) -> bool:
+        """Whether a forward without a KV cache over rows of `length` tokens, split over `context` devices,
+        attends blockwise (`models.blockwise`): the runtime's rule, and the memory model's."""
+        start = self.blockwise_attention_from
+        return context == 1 and start is not None and length >= start and length > self.attention_block
 
     @property
     def unrolls_layers(self) -> bool:

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models import axes as ax
-from jaxrlhf.models import context, lora, moe, pipeline
+from jaxrlhf.models import blockwise, context, lora, moe, pipeline
 from jaxrlhf.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) never produce NaN
@@ -336,6 +336,8 @@ class Attention(nnx.Module):
         b, t = x.shape[:2]
         if kv is None and ax.length_ways() > 1:  # the sequence split over devices: ring attention
             return self._output(context.ring_attention(q, k, v, key_valid, segment_ids, cfg, local), b, t), None
+        if kv is None and cfg.attends_blockwise(t):  # long rows: one block of scores at a time
+            return self._output(blockwise.blockwise_attention(q, k, v, key_valid, segment_ids, cfg, local), b, t), None
         if kv is not None and pages is not None:  # paged: gather the rows' columns, the new tokens in place
             pool_k, pool_v, new_k, new_v = kv
             kv = (pool_k, pool_v, *(jax.lax.dynamic_update_index_in_dim(c, x.astype(c.dtype), layer, 0)
