@@ -59,7 +59,11 @@ SCORE_COPIES_BACKWARD = 2
 # 2304 keys XLA holds three (the model's forward then within -3 %, +15 % and +10 %), as at 16k; below
 # this many keys a forward counts one (between 128 and 1024 not measured).
 LONG_SCORES_KEYS = 1024
-BACKWARD_SCORES_KEYS = 8192  # the backward's score temporaries below (measured at 16k; 1k-8k not measured)
+# The backward's two more from 2k keys: llama3.2-1b's train call under remat, 16k tokens a device (1024-position
+# logit chunks): XLA 23.23 / 40.29 GiB at 2k / 4k keys, the model 25.19 / 41.19 (+8.4 / +2.2 %); without them
+# it was -26 % at 2k (at 1k not measured). Rows of `ModelConfig.blockwise_attention_from` tokens and more
+# attend blockwise and hold none of these (BLOCK_SCORE_COPIES_*).
+BACKWARD_SCORES_KEYS = 2048
 
 
 def dense_score_copies(keys: float) -> float:
@@ -136,6 +140,29 @@ def _ring_score_copies(seq_len: int, c: int, train: bool) -> float:
     recomputed ones with their gradients (`_block_grads`)."""
     parts = 2 if seq_len % (2 * c) == 0 else 1
     return (4 if train else 2) / parts**2
+
+
+# Blockwise attention (`models.blockwise`, rows of at least `ModelConfig.blockwise_attention_from` tokens on one
+# device): a forward holds one query block's float32 scores against one key block per head (scores,
+# exponentials, probabilities), a layer keeps each query's float32 log-sum-exp per head for its backward,
+# and the backward of one layer at a time adds its float32 query and output gradients beside one block
+# pair's recomputed scores, probabilities and their gradients.
+BLOCK_SCORE_COPIES_INFER = 3
+BLOCK_SCORE_COPIES_BACKWARD = 4
+
+
+def _block_score_copies(cfg: ModelConfig, width: int, train: bool) -> float:
+    """Blockwise attention's score matrices, as `copies` of a [T, block] matrix per query: one query block
+    of `width` at a time."""
+    return (BLOCK_SCORE_COPIES_BACKWARD if train else BLOCK_SCORE_COPIES_INFER) * cfg.attention_block / width
+
+
+def _blockwise_backward_bytes(cfg: ModelConfig, tokens: float, width: int, t: int) -> float:
+    """What one blockwise layer's backward adds while it runs (see BLOCK_SCORE_COPIES_*): a block pair's
+    float32 score-sized temporaries and the float32 query and output gradients of every token."""
+    _, q, _, _ = _per_token_widths(cfg, t)
+    scores = tokens * cfg.attention_block * cfg.num_heads / t * 4 * _block_score_copies(cfg, width, True)
+    return scores + tokens * 2 * q * 4
 
 
 def layer_matmul_bytes(cfg: ModelConfig, tokens: float, t: int) -> float:
@@ -233,8 +260,12 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         logit_tok, rows = logit_tok * m, rows * m
     # the RL log-prob calls build their logits a chunk of positions at a time (`models.logit_chunks`)
     logit_tok = chunk_positions(logit_tok, rows, wl.logit_chunk)
+    blocked = cfg.attends_blockwise(width, layout.context)
+    if blocked:  # one block of keys a score matrix holds (`models.blockwise`)
+        keys = cfg.attention_block
     if call.kind == "inference":
         copies = _ring_score_copies(width, layout.context, False) if layout.context > 1 else None
+        copies = _block_score_copies(cfg, width, False) if blocked else copies
         # the head runs after the last layer, so a forward's peak is the larger of a layer's and the logits'
         # (the residual stream, in both, is counted in the layer's)
         act = max(layer_live_bytes(cfg, tok, keys, t, copies),
@@ -249,9 +280,11 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         return out
     if layout.context > 1:
         layer = layer_saved_bytes(cfg, tok, keys, t, _ring_score_copies(width, layout.context, True))
+    elif blocked:  # a layer keeps no score matrix, only each query's float32 log-sum-exp per head
+        layer = layer_saved_bytes(cfg, tok, keys, t, 0.0) + tok * cfg.num_heads / t * 4
     else:
         layer = layer_saved_bytes(cfg, tok, keys, t)
-    if layout.context == 1 and wl.remat_for(call.role) != "none" and keys >= BACKWARD_SCORES_KEYS:
+    if layout.context == 1 and not blocked and wl.remat_for(call.role) != "none" and keys >= BACKWARD_SCORES_KEYS:
         # the backward's own score-sized temporaries in the layer it recomputes and differentiates
         # (measured under remat at 16k tokens; without remat or at short lengths unmeasured, and not counted)
         layer += tok * keys * cfg.num_heads / t * 4 * SCORE_COPIES_BACKWARD
@@ -262,19 +295,28 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         else cfg.num_layers
     remat = wl.remat_for(call.role)
     if remat == "full":  # layer inputs kept, one layer recomputed at a time
-        saved = kept * tok * cfg.hidden_size * ab + layer
+        saved, recomputed = kept * tok * cfg.hidden_size * ab, layer
     elif remat == "dots":  # matmul outputs kept, elementwise results recomputed
-        saved = kept * layer_matmul_bytes(cfg, tok, layout.tensor) + layer
+        saved, recomputed = kept * layer_matmul_bytes(cfg, tok, layout.tensor), layer
     else:
-        saved = kept * layer
-    act = saved + _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + hand_off + ring
+        saved, recomputed = kept * layer, 0.0
+    # Two phases of the backward that never overlap: the head's (its logits and their gradient, and under
+    # FSDP the gathered head and its gradient at full size) and then each layer's (the layer it recomputes,
+    # blockwise attention's temporaries). Without a pipeline the peak is the larger, beside what the forward
+    # kept (XLA's temporaries for llama3.2-1b's blockwise train call at 8k-32k tokens a device, 1024- and
+    # 4096-position logit chunks: the sum over-counted them by 25-40 %; scripts/check_memory_model.py). A
+    # pipelined call's stages interleave micro-batches, and both are counted.
+    layer_phase = recomputed + (_blockwise_backward_bytes(cfg, tok, width, t) if blocked else 0.0)
+    head_phase = _logit_bytes(cfg, head, logit_tok, t, LOGIT_COPIES_TRAIN) + 2 * head_gathered
+    phases = layer_phase + head_phase if layout.stage > 1 else max(layer_phase, head_phase)
+    act = saved + phases + hand_off + ring
     # under LoRA: the adapters' gradients only. Split like the optimizer state they feed (ZeRO-1):
     # the compiler carries that split back into the backward, each layer's summed gradient sliced as it is
     # made, and into the accumulator (XLA's temporaries for llama3.2-1b's train call on 8 devices at data 8,
     # data 4 x fsdp 2, data 2 x fsdp 4, data 2 x tensor 4 were 0.96-1.06x this count; scripts/check_memory_model.py)
     grads = optimizer_shard_count(cfg, head, layout) * DTYPE_BYTES[trained_dtype(cfg)]
-    # the gathered head and its gradient at full size, before the gradient is reduce-scattered
-    out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered + 2 * head_gathered}
+    # (the gathered head and its gradient: in the head's phase, above)
+    out = {"gradients": grads, "activations": act, "fsdp_buffers": gathered}
     if layout.expert > 1:
         out["expert_gathers"] = expert_gather_bytes(cfg, tok, layout, train=True)
     if layout.context > 1:  # every block's mask, hoisted out of the layers (RING_MASK_BYTES; not per head)

@@ -31,7 +31,9 @@ def test_context_degrees_are_weighed_for_long_sequences_only():
 def test_a_32k_token_plan_splits_the_train_calls_sequences_and_says_why(tmp_path, capsys):
     rc = main(["--devices", "64", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
                "--prompt-len", "1024", "--gen-len", "31744", "--batch", "8", "--evaluations", "200",
-               "algorithm.group_size=8", "algorithm.micro_batch_size=1", "--out", str(tmp_path)])
+               "algorithm.group_size=8", "algorithm.micro_batch_size=1",
+               # dense attention: blockwise, a whole 32k sequence trains on one device (test_context_memory)
+               "model.actor.overrides={blockwise_attention_from: null}", "--out", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
@@ -55,7 +57,7 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     from jaxrlhf.planner.budget import budget_candidates
     from jaxrlhf.run.planning import knob_workload
 
-    argv = ["--devices", "16", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
+    argv = ["--devices", "8", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
             "--prompt-len", "512", "--gen-len", "8192", "--batch", "32", "--evaluations", "1000",
             "algorithm.group_size=8", "algorithm.pack_sequences=true", "plan.response_length_median=1024",
             "plan.response_length_sigma=1", "--out", str(tmp_path)]
