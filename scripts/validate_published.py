@@ -40,7 +40,9 @@ How a case's placement maps onto jaxrlhf's layouts:
 Response lengths are log-normal with the case's `sigma` (0.8 where it states none) and a median that gives
 the published mean under the cap (`length_distribution`: a mean too close to the cap for that spread keeps the
 median at the cap and narrows the spread). A peer's paged engine (vLLM, SGLang) reads only the tokens each row
-holds (`Workload.live_kv`). A bad case file is one line naming the case and the field.
+holds (`Workload.live_kv`), and every peer's trainer and prefill run FlashAttention, which skips the causal
+mask's empty half and recomputes scores in the backward (`Workload.flash_attention`). A bad case file is one
+line naming the case and the field.
 """
 
 from __future__ import annotations
@@ -426,7 +428,7 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
         else wl.gen_slots
     peer_wl = dataclasses.replace(
         wl, gen_slots=slots, micro_batch=None if wl.micro_batch == "auto" else wl.micro_batch, varlen=wl.packed,
-        live_kv=paged_engine(case),
+        live_kv=paged_engine(case), flash_attention=True,
         remat={r: (remat if r in ("actor", "critic") else "none") for r in models})
     roomy = dataclasses.replace(hw, hbm_capacity=hw.hbm_capacity * 1e3)
     est = estimate_plan(peer, graph, models, peer_wl, roomy)

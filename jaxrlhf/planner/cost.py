@@ -33,6 +33,12 @@ the layout's collectives and a per-kernel dispatch cost:
   block's attention is paid (`context_comm`); where 2c divides T the zig-zag
   order's trades (half of q, k, v before the ring, half of the output after,
   once per forward and once more in the backward) are paid in full.
+- attention: jaxrlhf's dense attention computes every [T, T] score, the
+  causal mask's empty half too; its blockwise attention (rows of
+  `ModelConfig.blockwise_attention_from` tokens and more, `models.blockwise`)
+  skips the key blocks wholly in the future and its backward recomputes one
+  q.k^T product per block pair; a peer's FlashAttention (`Workload.
+  flash_attention`) is priced the same way in its tiles (`attention_kind`).
 - expert parallelism (layout.expert = e > 1, mixture-of-experts models):
   the batch is split over e more devices, each holding num_experts / e
   experts (their weights and FSDP gathers divided by e); in every MoE layer
@@ -95,6 +101,7 @@ from jaxrlhf.planner.workload import Workload
 if TYPE_CHECKING:
     from jaxrlhf.planner.knobs import CallKnobs
 
+FLASH_TILE = 128  # the key tile of a peer's FlashAttention (FlashAttention-2's block size on Hopper and Ampere)
 OPS_PER_LAYER = 10  # dispatched kernels per decoder layer per forward (norms, projections, attention, mlp)
 TP_ALLREDUCES_PER_LAYER = 2  # attention output and MLP output
 
@@ -195,16 +202,19 @@ class _Ctx:
         self.mm_head = cfg.hidden_size * cfg.vocab_size if head == "lm" else cfg.hidden_size
         self.mm_layer = (flop_params(cfg, head) - self.mm_head) / cfg.num_layers
 
-    def _block(self, tokens: float, keys: float, layers: float, runs: int) -> dict[str, float]:
-        """`runs` passes of `tokens` tokens per device through `layers` decoder layers."""
+    def _block(self, tokens: float, keys: float, layers: float, runs: int, attention: tuple[float, bool]
+               ) -> dict[str, float]:
+        """`runs` passes of `tokens` tokens per device through `layers` decoder layers; `attention`: the share
+        of the [T, keys] scores computed and whether a backward recomputes them (`attention_kind`)."""
         cfg, hw = self.cfg, self.hw
         w = self.w_layers * layers / cfg.num_layers
-        flops = runs * (2 * self.mm_layer * layers * tokens
-                        + attention_flops(cfg, tokens, keys) * layers / cfg.num_layers) / self.t
+        share, recomputed = attention
+        attend = runs * attention_flops(cfg, tokens, keys) * share * layers / cfg.num_layers / self.t
+        flops = runs * 2 * self.mm_layer * layers * tokens / self.t + attend
         hbm = runs * (w + tokens * cfg.hidden_size * self.act_bytes * layers * 4)
         tp_bytes = TP_ALLREDUCES_PER_LAYER * layers * tokens * cfg.hidden_size * self.act_bytes * runs
         return {
-            "flops": flops, "hbm": hbm,
+            "flops": flops, "hbm": hbm, "recomputed_scores_flops": attend / 2 if recomputed else 0.0,
             "tensor_comm": _ring_allreduce(tp_bytes, self.t, self.bw["tensor"], hw,
                                            count=TP_ALLREDUCES_PER_LAYER * layers * runs),
             "fsdp_comm": _ring_gather(runs * w, self.layout.fsdp, self.bw["fsdp"], hw, count=layers * runs),
@@ -261,17 +271,34 @@ class _Ctx:
         """The embedding lookup and output head for `runs` passes of `tokens` tokens per device."""
         flops = runs * 2 * self.mm_head * tokens / self.t
         hbm = runs * self.w_rest
-        return {"flops": flops, "hbm": hbm, "tensor_comm": 0.0,
+        return {"flops": flops, "hbm": hbm, "recomputed_scores_flops": 0.0, "tensor_comm": 0.0,
                 "fsdp_comm": _ring_gather(runs * self.w_rest, self.layout.fsdp, self.bw["fsdp"], self.hw, count=runs),
                 "overhead": runs * OPS_PER_LAYER * self.hw.kernel_latency,
                 "tp_bytes": 0.0, "fsdp_bytes": (self.layout.fsdp - 1) / self.layout.fsdp * runs * self.w_rest,
                 "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0,
                 "expert_comm": 0.0, "expert_bytes": 0.0}
 
+    def attention_kind(self, keys: float, cached: bool, flash: bool) -> tuple[float, bool]:
+        """(share of the [T, keys] score blocks a forward computes, whether its backward recomputes them):
+        jaxrlhf's dense attention computes every score, the causal mask's empty half too, and autodiff keeps
+        them; its blockwise attention (`ModelConfig.attends_blockwise`: rows of `blockwise_attention_from`
+        tokens and more, no KV cache, no context split) skips the key blocks wholly in the future, n (n + 1) / 2
+        of n x n blocks, and its backward recomputes a block pair's scores (one more q.k^T product); a peer's
+        FlashAttention (`flash`) does the same in tiles of FLASH_TILE tokens. The ring (c > 1) is priced as
+        dense."""
+        if flash:
+            n = max(math.ceil(keys / FLASH_TILE), 1)
+        elif not cached and self.cfg.attends_blockwise(int(keys), self.c):
+            n = math.ceil(keys / self.cfg.attention_block)
+        else:
+            return 1.0, False
+        return (n + 1) / (2 * n), True
+
     def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int,
-                head_tokens: float | None = None) -> dict[str, float]:
+                head_tokens: float | None = None, cached: bool = False, flash: bool = False) -> dict[str, float]:
         """One forward over `tokens_dev` tokens per device in `micro` micro-batches, the output head over
-        `head_tokens` of them (default all: a packed call reads only its real response tokens).
+        `head_tokens` of them (default all: a packed call reads only its real response tokens); `cached`:
+        a prefill writing a KV cache, `flash`: a peer's FlashAttention (`attention_kind`).
 
         Pipelined (S stages): M + S - 1 iterations of a block of num_layers / S layers,
         each followed by the hand-off of one micro-batch's activation to the next stage.
@@ -280,7 +307,8 @@ class _Ctx:
         tok = tokens_dev / micro
         runs = micro + S - 1
         head_tok = tok if head_tokens is None else head_tokens / micro
-        parts = [self._block(tok, keys, cfg.num_layers / S, runs), self._head(head_tok, micro)]
+        attention = self.attention_kind(keys, cached, flash)
+        parts = [self._block(tok, keys, cfg.num_layers / S, runs, attention), self._head(head_tok, micro)]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
         out["compute"] = max(out["flops"] / self.flops_s, out["hbm"] / self.mem_bw)
         hand_off = tok * cfg.hidden_size * self.act_bytes
@@ -301,7 +329,7 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     if c.c > 1:
         raise ValueError(f"{call.name}: generation is never context-parallel; layout {c.layout} has context={c.c}")
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
-    pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1)
+    pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1, cached=True, flash=wl.flash_attention)
     # Decode: `seqs` rows per step, n steps (rounds of gen_len steps). jaxrlhf's engines attend over every column
     # of a row's cache at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
     # pages gathered whole, `transformer._read_pages`), so every step reads and scores the whole cache. A
@@ -403,7 +431,7 @@ def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
 
 def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call))
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention)
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
     if c.c > 1:
@@ -419,7 +447,7 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw, lay = c.cfg, c.hw, c.layout
     steps = wl.minibatches * wl.ppo_epochs
     tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call))
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention)
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
     # forward, backward = 2 forwards (input and weight gradients), recomputed forward; under LoRA the
     # frozen base has no weight gradients, so the backward is about one forward (the adapters are tiny)
@@ -447,7 +475,8 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     param_gather = (_ring_gather(grad_shard, lay.data, c.bw["data"], hw)
                     + _ring_gather(outside, lay.expert, c.bw["expert"], hw))  # weights outside the experts
     per_step = {
-        "compute": passes * f["compute"],
+        # blockwise (or flash) attention's backward recomputes each block pair's scores
+        "compute": passes * f["compute"] + f["recomputed_scores_flops"] / c.flops_s,
         "tensor_comm": tp_passes * f["tensor_comm"],
         "fsdp_comm": fsdp,
         "grad_allreduce": dp + stage_ar + expert_ar,
@@ -468,7 +497,8 @@ def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
                     + ((lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0)
                     + (2 * (c.stages - 1) / c.stages * rest_shard if c.stages > 1 else 0.0)
                     + (2 * (lay.expert - 1) / lay.expert * outside if lay.expert > 1 else 0.0))
-    return _finish(parts, steps * passes * f["flops"], steps * (passes * f["hbm"] + opt_bytes), comm)
+    return _finish(parts, steps * (passes * f["flops"] + f["recomputed_scores_flops"]),
+                   steps * (passes * f["hbm"] + opt_bytes), comm)
 
 
 def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways: int,

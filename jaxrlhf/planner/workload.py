@@ -149,6 +149,10 @@ class Workload:
     # how peers' engines decode (`scripts/validate_published.py` prices their runs with it). jaxrlhf's engines
     # read every column of a row's cache, masked, at every step: the planner never sets this
     live_kv: bool = False
+    # a trainer whose attention skips the causal mask's empty half and recomputes its scores in the backward
+    # (FlashAttention): how peers train (`scripts/validate_published.py`). jaxrlhf's runtime does so for long rows
+    # only (`ModelConfig.attends_blockwise`), which the cost model reads from the model: the planner never sets this
+    flash_attention: bool = False
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
     # algorithm.logit_chunk_tokens: response positions a device whose logits the actor's and reference's
     # log-prob calls build at once (`models.logit_chunks`); None = all at once (and every non-RL call)

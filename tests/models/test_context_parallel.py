@@ -250,7 +250,8 @@ def test_cost_and_memory_models_price_the_context_axis():
     from jaxrlhf.planner.sizes import kv_bytes_per_token
     from jaxrlhf.planner.workload import Workload
 
-    cfg, hw = preset("llama2-7b"), get_profile("h100")
+    # dense attention on one device (8192-token rows would otherwise attend blockwise, priced apart)
+    cfg, hw = preset("llama2-7b").replace(blockwise_attention_from=None), get_profile("h100")
     wl = Workload(batch_size=8, prompt_len=4096, gen_len=4096, minibatches=1)
     inf, train = CallSpec("ref.inference", "ref", "inference"), CallSpec("actor.train", "actor", "train")
 

@@ -180,3 +180,27 @@ def test_the_decode_steps_roofline_sums_in_closed_form():
         x = np.arange(lo, hi + 1, dtype=float)
         want = float(np.maximum(a1 + b1 * x, a2 + b2 * x).sum()) if len(x) else 0.0
         assert _sum_of_max(a1, b1, a2, b2, lo, hi) == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_blockwise_attention_skips_the_future_blocks_and_recomputes_scores_in_the_backward():
+    """A 16k-token row on one device attends blockwise (16 key blocks of 1024): 16 x 17 / 2 of 256 block pairs,
+    and the backward one more q.k^T product per pair (half the forward's attention); dense attention (the
+    runtime's rule switched off) computes every score. A peer's FlashAttention is priced the same, in its
+    tiles (`Workload.flash_attention`)."""
+    wl = Workload(batch_size=8, prompt_len=1024, gen_len=15360, minibatches=1, remat="full")
+    dense_cfg = CFG.replace(blockwise_attention_from=None)
+    assert CFG.attends_blockwise(wl.seq_len) and not dense_cfg.attends_blockwise(wl.seq_len)
+    rows = wl.batch_size / 8  # one row a device
+    attend = attention_flops(CFG, rows * wl.seq_len, wl.seq_len)  # every score of one forward
+    passes = 3 + 1  # forward, backward (two forwards' worth), recomputed forward
+    share = 17 / 32
+    for call, forwards, recomputed in ((INF, 1, 0.0), (TRAIN, passes, 0.5)):
+        dense = cost(call, 8, Layout(fsdp=8), wl, cfg=dense_cfg).flops
+        blocked = cost(call, 8, Layout(fsdp=8), wl).flops
+        assert dense - blocked == pytest.approx(forwards * attend * (1 - share) - recomputed * attend * share,
+                                                rel=1e-9)
+    dense = cost(TRAIN, 8, Layout(fsdp=8), wl, cfg=dense_cfg).flops
+    flash = cost(TRAIN, 8, Layout(fsdp=8), dataclasses.replace(wl, flash_attention=True), cfg=dense_cfg).flops
+    tiles = wl.seq_len // 128
+    share = (tiles + 1) / (2 * tiles)
+    assert dense - flash == pytest.approx(passes * attend * (1 - share) - 0.5 * attend * share, rel=1e-9)
