@@ -286,7 +286,7 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
         layer = layer_saved_bytes(cfg, tok, keys, t)
     if layout.context == 1 and not blocked and wl.remat_for(call.role) != "none" and keys >= BACKWARD_SCORES_KEYS:
         # the backward's own score-sized temporaries in the layer it recomputes and differentiates
-        # (measured under remat at 16k tokens; without remat or at short lengths unmeasured, and not counted)
+        # (measured under remat at 2k, 4k and 16k keys, BACKWARD_SCORES_KEYS; without remat unmeasured, and not counted)
         layer += tok * keys * cfg.num_heads / t * 4 * SCORE_COPIES_BACKWARD
     # GPipe keeps every iteration's saved activations of the stage's layers until the backward:
     # M + S - 1 micro-batch passes of num_layers / S layers (M passes of all layers unpipelined
