@@ -278,24 +278,29 @@ class _Ctx:
                 "context_comm": 0.0, "context_bytes": 0.0, "trade_comm": 0.0, "trade_bytes": 0.0,
                 "expert_comm": 0.0, "expert_bytes": 0.0}
 
-    def attention_kind(self, keys: float, cached: bool, flash: bool) -> tuple[float, bool]:
+    def attention_kind(self, keys: float, cached: bool, flash: bool, blockwise: bool | None = None
+                       ) -> tuple[float, bool]:
         """(share of the [T, keys] score blocks a forward computes, whether its backward recomputes them):
         jaxrlhf's dense attention computes every score, the causal mask's empty half too, and autodiff keeps
         them; its blockwise attention (`ModelConfig.attends_blockwise`: rows of `blockwise_attention_from`
         tokens and more, no KV cache, no context split) skips the key blocks wholly in the future, n (n + 1) / 2
         of n x n blocks, and its backward recomputes a block pair's scores (one more q.k^T product); a peer's
         FlashAttention (`flash`) does the same in tiles of FLASH_TILE tokens. The ring (c > 1) is priced as
-        dense."""
+        dense. `blockwise`: whether the rows attend blockwise where `keys` (a packed row's own sequences') is
+        not the row's width, which decides it (`forward_shape`); None: decided by `keys`."""
+        if blockwise is None:
+            blockwise = not cached and self.cfg.attends_blockwise(int(keys), self.c)
         if flash:
             n = max(math.ceil(keys / FLASH_TILE), 1)
-        elif not cached and self.cfg.attends_blockwise(int(keys), self.c):
+        elif blockwise:
             n = math.ceil(keys / self.cfg.attention_block)
         else:
             return 1.0, False
         return (n + 1) / (2 * n), True
 
     def forward(self, tokens_dev: float, keys: float, seqs_dev: float, micro: int,
-                head_tokens: float | None = None, cached: bool = False, flash: bool = False) -> dict[str, float]:
+                head_tokens: float | None = None, cached: bool = False, flash: bool = False,
+                blockwise: bool | None = None) -> dict[str, float]:
         """One forward over `tokens_dev` tokens per device in `micro` micro-batches, the output head over
         `head_tokens` of them (default all: a packed call reads only its real response tokens); `cached`:
         a prefill writing a KV cache, `flash`: a peer's FlashAttention (`attention_kind`).
@@ -307,7 +312,7 @@ class _Ctx:
         tok = tokens_dev / micro
         runs = micro + S - 1
         head_tok = tok if head_tokens is None else head_tokens / micro
-        attention = self.attention_kind(keys, cached, flash)
+        attention = self.attention_kind(keys, cached, flash, blockwise)
         parts = [self._block(tok, keys, cfg.num_layers / S, runs, attention), self._head(head_tok, micro)]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
         out["compute"] = max(out["flops"] / self.flops_s, out["hbm"] / self.mem_bw)
@@ -403,19 +408,26 @@ def _share(grows: float, total: float) -> float:
     return float(min(max(grows / total, 0.0), 1.0)) if total > 0 else 1.0
 
 
-def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, float, int]:
-    """(tokens, attention keys per token, sequences, micro-batches) of one forward of a train call's
-    update or of an inference call, per device: padded rows of prompt_len + gen_len, or packed rows
-    (`Workload.packed_shape`: every micro-batch's rows, padding in them included; each token attends
-    over its row's width, masked). Context parallelism splits each row's tokens over its c devices."""
+def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, float, int, bool | None]:
+    """(tokens, attention keys per token, sequences, micro-batches, blockwise) of one forward of a train
+    call's update or of an inference call, per device: padded rows of prompt_len + gen_len, or packed rows
+    (`Workload.packed_shape`: every micro-batch's rows, padding in them included; each token attends over its
+    row's width, masked, where the row attends densely; blockwise, a block pair with no query and key of one
+    sequence is skipped (`models.blockwise`), so a token meets about its own sequence's keys, sum L^2 / sum L
+    over the drawn sequences, as a varlen kernel's do, and a block more). Context parallelism splits each row's tokens over its
+    c devices. `blockwise`: set where the keys are not the row's width (`_Ctx.attention_kind`)."""
     seqs = wl.call_seqs(call) / c.batch_ways
     if not wl.packed:
-        return seqs * wl.seq_len / c.c, wl.seq_len, seqs, wl.micro_batches(call)
+        return seqs * wl.seq_len / c.c, wl.seq_len, seqs, wl.micro_batches(call), None
     if wl.varlen:
         tokens, keys, micro, _ = wl.varlen_shape(call, c.batch_ways)
-        return tokens / c.c, keys, seqs, micro
+        return tokens / c.c, keys, seqs, micro, None
     shape = wl.packed_shape(call, c.batch_ways)
-    return shape.micro_batches * shape.rows * shape.width / c.c, shape.width, seqs, shape.micro_batches
+    tokens = shape.micro_batches * shape.rows * shape.width / c.c
+    if c.cfg.attends_blockwise(shape.width, c.c):  # plus a block: a sequence's ends rarely meet block edges
+        keys = min(wl.varlen_shape(call, c.batch_ways)[1] + c.cfg.attention_block, shape.width)
+        return tokens, keys, seqs, shape.micro_batches, True
+    return tokens, shape.width, seqs, shape.micro_batches, None
 
 
 def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
@@ -430,8 +442,8 @@ def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
 
 
 def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
-    tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention)
+    tokens, keys, seqs, micro, blockwise = forward_shape(c, wl, call)
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention, blockwise=blockwise)
     parts = {"forward": f["compute"], "tensor_comm": f["tensor_comm"], "fsdp_comm": f["fsdp_comm"],
              "stage_comm": f["stage_comm"], "overhead": f["overhead"]}
     if c.c > 1:
@@ -446,8 +458,8 @@ def inference_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
 def train_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cfg, hw, lay = c.cfg, c.hw, c.layout
     steps = wl.minibatches * wl.ppo_epochs
-    tokens, keys, seqs, micro = forward_shape(c, wl, call)
-    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention)
+    tokens, keys, seqs, micro, blockwise = forward_shape(c, wl, call)
+    f = c.forward(tokens, keys, seqs, micro, head_tokens(c, wl, call), flash=wl.flash_attention, blockwise=blockwise)
     recompute = {"none": 0.0, "dots": 0.3, "full": 1.0}[wl.remat_for(call.role)]  # share of a forward redone
     # forward, backward = 2 forwards (input and weight gradients), recomputed forward; under LoRA the
     # frozen base has no weight gradients, so the backward is about one forward (the adapters are tiny)

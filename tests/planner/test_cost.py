@@ -204,3 +204,22 @@ def test_blockwise_attention_skips_the_future_blocks_and_recomputes_scores_in_th
     tiles = wl.seq_len // 128
     share = (tiles + 1) / (2 * tiles)
     assert dense - flash == pytest.approx(passes * attend * (1 - share) - 0.5 * attend * share, rel=1e-9)
+
+
+def test_packed_rows_attending_blockwise_are_priced_by_their_own_sequences():
+    """Packed rows 8k tokens and wider attend blockwise, and a block pair with no query and key of one sequence
+    is skipped: a token meets about its own sequence's keys (sum L^2 / sum L, and a block more), not the row's
+    width, as dense packed rows do."""
+    wl = Workload(batch_size=64, prompt_len=512, gen_len=16384, minibatches=1, packed=True,
+                  gen_len_median=2048, gen_len_sigma=1.0, remat="full")
+    layout = Layout(fsdp=8)
+    shape = wl.packed_shape(INF, 8)
+    assert CFG.attends_blockwise(shape.width)
+    keys = wl.varlen_shape(INF, 8)[1] + CFG.attention_block
+    assert keys < shape.width / 2
+    dense_cfg = CFG.replace(blockwise_attention_from=None)
+    tokens = shape.micro_batches * shape.rows * shape.width  # a device's (the shape is a shard's)
+    n = -(-keys // CFG.attention_block)
+    want = attention_flops(CFG, tokens, shape.width) - attention_flops(CFG, tokens, keys) * (n + 1) / (2 * n)
+    got = cost(INF, 8, layout, wl, cfg=dense_cfg).flops - cost(INF, 8, layout, wl).flops
+    assert got == pytest.approx(want, rel=1e-9)
