@@ -38,7 +38,8 @@ the layout's collectives and a per-kernel dispatch cost:
   `ModelConfig.blockwise_attention_from` tokens and more, `models.blockwise`)
   skips the key blocks wholly in the future and its backward recomputes one
   q.k^T product per block pair; a peer's FlashAttention (`Workload.
-  flash_attention`) is priced the same way in its tiles (`attention_kind`).
+  flash_attention`) is priced the same way in its tiles, and ring attention
+  by its zig-zag order's share and recompute (`attention_kind`).
 - expert parallelism (layout.expert = e > 1, mixture-of-experts models):
   the batch is split over e more devices, each holding num_experts / e
   experts (their weights and FSDP gathers divided by e); in every MoE layer
@@ -285,13 +286,17 @@ class _Ctx:
         them; its blockwise attention (`ModelConfig.attends_blockwise`: rows of `blockwise_attention_from`
         tokens and more, no KV cache, no context split) skips the key blocks wholly in the future, n (n + 1) / 2
         of n x n blocks, and its backward recomputes a block pair's scores (one more q.k^T product); a peer's
-        FlashAttention (`flash`) does the same in tiles of FLASH_TILE tokens. The ring (c > 1) is priced as
-        dense. `blockwise`: whether the rows attend blockwise where `keys` (a packed row's own sequences') is
-        not the row's width, which decides it (`forward_shape`); None: decided by `keys`."""
+        FlashAttention (`flash`) does the same in tiles of FLASH_TILE tokens. The ring (c > 1, `models.context`)
+        recomputes too, and in zig-zag order (where 2c divides the row) each device scores (2c + 1) / 4c of its
+        queries' [T / c, T] scores; in contiguous order every step waits for the device that scores them all.
+        `blockwise`: whether the rows attend blockwise where `keys` (a packed row's own sequences') is not the
+        row's width, which decides it (`forward_shape`); None: decided by `keys`."""
         if blockwise is None:
             blockwise = not cached and self.cfg.attends_blockwise(int(keys), self.c)
         if flash:
             n = max(math.ceil(keys / FLASH_TILE), 1)
+        elif self.c > 1:
+            return ((2 * self.c + 1) / (4 * self.c) if keys % (2 * self.c) == 0 else 1.0), True
         elif blockwise:
             n = math.ceil(keys / self.cfg.attention_block)
         else:

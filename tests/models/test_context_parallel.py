@@ -247,7 +247,7 @@ def test_cost_and_memory_models_price_the_context_axis():
     from jaxrlhf.planner.cost import call_cost
     from jaxrlhf.planner.hardware import get_profile
     from jaxrlhf.planner.memory import working_set
-    from jaxrlhf.planner.sizes import kv_bytes_per_token
+    from jaxrlhf.planner.sizes import attention_flops, kv_bytes_per_token
     from jaxrlhf.planner.workload import Workload
 
     # dense attention on one device (8192-token rows would otherwise attend blockwise, priced apart)
@@ -258,10 +258,15 @@ def test_cost_and_memory_models_price_the_context_axis():
     def cost(call, layout, hw=hw):
         return call_cost(call, cfg, DeviceGroup("g", 0, layout.num_devices), layout, wl, hw)
 
-    for call in (inf, train):
+    attend = attention_flops(cfg, wl.batch_size * wl.seq_len, wl.seq_len)  # one forward's scores, one device
+    for call, forwards, recomputed in ((inf, 1, 0.0), (train, 4, 0.5)):  # train: full remat, 2 + 1 + 1
         one, ring = cost(call, Layout()), cost(call, Layout(context=4))
-        # per-device tokens divided by the degree: a quarter of the FLOPs (each query still sees all keys)
-        assert ring.flops == pytest.approx(one.flops / 4, rel=1e-9)
+        # per-device tokens divided by the degree: a quarter of the matmul FLOPs; in zig-zag order a device
+        # scores 9/16 of its queries' [T / 4, T] scores, and the backward recomputes them (half a forward's)
+        steps = wl.minibatches * wl.ppo_epochs if call is train else 1
+        share = (2 * 4 + 1) / (4 * 4)
+        assert ring.flops == pytest.approx((one.flops - steps * forwards * attend) / 4
+                                           + steps * (forwards + recomputed) * attend / 4 * share, rel=1e-9)
         assert "context_comm" in ring.parts and "context_comm" not in one.parts
         act = working_set(call, cfg, Layout(context=4), wl)["activations"]
         assert act < working_set(call, cfg, Layout(), wl)["activations"] / 3.5
