@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.context import _NO_WINDOW, _attend, _block_grads, _group, _mask, _Statics
+from jaxrlhf.models.context import _attend, _block_grads, _group, _mask, _Statics, layer_window
 
 
 def blockwise_attention(
@@ -43,13 +43,10 @@ def blockwise_attention(
     """Attention of `q` over `k`, `v` (rotated, not cached) a block at a time (see the module docstring);
     `local`: whether the layer attends through the sliding window (a Python bool or a traced flag).
     Returns [B, T, heads, D] in `v`'s dtype."""
-    b, t, h, d = q.shape
+    t = q.shape[1]
     block = config.attention_block
     padded = -(-t // block) * block
-    window = None
-    if config.sliding_window is not None and local is not False:
-        window = config.sliding_window if local is True else jnp.where(local, config.sliding_window, _NO_WINDOW)
-        window = jnp.asarray(window, jnp.int32)
+    window = layer_window(config, local)
     valid = key_valid.astype(bool)
     segments = None if segment_ids is None else segment_ids.astype(jnp.int32)
     if padded != t:  # padded keys are invalid (no query sees them); padded queries are dropped below

@@ -99,6 +99,15 @@ def _shard_specs(mesh, b: int, t: int, heads: int, kv_heads: int):
     return batch, length, heads
 
 
+def layer_window(config: ModelConfig, local: bool | jax.Array) -> jax.Array | None:
+    """The sliding window of a layer (`local`: a Python bool or a traced flag) as an int32 scalar, or None
+    where it attends globally; a traced global layer gets a window no sequence reaches."""
+    if config.sliding_window is None or local is False:
+        return None
+    window = config.sliding_window if local is True else jnp.where(local, config.sliding_window, _NO_WINDOW)
+    return jnp.asarray(window, jnp.int32)
+
+
 def ring_attention(
     q: jax.Array,
     k: jax.Array,
@@ -131,10 +140,7 @@ def ring_attention(
             f"length {t}: pad sequences to a multiple of {ways} (e.g. {-(-t // ways) * ways}) or use a layout "
             f"with context in {ok}")
     axis_name = axis[0] if len(axis) == 1 else axis
-    window = None
-    if config.sliding_window is not None and local is not False:
-        window = config.sliding_window if local is True else jnp.where(local, config.sliding_window, _NO_WINDOW)
-        window = jnp.asarray(window, jnp.int32)
+    window = layer_window(config, local)
     seq_spec = PartitionSpec(batch, length)
     qspec = PartitionSpec(batch, length, heads, None)
     args, specs = [q, k, v, key_valid.astype(bool)], [qspec, qspec, qspec, seq_spec]
