@@ -18,8 +18,11 @@ data sizes; per model where the source gives them) and staleness. For each case 
   gain over the peer's placement;
 
 then the median |log(predicted / published)| over the cases, and for cases published in pairs (the same
-workload synchronous and asynchronous) the predicted against the published ratio. With `--plans` each
-case's peer plan and searched plan are written there as plan files (`plan.file=` for a run).
+workload synchronous and asynchronous) the predicted against the published ratio. A pair whose source
+publishes no lengths has its mean length fitted on its colocated row: on that row's trainer stages where its
+breakdown prints them (the colocated row's step, generation above all, is then checked too, counted apart),
+else on its step. With `--plans` each case's peer plan and searched plan are written there as plan files
+(`plan.file=` for a run).
 
 How a case's placement maps onto jaxrlhf's layouts:
 - an FSDP or ZeRO-3 trainer shards parameters over every device outside its tensor / pipeline / context
@@ -348,12 +351,18 @@ class Result:
     pick_s: float | None
     pick: ExecutionPlan | None
     peer: ExecutionPlan
-    calls: dict[str, float]
+    calls: dict[str, float]  # seconds a step of each call (the steady-state timeline's mean)
     pair: str | None
     over_memory: bool = False  # jaxrlhf's runtime would not hold the peer's placement (priced for time anyway)
     mean: float | None = None  # the mean response length priced with
-    fitted: bool = False  # its mean length was fitted to its published time (a check of its pair, not of itself)
+    # what its mean length was fitted to (a check of its pair, not of that): "step" (its published step time,
+    # so the row matches by construction) or "trainer stages" (its published trainer stages: the step is then
+    # still a check of the rest, generation above all); None where the length is published or was fitted on
+    # its pair's colocated row
+    fitted: str | None = None
     fit_note: str | None = None  # the fit of its pair's length stopped at a bound
+    generate: tuple[str, ...] = ()  # the generate calls among `calls`
+    published_generation_s: float | None = None  # the published breakdown's generation stage
 
     @property
     def ratio(self) -> float | None:
@@ -362,6 +371,15 @@ class Result:
     @property
     def gain(self) -> float | None:
         return self.predicted_s / self.pick_s if self.predicted_s and self.pick_s else None
+
+    @property
+    def trainer_s(self) -> float:
+        """Seconds a step of every call but generation: the published breakdowns' trainer stages."""
+        return sum(s for c, s in self.calls.items() if c not in self.generate)
+
+    @property
+    def generate_s(self) -> float:
+        return sum(self.calls[c] for c in self.generate)
 
 
 def engine_slots(case: dict, cfg_model, hw, wl, generate) -> int:
@@ -400,7 +418,7 @@ def paged_engine(case: dict) -> bool:
     return engine.startswith(PAGED_ENGINES)
 
 
-def price(case: dict, evaluations: int, mean: float | None = None, search: bool = True) -> Result:
+def price(case: dict, evaluations: int, mean: float | None = None, search: bool | None = None) -> Result:
     """The case's own placement priced as the peer runs it, and the planner's pick for its cluster.
 
     The peer's time: jaxrlhf's cost model and simulator on the peer's placement with the knobs the peer
@@ -438,7 +456,7 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
                                gen_slots=slots, token_budget=wl.token_budget if wl.packed else None)
     pick_s, pick_plan = None, None
     try:
-        if search:
+        if search if search is not None else evaluations > 0:
             free = run_config(case, peer_knobs=False)  # the pick chooses its own knobs: the workload is the same
             searcher = setup(free, machine=Machine.described(free, case["devices"]), runtime=False)
             pick = searcher.search(evaluations=evaluations).best
@@ -447,29 +465,71 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
         pass
     return Result(case["name"], str(case["source"].get("ref", "")), float(case["published"]["step_s"]),
                   est.step_s if est.feasible else None, est.reason or own.reason, pick_s, pick_plan, peer,
-                  {c: v.seconds for c, v in est.calls.items()}, case.get("pair"), not own.feasible,
-                  float(case["response_len"]["mean"]))
+                  step_seconds(est), case.get("pair"), not own.feasible, float(case["response_len"]["mean"]),
+                  generate=tuple(c.name for c in graph.calls if c.kind == "generate"),
+                  published_generation_s=published_stages(case, GENERATION_STAGES))
+
+
+def step_seconds(est) -> dict[str, float]:
+    """Seconds a step of each call on the plan's steady-state timeline (a generate call's mean over the
+    batches of drawn lengths it cycles through), as the published breakdowns time their stages."""
+    if est.timeline is None:
+        return {c: v.seconds for c, v in est.calls.items()}
+    runs: dict[str, list[float]] = {}
+    for span in est.timeline.spans:
+        if span.op.kind == "call":
+            runs.setdefault(span.op.call, []).append(span.op.duration)
+    return {c: statistics.fmean(runs[c]) if c in runs else v.seconds for c, v in est.calls.items()}
+
+
+# The published breakdowns' stages of the trainer's device calls (verl: the old policy's log-probs, the
+# reference, the update; OpenRLHF: logits and rewards, training), and of generation. Weight sync, validation
+# and a split trainer's wait for samples are neither.
+TRAINER_STAGES = ("old_log_prob", "ref", "update_actor", "logits_and_reward", "training")
+GENERATION_STAGES = ("gen", "generation")
+
+
+def published_stages(case: dict, stages: tuple[str, ...]) -> float | None:
+    """Seconds of the published breakdown's `stages` together; None where it prints none of them."""
+    breakdown = case["published"].get("breakdown_s") or {}
+    times = [float(breakdown[k]) for k in stages if breakdown.get(k) is not None]
+    return sum(times) if times else None
 
 
 FIT_FLOOR = 16.0  # the shortest mean response a fit tries
 
 
-def fitted_mean(case: dict) -> tuple[float, str | None]:
-    """The mean response length at which the case's own placement is priced at its published step time (for a
-    workload whose source publishes no lengths): bisection, the step growing with the length. With a note
-    when no length reaches the published time (the fit stops at the cap or the floor)."""
+def fitted_mean(case: dict) -> tuple[float, str, str | None]:
+    """The mean response length (for a workload whose source publishes no lengths) at which the case's own
+    placement is priced at its published trainer stages (`TRAINER_STAGES`) where its breakdown prints them and
+    its trainer packs, else at its published step time: (mean, what it was fitted to, a note when no length
+    reaches the target and the fit stops at the cap or the floor). Bisection, the time growing with the length.
+
+    The trainer's stages come first because the cost model prices them from arithmetic (a forward and backward
+    over the batch's tokens): the length that fills them is the batch's. A whole step also holds generation,
+    whose time a long-tailed run sets by its longest responses at a handful of rows; fitted on the step, any error
+    in that tail moves the length, and the split row (its trainer on fewer devices) inherits it. A trainer that
+    pads its rows to the cap takes the same time whatever the mean: there only the step says the length."""
+    packs = bool((case["placement"].get("training") or {}).get("packed"))
+    trainer = published_stages(case, TRAINER_STAGES) if packs else None
+    target, fitted_to = (trainer, "trainer stages") if trainer else (float(case["published"]["step_s"]), "step")
+
+    def at(mean: float) -> float | None:
+        r = price(case, 0, mean=mean, search=False)
+        return (r.trainer_s if trainer else r.predicted_s) if r.predicted_s else None
+
     lo, hi = FIT_FLOOR, float(case["response_len"]["max"])
-    target = float(case["published"]["step_s"])
-    at = lambda mean: price(case, 0, mean=mean, search=False).predicted_s  # noqa: E731
-    if at(hi) < target:
-        return hi, "priced below the published time even at the cap: the fit stops there"
-    if at(lo) > target:
-        return lo, "priced above the published time even at the floor: the fit stops there"
+    top = at(hi)
+    if top is not None and top < target:
+        return hi, fitted_to, f"priced below the published {fitted_to} even at the cap: the fit stops there"
+    bottom = at(lo)
+    if bottom is not None and bottom > target:
+        return lo, fitted_to, f"priced above the published {fitted_to} even at the floor: the fit stops there"
     for _ in range(14):
         mid = math.sqrt(lo * hi)
         step = at(mid)
         lo, hi = (mid, hi) if step is not None and step < target else (lo, mid)
-    return math.sqrt(lo * hi), None
+    return math.sqrt(lo * hi), fitted_to, None
 
 
 def _pair(case: dict) -> tuple[str, str]:
@@ -480,7 +540,8 @@ def _pair(case: dict) -> tuple[str, str]:
 
 def price_all(cases: list[dict], evaluations: int, report=lambda r: None, jobs: int = 1) -> list[Result]:
     """Every case priced: with its published mean length, or (none published) with the length fitted on its
-    pair's colocated row (`fitted_mean`), which then checks the pair's split row. With `jobs` > 1 the pairs
+    pair's colocated row (`fitted_mean`: on its trainer's published stages where it can, which leaves that row's
+    step to check as well, else on its step), which then checks the pair's split row. With `jobs` > 1 the pairs
     (and lone cases) are priced in that many processes at once: the same numbers, as each search counts
     plans, not seconds."""
     for case in cases:
@@ -504,7 +565,7 @@ def price_all(cases: list[dict], evaluations: int, report=lambda r: None, jobs: 
 
 def _price_unit(cases: list[dict], evaluations: int) -> list[Result]:
     """`price_all` of one pair's rows (or one case)."""
-    fits: dict[str, tuple[float, str | None]] = {}
+    fits: dict[str, tuple[float, str, str | None]] = {}
     for case in cases:
         key, side = _pair(case)
         if case["response_len"].get("mean") is None and side == "colocated":
@@ -515,15 +576,17 @@ def _price_unit(cases: list[dict], evaluations: int) -> list[Result]:
         if case["response_len"].get("mean") is not None:
             results.append(price(case, evaluations))
         else:
-            mean, note = fits[key]
-            results.append(dataclasses.replace(price(case, evaluations, mean=mean), fitted=side == "colocated",
-                                               fit_note=note))
+            mean, fitted_to, note = fits[key]
+            results.append(dataclasses.replace(price(case, evaluations, mean=mean), fit_note=note,
+                                               fitted=fitted_to if side == "colocated" else None))
     return results
 
 
 def summarize(results: list[Result]) -> dict:
-    priced = [r for r in results if r.ratio and not r.fitted]  # a fitted row matches by construction
+    priced = [r for r in results if r.ratio and not r.fitted]  # a fitted row matches (in part) by construction
     logs = [abs(math.log(r.ratio)) for r in priced]
+    # the colocated rows whose length was fitted on their trainer's stages: their steps check the rest
+    staged = [r for r in results if r.ratio and r.fitted == "trainer stages"]
     pairs: dict[str, dict[str, Result]] = {}
     for r in results:
         if r.pair:
@@ -542,6 +605,16 @@ def summarize(results: list[Result]) -> dict:
         "within_0.67_1.5": sum(1 for r in priced if 0.67 <= r.ratio <= 1.5),
         "median_gain": statistics.median([r.gain for r in priced if r.gain]) if any(r.gain for r in priced) else None,
         "pair_ratios": ratios,
+        "trainer_fitted": {
+            "rows": len(staged),
+            "median_abs_log_ratio_with_them": statistics.median(logs + [abs(math.log(r.ratio)) for r in staged])
+            if staged else None,
+            "within_0.67_1.5_with_them": sum(1 for r in priced + staged if 0.67 <= r.ratio <= 1.5),
+            "steps": {r.name: {"published": r.published_s, "predicted": r.predicted_s, "ratio": r.ratio,
+                               "generation_published": r.published_generation_s,
+                               "generation_predicted": r.generate_s}
+                      for r in staged},
+        },
     }
 
 
@@ -551,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write every case's numbers and the summary here (JSON)")
     ap.add_argument("--plans", help="write each case's peer plan and searched plan into this folder")
     ap.add_argument("--evaluations", type=int, default=DEFAULT_EVALUATIONS,
-                    help="plans the planner's search evaluates per case (default: as `python -m jaxrlhf.plan`)")
+                    help="plans the planner's search evaluates per case (default: as `python -m jaxrlhf.plan`; "
+                         "0: price the peers' placements only, no pick)")
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--jobs", type=int, default=1, help="price this many pairs of cases at once (processes)")
     args = ap.parse_args(argv)
@@ -573,6 +647,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{summary['priced']} of {summary['cases']} cases priced; median |log(predicted / published)| = "
           f"{med:.3f} ({math.exp(med):.2f}x); {summary['within_0.67_1.5']} within 0.67-1.5x" if med is not None
           else "no case priced")
+    staged = summary["trainer_fitted"]
+    if staged["rows"]:
+        print(f"with the {staged['rows']} colocated rows whose length was fitted on their trainer's stages: median "
+              f"{staged['median_abs_log_ratio_with_them']:.3f}, {staged['within_0.67_1.5_with_them']} within 0.67-1.5x")
+        for name, r in staged["steps"].items():
+            gen = (f"; generation {r['generation_predicted']:.0f} / {r['generation_published']:.0f} s"
+                   if r["generation_published"] else "")
+            print(f"  {name}: step {r['predicted']:.0f} / {r['published']:.0f} s ({r['ratio']:.2f}){gen}")
     for key, r in summary["pair_ratios"].items():
         print(f"{key}: colocated / split step published {r['published']:.2f}, predicted "
               f"{r['predicted']:.2f} ({r['off'] * 100:+.0f} %)")
@@ -601,7 +683,7 @@ def _print_row(r: Result) -> None:
     ratio = f"{r.ratio:5.2f}" if r.ratio else "  n/a"
     pick = f"{r.pick_s:8.1f}" if r.pick_s else f"{'n/a':>8}"
     gain = f"{r.gain:5.2f}x" if r.gain else "   n/a"
-    how = "  (mean length fitted here)" if r.fitted else ""
+    how = f"  (mean length fitted here, on its {r.fitted})" if r.fitted else ""
     how += f"  ({r.fit_note})" if r.fit_note else ""
     print(f"{r.name:46s} published {r.published_s:8.1f}  predicted {pred}  ratio {ratio}  searched {pick}  "
           f"gain {gain}  mean response {r.mean:6.0f}{how}", flush=True)

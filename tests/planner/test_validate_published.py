@@ -150,3 +150,39 @@ def test_a_peer_that_recomputes_the_old_log_probs_runs_the_actors_forward_first(
     assert script.recomputes_logprobs(stated)
     assert script.run_config(stated).algorithm.rollout_correction == "decoupled"
     assert script.run_config(stated, peer_knobs=False).algorithm.rollout_correction == "none"  # the pick's own run
+
+
+def test_a_pairs_length_is_fitted_on_the_colocated_rows_trainer_stages_and_its_step_is_left_to_check(script):
+    """A pair without published lengths: where the colocated row's breakdown prints its trainer's stages (verl's
+    old_log_prob and update_actor), the mean length is the one at which the trainer's calls are priced at them,
+    and that row's step, generation included, is then a check too (counted apart from the unfitted rows); a
+    breakdown without them leaves the fit on the whole step, which then matches by construction."""
+    pair = {"placement": {"kind": "colocated", "generation": {"tp": 2},
+                          "training": {"backend": "megatron", "tp": 2, "pp": 2, "packed": True}},
+            "staleness": 0, "name": "toy-sync", "pair": "toy:colocated", "response_len.mean": None}
+    colocated = _case(**pair, **{"published.breakdown_s": {"gen": 30.0, "old_log_prob": 1.0, "update_actor": 1.0}})
+    at_500 = script.price(colocated, 0, mean=500, search=False)
+    assert set(at_500.generate) == {"actor.generate"} and at_500.trainer_s > 0
+    colocated["published"]["breakdown_s"]["update_actor"] = at_500.trainer_s - 1.0
+    mean, fitted_to, note = script.fitted_mean(colocated)
+    assert fitted_to == "trainer stages" and note is None and mean == pytest.approx(500, rel=0.01)
+
+    split = _case(**{"name": "toy-async", "pair": "toy:split", "response_len.mean": None,
+                     "placement.training.packed": True})
+    results = script.price_all([colocated, split], evaluations=0)
+    assert [r.fitted for r in results] == ["trainer stages", None]
+    assert results[0].mean == results[1].mean == pytest.approx(mean)
+    summary = script.summarize(results)
+    assert summary["priced"] == 1  # the split row; the colocated row's trainer stages were fitted
+    staged = summary["trainer_fitted"]["steps"]["toy-sync"]
+    assert staged["generation_published"] == 30.0 and staged["generation_predicted"] == results[0].generate_s > 0
+    assert staged["ratio"] == pytest.approx(results[0].predicted_s / 60.0)
+
+    whole = _case(**pair)  # no breakdown; a padding trainer's stages would not say the length either
+    whole["published"]["step_s"] = script.price(whole, 0, mean=500, search=False).predicted_s
+    padded = _case(**{**pair, "placement": {**pair["placement"], "training": {"backend": "megatron", "tp": 2}}},
+                   **{"published.breakdown_s": colocated["published"]["breakdown_s"]})
+    assert script.fitted_mean(padded)[1] == "step"
+    mean, fitted_to, _ = script.fitted_mean(whole)
+    assert fitted_to == "step"
+    assert mean == pytest.approx(500, rel=0.01)
