@@ -19,7 +19,10 @@ once per sample. This engine does the work each row needs, and keeps the cache i
   that ends frees its slot and the next waiting row enters it (its first token is sampled from its
   prompt's prefill logits). Active slots are moved to the front and each step runs the narrowest of a few
   static widths (`slots.step_widths`) that holds them: a long tail's last rows cost a narrow step, not a
-  full batch. Entering, paging and widths are data: one program per shape.
+  full batch. Likewise each step reads the narrowest of a few static spans of response columns
+  (`slots.read_columns`: the cap and its halves) that holds every active row's tokens so far: under a long
+  cap, the early steps attend over the columns filled, not the cap's. Entering, paging, widths and reads are
+  data: one program per shape.
 - Same arithmetic per row. A row's columns are its left-padded prompt bucket then its response, at the
   same rotary positions as in the static cache, so greedy tokens agree with the static engine.
 - Sampling keys are per row and token, `fold_in(fold_in(rng, row), i)`: a row's sample does not depend on
@@ -137,6 +140,7 @@ class PagedEngine:
         self.unassigned = self.base + response_pages  # a page id past the pool
         self.cols = bucket + max_new_tokens
         self.widths = sz.step_widths(slots)
+        self.reads = sz.read_columns(max_new_tokens, self.ps)
         self.layers_n, self.kvh, self.hd = cfg.num_layers, cfg.num_kv_heads, cfg.dim_per_head
         self.row_keys = row_keys
         self.shard_ids = jnp.arange(ways)
@@ -255,11 +259,15 @@ class PagedEngine:
         step = active.astype(jnp.int32)
         return dict(st, i=st["i"] + step, tok=jnp.where(active, token, st["tok"]), pos=st["pos"] + step)
 
-    # ---- the decode step at a static width: the model runs the first `w` slots of every shard
+    # ---- the decode step at a static width and read: the model runs the first `w` slots of every shard over
+    # the first `read` response columns of their caches (every active slot's tokens so far lie within them)
 
-    def decode(self, w, pool, st):
+    def decode(self, w, read, pool, st):
         ways, s, layers_n, kvh, hd = self.ways, self.s, self.layers_n, self.kvh, self.hd
-        row, i, tok, pos, table, valid = (st[k][:, :w] for k in ("row", "i", "tok", "pos", "table", "valid"))
+        cols = self.bucket + read
+        row, i, tok, pos = (st[k][:, :w] for k in ("row", "i", "tok", "pos"))
+        table = st["table"][:, :w, :self.prompt_pages + -(-read // self.ps)]
+        valid = st["valid"][:, :w, :cols]
         flat = lambda x: x.reshape(ways * w, *x.shape[2:])  # noqa: E731
         active = row >= 0
         cache = PagedKVCache(k=pool[0], v=pool[1], valid=flat(valid), index=flat(self.bucket + i - 1), table=table)
@@ -272,7 +280,7 @@ class PagedEngine:
         keys = self.keys_of(jnp.repeat(self.shard_ids, w), flat(row), flat(i))
         token, logp = _sample_rows(keys, logits[:, 0], self.sampling)
         widen = lambda x, fill: jnp.full((ways, s), fill, x.dtype).at[:, :w].set(x.reshape(ways, w))  # noqa: E731
-        valid = st["valid"].at[:, :w].set(cache.valid.reshape(ways, w, self.cols))
+        valid = st["valid"].at[:, :w, :cols].set(cache.valid.reshape(ways, w, cols))
         new = jnp.zeros((2, layers_n, ways, s, kvh, hd), cache.new_k.dtype).at[:, :, :, :w].set(
             jnp.stack([cache.new_k, cache.new_v])[:, :, :, 0].reshape(2, layers_n, ways, w, kvh, hd))
         if self.record_experts:
@@ -295,8 +303,10 @@ class PagedEngine:
         active = st["row"] >= 0
         st = jax.lax.cond(jnp.any(~active[:, :-1] & active[:, 1:]), shards(self.compact), lambda st: st, st)
         busy = (st["row"] >= 0).sum(axis=1).max()
-        branch = (jnp.asarray(self.widths) >= busy).sum() - 1
-        branches = [lambda pool, st, w=w: self.decode(w, pool, st) for w in self.widths]
+        longest = jnp.where(st["row"] >= 0, st["i"], 0).max()  # the step feeds token i - 1: reads i columns
+        branch = ((jnp.asarray(self.widths) >= busy).sum() - 1) * len(self.reads) + (
+            jnp.asarray(self.reads) >= longest).sum() - 1
+        branches = [lambda pool, st, w=w, r=r: self.decode(w, r, pool, st) for w in self.widths for r in self.reads]
         new, st["valid"], token, logp, *routed = jax.lax.switch(branch, branches, pool, st)
         if routed:  # each active slot's row, column i - 1
             st["experts"] = jax.vmap(lambda e, row, i, x: e.at[jnp.where(row >= 0, row, self.per_shard), i - 1].set(

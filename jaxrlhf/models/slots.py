@@ -12,6 +12,8 @@ import math
 
 PAGE_SIZE = 16  # tokens per KV page (a prompt bucket is a multiple of it: buckets are 16 x 2^k)
 WIDTHS = 4  # active-width steps: the pool's width, 1/2, 1/4 and 1/8 of it
+READS = 4  # response columns a decode step may read: the cap, 1/2, 1/4 and 1/8 of it
+MIN_READ = 512  # no narrower read than this many response columns (a short cap's steps read all of it)
 
 
 def default_slots(rows: int) -> int:
@@ -99,3 +101,24 @@ def step_widths(slots_per_shard: int) -> tuple[int, ...]:
         if w not in out:
             out.append(w)
     return tuple(out)
+
+
+def read_columns(max_new_tokens: int, page: int) -> tuple[int, ...]:
+    """Response columns a decode step may read, widest first: the cap, then halves of it in whole pages, none
+    under `MIN_READ`. Each step reads the narrowest that holds every active row's tokens so far (after its prompt
+    bucket): a row's early steps attend over the columns it has filled, not over the cap's. A cap under twice
+    `MIN_READ` has one read (each extra one is one more compiled decode step per width)."""
+    out = [int(max_new_tokens)]
+    for k in range(1, READS):
+        read = -(-(-(-max_new_tokens // 2**k)) // page) * page  # ceil(cap / 2^k), rounded up to whole pages
+        if read < MIN_READ or read >= out[-1]:
+            break
+        out.append(read)
+    return tuple(out)
+
+
+def read_segments(max_new_tokens: int, page: int) -> tuple[tuple[int, int], ...]:
+    """(response columns read, decode steps) over one row's `max_new_tokens` steps when its pool started
+    together (`read_columns`): step i (1-based, feeding token i - 1) reads the narrowest read >= i."""
+    reads = sorted(read_columns(max_new_tokens, page))
+    return tuple((r, r - prev) for prev, r in zip([0, *reads[:-1]], reads))

@@ -196,3 +196,36 @@ def test_a_sharded_batch_pads_the_prompts_and_rounds_the_slots(model):
         assert ax.batch_ways() == 8
         out = sharded(state, tokens, mask, limits)
     _assert_same(out, ref)
+
+
+@pytest.mark.slow
+def test_steps_read_only_the_columns_their_rows_filled(model, monkeypatch):
+    """Under a cap of several reads (`slots.read_columns`, here with one page as the narrowest), each step reads
+    the narrowest span of response columns that holds every active row's tokens: the same greedy tokens as the
+    static engine (which reads the whole cache), with refills and preemption, and the narrow reads do run."""
+    from jaxrlhf.models.continuous import PagedEngine
+
+    monkeypatch.setattr(sz, "MIN_READ", sz.PAGE_SIZE)
+    n = 44  # a shape no other test traces: the engine is built with these reads
+    assert sz.read_columns(n, sz.PAGE_SIZE) == (44, 32, 16)
+    assert sz.read_segments(n, sz.PAGE_SIZE) == ((16, 16), (32, 16), (44, 12))
+    reads: list[int] = []
+    decode = PagedEngine.decode
+
+    def recorded(self, w, read, pool, st):  # runs in the branch the step takes
+        jax.debug.callback(lambda: reads.append(read))
+        return decode(self, w, read, pool, st)
+
+    monkeypatch.setattr(PagedEngine, "decode", recorded)
+    tokens, mask = _grouped(PROMPTS, G)
+    limits = jnp.asarray([44, 30, 17, 44, 2, 25], jnp.int32)
+    graphdef, state = nnx.split(model)
+    ref = gen.generate_tokens(graphdef, state, tokens, mask, jax.random.key(0), max_new_tokens=n, sampling=GREEDY,
+                              eos_id=None, pad_id=0, max_lengths=limits)
+    _assert_same(_continuous(model, tokens, mask, n=n, eos_id=None, group_size=G, max_lengths=limits), ref)
+    # every row starts at once: steps 1-16 read 16 columns, 17-32 read 32, the rest 44
+    assert reads[:16] == [16] * 16 and reads[16:32] == [32] * 16 and set(reads[32:]) == {44}
+    reads.clear()
+    _assert_same(_continuous(model, tokens, mask, n=n, eos_id=None, group_size=G, slots=4, kv_pages=3,
+                             max_lengths=limits), ref)
+    assert set(reads) == {16, 32, 44}  # refills and restarts after preemption read from the narrowest again
