@@ -177,6 +177,10 @@ class CallCost:
     # weights' reads and the launches, every step pays alike): what a narrow step of the continuous
     # engine's tail costs (`Workload.decode_fractions`). 1.0: a step costs in proportion to its rows.
     decode_width_share: float = 1.0
+    # A generate call whose steps read only the columns their rows filled (`Workload.decode_reads`): the share of a
+    # full-width step's row part that grows with the columns read (the KV reads and scores), by which a step's
+    # cost follows its read (`Workload.decode_fractions`). 0.0: every step reads the whole cache.
+    decode_context_share: float = 0.0
 
 
 class _Ctx:
@@ -341,33 +345,43 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1, cached=True, flash=wl.flash_attention)
     # Decode: `seqs` rows per step, n steps (rounds of gen_len steps). jaxrlhf's engines attend over every column
-    # of a row's cache at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
+    # of a row's cache (the continuous engine: of its read, below) at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
     # pages gathered whole, `transformer._read_pages`), so every step reads and scores the whole cache. A
     # `live_kv` engine (a peer's paged attention) reads the row's own tokens: prompt_len + s at its step s, a
     # context growing linearly (the steps' sums, and the sum of each step's roofline, the larger of two linear
     # terms, in closed form); with drawn lengths each row's own, so every step is priced at the drawn rows' mean
     # context (`live_context`), `decode_fractions` scaling the steps by the rows they run.
+    # The continuous engine whose pool starts every row at once reads, at each step, only the narrowest span of
+    # response columns that holds its rows' tokens (`Workload.decode_reads`): a context of prompt_len + that span.
     rounds = n // wl.gen_len
-    if not wl.live_kv:
-        context = wl.prompt_len + wl.gen_len
+    reads = None if wl.live_kv else wl.decode_reads(call, c.batch_ways)
+    if reads:
+        contexts, counts = np.unique(wl.read_context(reads), return_counts=True)
+        segments: tuple[tuple[float, int], ...] | None = tuple(zip(contexts.tolist(), counts.tolist()))
+    elif not wl.live_kv:
+        segments = ((wl.prompt_len + wl.gen_len, wl.gen_len),)
     elif wl.lengths_vary and not wl.multi_turn:
-        context = wl.live_context()
+        segments = ((wl.live_context(), wl.gen_len),)
     else:
-        context = None  # growing, step by step
+        segments = None  # growing, step by step
     kv_heads_ways = min(c.t, cfg.num_kv_heads)
     w_tensor = c.w_layers + c.w_rest
 
-    def steps(rows: float) -> tuple[float, float, float, float]:
+    def steps(rows: float, segments=segments) -> tuple[float, float, float, float]:
         """The decode steps of `rows` rows: their FLOPs, bytes and seconds summed, and the tensor collectives'."""
-        # per step: flops = f0 + f1 * ctx, bytes = h0 + h1 * ctx, ctx = prompt_len + s for s in 0..gen_len-1
+        # per step: flops = f0 + f1 * ctx, bytes = h0 + h1 * ctx, ctx = prompt_len + s for s in 0..gen_len-1 (growing)
+        # or each segment's context for its steps
         f0, f1 = 2 * flop_params(cfg, c.head) * rows / c.t, attention_flops(cfg, rows, 1.0) / c.t
         h0, h1 = w_tensor, rows * kv_bytes_per_token(cfg) / kv_heads_ways
-        lo, hi = wl.prompt_len, wl.prompt_len + wl.gen_len - 1
-        if context is not None:  # the same context at every step: constant terms over the gen_len steps
-            f0, f1, h0, h1 = f0 + f1 * context, 0.0, h0 + h1 * context, 0.0
-        seconds = rounds * _sum_of_max(f0 / c.flops_s, f1 / c.flops_s, h0 / c.mem_bw, h1 / c.mem_bw, lo, hi)
         tp = _ring_allreduce(TP_ALLREDUCES_PER_LAYER * cfg.num_layers * rows * cfg.hidden_size * c.act_bytes * n,
                              c.t, c.bw["tensor"], hw, count=TP_ALLREDUCES_PER_LAYER * cfg.num_layers * n)
+        if segments is not None:
+            flops = rounds * sum(k * (f0 + f1 * x) for x, k in segments)
+            hbm = rounds * sum(k * (h0 + h1 * x) for x, k in segments)
+            seconds = rounds * sum(k * max((f0 + f1 * x) / c.flops_s, (h0 + h1 * x) / c.mem_bw) for x, k in segments)
+            return flops, hbm, seconds, tp
+        lo, hi = wl.prompt_len, wl.prompt_len + wl.gen_len - 1
+        seconds = rounds * _sum_of_max(f0 / c.flops_s, f1 / c.flops_s, h0 / c.mem_bw, h1 / c.mem_bw, lo, hi)
         return rounds * _linear_sum(f0, f1, lo, hi), rounds * _linear_sum(h0, h1, lo, hi), seconds, tp
 
     flops_steps, hbm_steps, decode, tp = steps(seqs)
@@ -389,7 +403,14 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     ) + (c.layout.fsdp - 1) / c.layout.fsdp * n * w_tensor
     cost = _finish(parts, pre["flops"] + flops_steps, pre["hbm"] + hbm_steps, comm)
     grows = 2 * (decode + tp - decode_half - tp_half)  # of the steps' seconds, what is in proportion to rows
-    return dataclasses.replace(cost, decode_width_share=_share(grows, cost.seconds - parts["prefill"]))
+    context_share = 0.0
+    if reads:  # of a full-context step's row part, what grows with the columns read (`decode_fractions`)
+        def row_part(context: float) -> float:
+            whole = ((context, wl.gen_len),)
+            return steps(seqs, whole)[2] - steps(seqs / 2, whole)[2]
+        context_share = _share(row_part(wl.seq_len) - row_part(0.0), row_part(wl.seq_len))
+    return dataclasses.replace(cost, decode_width_share=_share(grows, cost.seconds - parts["prefill"]),
+                               decode_context_share=context_share)
 
 
 def _linear_sum(a: float, b: float, lo: int, hi: int) -> float:
@@ -528,7 +549,8 @@ def generate_durations(cost: CallCost, wl: Workload, call: CallSpec, batch_ways:
     short batch's steps attend to a shorter cache, which this leaves out (it errs towards the longer
     time)."""
     prefill = cost.parts.get("prefill", 0.0)
-    fractions = wl.decode_fractions(call, batch_ways, streamed, cost.decode_width_share, eta)
+    fractions = wl.decode_fractions(call, batch_ways, streamed, cost.decode_width_share, eta,
+                                    cost.decode_context_share)
     return tuple(prefill + (cost.seconds - prefill) * f for f in fractions)
 
 

@@ -26,6 +26,7 @@ from jaxrlhf.models.slots import (
     page_size,
     pages_per_row,
     pool_size,
+    read_columns,
     shard_group,
     step_widths,
     stream_groups,
@@ -391,8 +392,27 @@ class Workload:
         micro = max(1, math.ceil(tokens * batch_ways / self.token_budget)) if self.token_budget else 1
         return tokens, keys, micro, rows * float(responses.mean()) / batch_ways
 
+    def decode_reads(self, call: CallSpec, batch_ways: int) -> tuple[int, ...] | None:
+        """The response columns a decode step of `call` may read (`models.slots.read_columns`), where the planner
+        prices them: the continuous engine whose pool holds every row of its shard at once, so all start together
+        and step t (0-based) reads the narrowest read >= t + 1 (`read_context`). None (every step priced reading the
+        whole cache): the static engine, a smaller pool (rows entering later keep the oldest row's read wide), a
+        stream (rows of several batches side by side), multi-turn, an uneven batch, or a cap of one read."""
+        rows = self.call_seqs(call)
+        if (self.gen_engine != "continuous" or self.streams or self.multi_turn or rows % batch_ways
+                or self.engine_pool(call, batch_ways) < rows):
+            return None
+        reads = read_columns(self.gen_len, page_size(self.prompt_len))
+        return reads if len(reads) > 1 else None
+
+    def read_context(self, reads: tuple[int, ...]) -> np.ndarray:
+        """Cached columns each of the gen_len decode steps reads under `reads` (`decode_reads`): prompt_len plus the
+        narrowest read that holds t + 1 response tokens at step t."""
+        return _read_context(reads, self.gen_len, self.prompt_len)
+
     def decode_fractions(self, call: CallSpec, batch_ways: int, streamed: bool = False,
-                         width_share: float = 1.0, eta: int | None = None) -> tuple[float, ...]:
+                         width_share: float = 1.0, eta: int | None = None,
+                         context_share: float = 0.0) -> tuple[float, ...]:
         """Per length batch, its decode steps as a fraction of `generate_shape`'s (every response at the
         cap, every step at the pool's full width): the static engine's loop runs until the batch's
         longest row ends (`models.generation` stops when every row is done), so max(L) / gen_len; the
@@ -403,7 +423,12 @@ class Workload:
         full-width steps, its admission paced by `eta` (the plan's; None: `staleness`) while its pool and
         group slots are sized as the runtime sizes them (`engine_pool`, `engine_rows`). All 1.0 when the
         lengths do not vary, but for a stream whose pool spans several batches (`pool_spans_batches`): there
-        a full-width step decodes rows of several batches, and the stream is simulated at the cap."""
+        a full-width step decodes rows of several batches, and the stream is simulated at the cap.
+
+        Where the engine's steps read only the columns their rows filled (`decode_reads`), a full-width step t
+        costs (1 - width_share) + width_share x ((1 - context_share) + context_share x c(t)) against the call's
+        average step, c(t) its columns read over the whole cache's and `context_share` the share of a row's
+        seconds that grows with the columns it reads: the tail's narrow steps read the most columns."""
         if not self.lengths_vary and not (streamed and self.pool_spans_batches(call, batch_ways)):
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
@@ -417,10 +442,16 @@ class Workload:
             groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways  # `rollouts.stream`'s
             runs = _stream_runs(*drawn, self.gen_len, rows, self.gen_group, batch_ways, slots,
                                 groups, self.gen_chunk, self.staleness if eta is None else eta)
+            reads, runs = None, tuple((steps, widths, widths) for steps, widths in runs)  # whole-cache reads
         else:
-            runs = _continuous_batches(*drawn, self.gen_len, rows, batch_ways, slots)
-        # a step of width w costs (1 - share) + share x w / slots of a full-width one
-        return tuple(float(min(((1 - width_share) * steps + width_share * widths) / n, 1.0)) for steps, widths in runs)
+            reads = self.decode_reads(call, batch_ways)
+            runs = _continuous_batches(*drawn, self.gen_len, rows, batch_ways, slots, reads, self.prompt_len)
+        # a step of width w costs (1 - share) + share x w / slots of a full-width one, its row part scaled by the
+        # columns it reads (1 - kv + kv c(t)) against the steps of the call's price (all gen_len of them)
+        kv = context_share if reads else 0.0
+        priced = (1 - kv) * n + kv * float(self.read_context(reads).sum()) / self.seq_len if kv else n
+        return tuple(float(min((1 - width_share) * run[0] / n
+                               + width_share * ((1 - kv) * run[1] + kv * run[2]) / priced, 1.0)) for run in runs)
 
     def kv_pages(self, call: CallSpec, batch_ways: int) -> int | None:
         """The continuous engine's response pages over all shards as priced (`generation.kv_pages`): as set,
@@ -478,12 +509,13 @@ class Workload:
                           self.engine_pool(call, batch_ways), self.kv_pages(call, batch_ways), batch_ways)[1]
 
 
-def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None
-                      ) -> list[tuple[float, float]]:
+def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None,
+                      weights: np.ndarray | None = None) -> list[tuple[float, float]]:
     """Decode steps run and their summed width / slots, from each shard's rows' (starts, ends) in steps:
     every shard steps together, a step runs where any row is active, at the narrowest of
     `models.slots.step_widths(slots)` holding the most active rows of any shard; split at the step
-    indices `cuts` (one (steps, widths) pair per interval before, between and after them)."""
+    indices `cuts` (one (steps, widths) pair per interval before, between and after them). `weights`: each
+    step's width scaled by weights[t] (a step past them by the last)."""
     total = int(max(e.max() for _, e in spans))
     active = np.zeros(total, dtype=np.int64)
     for starts, ends in spans:
@@ -493,6 +525,8 @@ def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cu
         active = np.maximum(active, np.cumsum(counts)[:total])
     widths = np.array(sorted(step_widths(slots)))
     width = np.where(active > 0, widths[np.minimum(np.searchsorted(widths, active), len(widths) - 1)], 0) / slots
+    if weights is not None:
+        width = width * weights[np.minimum(np.arange(total), len(weights) - 1)]
     bounds = [0, *(() if cuts is None else np.minimum(cuts, total)), total]
     return [(float(np.count_nonzero(active[a:b])), float(width[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
 
@@ -521,16 +555,33 @@ def _batches(median: int | None, sigma: float, cap: int, rows: int) -> tuple[tup
     return tuple(map(tuple, _drawn_lengths(median, sigma, cap, rows).astype(int).tolist()))
 
 
-def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int) -> tuple[float, float]:
-    """(steps, summed width / slots) of the continuous engine on one batch of response `lengths`."""
-    return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots)[0]
+def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int, reads: np.ndarray | None = None
+                      ) -> tuple[float, float, float]:
+    """(steps, summed width / slots, summed width / slots x `reads`[t]) of the continuous engine on one batch of
+    response `lengths`; `reads`: each step's columns read over the whole cache's (None: all of them)."""
+    spans = list(_continuous_spans(lengths, ways, slots))
+    steps, widths = _steps_and_widths(spans, slots)[0]
+    if reads is None:
+        return steps, widths, widths
+    return steps, widths, _steps_and_widths(spans, slots, weights=reads)[0][1]
 
 
 @functools.lru_cache(maxsize=4096)  # small entries, keyed by the lengths' parameters: the search asks for every pool
-def _continuous_batches(median: int | None, sigma: float, cap: int, rows: int, ways: int, slots: int
-                        ) -> tuple[tuple[float, float], ...]:
-    """`_continuous_batch` on each drawn batch of response lengths (`_batches`)."""
-    return tuple(_continuous_batch(batch, ways, slots) for batch in _batches(median, sigma, cap, rows))
+def _continuous_batches(median: int | None, sigma: float, cap: int, rows: int, ways: int, slots: int,
+                        reads: tuple[int, ...] | None = None, prompt_len: int = 0
+                        ) -> tuple[tuple[float, float, float], ...]:
+    """`_continuous_batch` on each drawn batch of response lengths (`_batches`), its steps reading `reads`
+    (`Workload.decode_reads`; None: the whole cache) after a prompt of `prompt_len`."""
+    weights = None if reads is None else _read_context(reads, cap, prompt_len) / (prompt_len + cap)
+    return tuple(_continuous_batch(batch, ways, slots, weights) for batch in _batches(median, sigma, cap, rows))
+
+
+def _read_context(reads: tuple[int, ...], cap: int, prompt_len: int) -> np.ndarray:
+    """Cached columns read at each of the `cap` decode steps of a pool that started together: step t (0-based,
+    feeding response token t) reads prompt_len plus the narrowest of `reads` that holds t + 1 tokens."""
+    ordered = np.sort(np.asarray(reads))
+    need = np.arange(1, cap + 1)
+    return prompt_len + ordered[np.minimum(np.searchsorted(ordered, need), len(ordered) - 1)].astype(np.float64)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -132,11 +132,12 @@ def test_generation_prefills_each_group_once_and_continuous_decodes_a_slot_pool(
         Workload(batch_size=64, gen_group=5)
 
 
-def test_decode_reads_the_whole_cache_as_jaxrlhf_does_and_a_paged_peer_only_its_rows_tokens():
-    """jaxrlhf's engines attend over every column of a row's cache at every step, masked (prompt + gen_len
-    columns), so each step reads the whole cache. A peer's paged engine (`Workload.live_kv`) reads each row's
-    own tokens: prompt + s at its step s; with drawn lengths (a row of L tokens, s < L) every step at
-    prompt + sum L(L - 1) / 2 / sum L of the drawn rows (by hand here)."""
+def test_decode_reads_the_cache_as_jaxrlhf_does_and_a_paged_peer_only_its_rows_tokens():
+    """jaxrlhf's static engine attends over every column of a row's cache at every step, masked (prompt + gen_len
+    columns); its continuous engine, whose pool starts every row at once, over the narrowest read of response
+    columns that holds its rows' tokens (`models.slots.read_columns`: 512 then 1024 of a 1024 cap). A peer's paged
+    engine (`Workload.live_kv`) reads each row's own tokens: prompt + s at its step s; with drawn lengths (a row of
+    L tokens, s < L) every step at prompt + sum L(L - 1) / 2 / sum L of the drawn rows (by hand here)."""
     from jaxrlhf.planner.sizes import kv_bytes_per_token
 
     drawn = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous", gen_len_median=300,
@@ -153,11 +154,17 @@ def test_decode_reads_the_whole_cache_as_jaxrlhf_does_and_a_paged_peer_only_its_
     def kv_bytes(a: Workload, b: Workload) -> float:  # decode bytes of a less those of b: only the reads differ
         return cost(GEN, 8, layout, a).hbm_bytes - cost(GEN, 8, layout, b).hbm_bytes
 
-    # 1024 steps: at the drawn rows' mean context against the whole cache's 128 + 1024 columns
-    assert kv_bytes(live, drawn) == pytest.approx(1024 * per_token * (by_hand - (128 + 1024)), rel=1e-9)
-    assert cost(GEN, 8, layout, live).parts["decode"] < cost(GEN, 8, layout, drawn).parts["decode"]
+    # 1024 steps: at the drawn rows' mean context against the continuous engine's reads (512 steps of 128 + 512
+    # columns, 512 of 128 + 1024) and the static engine's whole cache (128 + 1024 columns at every step)
+    static = dataclasses.replace(drawn, gen_engine="static")
+    assert drawn.decode_reads(GEN, 2) == (1024, 512) and static.decode_reads(GEN, 2) is None
+    reads = 512 * (128 + 512) + 512 * (128 + 1024)
+    assert kv_bytes(live, drawn) == pytest.approx(per_token * (1024 * by_hand - reads), rel=1e-9)
+    assert kv_bytes(drawn, static) == pytest.approx(per_token * (reads - 1024 * (128 + 1024)), rel=1e-9)
+    assert cost(GEN, 8, layout, live).parts["decode"] < cost(GEN, 8, layout, drawn).parts["decode"] < cost(
+        GEN, 8, layout, static).parts["decode"]
     # every response at the cap: a paged engine's context runs from the prompt to the cap, 128 + s at step s
-    at_cap = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="continuous")
+    at_cap = Workload(batch_size=64, prompt_len=128, gen_len=1024, gen_engine="static")
     growing = sum(128 + s for s in range(1024))
     assert kv_bytes(dataclasses.replace(at_cap, live_kv=True), at_cap) == pytest.approx(
         per_token * (growing - 1024 * (128 + 1024)), rel=1e-9)

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxrlhf.graph import CallGraph, CallSpec
@@ -259,6 +260,46 @@ def test_generate_lasts_as_long_as_the_engine_decodes_the_drawn_lengths():
         assert est.timeline.period() == LENGTH_BATCHES and np.mean(durations) <= est.step_s < cost.seconds
 
 
+def test_continuous_steps_that_read_only_the_filled_columns_cost_by_their_reads():
+    """The continuous engine with its pool holding the whole batch (rows start together) reads the narrowest
+    span of response columns that holds step t + 1's tokens (`models.slots.read_columns`: 512, 1024, 2048 of a
+    2048 cap). Priced step by step here: a step of width w costs (1 - share) + share x w / slots x
+    ((1 - kv) + kv x c(t)) against the call's steps, c(t) its columns read over the whole cache's; a batch's
+    time is its steps' share of the call's. Cheaper than the static engine's whole-cache steps."""
+    import dataclasses
+
+    from jaxrlhf.models.slots import read_columns
+    from jaxrlhf.planner.cost import CostCache, generate_durations
+
+    graph, models, wl, hw, p = _llama_async(gen_engine="continuous", gen_len_median=300, gen_len_sigma=1.0)
+    wl = dataclasses.replace(wl, gen_len=2048)
+    call = next(c for c in graph.calls if c.kind == "generate")
+    lay = p.calls[call.name].layout
+    ways = lay.data * lay.fsdp
+    assert wl.decode_reads(call, ways) == read_columns(2048, 16) == (2048, 1024, 512)
+    cost = CostCache(models, wl, hw).call(call, p.group_of(call.name), lay)
+    share, kv = cost.decode_width_share, cost.decode_context_share
+    assert 0 < share <= 1 and 0 < kv <= 1
+    reads = [512 if t < 512 else 1024 if t < 1024 else 2048 for t in range(2048)]
+    c = [(64 + r) / (64 + 2048) for r in reads]
+    priced = sum((1 - kv) + kv * x for x in c)
+    slots = 16 // ways
+    widths = sorted({-(-slots // 2**k) for k in range(4)})
+    prefill = cost.parts["prefill"]
+    for batch, got in zip(wl.response_lengths(16), generate_durations(cost, wl, call, ways)):
+        left = [sorted(s) for s in np.asarray(batch).reshape(ways, -1)]
+        steps, row_part = 0, 0.0
+        for t in range(int(max(batch))):
+            busiest = max(sum(1 for n in s if n > t) for s in left)
+            width = next(w for w in widths if w >= busiest)
+            steps += 1
+            row_part += width / slots * ((1 - kv) + kv * c[t])
+        fraction = (1 - share) * steps / 2048 + share * row_part / priced
+        assert got == pytest.approx(prefill + (cost.seconds - prefill) * fraction, rel=1e-9)
+    whole = CostCache(models, dataclasses.replace(wl, gen_engine="static"), hw).call(call, p.group_of(call.name), lay)
+    assert cost.parts["decode"] < whole.parts["decode"]
+
+
 def _continuous_by_step(lengths, ways: int, slots: int, share: float) -> float:
     """The continuous engine step by step (an independent count for the planner's): each shard's rows
     (contiguous blocks) enter its slots in order as slots free; every step each active row decodes a token
@@ -290,7 +331,10 @@ def test_decode_steps_of_the_engines_by_hand():
     for the first batch of a round, none left for the second."""
     from jaxrlhf.planner.workload import _continuous_batch, _stream_batches
 
-    assert _continuous_batch((5, 1, 1, 1), 1, 4) == (5.0, 2.0)
+    assert _continuous_batch((5, 1, 1, 1), 1, 4) == (5.0, 2.0, 2.0)
+    # steps reading a share of the cache each (weights by step): the width-4 step at 0.5, then widths of 1/4 at
+    # 0.5, 1, 1, 1
+    assert _continuous_batch((5, 1, 1, 1), 1, 4, np.array([0.5, 0.5, 1.0, 1.0, 1.0])) == (5.0, 2.0, 1.375)
     assert _continuous_by_step((5, 1, 1, 1), 1, 4, 1.0) == 2.0 and _continuous_by_step((5, 1, 1, 1), 1, 4, 0.0) == 5.0
     assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 1) == ((3.0, 3.0), (0.0, 0.0))
     # read every 4 steps: the groups done at step 3 are taken at 4, the next round decodes 4-6 (3 steps)
