@@ -110,15 +110,9 @@ def read_columns(max_new_tokens: int, page: int) -> tuple[int, ...]:
     `MIN_READ` has one read (each extra one is one more compiled decode step per width)."""
     out = [int(max_new_tokens)]
     for k in range(1, READS):
-        read = -(-(-(-max_new_tokens // 2**k)) // page) * page  # ceil(cap / 2^k), rounded up to whole pages
+        share = -(-max_new_tokens // 2**k)  # ceil(cap / 2^k)
+        read = -(-share // page) * page  # in whole pages
         if read < MIN_READ or read >= out[-1]:
             break
         out.append(read)
     return tuple(out)
-
-
-def read_segments(max_new_tokens: int, page: int) -> tuple[tuple[int, int], ...]:
-    """(response columns read, decode steps) over one row's `max_new_tokens` steps when its pool started
-    together (`read_columns`): step i (1-based, feeding token i - 1) reads the narrowest read >= i."""
-    reads = sorted(read_columns(max_new_tokens, page))
-    return tuple((r, r - prev) for prev, r in zip([0, *reads[:-1]], reads))

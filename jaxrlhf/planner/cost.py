@@ -345,8 +345,8 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     prompts, seqs, n = wl.generate_shape(call, c.batch_ways)
     pre = c.forward(prompts * wl.prompt_len, wl.prompt_len, prompts, 1, cached=True, flash=wl.flash_attention)
     # Decode: `seqs` rows per step, n steps (rounds of gen_len steps). jaxrlhf's engines attend over every column
-    # of a row's cache (the continuous engine: of its read, below) at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
-    # pages gathered whole, `transformer._read_pages`), so every step reads and scores the whole cache. A
+    # of a row's cache at every step, masked (prompt_len + gen_len columns: a dense cache, or a block table's
+    # pages gathered whole, `transformer._read_pages`; the continuous engine: of its read, below). A
     # `live_kv` engine (a peer's paged attention) reads the row's own tokens: prompt_len + s at its step s, a
     # context growing linearly (the steps' sums, and the sum of each step's roofline, the larger of two linear
     # terms, in closed form); with drawn lengths each row's own, so every step is priced at the drawn rows' mean

@@ -208,7 +208,6 @@ def test_steps_read_only_the_columns_their_rows_filled(model, monkeypatch):
     monkeypatch.setattr(sz, "MIN_READ", sz.PAGE_SIZE)
     n = 44  # a shape no other test traces: the engine is built with these reads
     assert sz.read_columns(n, sz.PAGE_SIZE) == (44, 32, 16)
-    assert sz.read_segments(n, sz.PAGE_SIZE) == ((16, 16), (32, 16), (44, 12))
     reads: list[int] = []
     decode = PagedEngine.decode
 
