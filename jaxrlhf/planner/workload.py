@@ -405,6 +405,15 @@ class Workload:
         reads = read_columns(self.gen_len, page_size(self.prompt_len))
         return reads if len(reads) > 1 else None
 
+    def stream_reads(self, call: CallSpec) -> tuple[int, ...] | None:
+        """A partial-rollout stream's reads (`models.slots.read_columns`): its steps read the narrowest that holds
+        its oldest active row's tokens (rows of several ages side by side), which `decode_fractions` follows step
+        by step in its simulation of the stream; None where the cap has one read or no stream runs."""
+        if not self.streams:
+            return None
+        reads = read_columns(self.gen_len, page_size(self.prompt_len))
+        return reads if len(reads) > 1 else None
+
     def read_context(self, reads: tuple[int, ...]) -> np.ndarray:
         """Cached columns each of the gen_len decode steps reads under `reads` (`decode_reads`): prompt_len plus the
         narrowest read that holds t + 1 response tokens at step t."""
@@ -425,10 +434,11 @@ class Workload:
         lengths do not vary, but for a stream whose pool spans several batches (`pool_spans_batches`): there
         a full-width step decodes rows of several batches, and the stream is simulated at the cap.
 
-        Where the engine's steps read only the columns their rows filled (`decode_reads`), a full-width step t
-        costs (1 - width_share) + width_share x ((1 - context_share) + context_share x c(t)) against the call's
-        average step, c(t) its columns read over the whole cache's and `context_share` the share of a row's
-        seconds that grows with the columns it reads: the tail's narrow steps read the most columns."""
+        Where the engine's steps read only the columns their rows filled (`decode_reads`; a stream's by its oldest
+        active row, `stream_reads`), a step's row part scales by (1 - context_share) + context_share x c(t), c(t)
+        its columns read over the whole cache's and `context_share` the share of a row's seconds that grows with
+        the columns it reads, against the row parts of the steps the call is priced at: the tail's narrow steps
+        read the most columns."""
         if not self.lengths_vary and not (streamed and self.pool_spans_batches(call, batch_ways)):
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
@@ -440,16 +450,18 @@ class Workload:
         drawn = (self.gen_len_median, self.gen_len_sigma) if self.lengths_vary else (None, 0.0)
         if streamed:
             groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways  # `rollouts.stream`'s
+            reads = self.stream_reads(call)
             runs = _stream_runs(*drawn, self.gen_len, rows, self.gen_group, batch_ways, slots,
-                                groups, self.gen_chunk, self.staleness if eta is None else eta)
-            reads, runs = None, tuple((steps, widths, widths) for steps, widths in runs)  # whole-cache reads
+                                groups, self.gen_chunk, self.staleness if eta is None else eta, reads, self.prompt_len)
+            kv = context_share if reads else 0.0
+            priced = float(n)  # the call is priced reading the whole cache at every step
         else:
             reads = self.decode_reads(call, batch_ways)
             runs = _continuous_batches(*drawn, self.gen_len, rows, batch_ways, slots, reads, self.prompt_len)
+            kv = context_share if reads else 0.0  # the call is priced at its steps' reads (`read_context`)
+            priced = (1 - kv) * n + kv * float(self.read_context(reads).sum()) / self.seq_len if kv else float(n)
         # a step of width w costs (1 - share) + share x w / slots of a full-width one, its row part scaled by the
-        # columns it reads (1 - kv + kv c(t)) against the steps of the call's price (all gen_len of them)
-        kv = context_share if reads else 0.0
-        priced = (1 - kv) * n + kv * float(self.read_context(reads).sum()) / self.seq_len if kv else n
+        # columns it reads (1 - kv + kv c(t)) against the row parts of the steps the call is priced at
         return tuple(float(min((1 - width_share) * run[0] / n
                                + width_share * ((1 - kv) * run[1] + kv * run[2]) / priced, 1.0)) for run in runs)
 
@@ -621,19 +633,51 @@ def _held_pages(spans: tuple[tuple[np.ndarray, np.ndarray], ...], page: int) -> 
 
 @functools.lru_cache(maxsize=4096)
 def _stream_runs(median: int | None, sigma: float, cap: int, rows: int, group: int, ways: int, slots: int,
-                 group_slots: int, chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
+                 group_slots: int, chunk: int, staleness: int, reads: tuple[int, ...] | None = None,
+                 prompt_len: int = 0) -> tuple[tuple[float, float, float], ...]:
     """`_stream_batches` on the drawn batches of response lengths (`_batches`)."""
-    return _stream_batches(_batches(median, sigma, cap, rows), group, ways, slots, group_slots, chunk, staleness)
+    return _stream_batches(_batches(median, sigma, cap, rows), group, ways, slots, group_slots, chunk, staleness,
+                           reads, prompt_len, cap)
 
 
 def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int, slots: int, group_slots: int,
-                    chunk: int, staleness: int) -> tuple[tuple[float, float], ...]:
-    """(steps, summed width / slots) of a partial-rollout stream between one batch's completion and the
-    next's, per batch of `lengths` [batches][rows], in steady state: the middle round of `_stream_spans`
-    (work enters it from the round before and leaves it for the round after)."""
+                    chunk: int, staleness: int, reads: tuple[int, ...] | None = None, prompt_len: int = 0,
+                    cap: int = 0) -> tuple[tuple[float, float, float], ...]:
+    """(steps, summed width / slots, summed width / slots x the step's columns read over the whole cache's) of a
+    partial-rollout stream between one batch's completion and the next's, per batch of `lengths` [batches][rows],
+    in steady state: the middle round of `_stream_spans` (work enters it from the round before and leaves it for
+    the round after). A step reads the narrowest of `reads` that holds its oldest active row's tokens
+    (`_oldest_ages`), after a prompt of `prompt_len`, of a cache of prompt_len + `cap` columns; `reads` None: the
+    whole cache."""
     shards, done_at = _stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)
     parts = _steps_and_widths(list(shards), slots, np.array(done_at))  # part k: batch k's, up to its completion
-    return tuple(parts[len(lengths):2 * len(lengths)])
+    if reads is None:
+        weighted = [w for _, w in parts]
+    else:
+        ordered = np.sort(np.asarray(reads))
+        ages = _oldest_ages(shards)
+        read = ordered[np.minimum(np.searchsorted(ordered, np.maximum(ages, 1)), len(ordered) - 1)]
+        weights = (prompt_len + read) / (prompt_len + cap)
+        weighted = [w for _, w in _steps_and_widths(list(shards), slots, np.array(done_at), weights)]
+    return tuple((s, w, x) for (s, w), x in zip(parts[len(lengths):2 * len(lengths)],
+                                                 weighted[len(lengths):2 * len(lengths)]))
+
+
+def _oldest_ages(shards: tuple[tuple[np.ndarray, np.ndarray], ...]) -> np.ndarray:
+    """At each decode step t, the tokens the oldest active row of any shard will hold after it (t - start + 1):
+    the runtime reads that many response columns at least (`models.continuous.PagedEngine.step`); 0 where no row
+    is active. Per shard, rows in start order: the oldest active at t is the first whose end is past t, found
+    through the running maximum of the ends."""
+    total = int(max(e.max() for _, e in shards))
+    steps = np.arange(total)
+    ages = np.zeros(total, dtype=np.int64)
+    for starts, ends in shards:
+        order = np.argsort(starts, kind="stable")
+        first = np.searchsorted(np.maximum.accumulate(ends[order]), steps, side="right")
+        found = first < len(order)
+        start = starts[order][np.minimum(first, len(order) - 1)]
+        ages = np.maximum(ages, np.where(found & (start <= steps), steps - start + 1, 0))
+    return ages
 
 
 @functools.lru_cache(maxsize=256)

@@ -336,12 +336,25 @@ def test_decode_steps_of_the_engines_by_hand():
     # 0.5, 1, 1, 1
     assert _continuous_batch((5, 1, 1, 1), 1, 4, np.array([0.5, 0.5, 1.0, 1.0, 1.0])) == (5.0, 2.0, 1.375)
     assert _continuous_by_step((5, 1, 1, 1), 1, 4, 1.0) == 2.0 and _continuous_by_step((5, 1, 1, 1), 1, 4, 0.0) == 5.0
-    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 1) == ((3.0, 3.0), (0.0, 0.0))
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 1) == ((3.0, 3.0, 3.0), (0.0, 0.0, 0.0))
     # read every 4 steps: the groups done at step 3 are taken at 4, the next round decodes 4-6 (3 steps)
-    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 4, 1) == ((3.0, 3.0), (0.0, 0.0))
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 4, 1) == ((3.0, 3.0, 3.0), (0.0, 0.0, 0.0))
     # eta = 0: batch 1 enters only once batch 0 is taken: batch 0's 3-token row runs alone for 2 of its
     # 3 steps (width 1 of 2), then batch 1's two rows take one step
-    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 0) == ((3.0, 2.0), (1.0, 1.0))
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 0) == ((3.0, 2.0, 2.0), (1.0, 1.0, 1.0))
+
+
+def test_a_streams_steps_read_by_its_oldest_active_row():
+    """In a stream rows of several ages decode side by side, and a step reads the narrowest span that holds the
+    oldest active row's tokens (`PagedEngine.step`). Ages by hand: rows of one shard over steps [0, 3), [0, 1),
+    [2, 6), [3, 4) and of another over [4, 5): the oldest active row at steps 0-5 holds 1, 2, 3, 2 (the first row
+    ended), 3, 4 tokens. With spans of 2 and 4 columns of a 4-column cap (no prompt), the eta = 0 stream above:
+    batch 0's steps read 2, 2, 4 columns at widths 1, 1/2, 1/2 (1.25 full steps' worth), batch 1's one step 2."""
+    from jaxrlhf.planner.workload import _oldest_ages, _stream_batches
+
+    shards = ((np.array([0, 0, 2, 3]), np.array([3, 1, 6, 4])), (np.array([4]), np.array([5])))
+    assert _oldest_ages(shards).tolist() == [1, 2, 3, 2, 3, 4]
+    assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 0, (4, 2), 0, 4) == ((3.0, 2.0, 1.25), (1.0, 1.0, 0.5))
 
 
 def test_a_streaming_generator_has_no_tail():
