@@ -136,6 +136,44 @@ def test_waves_and_chunks_equal_generating_all_prompts_at_once(model, ways):
     assert lengths.min() < lengths.max() <= N
 
 
+@pytest.mark.slow
+def test_a_streams_steps_read_by_its_oldest_row_and_give_the_same_rows(model, monkeypatch):
+    """With narrow spans of response columns in use (`slots.read_columns`, one page as the narrowest; a 20-token
+    cap: spans 8, 16, 20) each stream step reads the span that holds its oldest active row's tokens: rows admitted
+    in waves and decoded in chunks still equal the one-call engine's, and the narrow spans run."""
+    import sys
+
+    from jaxrlhf.models import slots as sz
+    from jaxrlhf.models.continuous import PagedEngine
+
+    here = sys.modules[__name__]
+    monkeypatch.setattr(sz, "MIN_READ", BUCKET)
+    monkeypatch.setattr(here, "N", 20)  # a shape no other test traces: the engines are built with these spans
+    monkeypatch.setattr(here, "CAPS", [20, 5, 9, 12, 3])
+    assert sz.read_columns(20, BUCKET) == (20, 16, 8)
+    reads: list[int] = []
+    decode = PagedEngine.decode
+
+    def recorded(self, w, read, pool, st):  # runs in the branch the step takes
+        jax.debug.callback(lambda: reads.append(read))
+        return decode(self, w, read, pool, st)
+
+    monkeypatch.setattr(PagedEngine, "decode", recorded)
+    rng = jax.random.key(7)
+    ref = _reference(model, rng, SAMPLED, None)
+    graphdef, params = nnx.split(model)
+    reads.clear()
+    _, taken = _stream_in_waves(graphdef, params, _spec(SAMPLED, None), rng)
+    assert {8, 16} <= set(reads)
+    for t in taken:
+        for k, u in enumerate(t.uids):
+            got, want = slice(k * G, (k + 1) * G), slice(u * G, (u + 1) * G)
+            for name in ("response_tokens", "response_mask", "lengths"):
+                np.testing.assert_array_equal(getattr(t.output, name)[got], np.asarray(getattr(ref, name))[want],
+                                              err_msg=f"{name} uid {u}")
+            np.testing.assert_allclose(t.output.logprobs[got], np.asarray(ref.logprobs)[want], atol=1e-5)
+
+
 def _dense_decode(model_a, model_b, prompt, versions):
     """Greedy decode of one prompt with a dense KV cache: token i is sampled from the logits of the model
     of its `versions[i]` (token 0 from model A's prefill), and the forward feeding token i-1 (which writes
