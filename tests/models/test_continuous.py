@@ -199,23 +199,14 @@ def test_a_sharded_batch_pads_the_prompts_and_rounds_the_slots(model):
 
 
 @pytest.mark.slow
-def test_steps_read_only_the_columns_their_rows_filled(model, monkeypatch):
+def test_steps_read_only_the_columns_their_rows_filled(model, monkeypatch, spans_read):
     """Under a cap of several reads (`slots.read_columns`, here with one page as the narrowest), each step reads
     the narrowest span of response columns that holds every active row's tokens: the same greedy tokens as the
     static engine (which reads the whole cache), with refills and preemption, and the narrow reads do run."""
-    from jaxrlhf.models.continuous import PagedEngine
-
     monkeypatch.setattr(sz, "MIN_READ", sz.PAGE_SIZE)
     n = 44  # a shape no other test traces: the engine is built with these reads
     assert sz.read_columns(n, sz.PAGE_SIZE) == (44, 32, 16)
-    reads: list[int] = []
-    decode = PagedEngine.decode
-
-    def recorded(self, w, read, pool, st):  # runs in the branch the step takes
-        jax.debug.callback(lambda: reads.append(read))
-        return decode(self, w, read, pool, st)
-
-    monkeypatch.setattr(PagedEngine, "decode", recorded)
+    reads = spans_read
     tokens, mask = _grouped(PROMPTS, G)
     limits = jnp.asarray([44, 30, 17, 44, 2, 25], jnp.int32)
     graphdef, state = nnx.split(model)

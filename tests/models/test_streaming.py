@@ -137,28 +137,20 @@ def test_waves_and_chunks_equal_generating_all_prompts_at_once(model, ways):
 
 
 @pytest.mark.slow
-def test_a_streams_steps_read_by_its_oldest_row_and_give_the_same_rows(model, monkeypatch):
+def test_a_streams_steps_read_by_its_oldest_row_and_give_the_same_rows(model, monkeypatch, spans_read):
     """With narrow spans of response columns in use (`slots.read_columns`, one page as the narrowest; a 20-token
     cap: spans 8, 16, 20) each stream step reads the span that holds its oldest active row's tokens: rows admitted
     in waves and decoded in chunks still equal the one-call engine's, and the narrow spans run."""
     import sys
 
     from jaxrlhf.models import slots as sz
-    from jaxrlhf.models.continuous import PagedEngine
 
     here = sys.modules[__name__]
     monkeypatch.setattr(sz, "MIN_READ", BUCKET)
     monkeypatch.setattr(here, "N", 20)  # a shape no other test traces: the engines are built with these spans
     monkeypatch.setattr(here, "CAPS", [20, 5, 9, 12, 3])
     assert sz.read_columns(20, BUCKET) == (20, 16, 8)
-    reads: list[int] = []
-    decode = PagedEngine.decode
-
-    def recorded(self, w, read, pool, st):  # runs in the branch the step takes
-        jax.debug.callback(lambda: reads.append(read))
-        return decode(self, w, read, pool, st)
-
-    monkeypatch.setattr(PagedEngine, "decode", recorded)
+    reads = spans_read
     rng = jax.random.key(7)
     ref = _reference(model, rng, SAMPLED, None)
     graphdef, params = nnx.split(model)
