@@ -402,15 +402,16 @@ class Workload:
         if (self.gen_engine != "continuous" or self.streams or self.multi_turn or rows % batch_ways
                 or self.engine_pool(call, batch_ways) < rows):
             return None
-        reads = read_columns(self.gen_len, page_size(self.prompt_len))
-        return reads if len(reads) > 1 else None
+        return self._spans()
 
     def stream_reads(self, call: CallSpec) -> tuple[int, ...] | None:
         """A partial-rollout stream's reads (`models.slots.read_columns`): its steps read the narrowest that holds
         its oldest active row's tokens (rows of several ages side by side), which `decode_fractions` follows step
         by step in its simulation of the stream; None where the cap has one read or no stream runs."""
-        if not self.streams:
-            return None
+        return self._spans() if self.streams else None
+
+    def _spans(self) -> tuple[int, ...] | None:
+        """The continuous engine's reads at this cap (`models.slots.read_columns`); None for a single one."""
         reads = read_columns(self.gen_len, page_size(self.prompt_len))
         return reads if len(reads) > 1 else None
 
@@ -522,12 +523,12 @@ class Workload:
 
 
 def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cuts: np.ndarray | None = None,
-                      weights: np.ndarray | None = None) -> list[tuple[float, float]]:
-    """Decode steps run and their summed width / slots, from each shard's rows' (starts, ends) in steps:
-    every shard steps together, a step runs where any row is active, at the narrowest of
-    `models.slots.step_widths(slots)` holding the most active rows of any shard; split at the step
-    indices `cuts` (one (steps, widths) pair per interval before, between and after them). `weights`: each
-    step's width scaled by weights[t] (a step past them by the last)."""
+                      weights: np.ndarray | None = None) -> list[tuple[float, float, float]]:
+    """Decode steps run, their summed width / slots and that sum with each step's width scaled by weights[t] (a
+    step past them by the last; None: the plain sum), from each shard's rows' (starts, ends) in steps: every
+    shard steps together, a step runs where any row is active, at the narrowest of
+    `models.slots.step_widths(slots)` holding the most active rows of any shard; split at the step indices
+    `cuts` (one triple per interval before, between and after them)."""
     total = int(max(e.max() for _, e in spans))
     active = np.zeros(total, dtype=np.int64)
     for starts, ends in spans:
@@ -537,10 +538,10 @@ def _steps_and_widths(spans: list[tuple[np.ndarray, np.ndarray]], slots: int, cu
         active = np.maximum(active, np.cumsum(counts)[:total])
     widths = np.array(sorted(step_widths(slots)))
     width = np.where(active > 0, widths[np.minimum(np.searchsorted(widths, active), len(widths) - 1)], 0) / slots
-    if weights is not None:
-        width = width * weights[np.minimum(np.arange(total), len(weights) - 1)]
+    weighted = width if weights is None else width * weights[np.minimum(np.arange(total), len(weights) - 1)]
     bounds = [0, *(() if cuts is None else np.minimum(cuts, total)), total]
-    return [(float(np.count_nonzero(active[a:b])), float(width[a:b].sum())) for a, b in zip(bounds, bounds[1:])]
+    return [(float(np.count_nonzero(active[a:b])), float(width[a:b].sum()), float(weighted[a:b].sum()))
+            for a, b in zip(bounds, bounds[1:])]
 
 
 @functools.lru_cache(maxsize=256)
@@ -571,11 +572,7 @@ def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int, reads: np
                       ) -> tuple[float, float, float]:
     """(steps, summed width / slots, summed width / slots x `reads`[t]) of the continuous engine on one batch of
     response `lengths`; `reads`: each step's columns read over the whole cache's (None: all of them)."""
-    spans = list(_continuous_spans(lengths, ways, slots))
-    steps, widths = _steps_and_widths(spans, slots)[0]
-    if reads is None:
-        return steps, widths, widths
-    return steps, widths, _steps_and_widths(spans, slots, weights=reads)[0][1]
+    return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots, weights=reads)[0]
 
 
 @functools.lru_cache(maxsize=4096)  # small entries, keyed by the lengths' parameters: the search asks for every pool
@@ -584,16 +581,20 @@ def _continuous_batches(median: int | None, sigma: float, cap: int, rows: int, w
                         ) -> tuple[tuple[float, float, float], ...]:
     """`_continuous_batch` on each drawn batch of response lengths (`_batches`), its steps reading `reads`
     (`Workload.decode_reads`; None: the whole cache) after a prompt of `prompt_len`."""
-    weights = None if reads is None else _read_context(reads, cap, prompt_len) / (prompt_len + cap)
+    weights = None if reads is None else (prompt_len + _span_of(reads, np.arange(1, cap + 1))) / (prompt_len + cap)
     return tuple(_continuous_batch(batch, ways, slots, weights) for batch in _batches(median, sigma, cap, rows))
 
 
 def _read_context(reads: tuple[int, ...], cap: int, prompt_len: int) -> np.ndarray:
     """Cached columns read at each of the `cap` decode steps of a pool that started together: step t (0-based,
     feeding response token t) reads prompt_len plus the narrowest of `reads` that holds t + 1 tokens."""
+    return prompt_len + _span_of(reads, np.arange(1, cap + 1))
+
+
+def _span_of(reads: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+    """The narrowest of `reads` that holds `tokens` response tokens (the widest for more), as floats."""
     ordered = np.sort(np.asarray(reads))
-    need = np.arange(1, cap + 1)
-    return prompt_len + ordered[np.minimum(np.searchsorted(ordered, need), len(ordered) - 1)].astype(np.float64)
+    return ordered[np.minimum(np.searchsorted(ordered, tokens), len(ordered) - 1)].astype(np.float64)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -650,17 +651,10 @@ def _stream_batches(lengths: tuple[tuple[int, ...], ...], group: int, ways: int,
     (`_oldest_ages`), after a prompt of `prompt_len`, of a cache of prompt_len + `cap` columns; `reads` None: the
     whole cache."""
     shards, done_at = _stream_spans(lengths, group, ways, slots, group_slots, chunk, staleness)
-    parts = _steps_and_widths(list(shards), slots, np.array(done_at))  # part k: batch k's, up to its completion
-    if reads is None:
-        weighted = [w for _, w in parts]
-    else:
-        ordered = np.sort(np.asarray(reads))
-        ages = _oldest_ages(shards)
-        read = ordered[np.minimum(np.searchsorted(ordered, np.maximum(ages, 1)), len(ordered) - 1)]
-        weights = (prompt_len + read) / (prompt_len + cap)
-        weighted = [w for _, w in _steps_and_widths(list(shards), slots, np.array(done_at), weights)]
-    return tuple((s, w, x) for (s, w), x in zip(parts[len(lengths):2 * len(lengths)],
-                                                 weighted[len(lengths):2 * len(lengths)]))
+    weights = None if reads is None else (
+        (prompt_len + _span_of(reads, np.maximum(_oldest_ages(shards), 1))) / (prompt_len + cap))
+    parts = _steps_and_widths(list(shards), slots, np.array(done_at), weights)  # part k: batch k's, to its completion
+    return tuple(parts[len(lengths):2 * len(lengths)])
 
 
 def _oldest_ages(shards: tuple[tuple[np.ndarray, np.ndarray], ...]) -> np.ndarray:
