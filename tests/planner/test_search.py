@@ -226,6 +226,58 @@ def test_the_search_chooses_the_fewest_steps_ahead_that_reach_the_best_time():
     assert ann.freshest(st) is st and "staleness" not in state_to_plan(st, 4).to_yaml()
 
 
+def test_a_disaggregated_seed_puts_generation_and_training_on_the_two_halves():
+    """With off-policy plans allowed, the search starts one plan per generating trained role with its
+    generate call on the first half, its training on the second (each in its fastest layout that fits
+    alone) and a shadow copy running ahead; every other call sits where the plan is fastest. Without
+    off-policy plans there is no such seed."""
+    ann, _ = _async_annealer(staleness=2)
+    greedy = search_module.greedy_seed(ann)
+    (seed,) = search_module.disaggregated_seeds(ann, greedy)
+    assert seed.get("actor.generate") == (0, 2, ann.ranked("actor.generate", 0, 2)[0])
+    assert seed.get("actor.train") == (2, 2, ann.ranked("actor.train", 2, 2)[0])
+    assert seed.shadow == {"actor"} and seed.offpolicy and seed.staleness is None
+    e_seed = ann.energy(seed)[0]
+    assert e_seed < 1e6  # fits
+    for side in ((0, 2), (2, 2), greedy.get("critic.inference")[:2]):
+        for lay in ann.ranked("critic.inference", *side):
+            assert ann.energy(seed.with_slot("critic.inference", (*side, lay)))[0] >= e_seed * (1 - 1e-9)
+    plan = state_to_plan(seed, 4)
+    assert plan.offpolicy and plan.shadow_roles == ("actor",)
+    on_policy = search_module._Annealer(ann.space, ann.models, ann.wl, ann.hw, steps=3, allow_offpolicy=False)
+    assert search_module.disaggregated_seeds(on_policy, greedy) == []
+
+
+@pytest.mark.slow
+def test_the_search_reaches_a_split_plan_no_colocated_or_preset_start_leads_to():
+    """verl's fully-async Qwen3-30B-A3B workload on 128 H20s (its length as validate_published fits it):
+    generation and the reference on one half with the trainer on the other is 244.9 s a step, and every
+    start but the disaggregated seed polishes to a plan on all devices at 273 s or more."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("validate_published", root / "scripts" / "validate_published.py")
+    vp = importlib.util.module_from_spec(spec)
+    sys.modules["validate_published"] = vp
+    spec.loader.exec_module(vp)
+    from jaxrlhf.run.assembly import Machine, setup
+
+    case = next(c for c in vp.load_cases(str(root / "docs" / "results" / "published_cases.yaml"))
+                if c["name"] == "verl-fully-async-30b-a3b-async-96-32")
+    case = {**case, "response_len": {**case["response_len"], "mean": 2489.2}}
+    cfg = vp.run_config(case, peer_knobs=False)
+    run = setup(cfg, machine=Machine.described(cfg, 128), runtime=False)
+    wl = dataclasses.replace(run.algorithm.workload(), token_budget=1410368)
+    res = search(run.planned_models, wl, run.hardware, 128, run.graph, evaluations=2400, iterations=3200,
+                 allow_offpolicy=True)
+    plan = res.best.plan
+    assert res.best.step_s < 250 and plan.shadow_roles == ("actor",) and plan.offpolicy
+    assert plan.group_of("actor.generate").start == 0 and plan.group_of("actor.train").start == 64
+    assert plan.group_of("actor.generate").size == plan.group_of("actor.train").size == 64
+
+
 def test_an_off_policy_plan_whose_generator_shares_devices_with_training_is_never_picked():
     """The runtime refuses an off-policy plan whose generate call shares devices with a train call
     (`plan.offpolicy_problem`); the search prices it as infeasible, so it never returns one."""
