@@ -404,9 +404,9 @@ def generate_cost(c: _Ctx, wl: Workload, call: CallSpec) -> CallCost:
     cost = _finish(parts, pre["flops"] + flops_steps, pre["hbm"] + hbm_steps, comm)
     grows = 2 * (decode + tp - decode_half - tp_half)  # of the steps' seconds, what is in proportion to rows
     context_share = 0.0
-    if reads or (not wl.live_kv and wl.stream_reads(call)):
-        # of a full-context step's row part, what grows with the columns read (`decode_fractions`; a stream's
-        # steps read by its oldest active row)
+    if reads or (not wl.live_kv and wl.aged_reads(call, c.batch_ways)):
+        # of a full-context step's row part, what grows with the columns read (`decode_fractions`; where rows
+        # start at different steps, a step reads by its oldest active row)
         def row_part(context: float) -> float:
             whole = ((context, wl.gen_len),)
             return steps(seqs, whole)[2] - steps(seqs / 2, whole)[2]

@@ -393,22 +393,30 @@ class Workload:
         return tokens, keys, micro, rows * float(responses.mean()) / batch_ways
 
     def decode_reads(self, call: CallSpec, batch_ways: int) -> tuple[int, ...] | None:
-        """The response columns a decode step of `call` may read (`models.slots.read_columns`), where the planner
-        prices them: the continuous engine whose pool holds every row of its shard at once, so all start together
-        and step t (0-based) reads the narrowest read >= t + 1 (`read_context`). None (every step priced reading the
-        whole cache): the static engine, a smaller pool (rows entering later keep the oldest row's read wide), a
-        stream (rows of several batches side by side), multi-turn, an uneven batch, or a cap of one read."""
+        """The response columns a decode step of `call` may read (`models.slots.read_columns`), where the call is
+        priced at them: the continuous engine whose pool holds every row of its shard at once, so all start together
+        and step t (0-based) reads the narrowest read >= t + 1 (`read_context`). None (the call priced reading the
+        whole cache): the static engine, a smaller pool or a stream (rows of different ages side by side,
+        `aged_reads`), multi-turn, an uneven batch, or a cap of one read."""
         rows = self.call_seqs(call)
         if (self.gen_engine != "continuous" or self.streams or self.multi_turn or rows % batch_ways
                 or self.engine_pool(call, batch_ways) < rows):
             return None
         return self._spans()
 
-    def stream_reads(self, call: CallSpec) -> tuple[int, ...] | None:
-        """A partial-rollout stream's reads (`models.slots.read_columns`): its steps read the narrowest that holds
-        its oldest active row's tokens (rows of several ages side by side), which `decode_fractions` follows step
-        by step in its simulation of the stream; None where the cap has one read or no stream runs."""
-        return self._spans() if self.streams else None
+    def aged_reads(self, call: CallSpec, batch_ways: int) -> tuple[int, ...] | None:
+        """The reads (`models.slots.read_columns`) of an engine whose rows start at different steps: a partial-rollout
+        stream, or a continuous pool smaller than its shard's rows (rows enter as others end). A step reads the
+        narrowest that holds its oldest active row's tokens (`PagedEngine.decode`), which `decode_fractions` follows
+        step by step in its simulation of the engine, against the call priced at the whole cache; None where the
+        cap has one read or every row starts together (`decode_reads`)."""
+        if self.streams:
+            return self._spans()
+        rows = self.call_seqs(call)
+        if (self.gen_engine != "continuous" or self.multi_turn or rows % batch_ways
+                or self.engine_pool(call, batch_ways) >= rows):
+            return None
+        return self._spans()
 
     def _spans(self) -> tuple[int, ...] | None:
         """The continuous engine's reads at this cap (`models.slots.read_columns`); None for a single one."""
@@ -435,11 +443,11 @@ class Workload:
         lengths do not vary, but for a stream whose pool spans several batches (`pool_spans_batches`): there
         a full-width step decodes rows of several batches, and the stream is simulated at the cap.
 
-        Where the engine's steps read only the columns their rows filled (`decode_reads`; a stream's by its oldest
-        active row, `stream_reads`), a step's row part scales by (1 - context_share) + context_share x c(t), c(t)
-        its columns read over the whole cache's and `context_share` the share of a row's seconds that grows with
-        the columns it reads, against the row parts of the steps the call is priced at: the tail's narrow steps
-        read the most columns."""
+        Where the engine's steps read only the columns their rows filled (`decode_reads`; by their oldest active
+        row where rows start at different steps, `aged_reads`), a step's row part scales by (1 - context_share) +
+        context_share x c(t), c(t) its columns read over the whole cache's and `context_share` the share of a
+        row's seconds that grows with the columns it reads, against the row parts of the steps the call is priced
+        at: the tail's narrow steps read the most columns."""
         if not self.lengths_vary and not (streamed and self.pool_spans_batches(call, batch_ways)):
             return (1.0,) * LENGTH_BATCHES
         rows = self.call_seqs(call)
@@ -451,16 +459,18 @@ class Workload:
         drawn = (self.gen_len_median, self.gen_len_sigma) if self.lengths_vary else (None, 0.0)
         if streamed:
             groups = self.engine_rows(call, batch_ways) // self.gen_group // batch_ways  # `rollouts.stream`'s
-            reads = self.stream_reads(call)
+            reads = self.aged_reads(call, batch_ways)
             runs = _stream_runs(*drawn, self.gen_len, rows, self.gen_group, batch_ways, slots,
                                 groups, self.gen_chunk, self.staleness if eta is None else eta, reads, self.prompt_len)
             kv = context_share if reads else 0.0
             priced = float(n)  # the call is priced reading the whole cache at every step
         else:
-            reads = self.decode_reads(call, batch_ways)
+            together = self.decode_reads(call, batch_ways)  # the call is priced at its steps' reads (`read_context`)
+            reads = together or self.aged_reads(call, batch_ways)  # else at the whole cache's
             runs = _continuous_batches(*drawn, self.gen_len, rows, batch_ways, slots, reads, self.prompt_len)
-            kv = context_share if reads else 0.0  # the call is priced at its steps' reads (`read_context`)
-            priced = (1 - kv) * n + kv * float(self.read_context(reads).sum()) / self.seq_len if kv else float(n)
+            kv = context_share if reads else 0.0
+            priced = (1 - kv) * n + kv * float(self.read_context(together).sum()) / self.seq_len \
+                if kv and together else float(n)
         # a step of width w costs (1 - share) + share x w / slots of a full-width one, its row part scaled by the
         # columns it reads (1 - kv + kv c(t)) against the row parts of the steps the call is priced at
         return tuple(float(min((1 - width_share) * run[0] / n
@@ -568,21 +578,25 @@ def _batches(median: int | None, sigma: float, cap: int, rows: int) -> tuple[tup
     return tuple(map(tuple, _drawn_lengths(median, sigma, cap, rows).astype(int).tolist()))
 
 
-def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int, reads: np.ndarray | None = None
-                      ) -> tuple[float, float, float]:
-    """(steps, summed width / slots, summed width / slots x `reads`[t]) of the continuous engine on one batch of
-    response `lengths`; `reads`: each step's columns read over the whole cache's (None: all of them)."""
-    return _steps_and_widths(list(_continuous_spans(lengths, ways, slots)), slots, weights=reads)[0]
+def _continuous_batch(lengths: tuple[int, ...], ways: int, slots: int, reads: tuple[int, ...] | None = None,
+                      prompt_len: int = 0, cap: int = 0) -> tuple[float, float, float]:
+    """(steps, summed width / slots, summed width / slots x the step's columns read over the whole cache's) of the
+    continuous engine on one batch of response `lengths`. A step reads the narrowest of `reads` that holds its
+    oldest active row's tokens (`_oldest_ages`; with the pool holding every row, t + 1 at step t), after a
+    prompt of `prompt_len`, of a cache of prompt_len + `cap` columns; `reads` None: the whole cache."""
+    spans = _continuous_spans(lengths, ways, slots)
+    weights = None if reads is None else (
+        (prompt_len + _span_of(reads, np.maximum(_oldest_ages(spans), 1))) / (prompt_len + cap))
+    return _steps_and_widths(list(spans), slots, weights=weights)[0]
 
 
 @functools.lru_cache(maxsize=4096)  # small entries, keyed by the lengths' parameters: the search asks for every pool
 def _continuous_batches(median: int | None, sigma: float, cap: int, rows: int, ways: int, slots: int,
                         reads: tuple[int, ...] | None = None, prompt_len: int = 0
                         ) -> tuple[tuple[float, float, float], ...]:
-    """`_continuous_batch` on each drawn batch of response lengths (`_batches`), its steps reading `reads`
-    (`Workload.decode_reads`; None: the whole cache) after a prompt of `prompt_len`."""
-    weights = None if reads is None else (prompt_len + _span_of(reads, np.arange(1, cap + 1))) / (prompt_len + cap)
-    return tuple(_continuous_batch(batch, ways, slots, weights) for batch in _batches(median, sigma, cap, rows))
+    """`_continuous_batch` on each drawn batch of response lengths (`_batches`)."""
+    return tuple(_continuous_batch(batch, ways, slots, reads, prompt_len, cap)
+                 for batch in _batches(median, sigma, cap, rows))
 
 
 def _read_context(reads: tuple[int, ...], cap: int, prompt_len: int) -> np.ndarray:

@@ -332,9 +332,9 @@ def test_decode_steps_of_the_engines_by_hand():
     from jaxrlhf.planner.workload import _continuous_batch, _stream_batches
 
     assert _continuous_batch((5, 1, 1, 1), 1, 4) == (5.0, 2.0, 2.0)
-    # steps reading a share of the cache each (weights by step): the width-4 step at 0.5, then widths of 1/4 at
-    # 0.5, 1, 1, 1
-    assert _continuous_batch((5, 1, 1, 1), 1, 4, np.array([0.5, 0.5, 1.0, 1.0, 1.0])) == (5.0, 2.0, 1.375)
+    # steps reading spans of 2 or 5 columns of a 5-column cap (no prompt), every row starting at step 0: the
+    # width-4 step reads 2 (0.4 of the cache), then steps of width 1/4 read 2, 5, 5, 5: 0.4 + 0.25 x 3.4
+    assert _continuous_batch((5, 1, 1, 1), 1, 4, (5, 2), 0, 5) == pytest.approx((5.0, 2.0, 1.25))
     assert _continuous_by_step((5, 1, 1, 1), 1, 4, 1.0) == 2.0 and _continuous_by_step((5, 1, 1, 1), 1, 4, 0.0) == 5.0
     assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 1) == ((3.0, 3.0, 3.0), (0.0, 0.0, 0.0))
     # read every 4 steps: the groups done at step 3 are taken at 4, the next round decodes 4-6 (3 steps)
@@ -342,6 +342,40 @@ def test_decode_steps_of_the_engines_by_hand():
     # eta = 0: batch 1 enters only once batch 0 is taken: batch 0's 3-token row runs alone for 2 of its
     # 3 steps (width 1 of 2), then batch 1's two rows take one step
     assert _stream_batches(((3, 1), (1, 1)), 2, 1, 2, 2, 1, 0) == ((3.0, 2.0, 2.0), (1.0, 1.0, 1.0))
+
+
+def test_a_smaller_pools_steps_read_by_its_oldest_active_row():
+    """A continuous pool smaller than its rows admits a row when another ends, so rows of different ages decode
+    side by side and a step reads the narrowest span that holds the oldest active row's tokens
+    (`PagedEngine.decode`). By hand: rows of 4, 2 and 3 tokens in 2 slots run over steps [0, 4), [0, 2) and
+    [2, 5); the oldest active row holds 1, 2, 3, 4 tokens at steps 0-3, then 3 (the first row ended, the one that
+    entered at step 2 is oldest). Spans of 3 and 4 columns of a 4-column cap (no prompt): steps read 3, 3, 3, 4,
+    3 columns at widths 1, 1, 1, 1, 1/2: 0.75 x 3 + 1 + 0.5 x 0.75 = 3.625 full steps' worth (3.75 had every row
+    started at step 0). The planner prices such a pool so (`Workload.aged_reads`), against the call at the whole
+    cache."""
+    import dataclasses
+
+    from jaxrlhf.planner.cost import CostCache
+    from jaxrlhf.planner.workload import _continuous_batch
+
+    assert _continuous_batch((4, 2, 3), 1, 2, (4, 3), 0, 4) == pytest.approx((5.0, 4.5, 3.625))
+    graph, models, wl, hw, p = _llama_async(gen_engine="continuous", gen_len_median=300, gen_len_sigma=1.0)
+    call = next(c for c in graph.calls if c.kind == "generate")
+    lay = p.calls[call.name].layout
+    ways = lay.data * lay.fsdp
+    whole, small = (dataclasses.replace(wl, gen_len=2048, gen_slots=k) for k in (None, ways))
+    assert small.engine_pool(call, ways) < small.call_seqs(call) == whole.engine_pool(call, ways)
+    assert small.decode_reads(call, ways) is None and small.aged_reads(call, ways) == (2048, 1024, 512)
+    assert whole.aged_reads(call, ways) is None and whole.decode_reads(call, ways) == (2048, 1024, 512)
+    cost = CostCache(models, small, hw).call(call, p.group_of(call.name), lay)
+    assert 0 < cost.decode_context_share <= 1  # the call is priced at the whole cache, its steps scaled
+    at_cap = CostCache(models, dataclasses.replace(small, gen_len_median=None), hw).call(
+        call, p.group_of(call.name), lay)
+    assert cost.parts["decode"] == pytest.approx(at_cap.parts["decode"])
+    fractions = small.decode_fractions(call, ways, width_share=cost.decode_width_share,
+                                       context_share=cost.decode_context_share)
+    unscaled = small.decode_fractions(call, ways, width_share=cost.decode_width_share)
+    assert all(f < u for f, u in zip(fractions, unscaled))
 
 
 def test_a_streams_steps_read_by_its_oldest_active_row():
