@@ -148,6 +148,10 @@ def check_case(case: dict) -> None:
     if kind == "split" and sum(_field(case, f"placement.{s}.devices") for s in ("generation", "training")) != n:
         raise CaseError(f"case {name!r}: field 'placement': generation and training devices must add up to "
                         f"devices={n}")
+    graphs = sides[0].get("cuda_graphs")
+    if graphs is not None and not isinstance(graphs, bool):
+        raise CaseError(f"case {name!r}: field 'placement.generation.cuda_graphs' must be true or false (whether the "
+                        f"engine decoded with CUDA graphs), got {graphs!r}")
     for side, spec in zip(("generation", "training"), sides):
         size = spec.get("devices", n) if kind == "split" else n
         ways = math.prod(int(spec.get(a) or 1) for a in ("tp", "pp", "cp", "ep"))
@@ -363,6 +367,10 @@ class Result:
     fit_note: str | None = None  # the fit of its pair's length stopped at a bound
     generate: tuple[str, ...] = ()  # the generate calls among `calls`
     published_generation_s: float | None = None  # the published breakdown's generation stage
+    # whether the peer's engine decoded with CUDA graphs (`placement.generation.cuda_graphs`; None: not known).
+    # Without them (vLLM's enforce_eager) every decode step pays its kernels' launches from the host, which the
+    # cost model does not price: its decode is calibrated on compiled steps
+    cuda_graphs: bool | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -467,7 +475,8 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
                   est.step_s if est.feasible else None, est.reason or own.reason, pick_s, pick_plan, peer,
                   step_seconds(est), case.get("pair"), not own.feasible, float(case["response_len"]["mean"]),
                   generate=tuple(c.name for c in graph.calls if c.kind == "generate"),
-                  published_generation_s=published_stages(case, GENERATION_STAGES))
+                  published_generation_s=published_stages(case, GENERATION_STAGES),
+                  cuda_graphs=(case["placement"].get("generation") or {}).get("cuda_graphs"))
 
 
 def step_seconds(est) -> dict[str, float]:
@@ -612,7 +621,7 @@ def summarize(results: list[Result]) -> dict:
             "within_0.67_1.5_with_them": sum(1 for r in priced + staged if 0.67 <= r.ratio <= 1.5),
             "steps": {r.name: {"published": r.published_s, "predicted": r.predicted_s, "ratio": r.ratio,
                                "generation_published": r.published_generation_s,
-                               "generation_predicted": r.generate_s}
+                               "generation_predicted": r.generate_s, "cuda_graphs": r.cuda_graphs}
                       for r in staged},
         },
     }
@@ -653,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{staged['median_abs_log_ratio_with_them']:.3f}, {staged['within_0.67_1.5_with_them']} within 0.67-1.5x")
         for name, r in staged["steps"].items():
             gen = (f"; generation {r['generation_predicted']:.0f} / {r['generation_published']:.0f} s"
-                   if r["generation_published"] else "")
+                   f"{EAGER_NOTE[r['cuda_graphs']]}" if r["generation_published"] else "")
             print(f"  {name}: step {r['predicted']:.0f} / {r['published']:.0f} s ({r['ratio']:.2f}){gen}")
     for key, r in summary["pair_ratios"].items():
         print(f"{key}: colocated / split step published {r['published']:.2f}, predicted "
@@ -668,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [{"name": r.name, "source": r.source, "published_s": r.published_s, "predicted_s": r.predicted_s,
                  "ratio": r.ratio, "reason": r.reason, "pick_s": r.pick_s, "gain": r.gain, "calls_s": r.calls,
                  "mean_response": r.mean, "mean_fitted_here": r.fitted, "fit_note": r.fit_note,
-                 "over_jaxrlhf_memory": r.over_memory,
+                 "over_jaxrlhf_memory": r.over_memory, "cuda_graphs": r.cuda_graphs,
                  "peer_plan": r.peer.to_dict(), "searched_plan": r.pick.to_dict() if r.pick else None}
                 for r in results]
         with open(args.out, "w") as f:
@@ -678,6 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# what a row says of its engine's CUDA graphs (`Result.cuda_graphs`)
+EAGER_NOTE = {False: "  (decoded without CUDA graphs: the steps' host launches are not priced)", True: "", None: ""}
+
+
 def _print_row(r: Result) -> None:
     pred = f"{r.predicted_s:8.1f}" if r.predicted_s else f"{'n/a':>8}"
     ratio = f"{r.ratio:5.2f}" if r.ratio else "  n/a"
@@ -685,6 +698,7 @@ def _print_row(r: Result) -> None:
     gain = f"{r.gain:5.2f}x" if r.gain else "   n/a"
     how = f"  (mean length fitted here, on its {r.fitted})" if r.fitted else ""
     how += f"  ({r.fit_note})" if r.fit_note else ""
+    how += EAGER_NOTE[r.cuda_graphs]
     print(f"{r.name:46s} published {r.published_s:8.1f}  predicted {pred}  ratio {ratio}  searched {pick}  "
           f"gain {gain}  mean response {r.mean:6.0f}{how}", flush=True)
 

@@ -101,6 +101,7 @@ published: {step_s: 60.0}
     ({"placement.training.devices": 7}, "must add up to devices=16"),
     ({"placement.generation.tp": 3}, "tp x pp x cp x ep = 3 does not divide its 8 devices"),
     ({"response_len.mean": None}, "field 'response_len.mean' is missing and the case has no pair"),
+    ({"placement.generation.cuda_graphs": "no"}, "field 'placement.generation.cuda_graphs' must be true or false"),
 ])
 def test_a_bad_case_is_one_line_naming_the_case_and_the_field(script, tmp_path, capsys, changes, words):
     path = tmp_path / "cases.yaml"
@@ -125,6 +126,20 @@ def test_a_case_is_priced_on_its_own_placement(script):
     assert plan.shadow_roles == ("actor",) and plan.offpolicy and plan.staleness == 1
     result = script.price(case, 0, search=False)
     assert result.predicted_s and 6 < result.predicted_s < 600 and set(result.calls) == set(run.graph.names)
+
+
+def test_an_engine_without_cuda_graphs_is_said_beside_its_row_and_priced_alike(script, capsys):
+    """A case whose engine decoded eagerly (`placement.generation.cuda_graphs: false`, vLLM's enforce_eager) is
+    priced as any other, and its printed row says the steps' host launches are not priced; a case that does not
+    say is not marked."""
+    graphs, eager = (script.price(_case(**{"placement.generation.cuda_graphs": g}), 0, search=False)
+                     for g in (True, False))
+    assert eager.predicted_s == graphs.predicted_s and (graphs.cuda_graphs, eager.cuda_graphs) == (True, False)
+    assert script.price(_case(), 0, search=False).cuda_graphs is None
+    script._print_row(eager)
+    script._print_row(graphs)
+    eager_line, graphs_line = capsys.readouterr().out.splitlines()
+    assert "decoded without CUDA graphs" in eager_line and "CUDA graphs" not in graphs_line
 
 
 def test_a_peers_paged_engine_is_priced_reading_each_rows_own_tokens(script):
