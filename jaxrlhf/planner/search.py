@@ -285,8 +285,8 @@ def disaggregated_seeds(ann: "_Annealer", greedy: State) -> list[State]:
         else:
             for c in ann.space.graph.calls:
                 if c.role != role:
-                    options = [st] + [st.with_slot(c.name, (*side, lays[0])) for side in sides.values()
-                                      if (lays := ann.ranked(c.name, *side))]
+                    options = [st] + [st.with_slot(c.name, (*side, fast[0])) for side in sides.values()
+                                      if (fast := ann.ranked(c.name, *side))]
                     st = min(options, key=lambda o: ann.energy(o)[0])
             out.append(st)
     return out
@@ -818,7 +818,8 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     """Best feasible plan for `models` on `num_devices` devices of `hw`, with runners-up and presets.
 
     The seed plans are every preset that applies, a greedy one, splits of the
-    greedy one (two trained roles on disjoint halves) and the best plan for
+    greedy one (two trained roles on disjoint halves; with off-policy plans, a
+    role's generation and training on the two halves) and the best plan for
     half the devices embedded in these, so more devices are never estimated
     slower than fewer. Each gets one coordinate-descent sweep, then
     `iterations` annealing steps are shared by successive-halving rounds over
