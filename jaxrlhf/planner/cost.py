@@ -177,9 +177,9 @@ class CallCost:
     # weights' reads and the launches, every step pays alike): what a narrow step of the continuous
     # engine's tail costs (`Workload.decode_fractions`). 1.0: a step costs in proportion to its rows.
     decode_width_share: float = 1.0
-    # A generate call whose steps read only the columns their rows filled (`Workload.decode_reads`): the share of a
-    # full-width step's row part that grows with the columns read (the KV reads and scores), by which a step's
-    # cost follows its read (`Workload.decode_fractions`). 0.0: every step reads the whole cache.
+    # A generate call whose steps read only the columns their rows filled (`Workload.decode_reads`, `aged_reads`): the
+    # share of a full-width step's row part that grows with the columns read (the KV reads and scores), by which a
+    # step's cost follows its read (`Workload.decode_fractions`). 0.0: every step reads the whole cache.
     decode_context_share: float = 0.0
 
 

@@ -398,11 +398,7 @@ class Workload:
         and step t (0-based) reads the narrowest read >= t + 1 (`read_context`). None (the call priced reading the
         whole cache): the static engine, a smaller pool or a stream (rows of different ages side by side,
         `aged_reads`), multi-turn, an uneven batch, or a cap of one read."""
-        rows = self.call_seqs(call)
-        if (self.gen_engine != "continuous" or self.streams or self.multi_turn or rows % batch_ways
-                or self.engine_pool(call, batch_ways) < rows):
-            return None
-        return self._spans()
+        return self._spans() if self._pool_starts_together(call, batch_ways) is True else None
 
     def aged_reads(self, call: CallSpec, batch_ways: int) -> tuple[int, ...] | None:
         """The reads (`models.slots.read_columns`) of an engine whose rows start at different steps: a partial-rollout
@@ -410,13 +406,16 @@ class Workload:
         narrowest that holds its oldest active row's tokens (`PagedEngine.decode`), which `decode_fractions` follows
         step by step in its simulation of the engine, against the call priced at the whole cache; None where the
         cap has one read or every row starts together (`decode_reads`)."""
-        if self.streams:
-            return self._spans()
+        aged = self.streams or self._pool_starts_together(call, batch_ways) is False
+        return self._spans() if aged else None
+
+    def _pool_starts_together(self, call: CallSpec, batch_ways: int) -> bool | None:
+        """For the continuous engine outside a stream or multi-turn, on an even batch: whether its pool holds every
+        row of its shard (all rows start at step 0) or fewer (rows enter as others end); None for any other engine."""
         rows = self.call_seqs(call)
-        if (self.gen_engine != "continuous" or self.multi_turn or rows % batch_ways
-                or self.engine_pool(call, batch_ways) >= rows):
+        if self.gen_engine != "continuous" or self.streams or self.multi_turn or rows % batch_ways:
             return None
-        return self._spans()
+        return self.engine_pool(call, batch_ways) >= rows
 
     def _spans(self) -> tuple[int, ...] | None:
         """The continuous engine's reads at this cap (`models.slots.read_columns`); None for a single one."""
