@@ -7,6 +7,11 @@ split (ring attention, `models.context`, covers that), a row of at least `ModelC
 tokens instead attends in blocks of `ModelConfig.attention_block` queries and keys: a scan over query blocks,
 each scanning the key blocks with the online softmax of `context._attend` (running maximum, sum and weighted
 values; a block wholly in the future skipped), so a device holds one [block, block] score matrix per head.
+Rows go one at a time (`lax.map`), each device its own (`shard_map` over the batch and head axes): a block
+pair is skipped where its row allows no query-key pair of it (the future; in a packed row, pairs of two
+sequences), so a row of packed sequences computes about its own sequences' blocks, which the cost model
+prices (`planner.cost.forward_shape`). Over the whole batch, as GSPMD would reduce the skip's predicate,
+a pair would run wherever any row of any shard allowed it.
 
 The backward (`jax.custom_vjp`) keeps only q, k, v, the output and each query's log-sum-exp, and recomputes
 each block pair's scores (`context._block_grads`): one more q.k^T product per pair than a dense backward,
@@ -25,10 +30,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrlhf.models import axes as ax
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.context import _attend, _block_grads, _group, _mask, _Statics, layer_window
+from jaxrlhf.models.context import _attend, _block_grads, _group, _mask, _shard_specs, _Statics, layer_window
 
 
 def blockwise_attention(
@@ -54,8 +61,34 @@ def blockwise_attention(
         q, k, v, valid = pad(q), pad(k), pad(v), pad(valid)
         segments = None if segments is None else pad(segments)
     st = _Statics(None, 1, config, 1)
-    out = _blocks(st, block, q, k, v, valid, segments, window)
-    return out[:, :t]
+    rows = functools.partial(_each_row, st, block, has_segments=segments is not None, has_window=window is not None)
+    args = [q, k, v, valid] + [x for x in (segments, window) if x is not None]
+    sharding = ax.resolved((ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.size == 1:
+        return rows(*args)[:, :t]
+    # each device its own rows: a block pair's skip (`_attend`'s `lax.cond`) then asks one row, not the
+    # whole batch, which GSPMD would reduce over every shard's rows
+    batch, _, heads = _shard_specs(mesh, q.shape[0], padded, q.shape[2], k.shape[2])
+    qspec, seq = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None)
+    specs = [qspec, qspec, qspec, seq] + ([seq] if segments is not None else []) + \
+        ([PartitionSpec()] if window is not None else [])
+    mapped = jax.shard_map(rows, mesh=mesh, in_specs=tuple(specs), out_specs=qspec, check_vma=False)
+    return mapped(*args)[:, :t]
+
+
+def _each_row(st: _Statics, block: int, q, k, v, valid, *rest, has_segments: bool, has_window: bool):
+    """`_blocks` one row at a time (`lax.map`): a block pair is skipped where this row's mask allows none
+    of it, so a packed row computes about its own sequences' blocks whatever the other rows hold."""
+    rest = list(rest)
+    segments = rest.pop(0) if has_segments else None
+    window = rest.pop(0) if has_window else None
+
+    def one(xs):
+        q_row, k_row, v_row, valid_row, seg_row = (None if x is None else x[None] for x in xs)
+        return _blocks(st, block, q_row, k_row, v_row, valid_row, seg_row, window)[0]
+
+    return jax.lax.map(one, (q, k, v, valid, segments))
 
 
 def _tied_mask(x, q_slot, k_slot, valid_k, q_seg, k_seg, window):

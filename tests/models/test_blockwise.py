@@ -99,3 +99,49 @@ def test_a_long_rows_train_call_keeps_no_score_matrix():
     score_matrix = 4 * t * t * cfg.num_heads  # one float32 [T, T] per head
     assert temp_bytes(cfg) > 2 * score_matrix
     assert temp_bytes(cfg.replace(blockwise_attention_from=1024, attention_block=512)) < score_matrix / 4
+
+
+def test_each_row_skips_its_own_block_pairs_on_each_data_shard(monkeypatch):
+    """Two packed rows over a data-parallel mesh of 2: one long sequence (10 of 16 block pairs causal) and
+    four block-long ones (4 pairs). Each device decides its own row's skips, so 14 row-block pairs run
+    forward (one predicate over the whole batch would run the union's 10 pairs for both rows: 20), and the
+    output and gradients are the one-device ones."""
+    from jaxrlhf.models import axes as ax
+    from jaxrlhf.models import blockwise
+    from jaxrlhf.placement.layout import activation_resolver, make_mesh
+    from jaxrlhf.planner.plan import DeviceGroup, Layout
+
+    cfg = CFG.replace(sliding_window=None, sliding_window_pattern=None, attn_logit_softcap=None,
+                      query_pre_attn_scalar=None, blockwise_attention_from=16, attention_block=8)
+    rng = np.random.default_rng(3)
+    t = 32
+    q = jnp.asarray(rng.normal(size=(2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32) for _ in range(2))
+    valid = jnp.ones((2, t), bool)
+    segments = jnp.asarray(np.stack([np.ones(t), np.repeat(np.arange(1, 5), 8)]), jnp.int32)
+    ran = []
+    attend = blockwise._attend
+
+    def counted(st, qg, k_blk, v_blk, allowed, m, l, acc):
+        jax.lax.cond(jnp.any(allowed), lambda: jax.debug.callback(lambda: ran.append(1)), lambda: None)
+        return attend(st, qg, k_blk, v_blk, allowed, m, l, acc)
+
+    monkeypatch.setattr(blockwise, "_attend", counted)
+    mesh = make_mesh(DeviceGroup("g", 0, 2), Layout(data=2))
+
+    def on_mesh(q, k, v):
+        with ax.activation_sharding(activation_resolver(mesh)):
+            return blockwise.blockwise_attention(q, k, v, valid, segments, cfg, False)
+
+    def alone(q, k, v):
+        return blockwise.blockwise_attention(q, k, v, valid, segments, cfg, False)
+
+    out = jax.block_until_ready(jax.jit(on_mesh)(q, k, v))
+    assert len(ran) == 10 + 4
+    assert out.sharding.spec[0] in ("data", ("data",), ("data", "fsdp"))  # each device its own row
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    got = jax.jit(lambda: (lambda o, f: (o, *f(cot)))(*jax.vjp(on_mesh, q, k, v)))()
+    want = jax.jit(lambda: (lambda o, f: (o, *f(cot)))(*jax.vjp(alone, q, k, v)))()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), atol=1e-6)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
