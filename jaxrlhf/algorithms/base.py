@@ -184,6 +184,14 @@ class Algorithm(abc.ABC):
         self.model_configs = dict(model_configs or {})
         self.execution = execution if execution is not None else self.configured_execution()
 
+    def one_row(self, readers: tuple[str, ...]) -> tuple[int, int] | None:
+        """`models.packing.one_row_rule` of a packing's reading calls: their models' blockwise settings and their
+        layouts' context degrees (`Execution.contexts`), as the planner prices each call's packing."""
+        from jaxrlhf.models.packing import one_row_rule
+
+        return one_row_rule([self.model_configs[c.split(".")[0]] for c in readers],
+                            [self.execution.contexts.get(c, 1) for c in readers])
+
     def configured_execution(self) -> "Execution":
         """The memory knobs the config itself sets: `algorithm.micro_batch_size` for every train and
         inference call, `model.<role>.remat` of the trained roles, the token budget; unset ones off."""

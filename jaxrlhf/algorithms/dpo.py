@@ -188,7 +188,8 @@ class DPORuntime:
         positions = np.asarray(positions_from_mask(jnp.asarray(mask)))  # the rule every forward uses
         packed, stats = pack_batch(mask, tokens, positions, mask.shape[1] - 1, np.arange(len(mask))[None],
                                    shards=math.lcm(*shards.values()),
-                                   budget=self.execution.token_budget, group=2)
+                                   budget=self.execution.token_budget, group=2,
+                                   blockwise=self.one_row(tuple(shards)))
         return {"packed_pairs": packed, "packing_stats": {
             **{k: np.float32(v) for k, v in stats.metrics("packing/pairs").items()},
             "packing/pairs/micro_batches": np.float32(packed["slots"].shape[2])}}

@@ -261,7 +261,8 @@ class RolloutRuntime:
             out[name], packed = pack_batch(mask, tokens, positions, width, updates,
                                            shards=math.lcm(*(shards[c] for c in readers)),
                                            budget=self.execution.token_budget,
-                                           experts=np.asarray(router_experts) if replayed else None)
+                                           experts=np.asarray(router_experts) if replayed else None,
+                                           blockwise=self.one_row(readers))
             short = name.removeprefix("packed_")
             stats.update({k: np.float32(v) for k, v in packed.metrics(f"packing/{short}").items()})
             stats[f"packing/{short}/micro_batches"] = np.float32(out[name]["slots"].shape[2])

@@ -43,13 +43,21 @@ Rows are as wide as the padded batch (T = L: the prompt width plus the trimmed r
 `lengths.response_widths`: at most 4 values), and K, R and M come from `size_bucket`'s 2^a and
 3 x 2^a, so a call compiles at most one program per combination of those values that a run meets:
 with B rows, K, R and M take at most 2 log2(B) values each; in practice a run meets a handful.
+
+**One row where attention is blockwise.** Rows as wide as the longest sequence suit dense attention,
+whose cost grows with a row's width squared. A long-tailed batch then pads: a shard's 55k tokens with one
+28k-token sequence among them fill three 29k-token rows (87k). Where every model reading the packing
+attends a long row a block at a time on one device (`one_row_rule`; `models.blockwise` skips each row's
+block pairs of two sequences), a shard's part of a micro-batch is laid in one row instead (R = 1), T
+the `size_bucket` blocks that hold the largest part: padding only to the bucket, and attention about
+each sequence's own (the cost model prices both, `planner.cost.forward_shape`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -177,39 +185,68 @@ class PackedShape:
 
 def packing_layout(
     lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None, group: int = 1,
-    reads: np.ndarray | None = None,
+    reads: np.ndarray | None = None, blockwise: tuple[int, int] | None = None,
 ) -> tuple[list[list[list[list[list[int]]]]], PackedShape]:
     """Where each sequence goes (per update, micro-batch, shard and row: sequence indices) for sequences
     of `lengths` real tokens (`reads` of them real response tokens; default none) trained in `updates`
     ([U, rows]) in rows of `width` tokens, every `group` consecutive rows of an update in one
-    micro-batch, and the packing's shapes."""
-    return _pack(lengths, updates, shards, width, budget, group, reads, keep=True)
+    micro-batch, and the packing's shapes; with `blockwise` (`one_row_rule`) each part in one row where such a
+    row attends blockwise (`_one_row_width`)."""
+    return _pack(lengths, updates, shards, width, budget, group, reads, blockwise, keep=True)
 
 
 def packing_shape(
     lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None = None, group: int = 1,
-    reads: np.ndarray | None = None,
+    reads: np.ndarray | None = None, blockwise: tuple[int, int] | None = None,
 ) -> PackedShape:
     """`packing_layout`'s shapes alone, without keeping where each sequence goes: what the planner prices
     (it asks for every layout's shard count; a finely split batch leaves most shards' parts empty)."""
-    return _pack(lengths, updates, shards, width, budget, group, reads, keep=False)[1]
+    return _pack(lengths, updates, shards, width, budget, group, reads, blockwise, keep=False)[1]
+
+
+def one_row_rule(configs: Iterable[Any], contexts: Iterable[int] = ()) -> tuple[int, int] | None:
+    """The `blockwise` of a packing its readers share (`pack_batch`): the largest `blockwise_attention_from` and
+    `attention_block` of the models reading it (`ModelConfig`s), so a row wide enough attends blockwise in
+    each; None where one of them attends densely or splits its rows over context devices (`contexts` > 1:
+    the ring, whose chunks are too wide to skip a packed row's pairs of sequences)."""
+    configs = list(configs)
+    if not configs or any(c.blockwise_attention_from is None for c in configs) or any(int(c) > 1 for c in contexts):
+        return None
+    return max(c.blockwise_attention_from for c in configs), max(c.attention_block for c in configs)
+
+
+def _one_row_width(lengths: np.ndarray, parts: Iterable[list[int]], blockwise: tuple[int, int] | None) -> int | None:
+    """The width of one row holding any shard's part of any micro-batch (`size_bucket` blocks), where such a
+    row attends blockwise (`ModelConfig.attends_blockwise`: at least `from` tokens and more than a block);
+    None otherwise, or without `blockwise`."""
+    if blockwise is None:
+        return None
+    start, block = blockwise
+    most = max((int(lengths[p].sum()) for p in parts if len(p)), default=0)
+    width = block * size_bucket(-(-most // block))
+    return width if width >= start and width > block else None
 
 
 def _pack(lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, budget: int | None, group: int,
-          reads: np.ndarray | None, keep: bool) -> tuple[list, PackedShape]:
+          reads: np.ndarray | None, blockwise: tuple[int, int] | None, keep: bool) -> tuple[list, PackedShape]:
     """The packing of `packing_layout` and its shapes (the largest part of any shard sets them); with
     `keep` False the placement is not kept (returned empty) and empty parts are skipped."""
     if int(np.max(lengths, initial=0)) > width:
         raise ValueError(f"a sequence of {int(np.max(lengths))} tokens does not fit a row of {width}")
     read = None if reads is None else np.asarray(reads).tolist()
+    split = [[_spread(lengths, mb, shards) for mb in micro_batches(lengths, [int(r) for r in rows_of_update],
+                                                                  budget, group)]
+             for rows_of_update in np.asarray(updates)]
+    one = _one_row_width(lengths, (part for update in split for mb in update for part in mb), blockwise)
+    width = one or width
     plan: list = []
     counts, most_rows, most_slots, most_reads = [], 0, 0, 0  # over every shard of every micro-batch
-    for rows_of_update in np.asarray(updates):
-        micro = micro_batches(lengths, [int(r) for r in rows_of_update], budget, group)
-        counts.append(len(micro))
+    for update in split:
+        counts.append(len(update))
         placed = []
-        for mb in micro:
-            parts = [_rows(lengths, part, width) for part in _spread(lengths, mb, shards) if keep or part]
+        for mb in update:
+            parts = [([sorted(part, key=lambda i: (-int(lengths[i]), i))] if part else []) if one
+                     else _rows(lengths, part, width) for part in mb if keep or part]
             for rows in parts:
                 most_rows = max(most_rows, len(rows))
                 most_slots = max(most_slots, sum(map(len, rows)))
@@ -235,20 +272,23 @@ def pack_batch(
     budget: int | None = None,
     group: int = 1,
     experts: np.ndarray | None = None,
+    blockwise: tuple[int, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], PackStats]:
     """Pack the [B, L] batch (`mask` marks real tokens; the last `response_width` columns are the
     response) for calls that run `updates` ([U, rows]: the batch rows of each update; every `group`
     consecutive rows in one micro-batch), in rows as wide
     as the batch (L: the longest sequence fits, and a row attends over no more keys than an unpacked
-    row would). `experts` ([B, L, layers, k], router replay): packed beside the tokens. See the module
-    docstring for the layout."""
+    row would), or with `blockwise` (`one_row_rule`: the readers' models attend long rows a block at a time)
+    each shard's part in one row where that row is long enough to (`_one_row_width`). `experts`
+    ([B, L, layers, k], router replay): packed beside the tokens. See the module docstring for the layout."""
     mask = np.asarray(mask, bool)
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     b, l = mask.shape
     p = l - response_width  # padded prompt width: position p - 1 + n predicts response token n
     lengths = mask.sum(axis=1).astype(np.int64)
     answered = mask[:, p:] & mask[:, p - 1:-1]  # real response tokens predicted by a real position
-    plan, shape = packing_layout(lengths, updates, shards, l, budget, group, reads=answered.sum(axis=1))
+    plan, shape = packing_layout(lengths, updates, shards, l, budget, group, reads=answered.sum(axis=1),
+                                 blockwise=blockwise)
     u, k, r, m_slots, width = shape.updates, shape.micro_batches, shape.rows, shape.slots, shape.width
     out = {
         "tokens": np.zeros((shards, u, k, r, width), np.int32),

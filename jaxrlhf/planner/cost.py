@@ -451,7 +451,7 @@ def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, 
     if wl.varlen:
         tokens, keys, micro, _ = wl.varlen_shape(call, c.batch_ways)
         return tokens / c.c, keys, seqs, micro, None
-    shape = wl.packed_shape(call, c.batch_ways)
+    shape = wl.packed_shape(call, c.batch_ways, c.cfg, c.c)
     tokens = shape.micro_batches * shape.rows * shape.width / c.c
     if c.cfg.attends_blockwise(shape.width, c.c):  # plus a block: a sequence's ends rarely meet block edges
         keys = min(wl.varlen_shape(call, c.batch_ways)[1] + c.cfg.attention_block, shape.width)
@@ -466,7 +466,7 @@ def head_tokens(c: _Ctx, wl: Workload, call: CallSpec) -> float | None:
         return None
     if wl.varlen:
         return wl.varlen_shape(call, c.batch_ways)[3] / c.c
-    shape = wl.packed_shape(call, c.batch_ways)
+    shape = wl.packed_shape(call, c.batch_ways, c.cfg, c.c)
     return shape.micro_batches * shape.reads / c.c
 
 
@@ -637,7 +637,7 @@ def _table_parts(call: CallSpec, cfg: ModelConfig, devices: int, layout: Layout,
     rows, length, micro = wl.call_seqs(call), wl.seq_len, wl.micro_batches(call)
     if wl.packed and call.kind != "generate":  # the packed rows of every micro-batch, as wide as they are
         ways = layout.batch_ways
-        shape = wl.packed_shape(call, ways)
+        shape = wl.packed_shape(call, ways, cfg, layout.context)
         rows, length, micro = shape.micro_batches * shape.rows * ways, shape.width, shape.micro_batches
     stages = layout.stage
     devices, layout = timed_placement(devices, layout)

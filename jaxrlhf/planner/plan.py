@@ -140,6 +140,9 @@ class Execution:
     token_budget: int | None = None
     gen_slots: int | None = None  # the continuous engine's rows decoding at once; None: the config's
     gen_pages: int | None = None  # the continuous engine's response pages (all shards); None: the config's
+    # the context degree of each call whose layout splits its rows over devices (absent: 1): a packing read
+    # by such a call keeps rows as wide as the batch (`models.packing.one_row_rule`)
+    contexts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def micro_batch(self, call: str) -> int | None:
         """Rows per micro-batch of `call` (None: the whole batch, or minibatch, at once)."""
@@ -206,7 +209,7 @@ class ExecutionPlan:
     def execution(self) -> "Execution":
         """The memory knobs the run executes this plan's calls with."""
         return Execution(dict(self.micro_batch_size), dict(self.remat), self.token_budget, self.gen_slots,
-                         self.gen_pages)
+                         self.gen_pages, {c: p.layout.context for c, p in self.calls.items() if p.layout.context > 1})
 
     # ---- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrlhf.graph import CallSpec
 from jaxrlhf.models.lengths import lognormal_lengths, response_width
-from jaxrlhf.models.packing import PackedShape, packing_shape
+from jaxrlhf.models.packing import PackedShape, one_row_rule, packing_shape
 from jaxrlhf.models.slots import (
     kv_columns,
     page_size,
@@ -54,7 +54,7 @@ def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray
 
 @functools.lru_cache(maxsize=256)
 def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, sigma: float, updates: int,
-                  epochs: int, ways: int, budget: int | None) -> PackedShape:
+                  epochs: int, ways: int, budget: int | None, blockwise: tuple[int, int] | None) -> PackedShape:
     """`Workload.packed_shape`, once per shape question (a search asks often): `rows` sequences in
     `updates` equal parts per epoch (1: an inference call)."""
     wl = Workload(batch_size=rows, prompt_len=prompt_len, gen_len=gen_len, minibatches=updates,
@@ -65,7 +65,7 @@ def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, 
     # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`); every
     # response token read (`take`)
     shapes = [packing_shape(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
-                            budget, reads=batch) for batch in responses]
+                            budget, reads=batch, blockwise=blockwise) for batch in responses]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
     return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
                        slots=mean("slots"), width=mean("width"), reads=mean("reads"))
@@ -364,15 +364,18 @@ class Workload:
             return np.full((LENGTH_BATCHES, rows), self.gen_len, dtype=np.int64)
         return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
 
-    def packed_shape(self, call: CallSpec, batch_ways: int) -> PackedShape:
+    def packed_shape(self, call: CallSpec, batch_ways: int, model: Any = None, context: int = 1) -> PackedShape:
         """The packing a packed train or inference call runs, per shard (`models.packing`, the runtime's
         packer): each drawn batch of lengths (prompt_len + response) packed for the call's updates (a
         train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch),
-        averaged over the LENGTH_BATCHES draws (rounded up)."""
+        averaged over the LENGTH_BATCHES draws (rounded up). `model` (its `ModelConfig`) and `context` (its
+        layout's degree): one row a shard where the model attends it blockwise (`packing.one_row_rule`, the
+        runtime's rule for the packing's readers); without a model, rows as wide as the batch."""
+        blockwise = None if model is None else one_row_rule([model], [context])
         train = call.kind == "train"
         return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
                              self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
-                             batch_ways, self.token_budget)
+                             batch_ways, self.token_budget, blockwise)
 
     def live_context(self) -> float:
         """Cached tokens a decoded token attends to on average under a `live_kv` engine: a row of L tokens

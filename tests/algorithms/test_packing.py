@@ -20,7 +20,7 @@ from jaxrlhf.algorithms import build_algorithm, rollout
 from jaxrlhf.algorithms.stats import RunningMoments
 from jaxrlhf.algorithms.update import minibatch_indices
 from jaxrlhf.models.config import preset
-from jaxrlhf.models.packing import micro_batches, pack_batch, size_bucket
+from jaxrlhf.models.packing import micro_batches, one_row_rule, pack_batch, size_bucket
 from jaxrlhf.models.sampling import SamplingParams
 from jaxrlhf.models.transformer import build_model, positions_from_mask
 
@@ -233,6 +233,27 @@ def test_the_graph_routes_calls_through_their_packings():
     assert "tokens" in remax["reward.inference"].inputs and "packed_inference" in remax["ref.inference"].inputs
 
 
+def test_a_packings_one_row_rule_reads_its_readers_models_and_the_plans_context_degrees():
+    """`Algorithm.one_row`: the largest blockwise settings of the models reading a packing, none where one
+    of them attends densely or the plan splits its rows over context devices (`Execution.contexts`)."""
+    from jaxrlhf.planner.plan import DeviceGroup, Execution, ExecutionPlan, Layout, Placement
+
+    alg = build_algorithm(_config("algorithm.name=ppo", "algorithm.pack_sequences=true"))
+    tiny = preset("tiny")
+    alg.model_configs = {"actor": tiny.replace(blockwise_attention_from=64, attention_block=16),
+                         "ref": tiny.replace(blockwise_attention_from=128, attention_block=8),
+                         "critic": tiny.replace(blockwise_attention_from=None)}
+    alg.execution = Execution()
+    assert alg.one_row(("actor.train",)) == (64, 16)
+    assert alg.one_row(("actor.inference", "ref.inference")) == (128, 16)
+    assert alg.one_row(("ref.inference", "critic.inference")) is None
+    plan = ExecutionPlan("t", 4, {"all": DeviceGroup("all", 0, 4)},
+                         {"actor.train": Placement("all", Layout(context=4)), "ref.inference": Placement("all", Layout(data=4))})
+    alg.execution = plan.execution
+    assert alg.execution.contexts == {"actor.train": 4}
+    assert alg.one_row(("actor.train",)) is None and alg.one_row(("ref.inference",)) == (128, 8)
+
+
 @pytest.mark.parametrize("algorithm, unpacked", [("ppo", []), ("grpo", ["algorithm.pack_sequences=false"]),
                                                 ("dpo", ["algorithm.pack_sequences=false"])])
 def test_a_token_budget_turns_packing_on_and_says_so(algorithm, unpacked, tmp_path, capsys):
@@ -299,6 +320,41 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
                                                                                    wl)["activations"] / 2
 
 
+def test_one_row_packing_attending_blockwise_equals_unpacked():
+    """A model that attends rows of 16 tokens and more blockwise (blocks of 8): each shard's part of the
+    packing is one row a whole number of blocks wide (`packing.one_row_rule`), and the log-probs and one
+    GRPO update from it equal the padded batch's."""
+    cfg = preset("tiny").replace(blockwise_attention_from=16, attention_block=8)
+    actor_def, actor = nnx.split(build_model(cfg, seed=0))
+    batch = _batch()
+    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
+    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3))
+    s = rollout.RLSettings(estimator="grpo", loss="grpo", loss_agg="token-mean", group_size=2,
+                           minibatches=2, max_new_tokens=N, kl_in_reward=False, kl_in_loss=True, kl_estimator="k3")
+    opt = optax.sgd(0.1)
+    train_fn = jax.jit(functools.partial(rollout.actor_train, actor_def, opt, s))
+    logp_fn = jax.jit(functools.partial(rollout.policy_logprobs, actor_def, SamplingParams(), None))
+    want_params, _, want = train_fn(actor, opt.init(actor), unpacked)
+    want_logp = logp_fn(actor, unpacked)["ref_logp"]
+
+    one_row = one_row_rule([cfg])
+    assert one_row == (16, 8) and one_row_rule([cfg], [2]) is None  # a context split keeps wide rows
+    updates = np.asarray(minibatch_indices(unpacked["rng_actor"], B, 2, 1))
+    pack = functools.partial(pack_batch, batch["mask"], batch["tokens"], batch["positions"], N, shards=2,
+                             blockwise=one_row)
+    packed_actor, packed_inference = pack(updates)[0], pack(np.arange(B)[None])[0]
+    for packing in (packed_actor, packed_inference):
+        rows, width = packing["tokens"].shape[-2:]
+        assert rows == 1 and width % 8 == 0 and cfg.attends_blockwise(width)
+    args = {k: v for k, v in unpacked.items() if k not in ("tokens", "mask", "positions")}
+    got_logp = logp_fn(actor, {**args, "packed_inference": packed_inference})["ref_logp"]
+    np.testing.assert_allclose(np.asarray(got_logp), np.asarray(want_logp), rtol=1e-5, atol=1e-5)
+    got_params, _, got = train_fn(actor, opt.init(actor), {**args, "packed_actor": packed_actor})
+    _close(got_params, want_params, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(got["actor_stats"]["loss/policy"], want["actor_stats"]["loss/policy"], rtol=2e-4,
+                               atol=1e-6)
+
+
 @pytest.mark.slow
 def test_packed_calls_under_a_pipeline_equal_unpacked_ones(models):
     """A 2-stage placement (data 2 x fsdp 2 per stage, 8 devices) runs a packed update's micro-batches as
@@ -363,7 +419,8 @@ def test_packed_dpo_equals_unpacked(models, kind="ipo"):
         pairs.update({f"{side}_tokens": np.where(mask, rng.randint(3, 300, size=(b, length)), 0).astype(np.int32),
                       f"{side}_mask": mask, f"{side}_loss_mask": loss_mask})
     shards = {"ref.inference": 2, "actor.train": 2}
-    runtime = type("R", (), {"execution": type("E", (), {"token_budget": 30})})()  # the plan's budget (b08ee03)
+    runtime = type("R", (), {"execution": type("E", (), {"token_budget": 30}),  # the plan's budget (b08ee03)
+                             "one_row": lambda self, readers: None})()  # the tiny model attends densely
     packed = dpo.DPORuntime._pack_pairs(runtime, pairs["chosen_tokens"], pairs["chosen_mask"],
                                         pairs["rejected_tokens"], pairs["rejected_mask"], shards)
     assert packed["packed_pairs"]["slots"].shape[2] > 1  # several micro-batches

@@ -60,7 +60,11 @@ def test_the_planner_chooses_the_packed_token_budget_and_the_run_packs_with_it(t
     argv = ["--devices", "8", "--hardware", "h100", "--model-preset", "qwen2-7b", "--algorithm", "grpo",
             "--prompt-len", "512", "--gen-len", "8192", "--batch", "32", "--evaluations", "1000",
             "algorithm.group_size=8", "algorithm.pack_sequences=true", "plan.response_length_median=1024",
-            "plan.response_length_sigma=1", "--out", str(tmp_path)]
+            "plan.response_length_sigma=1",
+            # dense attention: rows as wide as the batch, where a budget pays (attending blockwise, one row a
+            # shard runs fastest with none here)
+            "model.actor.overrides={blockwise_attention_from: null}", "model.ref.overrides={blockwise_attention_from: null}",
+            "--out", str(tmp_path)]
     rc = main(argv)
     assert rc == 0
     text = capsys.readouterr().out

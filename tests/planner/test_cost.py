@@ -214,19 +214,25 @@ def test_blockwise_attention_skips_the_future_blocks_and_recomputes_scores_in_th
 
 
 def test_packed_rows_attending_blockwise_are_priced_by_their_own_sequences():
-    """Packed rows 8k tokens and wider attend blockwise, and a block pair with no query and key of one sequence
-    is skipped: a token meets about its own sequence's keys (sum L^2 / sum L, and a block more), not the row's
-    width, as dense packed rows do."""
+    """Where the model attends 8k-token rows and wider blockwise, a shard's part of the packing is one row
+    (`packing.one_row_rule`), a whole number of blocks wide, with less padding than rows as wide as the
+    batch; each row skips its block pairs of two sequences (`models.blockwise`), so a token meets about its
+    own sequence's keys (sum L^2 / sum L, and a block more), not the row's width, as dense packed rows do.
+    A context split keeps the wide rows (the ring attends them)."""
+    from jaxrlhf.planner.cost import Geometry, _Ctx, forward_shape
+
     wl = Workload(batch_size=64, prompt_len=512, gen_len=16384, minibatches=1, packed=True,
                   gen_len_median=2048, gen_len_sigma=1.0, remat="full")
     layout = Layout(fsdp=8)
-    shape = wl.packed_shape(INF, 8)
-    assert CFG.attends_blockwise(shape.width)
-    keys = wl.varlen_shape(INF, 8)[1] + CFG.attention_block
-    assert keys < shape.width / 2
+    ctx = lambda cfg: _Ctx(cfg, "lm", layout, Geometry.of(DeviceGroup("g", 0, 8), layout, H100), H100)  # noqa: E731
     dense_cfg = CFG.replace(blockwise_attention_from=None)
-    tokens = shape.micro_batches * shape.rows * shape.width  # a device's (the shape is a shard's)
-    n = -(-keys // CFG.attention_block)
-    want = attention_flops(CFG, tokens, shape.width) - attention_flops(CFG, tokens, keys) * (n + 1) / (2 * n)
-    got = cost(INF, 8, layout, wl, cfg=dense_cfg).flops - cost(INF, 8, layout, wl).flops
-    assert got == pytest.approx(want, rel=1e-9)
+    one, wide = wl.packed_shape(INF, 8, CFG), wl.packed_shape(INF, 8)
+    assert one.rows == 1 and one.width % CFG.attention_block == 0 and CFG.attends_blockwise(one.width)
+    assert one.micro_batches * one.width < wide.micro_batches * wide.rows * wide.width
+    assert wl.packed_shape(INF, 8, CFG, context=2) == wide
+    assert wl.packed_shape(INF, 8, dense_cfg) == wide
+    tokens, keys, _, micro, blockwise = forward_shape(ctx(CFG), wl, INF)
+    assert blockwise and micro == one.micro_batches and tokens == one.micro_batches * one.width
+    assert keys == wl.varlen_shape(INF, 8)[1] + CFG.attention_block < one.width / 2
+    assert forward_shape(ctx(dense_cfg), wl, INF)[:2] == (wide.micro_batches * wide.rows * wide.width, wide.width)
+    assert cost(INF, 8, layout, wl).flops < cost(INF, 8, layout, wl, cfg=dense_cfg).flops
