@@ -320,18 +320,23 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
                                                                                    wl)["activations"] / 2
 
 
+def _grpo_update(agg: str):
+    """The batch, its unpacked inputs, GRPO settings aggregating by `agg` over 2 minibatches, and SGD."""
+    batch = _batch()
+    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
+    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3))
+    s = rollout.RLSettings(estimator="grpo", loss="grpo", loss_agg=agg, group_size=2, minibatches=2,
+                           max_new_tokens=N, kl_in_reward=False, kl_in_loss=True, kl_estimator="k3")
+    return batch, unpacked, s, optax.sgd(0.1)
+
+
 def test_one_row_packing_attending_blockwise_equals_unpacked():
     """A model that attends rows of 16 tokens and more blockwise (blocks of 8): each shard's part of the
     packing is one row a whole number of blocks wide (`packing.one_row_rule`), and the log-probs and one
     GRPO update from it equal the padded batch's."""
     cfg = preset("tiny").replace(blockwise_attention_from=16, attention_block=8)
     actor_def, actor = nnx.split(build_model(cfg, seed=0))
-    batch = _batch()
-    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
-    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3))
-    s = rollout.RLSettings(estimator="grpo", loss="grpo", loss_agg="token-mean", group_size=2,
-                           minibatches=2, max_new_tokens=N, kl_in_reward=False, kl_in_loss=True, kl_estimator="k3")
-    opt = optax.sgd(0.1)
+    batch, unpacked, s, opt = _grpo_update("token-mean")
     train_fn = jax.jit(functools.partial(rollout.actor_train, actor_def, opt, s))
     logp_fn = jax.jit(functools.partial(rollout.policy_logprobs, actor_def, SamplingParams(), None))
     want_params, _, want = train_fn(actor, opt.init(actor), unpacked)
@@ -363,12 +368,7 @@ def test_packed_calls_under_a_pipeline_equal_unpacked_ones(models):
     from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
 
     (actor_def, actor), _, _ = models
-    batch = _batch()
-    unpacked = {k: jnp.asarray(v) for k, v in batch.items()}
-    unpacked.update(kl_coef=jnp.float32(0.05), rng_actor=jax.random.key(3))
-    s = rollout.RLSettings(estimator="grpo", loss="grpo", loss_agg="seq-mean-token-mean", group_size=2,
-                           minibatches=2, max_new_tokens=N, kl_in_reward=False, kl_in_loss=True, kl_estimator="k3")
-    opt = optax.sgd(0.1)
+    batch, unpacked, s, opt = _grpo_update("seq-mean-token-mean")
     train_fn = functools.partial(rollout.actor_train, actor_def, opt, s)
     want_params, _, want = jax.jit(train_fn)(actor, opt.init(actor), unpacked)
     want_logp = rollout.policy_logprobs(actor_def, SamplingParams(), None, actor, unpacked)["ref_logp"]
