@@ -202,9 +202,23 @@ def test_trace_summary_sums_device_ops_per_kind_and_per_call(tmp_path, capsys):
     assert "no launch of 'critic.train'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["bench_packing", "bench_rewards"])
+@pytest.mark.parametrize("name", ["bench_packing", "bench_rewards", "bench_one_row"])
 def test_long_sequence_and_reward_benchmarks_never_replace_a_results_file(name, tmp_path, capsys):
     out = tmp_path / "earlier.json"
     out.write_text("{}")
     assert _load(name).main(["--quick", "--out", str(out)]) == 2
     assert "exists" in capsys.readouterr().err and out.read_text() == "{}"
+
+
+def test_the_one_row_benchmark_measures_both_layouts_and_prices_them(tmp_path):
+    """`bench_one_row --quick`: each call timed in rows as wide as the batch and in one row, the one row
+    holding fewer tokens, the planner pricing both (its one-row shape a single row)."""
+    out = tmp_path / "one_row.json"
+    assert _load("bench_one_row").main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for call in ("inference", "train"):
+        r = result["calls"][call]
+        assert r["tokens"]["one_row"] < r["tokens"]["wide"]
+        assert all(r["seconds"][side] > 0 and r["predicted_s"][side] > 0 for side in ("wide", "one_row"))
+        assert r["priced_shape"]["one_row"]["rows"] == 1 < r["priced_shape"]["wide"]["rows"]
+        assert r["measured_ratio"] == pytest.approx(r["seconds"]["wide"] / r["seconds"]["one_row"])

@@ -121,36 +121,66 @@ def _blocks(st: _Statics, block: int, q, k, v, valid, segments, window):
 
 
 def _key_blocks(block, k, v, valid, segments):
-    """The keys' scan inputs: keys, values, key mask, key segments (or None) and key slots, per block."""
+    """The keys' per-block inputs: keys, values, key mask, key segments (or None) and key slots."""
     n = k.shape[1] // block
     slots = jnp.arange(n * block).reshape(n, block)
     segs = None if segments is None else _blocks_of(segments, block)
     return _blocks_of(k, block), _blocks_of(v, block), _blocks_of(valid, block), segs, slots
 
 
+def _reach(segments, valid, n: int, block: int):
+    """For one row's `n` blocks: the first key block each query block can see and the last query block that
+    can see each key block. The row's sequences are runs of one segment id (`models.packing`): a query sees
+    the valid keys of its run up to itself, and itself (a padding query, which may have no valid key before
+    it: the tail of a packed row), so its first visible key is its run's first valid one, or itself; a valid
+    key is seen up to its run's end, a padding key by itself only. Without segments, every earlier block and
+    every later one. A block pair outside these bounds has no query and key of one sequence, so the loops
+    never visit it: a packed row costs its own sequences' blocks, not the row's n x n, in loop steps as in
+    work."""
+    if segments is None:
+        return jnp.zeros(n, jnp.int32), jnp.full(n, n - 1, jnp.int32)
+    seg, real = segments[0], valid[0].astype(bool)  # one row (`_each_row`)
+    t = seg.shape[0]
+    slot = jnp.arange(t, dtype=jnp.int32)
+    change = seg[1:] != seg[:-1]
+    run_start = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), change]), slot, 0))
+    run_end = jax.lax.cummin(jnp.where(jnp.concatenate([change, jnp.array([True])]), slot, t - 1), reverse=True)
+    next_valid = jax.lax.cummin(jnp.where(real, slot, t), reverse=True)  # the first valid slot at or after each
+    first_seen = jnp.minimum(next_valid[run_start], slot)  # a query's first visible key
+    last_seeing = jnp.where(real, run_end, slot)  # a key's last query
+    return first_seen.reshape(n, block).min(axis=1) // block, last_seeing.reshape(n, block).max(axis=1) // block
+
+
+def _at(blocks, i):
+    """Block `i` of each per-block input (None stays None)."""
+    return tuple(None if x is None else jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in blocks)
+
+
 def _blocks_fwd(st: _Statics, block: int, q, k, v, valid, segments, window):
     b, t, h, d = q.shape
     kvh = k.shape[2]
+    n = t // block
     qg = _group(q, kvh)  # [B, T, kv_heads, groups, D]
     keys = _key_blocks(block, k, v, valid, segments)
     q_segs = None if segments is None else _blocks_of(segments, block)
+    first, _ = _reach(segments, valid, n, block)
 
     def query_block(_, xs):
-        q_blk, q_slot, q_seg = xs
+        i, q_blk, q_slot, q_seg = xs
         shape = (b, kvh, h // kvh, block)
 
-        def key_block(stats, ys):
-            k_blk, v_blk, valid_blk, seg_blk, k_slot = ys
+        def key_block(j, stats):
+            k_blk, v_blk, valid_blk, seg_blk, k_slot = _at(keys, j)
             allowed = _tied_mask(q_blk, q_slot, k_slot, valid_blk, q_seg, seg_blk, window)
-            return _attend(st, q_blk, k_blk, v_blk, allowed, *stats), None
+            return _attend(st, q_blk, k_blk, v_blk, allowed, *stats)
 
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(q_blk.shape, jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(key_block, init, keys)
+        m, l, acc = jax.lax.fori_loop(first[i], i + 1, key_block, init)  # no key block after the queries'
         # every query attends at least to itself: l > 0 and the log-sum-exp finite
         return None, (acc / jnp.moveaxis(l, 3, 1)[..., None], m + jnp.log(l))
 
-    _, (outs, lses) = jax.lax.scan(query_block, None, (_blocks_of(qg, block), keys[4], q_segs))
+    _, (outs, lses) = jax.lax.scan(query_block, None, (jnp.arange(n), _blocks_of(qg, block), keys[4], q_segs))
     out = _unblock(outs).reshape(b, t, h, d).astype(v.dtype)
     lse = _unblock(lses, axis=3)  # [B, kv_heads, groups, T]
     return out, (q, k, v, valid, segments, window, out, lse)
@@ -160,6 +190,7 @@ def _blocks_bwd(st: _Statics, block: int, res, dout):
     q, k, v, valid, segments, window, out, lse = res
     b, t, h, d = q.shape
     kvh = k.shape[2]
+    n = t // block
     qg = _group(q, kvh)
     dog = _group(dout, kvh).astype(jnp.float32)
     # D_i = sum_h dO_i . O_i: the softmax backward's row term, [B, kv_heads, groups, T]
@@ -167,26 +198,26 @@ def _blocks_bwd(st: _Statics, block: int, res, dout):
     queries = (_blocks_of(qg, block), _blocks_of(dog, block), _blocks_of(delta, block, 3),
                _blocks_of(lse, block, 3), jnp.arange(t).reshape(-1, block),
                None if segments is None else _blocks_of(segments, block))
+    _, last = _reach(segments, valid, n, block)
 
     def key_block(dq, ys):
-        k_blk, v_blk, valid_blk, seg_blk, k_slot = ys
+        j, (k_blk, v_blk, valid_blk, seg_blk, k_slot) = ys
 
-        def query_block(carry, xs):
+        def query_block(i, carry):
             dq, dk, dv = carry
-            i, (q_blk, do_blk, delta_blk, lse_blk, q_slot, q_seg) = xs
+            q_blk, do_blk, delta_blk, lse_blk, q_slot, q_seg = _at(queries, i)
             allowed = _tied_mask(do_blk, q_slot, k_slot, valid_blk, q_seg, seg_blk, window)
             dq_blk = jax.lax.dynamic_index_in_dim(dq, i, 0, keepdims=False)
             dq_blk, dk, dv = _block_grads(st, q_blk, do_blk, delta_blk, lse_blk, k_blk, v_blk, allowed,
                                           dq_blk, dk, dv)
-            return (jax.lax.dynamic_update_index_in_dim(dq, dq_blk, i, 0), dk, dv), None
+            return jax.lax.dynamic_update_index_in_dim(dq, dq_blk, i, 0), dk, dv
 
         zeros = jnp.zeros(k_blk.shape, jnp.float32)
-        n = t // block
-        (dq, dk, dv), _ = jax.lax.scan(query_block, (dq, zeros, zeros), (jnp.arange(n), queries))
+        dq, dk, dv = jax.lax.fori_loop(j, last[j] + 1, query_block, (dq, zeros, zeros))  # no query before the keys
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros((t // block, b, block, *qg.shape[2:]), jnp.float32)
-    dq, (dks, dvs) = jax.lax.scan(key_block, dq0, _key_blocks(block, k, v, valid, segments))
+    dq0 = jnp.zeros((n, b, block, *qg.shape[2:]), jnp.float32)
+    dq, (dks, dvs) = jax.lax.scan(key_block, dq0, (jnp.arange(n), _key_blocks(block, k, v, valid, segments)))
     dq = _unblock(dq).reshape(b, t, h, d).astype(q.dtype)
     return dq, _unblock(dks).astype(k.dtype), _unblock(dvs).astype(v.dtype), None, None, None
 

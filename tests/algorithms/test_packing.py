@@ -360,6 +360,32 @@ def test_one_row_packing_attending_blockwise_equals_unpacked():
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["d2f2t1p2", "d4f1t2"])
+def test_one_row_packing_on_a_placed_call_equals_unpacked(layout):
+    """The one-row packing's log-probs on 8 devices, 2 pipeline stages or tensor-parallel heads (blockwise
+    attention a `shard_map` per device under the stages' `vmap`), equal the padded batch's on one."""
+    from jaxrlhf.placement.calls import CallCache
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+
+    cfg = preset("tiny").replace(blockwise_attention_from=16, attention_block=8)
+    actor_def, actor = nnx.split(build_model(cfg, seed=0))
+    batch, unpacked, _, _ = _grpo_update("token-mean")
+    fn = functools.partial(rollout.policy_logprobs, actor_def, SamplingParams(), None)
+    want = jax.jit(fn)(actor, unpacked)["ref_logp"]
+    packed = {k: v for k, v in batch.items() if k not in ("tokens", "mask", "positions")}
+    packed["packed_inference"] = pack_batch(batch["mask"], batch["tokens"], batch["positions"], N, np.arange(B)[None],
+                                            shards=4, blockwise=one_row_rule([cfg]))[0]
+    assert packed["packed_inference"]["tokens"].shape[-2] == 1
+    plan = ExecutionPlan("t", 8, {"all": DeviceGroup("all", 0, 8)}, {"ref.inference": Placement("all", Layout.parse(layout))})
+    cache = CallCache(plan)
+    placed = cache.placed("ref.inference")
+    params = jax.device_put(actor, placed.param_shardings(actor))
+    args = {k: jax.tree_util.tree_map(lambda x: jax.device_put(
+        x, placed.batch_sharding(np.ndim(x)) if np.ndim(x) else placed.replicated()), v) for k, v in packed.items()}
+    got = cache.function("ref.inference", fn, in_shardings=None, out_shardings=None)(params, args)["ref_logp"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_packed_calls_under_a_pipeline_equal_unpacked_ones(models):
     """A 2-stage placement (data 2 x fsdp 2 per stage, 8 devices) runs a packed update's micro-batches as

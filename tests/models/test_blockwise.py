@@ -104,8 +104,8 @@ def test_a_long_rows_train_call_keeps_no_score_matrix():
 def test_each_row_skips_its_own_block_pairs_on_each_data_shard(monkeypatch):
     """Two packed rows over a data-parallel mesh of 2: one long sequence (10 of 16 block pairs causal) and
     four block-long ones (4 pairs). Each device decides its own row's skips, so 14 row-block pairs run
-    forward (one predicate over the whole batch would run the union's 10 pairs for both rows: 20), and the
-    output and gradients are the one-device ones."""
+    forward (one predicate over the whole batch would run the union's 10 pairs for both rows: 20), the
+    loops visit no other pair, and the output and gradients are the one-device ones."""
     from jaxrlhf.models import axes as ax
     from jaxrlhf.models import blockwise
     from jaxrlhf.placement.layout import activation_resolver, make_mesh
@@ -119,10 +119,11 @@ def test_each_row_skips_its_own_block_pairs_on_each_data_shard(monkeypatch):
     k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32) for _ in range(2))
     valid = jnp.ones((2, t), bool)
     segments = jnp.asarray(np.stack([np.ones(t), np.repeat(np.arange(1, 5), 8)]), jnp.int32)
-    ran = []
+    ran, visited = [], []
     attend = blockwise._attend
 
     def counted(st, qg, k_blk, v_blk, allowed, m, l, acc):
+        jax.debug.callback(lambda: visited.append(1))
         jax.lax.cond(jnp.any(allowed), lambda: jax.debug.callback(lambda: ran.append(1)), lambda: None)
         return attend(st, qg, k_blk, v_blk, allowed, m, l, acc)
 
@@ -138,6 +139,7 @@ def test_each_row_skips_its_own_block_pairs_on_each_data_shard(monkeypatch):
 
     out = jax.block_until_ready(jax.jit(on_mesh)(q, k, v))
     assert len(ran) == 10 + 4
+    assert len(visited) == 10 + 4  # the loops visit only the pairs a sequence spans (`_reach`), not 16 a row
     assert out.sharding.spec[0] in ("data", ("data",), ("data", "fsdp"))  # each device its own row
     cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     got = jax.jit(lambda: (lambda o, f: (o, *f(cot)))(*jax.vjp(on_mesh, q, k, v)))()
