@@ -218,7 +218,8 @@ def one_row_rule(configs: Iterable[Any], contexts: Iterable[int] = ()) -> tuple[
 def _one_row_width(lengths: np.ndarray, parts: Iterable[list[int]], blockwise: tuple[int, int] | None) -> int | None:
     """The width of one row holding any shard's part of any micro-batch (`row_blocks` blocks), where such a
     row attends blockwise (`ModelConfig.attends_blockwise`: at least `from` tokens and more than a block);
-    None otherwise, or without `blockwise`."""
+    None otherwise, or without `blockwise`. `_pack` lays the parts so where that holds no more tokens than
+    rows as wide as the batch (sequences of one length fill those exactly, and a block's rounding would not)."""
     if blockwise is None:
         return None
     start, block = blockwise
@@ -248,28 +249,23 @@ def _pack(lengths: np.ndarray, updates: np.ndarray, shards: int, width: int, bud
     split = [[_spread(lengths, mb, shards) for mb in micro_batches(lengths, [int(r) for r in rows_of_update],
                                                                   budget, group)]
              for rows_of_update in np.asarray(updates)]
+    layout = [[[_rows(lengths, part, width) for part in mb if keep or part] for mb in update] for update in split]
     one = _one_row_width(lengths, (part for update in split for mb in update for part in mb), blockwise)
-    width = one or width
-    plan: list = []
-    counts, most_rows, most_slots, most_reads = [], 0, 0, 0  # over every shard of every micro-batch
-    for update in split:
-        counts.append(len(update))
-        placed = []
-        for mb in update:
-            parts = [([sorted(part, key=lambda i: (-int(lengths[i]), i))] if part else []) if one
-                     else _rows(lengths, part, width) for part in mb if keep or part]
-            for rows in parts:
-                most_rows = max(most_rows, len(rows))
-                most_slots = max(most_slots, sum(map(len, rows)))
-                if read is not None:
-                    most_reads = max(most_reads, sum(read[i] for row in rows for i in row))
-            if keep:
-                placed.append(parts)
-        if keep:
-            plan.append(placed)
-    shape = PackedShape(updates=len(counts), micro_batches=size_bucket(max(counts)), rows=size_bucket(most_rows),
-                        slots=size_bucket(most_slots), width=width, reads=0 if reads is None else size_bucket(most_reads))
-    return plan, shape
+    wide_rows = size_bucket(max((len(rows) for update in layout for mb in update for rows in mb), default=1))
+    if one is not None and one <= wide_rows * width:  # else rows as wide as the batch hold fewer tokens (even lengths)
+        width = one
+        layout = [[[[sorted(part, key=lambda i: (-int(lengths[i]), i))] if part else [] for part in mb if keep or part]
+                   for mb in update] for update in split]
+    most_rows, most_slots, most_reads = 0, 0, 0  # over every shard of every micro-batch
+    for rows in (rows for update in layout for parts in update for rows in parts):
+        most_rows = max(most_rows, len(rows))
+        most_slots = max(most_slots, sum(map(len, rows)))
+        if read is not None:
+            most_reads = max(most_reads, sum(read[i] for row in rows for i in row))
+    shape = PackedShape(updates=len(layout), micro_batches=size_bucket(max(len(u) for u in layout)),
+                        rows=size_bucket(most_rows), slots=size_bucket(most_slots), width=width,
+                        reads=0 if reads is None else size_bucket(most_reads))
+    return (layout if keep else []), shape
 
 
 def pack_batch(

@@ -330,6 +330,21 @@ def _grpo_update(agg: str):
     return batch, unpacked, s, optax.sgd(0.1)
 
 
+def test_one_row_where_it_holds_fewer_tokens_than_rows_as_wide_as_the_batch():
+    """Blockwise readers (rows from 16 tokens, blocks of 8): a long-tailed part goes in one row of whole blocks
+    (4 to 7 times a power of two); sequences of one length fill rows as wide as the batch exactly, which one
+    row rounded to its blocks would not, so they keep them."""
+    from jaxrlhf.models.packing import packing_shape, row_blocks
+
+    assert [row_blocks(n) for n in (3, 5, 9, 15, 33)] == [3, 5, 10, 16, 40]
+    tailed = np.array([30, 3, 4, 5, 2, 3, 4, 3])  # one shard, one update: 54 tokens
+    one = packing_shape(tailed, np.arange(8)[None], 1, 30, blockwise=(16, 8))
+    assert (one.rows, one.width) == (1, 56) and packing_shape(tailed, np.arange(8)[None], 1, 30).rows == 2  # 60
+    even = np.full(4, 30)  # 120 tokens: four rows of 30; one row would be 16 blocks, 128
+    assert packing_shape(even, np.arange(4)[None], 1, 30, blockwise=(16, 8)) == \
+        packing_shape(even, np.arange(4)[None], 1, 30)
+
+
 def test_one_row_packing_attending_blockwise_equals_unpacked():
     """A model that attends rows of 16 tokens and more blockwise (blocks of 8): each shard's part of the
     packing is one row a whole number of blocks wide (`packing.one_row_rule`), and the log-probs and one
