@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_packing import CALLS, MINIBATCHES, PROMPT, rollout_batch, timed  # noqa: E402
+from bench_packing import CALLS, MINIBATCHES, PROMPT, rollout_batch, timed, write_summary  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrlhf.algorithms import rollout  # noqa: E402
@@ -154,10 +153,7 @@ def main(argv=None) -> int:
                   f"{r['seconds'][side]:11.3f} {r['predicted_s'][side]:12.3f}")
         print(f"{kind:<10} wide / one row: measured {r['measured_ratio']:.2f}x, predicted {r['predicted_ratio']:.2f}x")
     print(f"both calls: measured {summary['measured_ratio']:.2f}x, predicted {summary['predicted_ratio']:.2f}x")
-    print(json.dumps({k: v for k, v in summary.items() if k != "calls"}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+    return write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

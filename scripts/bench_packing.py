@@ -220,9 +220,14 @@ def main(argv=None) -> int:
               f"{r['table_packed_error']:+6.2f} {r['formula_packed_s']:11.3f} {r['formula_packed_error']:+6.2f}")
     print(f"{'both':<10} {total['padded']:9.3f} {total['packed']:9.3f} {summary['padded_tokens_per_s']:13.0f} "
           f"{summary['packed_tokens_per_s']:13.0f} {summary['ratio']:6.2f}")
+    return write_summary(summary, args.out)
+
+
+def write_summary(summary: dict, out: str | None) -> int:
+    """Print the summary's JSON line (without its per-call detail, "calls") and write all of it to `out`."""
     print(json.dumps({k: v for k, v in summary.items() if k != "calls"}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
