@@ -432,8 +432,8 @@ def price(case: dict, evaluations: int, mean: float | None = None, search: bool 
     The peer's time: jaxrlhf's cost model and simulator on the peer's placement with the knobs the peer
     states (remat, a token budget or micro-batch size; none where it states none), its engine's
     concurrency (`engine_slots`) and, for a trainer that packs (dynamic batch size, sequence packing), its
-    packer: no padding and attention inside each sequence (`Workload.varlen`; jaxrlhf's own packer pads
-    rows to the longest sequence and masks, which the planner prices for jaxrlhf's runs). Memory is the peer's business here: peers offload or free the trainer's
+    packer: no padding and attention inside each sequence (`Workload.varlen`; jaxrlhf's own packer pads a
+    shard's one row to whole blocks, or rows to the longest sequence, which the planner prices for jaxrlhf's runs). Memory is the peer's business here: peers offload or free the trainer's
     parameters while generating and run Adam on the host (DeepSpeed's CPU Adam), which jaxrlhf's runtime
     does not (it splits the optimizer state over data, ZeRO-1, and keeps frozen roles and optimizer state in
     host memory between their calls, `plan.offload`, `plan.offload_optimizer`), so the time is priced on

@@ -5,13 +5,14 @@ its backward keeps them: at 32k tokens that is 4 GiB per head and row, more than
 7B model's 28 heads. Where a forward has no KV cache (the train, log-prob and value calls) and no context
 split (ring attention, `models.context`, covers that), a row of at least `ModelConfig.blockwise_attention_from`
 tokens instead attends in blocks of `ModelConfig.attention_block` queries and keys: a scan over query blocks,
-each scanning the key blocks with the online softmax of `context._attend` (running maximum, sum and weighted
-values; a block wholly in the future skipped), so a device holds one [block, block] score matrix per head.
-Rows go one at a time (`lax.map`), each device its own (`shard_map` over the batch and head axes): a block
-pair is skipped where its row allows no query-key pair of it (the future; in a packed row, pairs of two
-sequences), so a row of packed sequences computes about its own sequences' blocks, which the cost model
-prices (`planner.cost.forward_shape`). Over the whole batch, as GSPMD would reduce the skip's predicate,
-a pair would run wherever any row of any shard allowed it.
+each looping over the key blocks its queries can see with the online softmax of `context._attend` (running
+maximum, sum and weighted values), so a device holds one [block, block] score matrix per head.
+Rows go one at a time (`lax.map`), each device its own (`shard_map` over the batch and head axes), and the
+loops visit only the block pairs one of the row's sequences spans (`_reach`: none in the future, none of two
+packed sequences; a pair they visit whose mask allows nothing is skipped by `_attend`'s `lax.cond`), so a row
+of packed sequences computes its own sequences' blocks, which the cost model prices
+(`planner.cost.forward_shape`). Over the whole batch, as GSPMD would reduce that predicate, a pair would run
+wherever any row of any shard allowed it.
 
 The backward (`jax.custom_vjp`) keeps only q, k, v, the output and each query's log-sum-exp, and recomputes
 each block pair's scores (`context._block_grads`): one more q.k^T product per pair than a dense backward,

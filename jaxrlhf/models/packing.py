@@ -49,8 +49,9 @@ whose cost grows with a row's width squared. A long-tailed batch then pads: a sh
 28k-token sequence among them fill three 29k-token rows (87k). Where every model reading the packing
 attends a long row a block at a time on one device (`one_row_rule`; `models.blockwise` skips each row's
 block pairs of two sequences), a shard's part of a micro-batch is laid in one row instead (R = 1), T
-the `row_blocks` blocks that hold the largest part (4 to 7 times a power of two): padding only to that, and attention about
-each sequence's own (the cost model prices both, `planner.cost.forward_shape`).
+the `row_blocks` blocks that hold the largest part (4 to 7 times a power of two): padding only to that,
+and attention about each sequence's own (the cost model prices both, `planner.cost.forward_shape`), where
+that holds no more tokens than the wide rows (sequences of one length fill those exactly).
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def pack_batch(
     consecutive rows in one micro-batch), in rows as wide
     as the batch (L: the longest sequence fits, and a row attends over no more keys than an unpacked
     row would), or with `blockwise` (`one_row_rule`: the readers' models attend long rows a block at a time)
-    each shard's part in one row where that row is long enough to (`_one_row_width`). `experts`
+    each shard's part in one row where that row is long enough to and holds no more tokens (`_one_row_width`). `experts`
     ([B, L, layers, k], router replay): packed beside the tokens. See the module docstring for the layout."""
     mask = np.asarray(mask, bool)
     tokens, positions = np.asarray(tokens), np.asarray(positions)

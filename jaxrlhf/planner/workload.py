@@ -62,8 +62,8 @@ def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, 
     responses = wl.response_lengths(rows)
     order = np.arange(rows).reshape(updates, -1)
     parts = np.concatenate([order] * epochs)
-    # rows as wide as the batch trimmed to its longest response (`models.packing.pack_batch`); every
-    # response token read (`take`)
+    # rows as wide as the batch trimmed to its longest response, or one row a shard (`blockwise`,
+    # `models.packing.pack_batch`); every response token read (`take`)
     shapes = [packing_shape(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
                             budget, reads=batch, blockwise=blockwise) for batch in responses]
     mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
@@ -143,8 +143,9 @@ class Workload:
     gen_chunk: int = 16  # generation.stream_chunk: decode steps between the stream's reads
     packed: bool = False  # algorithm.pack_sequences
     # a packer without padding, whose attention stays inside each sequence (varlen kernels): how peers' dynamic
-    # batching runs (`scripts/validate_published.py` prices their runs with it). jaxrlhf's runtime packs rows
-    # as wide as the longest sequence and masks its attention: the planner never sets this
+    # batching runs (`scripts/validate_published.py` prices their runs with it). jaxrlhf's runtime packs one row
+    # a shard, padded to whole blocks, where its models attend blockwise, else rows as wide as the longest
+    # sequence attending densely, masked (`packed_shape`): the planner never sets this
     varlen: bool = False
     # a paged engine whose attention reads only the tokens each row holds (vLLM's and SGLang's paged attention):
     # how peers' engines decode (`scripts/validate_published.py` prices their runs with it). jaxrlhf's engines
