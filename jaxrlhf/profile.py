@@ -351,7 +351,8 @@ def profile(cfg: cfglib.Config, repeats: int = 2, sizes: Sequence[int] | None = 
                     lengths = halves(wl.seq_len, 2)
                 elif wl.packed:  # the packed rows the train and inference calls run
                     shape = wl.packed_shape(call, split, cfg_m, lay.context)
-                    rows_all, lengths = shape.micro_batches * shape.rows * split, halves(shape.width)
+                    rows_all = math.ceil(shape.micro_batches * shape.rows * split)
+                    lengths = halves(math.ceil(shape.width))
                 points = [(rows, length, timer.time(phase, rows, length, wl.gen_len))
                           for rows in halves(rows_all, split) for length in lengths]
                 tables[(key, phase, size, str(lay))] = points

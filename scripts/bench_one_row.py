@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         for side in SIDES:
             sh = r["priced_shape"][side]
             print(f"{kind:<10} {side:<8} {r['tokens'][side]:12.0f} "
-                  f"{sh['updates'] * sh['micro_batches'] * sh['rows'] * sh['width']:14d} "
+                  f"{sh['updates'] * sh['micro_batches'] * sh['rows'] * sh['width']:14.0f} "
                   f"{r['seconds'][side]:11.3f} {r['predicted_s'][side]:12.3f}")
         print(f"{kind:<10} wide / one row: measured {r['measured_ratio']:.2f}x, predicted {r['predicted_ratio']:.2f}x")
     print(f"both calls: measured {summary['measured_ratio']:.2f}x, predicted {summary['predicted_ratio']:.2f}x")

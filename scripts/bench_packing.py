@@ -14,7 +14,9 @@ the GRPO loss (`actor_train`, 4 minibatches, 1 epoch; REINFORCE++ advantages, wh
 - padded: the batch cut to its longest response (`rollout.trim_responses`, what a run does by default):
   every row as wide as the longest sequence.
 - packed: `algorithm.pack_sequences` (`models.packing.pack_batch`, one shard): each sequence's real
-  tokens back to back in rows; with `--budget`, micro-batches of at most that many real tokens.
+  tokens back to back in rows as wide as the batch; with `--budget`, micro-batches of at most that many
+  real tokens. The model attends densely (`blockwise_attention_from` unset): rows as wide as the batch are
+  then what the runtime packs and the planner prices (one row a shard is `bench_one_row.py`'s question).
 
 Each call is compiled first, then timed `--repeats` times (the median). Real tokens/s = the batch's
 real tokens (prompt + response, once per epoch) / seconds, the same count on both sides, so the ratio
@@ -35,6 +37,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
         print(f"--out {args.out} exists; choose another path (results are never overwritten)", file=sys.stderr)
         return 2
 
-    cfg = preset(args.model)
+    cfg = preset(args.model).replace(blockwise_attention_from=None)  # dense: rows as wide as the batch
     wl = Workload(batch_size=args.rows, prompt_len=PROMPT, gen_len=args.cap, minibatches=MINIBATCHES,
                   remat="none", gen_len_median=args.median, gen_len_sigma=args.sigma)
     lengths = wl.response_lengths(args.rows)[0]
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
         # as `python -m jaxrlhf.profile` measures a packed workload's calls: padded rows at the packed shape
         # the planner prices (all micro-batches' rows x their width) and at half the rows and half the width
         shape = wl_packed.packed_shape(call, 1)
-        packed_rows = shape.micro_batches * shape.rows * (1 if kind == "inference" else MINIBATCHES)
+        packed_rows = math.ceil(shape.micro_batches * shape.rows) * (1 if kind == "inference" else MINIBATCHES)
         half = packed_rows // 2 if kind == "inference" else max(packed_rows // 2 // MINIBATCHES, 1) * MINIBATCHES
         points = []
         for rows, cut in ((packed_rows, width), (half, width), (packed_rows, width // 2), (half, width // 2)):

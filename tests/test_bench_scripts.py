@@ -212,7 +212,7 @@ def test_long_sequence_and_reward_benchmarks_never_replace_a_results_file(name, 
 
 def test_the_one_row_benchmark_measures_both_layouts_and_prices_them(tmp_path):
     """`bench_one_row --quick`: each call timed in rows as wide as the batch and in one row, the one row
-    holding fewer tokens, the planner pricing both (its one-row shape a single row)."""
+    holding fewer tokens, the planner pricing both (its one-row shape about a single row)."""
     out = tmp_path / "one_row.json"
     assert _load("bench_one_row").main(["--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -220,5 +220,6 @@ def test_the_one_row_benchmark_measures_both_layouts_and_prices_them(tmp_path):
         r = result["calls"][call]
         assert r["tokens"]["one_row"] < r["tokens"]["wide"]
         assert all(r["seconds"][side] > 0 and r["predicted_s"][side] > 0 for side in ("wide", "one_row"))
-        assert r["priced_shape"]["one_row"]["rows"] == 1 < r["priced_shape"]["wide"]["rows"]
+        # one row a draw: the mean shape's rows are its mean tokens over its token-weighted width, at most 1
+        assert 0.5 < r["priced_shape"]["one_row"]["rows"] <= 1 < r["priced_shape"]["wide"]["rows"]
         assert r["measured_ratio"] == pytest.approx(r["seconds"]["wide"] / r["seconds"]["one_row"])

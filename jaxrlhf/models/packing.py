@@ -169,7 +169,8 @@ def micro_batches(lengths: np.ndarray, items: Sequence[int], budget: int | None,
 class PackedShape:
     """The shapes of one packing: `updates` x `micro_batches`, each with `rows` rows of `width` tokens,
     `slots` sequence slots and `reads` read positions (`take`: real response tokens) per shard. The
-    planner prices a packed call with it (`planner.cost`)."""
+    planner prices a packed call with it (`planner.cost`): the mean over its drawn batches, whose fields are
+    floats (`Workload.packed_shape`), or the largest (`Workload.packed_peak`)."""
 
     updates: int
     micro_batches: int

@@ -241,8 +241,8 @@ def working_set(call: CallSpec, cfg: ModelConfig, layout: Layout, wl: Workload) 
     rows = tok * layout.context / wl.seq_len  # a micro-batch's rows on this device
     keys = wl.seq_len / layout.context  # the keys one score matrix holds: a ring's block
     width = wl.seq_len  # a row's tokens
-    if wl.packed:  # a micro-batch's packed rows; logits only where they are read (its real response tokens)
-        shape = wl.packed_shape(call, batch_ways, cfg, layout.context)
+    if wl.packed:  # the largest drawn micro-batch's packed rows; logits only where read (real response tokens)
+        shape = wl.packed_peak(call, batch_ways, cfg, layout.context)
         micro, keys, width = shape.micro_batches, shape.width / layout.context, shape.width
         tok = shape.rows * shape.width / layout.context
         logit_tok, rows = shape.reads, shape.rows

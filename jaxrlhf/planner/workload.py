@@ -53,22 +53,40 @@ def _drawn_lengths(median: int, sigma: float, cap: int, rows: int) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_shape(rows: int, prompt_len: int, gen_len: int, median: int | None, sigma: float, updates: int,
-                  epochs: int, ways: int, budget: int | None, blockwise: tuple[int, int] | None) -> PackedShape:
-    """`Workload.packed_shape`, once per shape question (a search asks often): `rows` sequences in
-    `updates` equal parts per epoch (1: an inference call)."""
+def _packed_draws(rows: int, prompt_len: int, gen_len: int, median: int | None, sigma: float, updates: int,
+                  epochs: int, ways: int, budget: int | None,
+                  blockwise: tuple[int, int] | None) -> tuple[PackedShape, ...]:
+    """The runtime packer's shapes of each drawn batch of lengths, once per shape question (a search asks
+    often): `rows` sequences in `updates` equal parts per epoch (1: an inference call)."""
     wl = Workload(batch_size=rows, prompt_len=prompt_len, gen_len=gen_len, minibatches=updates,
                   gen_len_median=median, gen_len_sigma=sigma)
-    responses = wl.response_lengths(rows)
     order = np.arange(rows).reshape(updates, -1)
     parts = np.concatenate([order] * epochs)
     # rows as wide as the batch trimmed to its longest response, or one row a shard (`blockwise`,
     # `models.packing.pack_batch`); every response token read (`take`)
-    shapes = [packing_shape(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
-                            budget, reads=batch, blockwise=blockwise) for batch in responses]
-    mean = lambda field: math.ceil(float(np.mean([getattr(x, field) for x in shapes])))  # noqa: E731
-    return PackedShape(updates=shapes[0].updates, micro_batches=mean("micro_batches"), rows=mean("rows"),
-                       slots=mean("slots"), width=mean("width"), reads=mean("reads"))
+    return tuple(packing_shape(batch + prompt_len, parts, ways, prompt_len + response_width(int(batch.max()), gen_len),
+                               budget, reads=batch, blockwise=blockwise) for batch in wl.response_lengths(rows))
+
+
+def _mean_shape(draws: tuple[PackedShape, ...]) -> PackedShape:
+    """The packing a packed call costs over the drawn batches, as one shape of float fields: their mean
+    micro-batches and padded tokens (every row of every micro-batch), in rows of their token-weighted mean
+    width, so a row's tokens (linear work) and tokens x width (dense attention over the row) are each the
+    draws' mean. Averaging rows and width apart (and rounding each up) had priced rows as wide as a
+    long-tailed batch 16-27 % over their tokens: a draw with a wider longest sequence packs fewer rows."""
+    micro = np.array([d.micro_batches for d in draws], np.float64)
+    tokens = micro * np.array([d.rows * d.width for d in draws], np.float64)
+    width = float((tokens * [d.width for d in draws]).sum() / tokens.sum())
+    per_micro = lambda field: float((micro * [getattr(d, field) for d in draws]).mean() / micro.mean())  # noqa: E731
+    return PackedShape(updates=draws[0].updates, micro_batches=float(micro.mean()),
+                       rows=float(tokens.mean() / micro.mean() / width), slots=per_micro("slots"), width=width,
+                       reads=per_micro("reads"))
+
+
+def _peak_shape(draws: tuple[PackedShape, ...]) -> PackedShape:
+    """The largest micro-batch of the drawn batches' packings (rows x width, then read positions): what a
+    device must hold at once in the step that packs it."""
+    return max(draws, key=lambda d: (d.rows * d.width, d.reads))
 
 
 def _per_role(value: Any, role: str | None, default: Any) -> Any:
@@ -366,15 +384,23 @@ class Workload:
         return _drawn_lengths(self.gen_len_median, self.gen_len_sigma, self.gen_len, rows).copy()
 
     def packed_shape(self, call: CallSpec, batch_ways: int, model: Any = None, context: int = 1) -> PackedShape:
-        """The packing a packed train or inference call runs, per shard (`models.packing`, the runtime's
+        """The packing a packed train or inference call costs, per shard (`models.packing`, the runtime's
         packer): each drawn batch of lengths (prompt_len + response) packed for the call's updates (a
-        train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch),
-        averaged over the LENGTH_BATCHES draws (rounded up). `model` (its `ModelConfig`) and `context` (its
-        layout's degree): one row a shard where the model attends it blockwise (`packing.one_row_rule`, the
-        runtime's rule for the packing's readers); without a model, rows as wide as the batch."""
+        train call: minibatches x epochs of `minibatch_size` rows; inference: one of the whole batch), and the
+        mean over the LENGTH_BATCHES draws (`_mean_shape`: float fields). `model` (its `ModelConfig`) and
+        `context` (its layout's degree): one row a shard where the model attends it blockwise
+        (`packing.one_row_rule`, the runtime's rule for the packing's readers); without a model, rows as wide
+        as the batch."""
+        return _mean_shape(self._packed_draws(call, batch_ways, model, context))
+
+    def packed_peak(self, call: CallSpec, batch_ways: int, model: Any = None, context: int = 1) -> PackedShape:
+        """`packed_shape`'s largest micro-batch over the draws (`_peak_shape`): the memory model's."""
+        return _peak_shape(self._packed_draws(call, batch_ways, model, context))
+
+    def _packed_draws(self, call: CallSpec, batch_ways: int, model: Any, context: int) -> tuple[PackedShape, ...]:
         blockwise = None if model is None else one_row_rule([model], [context])
         train = call.kind == "train"
-        return _packed_shape(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
+        return _packed_draws(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
                              self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
                              batch_ways, self.token_budget, blockwise)
 

@@ -304,11 +304,17 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
                           np.zeros((64, 528), np.int32), 512, updates, shards=2, budget=2048)[0]
                for n in lengths]
     runtime = [(*out["tokens"].shape, out["take"].shape[-1]) for out in runtime]
-    shape = packed.packed_shape(train, 2)
+    shape, peak = packed.packed_shape(train, 2), packed.packed_peak(train, 2)
     assert len(runtime) == LENGTH_BATCHES
-    # the priced shape is the runtime's: rows, their width, and the read positions the LM head runs over
-    assert (shape.updates, shape.micro_batches, shape.rows, shape.width, shape.reads) == tuple(
-        int(np.ceil(np.mean([s[i] for s in runtime]))) for i in (1, 2, 3, 4, 5))
+    # the priced shape is the runtime's over the draws: micro-batches, padded tokens, tokens x width (dense
+    # attention) and the read positions the LM head runs over, each the draws' mean; the memory model's is
+    # the largest micro-batch the runtime packs
+    u, k, r, w, reads = (np.array([s[i] for s in runtime], np.float64) for i in (1, 2, 3, 4, 5))
+    assert shape.updates == u[0] and shape.micro_batches == pytest.approx(k.mean())
+    assert shape.tokens_per_shard == pytest.approx((u * k * r * w).mean())
+    assert shape.tokens_per_shard * shape.width == pytest.approx((u * k * r * w * w).mean())
+    assert shape.micro_batches * shape.reads == pytest.approx((k * reads).mean())
+    assert (peak.rows * peak.width, peak.reads) == max(zip(r * w, reads))
     assert shape.reads < shape.slots * 512 / 4  # the real response tokens, not every slot's whole width
     hw, cfg = get_profile("cpu"), preset("small")
     group, layout = DeviceGroup("all", 0, 2), Layout(data=2)

@@ -226,12 +226,13 @@ def test_packed_rows_attending_blockwise_are_priced_by_their_own_sequences():
     ctx = lambda cfg: _Ctx(cfg, "lm", layout, Geometry.of(DeviceGroup("g", 0, 8), layout, H100), H100)  # noqa: E731
     dense_cfg = CFG.replace(blockwise_attention_from=None)
     one, wide = wl.packed_shape(INF, 8, CFG), wl.packed_shape(INF, 8)
-    assert one.rows == 1 and CFG.attends_blockwise(one.width)  # (the mean of the drawn batches' widths)
-    assert one.micro_batches * one.width < wide.micro_batches * wide.rows * wide.width
+    # every draw's shard part is one row (the mean shape's rows x width is the draws' mean tokens)
+    assert wl.packed_peak(INF, 8, CFG).rows == 1 and CFG.attends_blockwise(one.width)
+    assert one.tokens_per_shard < wide.tokens_per_shard
     assert wl.packed_shape(INF, 8, CFG, context=2) == wide
     assert wl.packed_shape(INF, 8, dense_cfg) == wide
     tokens, keys, _, micro, blockwise = forward_shape(ctx(CFG), wl, INF)
-    assert blockwise and micro == one.micro_batches and tokens == one.micro_batches * one.width
+    assert blockwise and micro == one.micro_batches and tokens == pytest.approx(one.tokens_per_shard)
     assert keys == wl.varlen_shape(INF, 8)[1] + CFG.attention_block < one.width / 2
-    assert forward_shape(ctx(dense_cfg), wl, INF)[:2] == (wide.micro_batches * wide.rows * wide.width, wide.width)
+    assert forward_shape(ctx(dense_cfg), wl, INF)[:2] == pytest.approx((wide.tokens_per_shard, wide.width))
     assert cost(INF, 8, layout, wl).flops < cost(INF, 8, layout, wl, cfg=dense_cfg).flops
