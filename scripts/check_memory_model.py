@@ -17,6 +17,16 @@ under context 8 against one sequence per device without it,
     python scripts/check_memory_model.py --models llama3.2-1b --layouts ctx8 --batch 1 \
         --prompt-len 1024 --gen-len 15360 --minibatches 1 --micro-batch 1 --calls actor.train,ref.inference
 
+Packed calls (`--packed`, `algorithm.pack_sequences`; log-normal response lengths, `--median` and `--sigma`)
+compile at the runtime packer's largest packing of the planner's drawn batches (`models.packing.pack_batch`
+of each, the one with the most tokens in a micro-batch), against the memory model's, which holds the largest
+drawn micro-batch (`Workload.packed_peak`): e.g. 64 sequences with a long tail of responses, each shard's
+part one blockwise-attended row,
+
+    python scripts/check_memory_model.py --models llama3.2-1b --layouts f8 --batch 64 --micro-batch 0 \
+        --prompt-len 1024 --gen-len 15360 --minibatches 1 --packed --median 2048 --sigma 1 \
+        --calls actor.train,ref.inference
+
 Prints a table and JSON; numbers go to docs/benchmarks.md.
 """
 
@@ -70,6 +80,9 @@ def main() -> None:
                          "matmul operand to f32 (whole stacked weights, hoisted out of loops), which GPUs and "
                          "TPUs do not")
     ap.add_argument("--no-donate", action="store_true", help="compile train calls without donation")
+    ap.add_argument("--packed", action="store_true", help="algorithm.pack_sequences: packed train and inference calls")
+    ap.add_argument("--median", type=int, default=None, help="plan.response_length_median (log-normal lengths)")
+    ap.add_argument("--sigma", type=float, default=0.0, help="plan.response_length_sigma")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -112,8 +125,34 @@ def _config(model: str, args):
         f"model.critic.remat={args.remat}", f"data.batch_size={args.batch}",
         f"data.max_prompt_len={args.prompt_len}", f"generation.max_new_tokens={args.gen_len}",
         f"algorithm.minibatches={args.minibatches}", f"algorithm.micro_batch_size={micro if micro else 'null'}",
-        f"algorithm.logit_chunk_tokens={args.logit_chunk or 'null'}",
+        f"algorithm.logit_chunk_tokens={args.logit_chunk or 'null'}", f"algorithm.pack_sequences={args.packed}",
+        f"plan.response_length_median={args.median or 'null'}", f"plan.response_length_sigma={args.sigma}",
     ])
+
+
+def _largest_packing(algorithm, wl, name: str, readers, shards: int, prompt: int, new: int):
+    """Shape-only arrays of packing `name`: the runtime packer's (`pack_batch`, with the readers' one-row rule)
+    of each of the planner's drawn batches of lengths (`Workload.response_lengths`, every prompt token real),
+    the one with the most tokens in a micro-batch (then the most read positions)."""
+    import jax
+    import numpy as np
+
+    from jaxrlhf.models.packing import pack_batch
+
+    rows = algorithm.batch_rows
+    train = name != "packed_inference"
+    updates = np.arange(rows).reshape(wl.minibatches, -1) if train else np.arange(rows)[None]
+    if train:
+        updates = np.concatenate([updates] * wl.ppo_epochs)
+    best, most = None, None
+    for lengths in wl.response_lengths(rows):
+        mask = np.arange(prompt + new)[None, :] < (prompt + lengths)[:, None]
+        packed, _ = pack_batch(mask, np.ones(mask.shape, np.int32), np.cumsum(mask, axis=1) - 1, new, updates,
+                               shards=shards, blockwise=algorithm.one_row(readers))
+        size = (int(np.prod(packed["tokens"].shape[3:])), packed["take"].shape[-1])
+        if most is None or size > most:
+            best, most = packed, size
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in best.items()}
 
 
 def _abstract_inputs(batch: int, prompt: int, new: int):
@@ -168,9 +207,15 @@ def check(model: str, layout_name: str, args) -> list[dict]:
         if spec.trained:
             role.optimizer = build_optimizer_for(cfg, name, 100, configs[name])
         roles[name] = role
-    algorithm.bind(load_tokenizer(cfg.model.tokenizer), roles)
+    # the plan's context degrees reach the packer's one-row rule, as a run's `Execution` carries them
+    execution = dataclasses.replace(algorithm.configured_execution(),
+                                    contexts={c: layout.context for c in graph.names if layout.context > 1})
+    algorithm.bind(load_tokenizer(cfg.model.tokenizer), roles, configs, execution)
     functions = algorithm.functions()
     everything = _abstract_inputs(algorithm.batch_rows, args.prompt_len, args.gen_len)
+    shards = layout.data * layout.fsdp
+    for name, readers in algorithm.packings.items():
+        everything[name] = _largest_packing(algorithm, wl, name, readers, shards, args.prompt_len, args.gen_len)
     hw = get_profile("h100")
     rows = []
     for call in args.calls.split(","):
@@ -213,6 +258,9 @@ def check(model: str, layout_name: str, args) -> list[dict]:
                     "temporaries": mem.temp_size_in_bytes, "aliased": mem.alias_size_in_bytes},
             "model_parts": {k: float(v) for k, v in working_set(spec, cfg_m, layout, wl).items()},
             "fits_h100": estimate < hw.usable_memory,  # the planner's verdict against h100's usable memory
+            # a packed input's [shards, updates, micro-batches, rows, width] and read positions, as compiled
+            "packed": {n: [*inputs[n]["tokens"].shape, inputs[n]["take"].shape[-1]] for n in spec.inputs
+                       if n.startswith("packed_")},
             "h100_usable_gib": hw.usable_memory / 2**30,
         })
         print(f"{model} {layout_name} {call}: xla {xla / 2**30:.2f} GiB, model {estimate / 2**30:.2f} GiB, "

@@ -39,6 +39,29 @@ def test_fsdp_generation_memory_is_within_20_percent_of_xla():
 
     args = argparse.Namespace(devices=8, batch=64, prompt_len=256, gen_len=256, minibatches=4, micro_batch=8,
                               remat="full", logit_chunk=4096, calls="actor.generate", dtype="float32",
-                              no_donate=False)
+                              no_donate=False, packed=False, median=None, sigma=0.0)
     (row,) = check_memory_model.check("llama3.2-1b", "fsdp8", args)
     assert row["error"] == pytest.approx(0.0, abs=0.2), row
+
+
+@pytest.mark.slow
+def test_the_packed_check_compiles_the_packing_the_memory_model_holds():
+    """`check_memory_model --packed`: the runtime packer's largest packing of the planner's drawn batches, which
+    the script compiles, is the one the memory model holds (`Workload.packed_peak`), for each packed call."""
+    sys.path.insert(0, SCRIPTS)
+    import check_memory_model
+
+    from jaxrlhf.graph import CallSpec
+
+    args = argparse.Namespace(devices=2, batch=16, prompt_len=16, gen_len=112, minibatches=2, micro_batch=0,
+                              remat="full", logit_chunk=4096, calls="actor.train,ref.inference", dtype="float32",
+                              no_donate=False, packed=True, median=24, sigma=1.0)
+    rows = check_memory_model.check("tiny", "d2", args)
+    wl = Workload(batch_size=16, prompt_len=16, gen_len=112, minibatches=2, packed=True, gen_len_median=24,
+                  gen_len_sigma=1.0)
+    for row in rows:
+        (compiled,) = row["packed"].values()
+        peak = wl.packed_peak(CallSpec(row["call"], row["call"].split(".")[0], row["call"].split(".")[1]), 2,
+                              preset("tiny"))
+        assert compiled == [2, peak.updates, peak.micro_batches, peak.rows, peak.width, peak.reads], row["call"]
+        assert row["xla_gib"] > 0 and row["estimate_gib"] > 0
