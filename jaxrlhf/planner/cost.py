@@ -441,9 +441,9 @@ def forward_shape(c: _Ctx, wl: Workload, call: CallSpec) -> tuple[float, float, 
     call's update or of an inference call, per device: padded rows of prompt_len + gen_len, or packed rows
     (`Workload.packed_shape`: every micro-batch's rows, padding in them included, the drawn batches' mean;
     each token attends over its row's width, masked, where the row attends densely; blockwise, a block pair
-    with no query and key of one sequence is skipped (`models.blockwise`), so a token meets about its own sequence's keys, sum L^2 / sum L
-    over the drawn sequences, as a varlen kernel's do, and a block more). Context parallelism splits each
-    row's tokens over its c devices. `blockwise`: set where the keys are not the row's width
+    with no query and key of one sequence is skipped (`models.blockwise`), so a token meets about its own
+    sequence's keys, sum L^2 / sum L over the drawn sequences, as a varlen kernel's do, and a block more).
+    Context parallelism splits each row's tokens over its c devices. `blockwise`: set where the keys are not the row's width
     (`_Ctx.attention_kind`)."""
     seqs = wl.call_seqs(call) / c.batch_ways
     if not wl.packed:
