@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 PAGE_SIZE = 16  # tokens per KV page (a prompt bucket is a multiple of it: buckets are 16 x 2^k)
-WIDTHS = 4  # active-width steps: the pool's width, 1/2, 1/4 and 1/8 of it
+WIDTHS = 4  # active-width steps: the pool's width, 1/2, 1/4 and 1/8 of it at least,
+MAX_WIDTHS, MIN_WIDTH = 8, 8  # and its further halves down to 1/128 of it, none under 8 rows (a long tail)
 READS = 4  # response columns a decode step may read: the cap, 1/2, 1/4 and 1/8 of it
 MIN_READ = 512  # no narrower read than this many response columns (a short cap's steps read all of it)
 
@@ -94,12 +95,18 @@ def kv_columns(prompt_bucket: int, max_new_tokens: int, rows: int, group_size: i
 
 def step_widths(slots_per_shard: int) -> tuple[int, ...]:
     """Widths a decode step may run at, widest first: the active slots are moved to the front and each
-    step runs the narrowest width that holds them, so a long tail's last rows cost a narrow step."""
+    step runs the narrowest width that holds them, so a long tail's last rows cost a narrow step. The pool
+    and its halves down to 1/8 of it, then on down to 1/128 of it but not under `MIN_WIDTH` rows: a pool of
+    1,024 rows whose last few run to a long cap would otherwise step 128 wide, each idle slot reading the span
+    its oldest row needs (each width is one more compiled decode step per read)."""
     out: list[int] = []
-    for k in range(WIDTHS):
+    k = 0
+    while True:
         w = -(-slots_per_shard // 2**k)
-        if w not in out:
-            out.append(w)
+        if k == MAX_WIDTHS or k >= WIDTHS and w < MIN_WIDTH or w in out:
+            break
+        out.append(w)
+        k += 1
     return tuple(out)
 
 

@@ -152,6 +152,9 @@ def test_pool_size_and_cache_bytes():
     assert sz.page_size(256) == 16 and sz.page_size(8) == 8 and sz.pages_per_row(256, 500) == (16, 32)
     assert sz.shard_group(64, 8, 8) == 8 and sz.shard_group(16, 4, 8) == 2
     assert sz.step_widths(64) == (64, 32, 16, 8) and sz.step_widths(3) == (3, 2, 1)
+    # a large pool's long tail: halves on down to 8 rows, at most 1/128 of the pool
+    assert sz.step_widths(1024) == (1024, 512, 256, 128, 64, 32, 16, 8)
+    assert sz.step_widths(8192)[-1] == 64 and sz.step_widths(100) == (100, 50, 25, 13)
     cfg = preset("tiny")
     per_column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_per_head * np.dtype(cfg.dtype).itemsize
     assert kv_column_bytes(cfg) == per_column
