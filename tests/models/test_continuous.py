@@ -65,6 +65,17 @@ def test_greedy_equals_static_engine_on_mixed_lengths(model, slots):
 
 
 @pytest.mark.slow
+def test_a_large_pool_steps_past_an_eighth_of_its_width_and_equals_the_static_engine(model):
+    """A 128-row pool (widths down to 8 rows, `slots.step_widths`) with one long row among short ones: its tail
+    runs 8 wide, past 1/8 of the pool, and the greedy tokens and log-probs equal the static engine's."""
+    assert sz.step_widths(128)[-1] == 8
+    tokens, mask = _grouped(PROMPTS[:2] * 8, 8)  # 128 rows: 16 prompts x 8 samples
+    limits = jnp.asarray([N if r == 5 else 1 + r % 3 for r in range(128)], jnp.int32)
+    ref = _static(model, tokens, mask, eos_id=None, max_lengths=limits)
+    _assert_same(_continuous(model, tokens, mask, eos_id=None, group_size=8, max_lengths=limits), ref)
+
+
+@pytest.mark.slow
 def test_eos_ends_rows_like_the_static_engine(model):
     """EOS ids taken from the greedy output end rows at different steps; lengths, masks, EOS flags agree."""
     tokens, mask = _grouped(PROMPTS, 1)
