@@ -213,9 +213,9 @@ def check(model: str, layout_name: str, args) -> list[dict]:
     algorithm.bind(load_tokenizer(cfg.model.tokenizer), roles, configs, execution)
     functions = algorithm.functions()
     everything = _abstract_inputs(algorithm.batch_rows, args.prompt_len, args.gen_len)
-    shards = layout.data * layout.fsdp
     for name, readers in algorithm.packings.items():
-        everything[name] = _largest_packing(algorithm, wl, name, readers, shards, args.prompt_len, args.gen_len)
+        everything[name] = _largest_packing(algorithm, wl, name, readers, layout.batch_ways, args.prompt_len,
+                                            args.gen_len)
     hw = get_profile("h100")
     rows = []
     for call in args.calls.split(","):

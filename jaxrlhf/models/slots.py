@@ -100,13 +100,12 @@ def step_widths(slots_per_shard: int) -> tuple[int, ...]:
     1,024 rows whose last few run to a long cap would otherwise step 128 wide, each idle slot reading the span
     its oldest row needs (each width is one more compiled decode step per read)."""
     out: list[int] = []
-    k = 0
-    while True:
+    for k in range(MAX_WIDTHS):
         w = -(-slots_per_shard // 2**k)
-        if k == MAX_WIDTHS or k >= WIDTHS and w < MIN_WIDTH or w in out:
+        if k >= WIDTHS and w < MIN_WIDTH:
             break
-        out.append(w)
-        k += 1
+        if w not in out:
+            out.append(w)
     return tuple(out)
 
 
