@@ -25,6 +25,9 @@ from jaxrlhf.planner.measured import Measured
 from jaxrlhf.yaml_input import read as read_yaml
 
 GB = 1e9
+# tensor-parallel ways at most on a TPU slice (`HardwareProfile.max_tensor`): two hosts' chips, as many as a GPU
+# node's; the cost model charges one latency per all-reduce, whatever its ring, so longer rings' hops go unpriced
+TORUS_MAX_TENSOR = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +105,14 @@ class HardwareProfile:
 
     @property
     def max_tensor(self) -> int:
-        """The most ways the planner splits a layer by tensor parallelism: the devices of one host (a
-        GPU node's NVLink domain; a TPU host's chips, a 2x2 block of direct ICI neighbours on v4, v5e
-        and v5p). Tensor parallelism all-reduces twice per layer and token, so it stays where those
-        latency-bound collectives are shortest; data, FSDP and pipeline axes span hosts."""
-        return self.devices_per_host
+        """The most ways the planner splits a layer by tensor parallelism. On GPUs the devices of one host
+        (a node's NVLink domain): tensor parallelism all-reduces twice per layer and token, and across nodes
+        those latency-bound collectives would share the NICs; data, FSDP and pipeline axes span hosts. On a
+        TPU slice every chip, whatever its host, sits on the same ICI torus (MaxText's ici_tensor_parallelism
+        spans hosts), so up to TORUS_MAX_TENSOR ways: with 4 chips a host, a 70B model's weights (35 GB a
+        chip at 4 ways) could never be held for generation on a 32 GB v4 chip. The cost model prices the
+        all-reduces over the torus's links; the search weighs them."""
+        return max(self.devices_per_host, TORUS_MAX_TENSOR) if self.torus_dims else self.devices_per_host
 
     def with_inter_host_bandwidth(self, bytes_per_s: float) -> "HardwareProfile":
         """This profile with another per-node NIC bandwidth (a cluster's own network)."""

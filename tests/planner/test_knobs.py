@@ -158,6 +158,17 @@ def test_no_plan_fits_names_the_smallest_shortfall(capsys):
     assert "it would fit on devices of" in err
 
 
+def test_70b_generates_on_32_gb_tpu_v4_chips_with_tensor_parallelism_over_two_hosts(tmp_path):
+    """Llama-2-70B PPO with a reward model on a v4-512 slice: at most 4 ways of tensor parallelism (one host's
+    chips) a device holds 35 GB of the actor's weights to generate, more than a 32 GB v4 chip, and the planner
+    said "no plan fits". A slice's hosts share its ICI torus, so generation splits 8 ways over two hosts."""
+    assert main(["--model-preset", "llama2-70b", "--hardware", "tpu-v4", "--devices", "512", "--algorithm", "ppo",
+                 "--gen-len", "512", "--prompt-len", "512", "--batch", "512", "rewards.model=true",
+                 "--evaluations", "300", "--out", str(tmp_path)]) == 0
+    plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
+    assert plan.calls["actor.generate"].layout.tensor == 8
+
+
 @pytest.mark.slow
 def test_the_same_question_gets_the_same_plan_on_a_loaded_machine(tmp_path):
     """The search's budget is plans evaluated, not seconds: the same command twice, the second while two
