@@ -758,15 +758,25 @@ def _cannot_fit(models: Mapping[str, ModelConfig], graph: CallGraph, wl: Workloa
     return state_bytes(models, graph, wl) > n * hw.usable_memory
 
 
-def no_fit_message(ann: "_Annealer", presets: Mapping[str, PlanEstimate | str], num_devices: int) -> str:
+class NoPlanFits(PlanError):
+    """No plan fits in memory. `largest_call`: on the plan closest to fitting, the call whose peak on its
+    busiest device is the largest (None where no candidate was sound enough to measure), so a caller can say
+    which setting outside the search would close the gap (`run.planning.search_plan`: the generation engine)."""
+
+    def __init__(self, message: str, largest_call: str | None = None):
+        super().__init__(message)
+        self.largest_call = largest_call
+
+
+def no_fit_error(ann: "_Annealer", presets: Mapping[str, PlanEstimate | str], num_devices: int) -> NoPlanFits:
     """Why no plan fits, in one line: the plan the search found closest to fitting (every knob at its
     leanest there, `planner.knobs`), by how much its fullest device overflows, and what would close it."""
     hw = ann.hw
     over = [est for _, est in ann.seen.values() if est.memory is not None and not est.memory.feasible]
     if not over:
         reasons = {n: (p if isinstance(p, str) else p.reason) for n, p in presets.items()}
-        return (f"no plan fits on {num_devices} x {hw.name}: every candidate was invalid (presets: {reasons}); "
-                "use another device count, batch size or model")
+        return NoPlanFits(f"no plan fits on {num_devices} x {hw.name}: every candidate was invalid (presets: "
+                          f"{reasons}); use another device count, batch size or model")
     # the least peak, ties broken by the plan's text: built only for the tied plans (for every one of a
     # search's thousands of plans it took 18 s)
     least = min(est.memory.max_peak for est in over)
@@ -778,10 +788,11 @@ def no_fit_message(ann: "_Annealer", presets: Mapping[str, PlanEstimate | str], 
     layouts = ", ".join(f"{c} {p.layout} on devices {groups[p.group].start}-{groups[p.group].stop - 1}"
                         for c, p in closest.plan.calls.items())
     capacity = mem.max_peak / (1.0 - hw.memory_reserve) / GiB
-    return (f"no plan fits on {num_devices} x {hw.name}: the closest ({layouts}"
-            + (f"; {knobs}" if knobs else "") + f") is {short / GiB:.1f} GiB over on its fullest device ({mem.reason}); "
-            f"it would fit on devices of {capacity:.0f} GiB; otherwise use more devices, a smaller batch "
-            "(data.batch_size), shorter sequences or smaller models")
+    return NoPlanFits(
+        f"no plan fits on {num_devices} x {hw.name}: the closest ({layouts}" + (f"; {knobs}" if knobs else "")
+        + f") is {short / GiB:.1f} GiB over on its fullest device ({mem.reason}); it would fit on devices of "
+        f"{capacity:.0f} GiB; otherwise use more devices, a smaller batch (data.batch_size), shorter sequences or "
+        "smaller models", max(mem.call_bytes, key=mem.call_bytes.get) if mem.call_bytes else None)
 
 
 def embed(plan: ExecutionPlan, graph: CallGraph, num_devices: int) -> ExecutionPlan:
@@ -915,7 +926,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
     ranked = sorted(ann.seen.items(), key=lambda kv: (kv[0] != fresh, kv[1][0]))
     feasible = [(e, est) for _, (e, est) in ranked if est.feasible]
     if not feasible:
-        raise PlanError(no_fit_message(ann, presets, num_devices))
+        raise no_fit_error(ann, presets, num_devices)
     best = feasible[0][1]
     origin = best.plan.strategy
     best = dataclasses.replace(best, plan=dataclasses.replace(

@@ -253,7 +253,7 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
     candidate budget, the evaluations shared (`planner.budget.choose_token_budget`). `workload`: the
     algorithm's own unless given (a re-plan's, with the running plan's knobs fixed)."""
     from jaxrlhf.planner.budget import budget_candidates, choose_token_budget
-    from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, search
+    from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, NoPlanFits, search
 
     wl, graph = workload or algorithm.workload(), algorithm.graph()
     iterations, evaluations = iterations or DEFAULT_ITERATIONS, evaluations or DEFAULT_EVALUATIONS
@@ -263,11 +263,45 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
                       evaluations=evaluations // share, time_budget_s=time_budget_s / share,
                       allow_offpolicy=cfg.staleness_budget > 0, cache_dir=cache_dir)
 
-    if not wl.packed or wl.token_budget is not None:
-        return run(wl)
-    group = max(c.seqs_per_row for c in graph.calls)  # a packed pair's two sequences share a micro-batch
-    share = len(budget_candidates(wl, group))
-    return choose_token_budget(lambda w: run(w, share), wl, group)
+    def searched(workload):
+        if not workload.packed or workload.token_budget is not None:
+            return run(workload)
+        group = max(c.seqs_per_row for c in graph.calls)  # a packed pair's two sequences share a micro-batch
+        share = len(budget_candidates(workload, group))
+        return choose_token_budget(lambda w: run(w, share), workload, group)
+
+    try:
+        return searched(wl)
+    except NoPlanFits as e:
+        hint = continuous_engine_hint(cfg, wl, graph, e, searched)
+        if hint is None:
+            raise
+        raise NoPlanFits(f"{e}; {hint}", e.largest_call) from None
+
+
+def continuous_engine_hint(cfg: cfglib.Config, wl, graph, error, searched) -> str | None:
+    """Where no plan fits because the static engine's generate call holds every row's KV cache at once (the
+    largest call of the plan closest to fitting), the same search with `generation.engine=continuous`, whose
+    pool of rows decoding at once is the planner's to size (`planner.knobs`): the setting to name and the plan
+    it gives, or None (not that case, or nothing fits that way either). The engine stays the config's: the run
+    executes the engine its config names, so the planner names the key rather than pricing what would not run."""
+    from jaxrlhf.planner.plan import PlanError
+    from jaxrlhf.planner.workload import AUTO
+
+    if wl.gen_engine != "static" or wl.multi_turn or error.largest_call not in graph.names \
+            or graph[error.largest_call].kind != "generate":
+        return None
+    gen = cfg.generation
+    try:
+        res = searched(dataclasses.replace(wl, gen_engine="continuous",
+                                           gen_slots=AUTO if gen.slots is None else gen.slots,
+                                           gen_pages=AUTO if gen.kv_pages is None else gen.kv_pages))
+    except PlanError:
+        return None
+    plan = res.best.plan
+    return (f"generation is what overflows: the static engine holds every row's KV cache at once, and with "
+            f"generation.engine=continuous (a pool of {plan.gen_slots} rows decoding at once, the planner's choice) "
+            f"a plan fits at {res.best.step_s:.3g} s/step: set generation.engine=continuous")
 
 
 def plan_cache_dir(cfg: cfglib.Config) -> str | None:

@@ -158,6 +158,22 @@ def test_no_plan_fits_names_the_smallest_shortfall(capsys):
     assert "it would fit on devices of" in err
 
 
+def test_no_plan_fits_with_the_static_engine_names_the_continuous_engine_and_its_plan(capsys, tmp_path):
+    """GRPO with Gemma-3-4B on 16 v5e chips (16 GB): the static engine decodes all 512 rows at once, and their KV
+    cache does not fit beside the weights on any layout. The search cannot change the engine (the run executes the
+    one its config names), so the error says generation is what overflows and what the continuous engine's plan
+    would be; with that key set, the planner sizes its pool and plans."""
+    question = ["--model-preset", "gemma3-4b", "--hardware", "tpu-v5e", "--devices", "16", "--algorithm", "grpo",
+                "--gen-len", "2048", "--prompt-len", "512", "--batch", "64", "--evaluations", "300"]
+    assert main([*question, "--out", str(tmp_path / "static")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "largest call actor.generate" in err
+    assert "generation is what overflows" in err and err.rstrip().endswith("set generation.engine=continuous")
+    assert main([*question, "--out", str(tmp_path / "continuous"), "generation.engine=continuous"]) == 0
+    plan = ExecutionPlan.load(str(tmp_path / "continuous" / "plan.yaml"))
+    assert f"a pool of {plan.gen_slots} rows decoding at once" in err and plan.gen_slots < 512
+
+
 def test_70b_generates_on_32_gb_tpu_v4_chips_with_tensor_parallelism_over_two_hosts(tmp_path):
     """Llama-2-70B PPO with a reward model on a v4-512 slice: at most 4 ways of tensor parallelism (one host's
     chips) a device holds 35 GB of the actor's weights to generate, more than a 32 GB v4 chip, and the planner
