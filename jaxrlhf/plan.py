@@ -216,7 +216,7 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
 def chosen_workload(res: SearchResult, wl: Any, call: Any) -> Any:
     """`wl` as `call` runs it in the searched plan: under the memory knobs the search chose for it."""
     knobs = res.best.knobs.get(call.name)
-    return wl.for_call(call, knobs.micro, knobs.remat) if knobs else wl
+    return wl.for_call(call, knobs.micro, knobs.remat, knobs.slots, knobs.packing) if knobs else wl
 
 
 def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
@@ -237,17 +237,19 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
             continue
         call = run_setup.graph[name]
         cfg = run_setup.models[call.role]
-        call_wl = chosen_workload(res, wl, call)
         whole = Layout(lay.data * lay.context, lay.fsdp, lay.tensor, lay.stage)
-        need = {layout: sum(working_set(call, cfg, layout, call_wl).values()) + params_per_device(cfg, call.head, layout)
-                for layout in (lay, whole)}
+        # the whole-sequence layout packs its own batch: more shards than a packing shared with other calls has
+        wl_of = {lay: chosen_workload(res, wl, call), whole: dataclasses.replace(chosen_workload(res, wl, call),
+                                                                                 packing=None)}
+        need = {layout: sum(working_set(call, cfg, layout, wl_of[layout]).values())
+                + params_per_device(cfg, call.head, layout) for layout in (lay, whole)}
         if need[whole] > hw.usable_memory:
             verdict = "does not fit"
         else:
             from jaxrlhf.planner.cost import call_cost
 
             group = plan.groups[placement.group]
-            t = {layout: call_cost(call, cfg, group, layout, call_wl, hw).seconds for layout in (lay, whole)}
+            t = {layout: call_cost(call, cfg, group, layout, wl_of[layout], hw).seconds for layout in (lay, whole)}
             verdict = f"fits; estimated {t[whole]:.3g} s there against {t[lay]:.3g} s with the context axis"
         lines.append(f"  {name}: its {wl.seq_len}-token sequences over {lay.context} devices (context "
                      f"{lay.context}) need {need[lay] / GiB:.1f} GiB per device; whole on one device "

@@ -788,7 +788,7 @@ class CostCache:
             return self.wl
         key = (call.name, knobs)
         if key not in self._workloads:
-            self._workloads[key] = self.wl.for_call(call, knobs.micro, knobs.remat, knobs.slots)
+            self._workloads[key] = self.wl.for_call(call, knobs.micro, knobs.remat, knobs.slots, knobs.packing)
         return self._workloads[key]
 
     def move(self, call: CallSpec, src: DeviceGroup, src_layout: Layout, dst: DeviceGroup,

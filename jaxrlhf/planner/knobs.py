@@ -21,9 +21,11 @@ exactly that (`ExecutionPlan.execution`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Mapping
 
 from jaxrlhf.graph import CallGraph, CallSpec
+from jaxrlhf.models.packing import one_row_rule
 from jaxrlhf.planner.memory import MemoryReport, plan_memory, working_set
 from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout
 from jaxrlhf.planner.workload import AUTO, Workload
@@ -48,6 +50,9 @@ class CallKnobs:
     micro: int | None = None
     remat: str | None = None
     slots: int | None = None
+    # a packed call's shared packing as the plan lays it (`shared_packings`), where it is not the call's own:
+    # not a choice, what the other readers of the packing impose
+    packing: tuple[int, tuple[int, int] | None] | None = None
 
     def __str__(self) -> str:
         parts = [f"{self.micro} micro-batches"] if self.micro and self.micro > 1 else []
@@ -113,7 +118,8 @@ def front(call: CallSpec, group: DeviceGroup, layout: Layout, wl: Workload, cach
 
 def working_bytes(call: CallSpec, cfg: "ModelConfig", layout: Layout, wl: Workload, knobs: CallKnobs) -> float:
     """Bytes one device needs on top of resident parameters while `call` runs under `knobs`."""
-    return sum(working_set(call, cfg, layout, wl.for_call(call, knobs.micro, knobs.remat, knobs.slots)).values())
+    return sum(working_set(call, cfg, layout, wl.for_call(call, knobs.micro, knobs.remat, knobs.slots,
+                                                          knobs.packing)).values())
 
 
 def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelConfig"], wl: Workload,
@@ -125,7 +131,9 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
     (the smallest shortfall there is); with `best_effort`, the calls that can fit stop at the fastest
     knobs that fit and only those that cannot are at their leanest (a placement priced for its time
     although this runtime's memory would not hold it)."""
+    shared = shared_packings(plan, graph, models, wl)
     fronts = {c.name: front(c, plan.group_of(c.name), plan.calls[c.name].layout, wl, cache) for c in graph.calls}
+    fronts.update({c: [dataclasses.replace(k, packing=packing) for k in fronts[c]] for c, packing in shared.items()})
     leanest = {c: opts[-1] for c, opts in fronts.items()}
 
     def settle(offload_optimizers: bool) -> tuple[dict[str, CallKnobs], MemoryReport]:
@@ -156,6 +164,32 @@ def choose(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelCon
         return knobs, mem
     offloaded_knobs, offloaded = settle(True)
     return (offloaded_knobs, offloaded) if offloaded.feasible or offloaded.offloaded_optimizers else (knobs, mem)
+
+
+def shared_packings(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, "ModelConfig"], wl: Workload
+                    ) -> dict[str, tuple[int, tuple[int, int] | None]]:
+    """The packed calls whose packing `plan` lays out other than each alone would, and how: a host step packs
+    each packing it outputs once for every call reading it (`HostStep.shards_of`: an RL step's inference calls
+    share one, DPO's calls one), over the lcm of the readers' batch ways, one row a shard only where every
+    reader's model attends such a row blockwise and no reader splits rows over context devices
+    (`packing.one_row_rule`), as the runtime packs it (`algorithms.rollout`, `algorithms.dpo`). A call whose
+    shards and rule are its own is left out: it is priced as before, from the same cache entries."""
+    if not wl.packed or wl.varlen:
+        return {}
+    out: dict[str, tuple[int, tuple[int, int] | None]] = {}
+    for step in graph.host_steps:
+        for packing in step.outputs:
+            readers = [c for c in graph.calls if c.name in step.shards_of and packing in c.inputs and c.name in plan.calls]
+            if len(readers) < 2:
+                continue
+            layouts = {c.name: plan.calls[c.name].layout for c in readers}
+            shards = math.lcm(*(lay.batch_ways for lay in layouts.values()))
+            rule = one_row_rule([models[c.role] for c in readers], [lay.context for lay in layouts.values()])
+            for c in readers:
+                own = (layouts[c.name].batch_ways, one_row_rule([models[c.role]], [layouts[c.name].context]))
+                if (shards, rule) != own:
+                    out[c.name] = (shards, rule)
+    return out
 
 
 def fixed_by(plan: ExecutionPlan, wl: Workload) -> Workload:

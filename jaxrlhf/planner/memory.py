@@ -389,7 +389,7 @@ def plan_memory(plan: ExecutionPlan, graph: CallGraph, models: Mapping[str, Mode
         if k is None:
             return wl
         if (call.name, k) not in workloads:
-            workloads[(call.name, k)] = wl.for_call(call, k.micro, k.remat, k.slots)
+            workloads[(call.name, k)] = wl.for_call(call, k.micro, k.remat, k.slots, k.packing)
         return workloads[(call.name, k)]
 
     def cached(key: tuple, fn, *args) -> float:

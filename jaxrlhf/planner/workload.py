@@ -174,6 +174,10 @@ class Workload:
     # only (`ModelConfig.attends_blockwise`), which the cost model reads from the model: the planner never sets this
     flash_attention: bool = False
     token_budget: int | None = None  # algorithm.max_tokens_per_micro_batch
+    # the packing a packed call reads as the plan lays it out (`planner.knobs.shared_packings`, set per call by
+    # `for_call`): the shards its host step packs (the lcm of all its readers' batch ways) and their one-row rule
+    # (`packing.one_row_rule` of the readers' models and context degrees); None: the call's own ways and rule
+    packing: tuple[int, tuple[int, int] | None] | None = None
     # algorithm.logit_chunk_tokens: response positions a device whose logits the actor's and reference's
     # log-prob calls build at once (`models.logit_chunks`); None = all at once (and every non-RL call)
     logit_chunk: int | None = None
@@ -310,14 +314,17 @@ class Workload:
         return None
 
     def for_call(self, call: CallSpec, micro: int | None = None, remat: str | None = None,
-                 slots: int | None = None) -> "Workload":
+                 slots: int | None = None, packing: tuple[int, tuple[int, int] | None] | None = None) -> "Workload":
         """This workload as `call` alone runs it: split into `micro` micro-batches (None: the workload's),
         for a train call its role under `remat`, for a generate call the continuous engine's pool at `slots`
-        (None: the workload's). What prices one call under the knobs `planner.knobs` chose; the other
-        calls' knobs are not kept."""
+        (None: the workload's), a packed call reading `packing` (the shards and one-row rule of a packing it
+        shares with other calls; None: its own). What prices one call under the knobs `planner.knobs` chose;
+        the other calls' knobs are not kept."""
         wl = self.with_micro_batches(call, micro)
         if slots is not None and call.kind == "generate":
             wl = dataclasses.replace(wl, gen_slots=slots)
+        if packing is not None and self.packed and call.kind != "generate":
+            wl = dataclasses.replace(wl, packing=packing)
         if remat is not None and call.kind == "train" and wl.remat_setting(call.role) != remat:
             wl = dataclasses.replace(wl, remat={call.role: remat})
         return wl
@@ -398,11 +405,23 @@ class Workload:
         return _peak_shape(self._packed_draws(call, batch_ways, model, context))
 
     def _packed_draws(self, call: CallSpec, batch_ways: int, model: Any, context: int) -> tuple[PackedShape, ...]:
-        blockwise = None if model is None else one_row_rule([model], [context])
+        """The drawn batches' packings as one device of the call reads them: packed over its own batch ways with
+        its model's one-row rule, or over a shared packing's shards (`packing`), of which each device holds
+        shards / batch_ways side by side in every micro-batch (`update.map_packed`: the shard axis split over
+        the call's batch axes)."""
+        if self.packing is not None:
+            shards, blockwise = self.packing
+        else:
+            shards, blockwise = batch_ways, None if model is None else one_row_rule([model], [context])
+        if shards % batch_ways:
+            raise ValueError(f"{call.name}: a packing of {shards} shards cannot be split over {batch_ways} batch ways")
         train = call.kind == "train"
-        return _packed_draws(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len, self.gen_len_median,
-                             self.gen_len_sigma, self.minibatches if train else 1, self.ppo_epochs if train else 1,
-                             batch_ways, self.token_budget, blockwise)
+        draws = _packed_draws(self.batch_size * call.seqs_per_row, self.prompt_len, self.gen_len,
+                              self.gen_len_median, self.gen_len_sigma, self.minibatches if train else 1,
+                              self.ppo_epochs if train else 1, shards, self.token_budget, blockwise)
+        parts = shards // batch_ways
+        return draws if parts == 1 else tuple(
+            dataclasses.replace(d, rows=d.rows * parts, slots=d.slots * parts, reads=d.reads * parts) for d in draws)
 
     def live_context(self) -> float:
         """Cached tokens a decoded token attends to on average under a `live_kv` engine: a row of L tokens

@@ -326,6 +326,54 @@ def test_the_planner_prices_the_packing_the_runtime_makes():
                                                                                    wl)["activations"] / 2
 
 
+def test_the_planner_prices_a_shared_packing_as_the_runtime_lays_it_out():
+    """The inference calls of a packed PPO step read one packing, which the runtime packs over the lcm of their
+    batch ways (`rollout._pack_sequences`) by their joint one-row rule. On a plan that gives the reference 2 batch
+    ways and the critic 4, the reference's devices each hold 2 of the packing's 4 shards, and a critic split over
+    context devices keeps every reader's rows as wide as the batch: the planner prices those shapes
+    (`knobs.shared_packings`), not each call's own packing."""
+    from jaxrlhf.planner import knobs
+    from jaxrlhf.planner.cost import CostCache
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.plan import DeviceGroup, ExecutionPlan, Layout, Placement
+    from jaxrlhf.planner.workload import Workload
+
+    graph = build_algorithm(_config("algorithm.name=ppo", "algorithm.pack_sequences=true")).graph()
+    blockwise = preset("tiny").replace(blockwise_attention_from=64, attention_block=16)
+    models = {r: blockwise for r in graph.roles}
+    wl = Workload(batch_size=64, prompt_len=16, gen_len=512, minibatches=4, gen_len_median=64, gen_len_sigma=1.0,
+                  remat="none", packed=True)
+    ref, critic = graph["ref.inference"], graph["critic.inference"]
+
+    def plan(critic_layout):
+        calls = {c: Placement("all", Layout(data=4)) for c in graph.names}
+        calls.update({"ref.inference": Placement("all", Layout(data=2, tensor=2)),
+                      "critic.inference": Placement("all", critic_layout)})
+        return ExecutionPlan("t", 4, {"all": DeviceGroup("all", 0, 4)}, calls)
+
+    rule = one_row_rule([blockwise], [1])
+    assert knobs.shared_packings(plan(Layout(data=4)), graph, models, wl) == {"ref.inference": (4, rule)}
+    # the critic's context split takes one row from the reference too (its own shards and rule: left out)
+    assert knobs.shared_packings(plan(Layout(data=2, context=2)), graph, models, wl) == {"ref.inference": (2, None)}
+    # the runtime's packing of each drawn batch over 4 shards, 2 of them on each of the reference's devices
+    runtime = []
+    for n in wl.response_lengths(64) + 16:
+        out = pack_batch(np.arange(16 + 512)[None, :] < n[:, None], np.ones((64, 528), np.int32),
+                         np.zeros((64, 528), np.int32), 512, np.arange(64)[None], shards=4, blockwise=rule)[0]
+        runtime.append((*out["tokens"].shape, out["take"].shape[-1]))
+    s, k, r, w, reads = (np.array([x[i] for x in runtime], np.float64) for i in (0, 2, 3, 4, 5))
+    priced = wl.for_call(ref, packing=(4, rule)).packed_shape(ref, 2, blockwise, 1)
+    per_device = s / 2 * k * r * w
+    assert priced.micro_batches * priced.rows * priced.width == pytest.approx(per_device.mean())
+    assert priced.micro_batches * priced.reads == pytest.approx((s / 2 * k * reads).mean())
+    # what the search prices: the reference's knobs carry the packing, its cost and memory read it
+    cache = CostCache(models, wl, get_profile("h100"))
+    chosen, _ = knobs.choose(plan(Layout(data=4)), graph, models, wl, get_profile("h100"), cache)
+    assert chosen["ref.inference"].packing == (4, rule) and chosen["critic.inference"].packing is None
+    assert cache.for_call(ref, chosen["ref.inference"]).packing == (4, rule)
+    assert cache.for_call(critic, chosen["critic.inference"]).packing is None
+
+
 def _grpo_update(agg: str):
     """The batch, its unpacked inputs, GRPO settings aggregating by `agg` over 2 minibatches, and SGD."""
     batch = _batch()
