@@ -98,9 +98,10 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def generation_layout(cfg: ModelConfig, n: int, batch_size: int | None, devices_per_host: int | None) -> Layout | None:
-    """Widest tensor parallelism that fits the model and stays inside a host; data parallel for the rest."""
-    cap = min(n, devices_per_host or n)
+def generation_layout(cfg: ModelConfig, n: int, batch_size: int | None, max_tensor: int | None) -> Layout | None:
+    """Widest tensor parallelism that fits the model, at most `max_tensor` ways (`tensor_cap`); data parallel for
+    the rest."""
+    cap = min(n, max_tensor or n)
     for t in _divisors_desc(n):
         if t > cap:
             continue
@@ -121,8 +122,16 @@ def sharded_layout(cfg: ModelConfig, n: int, batch_size: int | None) -> Layout |
     return None
 
 
-def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, dph: int | None) -> Layout | None:
-    return generation_layout(cfg, n, batch_size, dph) if kind == "generate" else sharded_layout(cfg, n, batch_size)
+def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, max_tensor: int | None) -> Layout | None:
+    return generation_layout(cfg, n, batch_size, max_tensor) if kind == "generate" else sharded_layout(cfg, n, batch_size)
+
+
+def tensor_cap(devices_per_host: int | None, hardware: "HardwareProfile | None") -> int | None:
+    """The generic presets' widest tensor parallelism: one host's devices, or on a TPU slice, whose chips share
+    its torus whatever their host, the hardware's (`HardwareProfile.max_tensor`: two hosts' chips)."""
+    if hardware is not None and hardware.torus_dims:
+        return max(hardware.max_tensor, devices_per_host or 0)
+    return devices_per_host
 
 
 def call_rows(kind: str, batch_size: int | None, minibatch_size: int | None) -> int | None:
@@ -184,7 +193,8 @@ def _trainers(graph: CallGraph) -> list[str]:
 
 # ---- presets ----------------------------------------------------------------------------
 @register_strategy("colocated")
-def colocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def colocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, hardware=None,
+              **_) -> ExecutionPlan:
     """Every call on all devices, one FSDP layout per role, as DeepSpeed-Chat's hybrid engine runs
     it: generation gathers the weights once into a tensor-parallel layout (a reallocation before
     the call, dropped after) instead of gathering them for every generated token."""
@@ -198,7 +208,8 @@ def colocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices
     for c in graph.calls:
         layout = layouts[c.role]
         if c.kind == "generate":
-            layout = _require(generation_layout(models[c.role], n, batch_size, devices_per_host), "colocated",
+            layout = _require(generation_layout(models[c.role], n, batch_size, tensor_cap(devices_per_host, hardware)),
+                              "colocated",
                               f"call {c.name!r}", models[c.role], n, batch_size)
         calls[c.name] = Placement("all", layout)
     return ExecutionPlan("colocated", n, {"all": group}, calls,
@@ -206,7 +217,8 @@ def colocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices
 
 
 @register_strategy("interleaved")
-def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, hardware=None,
+                **_) -> ExecutionPlan:
     """Trained models on exclusive groups (their train calls run concurrently); frozen
     models share the first trainer's group, apart from the other trainer, so inference
     calls overlap too. With one trainer, the frozen models get the second group."""
@@ -235,7 +247,8 @@ def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devic
     calls = {}
     for c in graph.calls:  # generation on a tensor-parallel copy in its group, as colocated's hybrid engine
         size = sizes[side[c.role]]
-        layout = generation_layout(models[c.role], size, batch_size, devices_per_host) if c.kind == "generate" \
+        layout = generation_layout(models[c.role], size, batch_size, tensor_cap(devices_per_host, hardware)) \
+            if c.kind == "generate" \
             else None
         calls[c.name] = Placement(names[side[c.role]], layout or sharded_layout(models[c.role], size, rows[c.role]))
     return ExecutionPlan(
@@ -246,7 +259,7 @@ def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devic
 
 @register_strategy("disaggregated")
 def disaggregated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, offpolicy=False,
-                  **_) -> ExecutionPlan:
+                  hardware=None, **_) -> ExecutionPlan:
     """Generation on its own group with a shadow copy of the generating model in a
     tensor-parallel layout (refreshed after each train call); everything else on the rest."""
     gens = [c for c in graph.calls if c.kind == "generate"]
@@ -259,9 +272,10 @@ def disaggregated(n, models, graph, *, batch_size=None, minibatch_size=None, dev
     lg = _load(graph, models, [c.name for c in gens])
     lr = _load(graph, models, rest)
     rows = {r: role_rows(graph, r, batch_size, minibatch_size) for r in graph.roles}
+    cap = tensor_cap(devices_per_host, hardware)
 
     def fits(a: int, b: int) -> bool:
-        return all(generation_layout(models[c.role], a, batch_size, devices_per_host) for c in gens) and all(
+        return all(generation_layout(models[c.role], a, batch_size, cap) for c in gens) and all(
             sharded_layout(models[r], b, rows[r]) for r in graph.roles
         )
 
@@ -270,7 +284,7 @@ def disaggregated(n, models, graph, *, batch_size=None, minibatch_size=None, dev
     calls = {}
     for c in graph.calls:
         if c.kind == "generate":
-            calls[c.name] = Placement("gen", generation_layout(models[c.role], s, batch_size, devices_per_host))
+            calls[c.name] = Placement("gen", generation_layout(models[c.role], s, batch_size, cap))
         else:
             calls[c.name] = Placement("train", sharded_layout(models[c.role], n - s, rows[c.role]))
     shadows = tuple(r for r in graph.roles if r in gen_roles and graph.train_call(r) is not None)
@@ -281,7 +295,8 @@ def disaggregated(n, models, graph, *, batch_size=None, minibatch_size=None, dev
 
 
 @register_strategy("reallocated")
-def reallocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, **_) -> ExecutionPlan:
+def reallocated(n, models, graph, *, batch_size=None, minibatch_size=None, devices_per_host=None, hardware=None,
+                **_) -> ExecutionPlan:
     """Each call its own layout (ReaLHF): generation tensor-parallel and train calls FSDP,
     both on all devices (parameters resharded before generation, copy dropped after);
     frozen models' inference calls on two disjoint halves so they run concurrently."""
@@ -303,7 +318,7 @@ def reallocated(n, models, graph, *, batch_size=None, minibatch_size=None, devic
         where = halves.get(c.name, "all")
         size = groups[where].size
         rows = call_rows(c.kind, batch_size, minibatch_size)
-        layout = _layout_for(c.kind, models[c.role], size, rows, devices_per_host)
+        layout = _layout_for(c.kind, models[c.role], size, rows, tensor_cap(devices_per_host, hardware))
         calls[c.name] = Placement(where, _require(layout, "reallocated", f"call {c.name!r}", models[c.role], size, rows))
     return ExecutionPlan("reallocated", n, groups, calls, notes="per-call layouts; parameters resharded between calls")
 

@@ -2,6 +2,7 @@
 with them (planner/knobs.py, ExecutionPlan.execution)."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -183,6 +184,10 @@ def test_70b_generates_on_32_gb_tpu_v4_chips_with_tensor_parallelism_over_two_ho
                  "--evaluations", "300", "--out", str(tmp_path)]) == 0
     plan = ExecutionPlan.load(str(tmp_path / "plan.yaml"))
     assert plan.calls["actor.generate"].layout.tensor == 8
+    # the generic presets generate 8 ways too; verl and the heuristic keep a GPU node's rule (one host)
+    presets = json.loads((tmp_path / "report.json").read_text())["presets"]
+    assert all(presets[p]["step_s"] for p in ("colocated", "interleaved", "disaggregated", "reallocated"))
+    assert presets["verl"]["step_s"] is None and "does not fit" in presets["verl"]["reason"]
 
 
 @pytest.mark.slow
@@ -191,8 +196,6 @@ def test_the_same_question_gets_the_same_plan_on_a_loaded_machine(tmp_path):
     busy processes load both cores, prints the same plan and the same times (all but the search's own
     seconds)."""
     def plan(out: str) -> dict:
-        import json
-
         done = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", *QUESTION[:-3], "--evaluations", "1500",
                                "--json", "--out", str(tmp_path / out)], capture_output=True, text=True, check=True)
         answer = json.loads(done.stdout)
