@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -64,10 +65,21 @@ def read_records(path: str) -> list:
     return records
 
 
-def offline_run(root, run_id: str) -> list:
-    """The records of every offline W&B run folder with `run_id`, oldest first."""
+def offline_run(root, run_id: str, wait_s: float = 60.0) -> list:
+    """The records of every offline W&B run folder with `run_id`, oldest first, each read once its log holds
+    the run's `exit` record: `wandb.finish()` can return before W&B's writer process has written the rest of the
+    log (under load, a resumed run's log was read with none of its records yet), so the reader waits for it."""
     folders = sorted(glob.glob(str(root / f"offline-run-*-{run_id}")))
-    return [read_records(os.path.join(f, f"run-{run_id}.wandb")) for f in folders]
+    out = []
+    for f in folders:
+        path, deadline = os.path.join(f, f"run-{run_id}.wandb"), time.monotonic() + wait_s
+        while True:
+            records = read_records(path)
+            if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        out.append(records)
+    return out
 
 
 def history(records) -> dict[int, dict]:

@@ -245,11 +245,10 @@ def interleaved(n, models, graph, *, batch_size=None, minibatch_size=None, devic
     groups = {names[0]: DeviceGroup(names[0], 0, s), names[1]: DeviceGroup(names[1], s, n - s)}
     sizes = (s, n - s)
     calls = {}
+    cap = tensor_cap(devices_per_host, hardware)
     for c in graph.calls:  # generation on a tensor-parallel copy in its group, as colocated's hybrid engine
         size = sizes[side[c.role]]
-        layout = generation_layout(models[c.role], size, batch_size, tensor_cap(devices_per_host, hardware)) \
-            if c.kind == "generate" \
-            else None
+        layout = generation_layout(models[c.role], size, batch_size, cap) if c.kind == "generate" else None
         calls[c.name] = Placement(names[side[c.role]], layout or sharded_layout(models[c.role], size, rows[c.role]))
     return ExecutionPlan(
         "interleaved", n, groups, calls,
