@@ -100,6 +100,9 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
             if models[role].get("init_from") is None:  # its own weights: the preset replaces any path
                 presets += [f"model.{role}.preset={args.model_preset}", f"model.{role}.path=null"]
         data = cfglib.apply_overrides(data, presets + list(args.overrides))
+    # this command is the search whatever strategy the training config runs with, so the config is checked as
+    # `plan.strategy=auto` would be (an off-policy budget, say, needs it); the file's own plan is not read
+    data = cfglib.apply_overrides(data, ["plan.strategy=auto", "plan.file=null"])
     return cfglib.from_dict(data)
 
 

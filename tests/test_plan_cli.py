@@ -205,7 +205,7 @@ def test_a_model_too_big_for_the_devices_is_refused_with_what_it_needs(tmp_path,
 def test_a_staleness_budget_prints_the_predicted_async_gain(tmp_path, capsys):
     rc = main(["--model-preset", "tiny", "--devices", "8", "--hardware", "cpu", "--batch", "16", "--gen-len", "8",
                "--prompt-len", "16", "--iterations", "100", "--json", "--out", str(tmp_path),
-               "plan.strategy=auto", "algorithm.max_staleness=2"])
+               "algorithm.max_staleness=2"])  # the command searches: no plan.strategy=auto needed
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["async_gain"] >= 1.0 and out["sync_step_s"] == pytest.approx(out["async_gain"] * out["searched"]["step_s"])

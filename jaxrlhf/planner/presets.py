@@ -18,6 +18,7 @@ expert baselines the search is measured against (see their docstrings).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from jaxrlhf.graph import CallGraph
@@ -529,7 +530,9 @@ def _tuned(make: Callable[[], ExecutionPlan], choices: list[tuple[dict, str, int
     from jaxrlhf.planner.simulator import estimate_plan
 
     cache = CostCache(models, workload, hardware)  # most calls keep their placement from one try to the next
-    best = estimate_plan(make(), graph, models, workload, hardware, cache=cache).step_s
+    start = estimate_plan(make(), graph, models, workload, hardware, cache=cache)
+    # the start may not fit after all (a fixed micro-batch size its layouts cannot split, say): any option that does wins
+    best = start.step_s if start.feasible else math.inf
     for knob, key, count in choices:
         chosen = knob[key]
         for i in range(count):

@@ -150,6 +150,16 @@ def test_70b_ppo_on_32_h100_plans_with_optimizer_state_in_host_memory(tmp_path):
     assert plan.offload_optimizer and set(plan.offload_optimizer) <= {"actor", "critic"}
 
 
+def test_a_preset_whose_first_setting_does_not_fit_is_tuned_to_one_that_does(tmp_path):
+    """The 70B question with remat off and 32-row micro-batches set by hand: the verl preset's first layouts
+    cannot split 32 rows over their devices, so its tuning started from a plan with no step time and raised a
+    TypeError from deep in the planner. It now keeps any setting that fits, and the question plans."""
+    assert main([*QUESTION[:-1], "--evaluations", "300", "--out", str(tmp_path), "model.actor.remat=none",
+                 "model.critic.remat=none", "algorithm.micro_batch_size=32"]) == 0
+    presets = json.loads((tmp_path / "report.json").read_text())["presets"]
+    assert presets["verl"]["step_s"] and "do not split" in presets["colocated"]["reason"]
+
+
 def test_no_plan_fits_names_the_smallest_shortfall(capsys):
     rc = main(["--model-preset", "llama2-70b", "--hardware", "h100", "--devices", "16", "--gen-len", "896",
                "--prompt-len", "128", "--batch", "128", "--evaluations", "300", "--out", "/nonexistent/never"])
