@@ -82,10 +82,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> cfglib.Config:
+def resolve_config(args: argparse.Namespace, searching: bool = False) -> cfglib.Config:
     """The training config these flags describe: the file, then the flags, then `--model-preset` for
     every role with its own weights (init_from roles follow their source), then `key=value`s;
-    validated once, at the end."""
+    validated once, at the end. `searching` (this command's own question): checked as `plan.strategy=auto`,
+    whatever strategy the training config runs with, since the command is the search (an off-policy budget,
+    say, needs it); the file's own plan (`plan.file`) is not read."""
     data = cfglib.read_yaml(args.config) if args.config else {}
     flags = [f"{key}={getattr(args, flag)}" for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None]
     data = cfglib.apply_overrides(data, flags + list(args.overrides))
@@ -100,9 +102,8 @@ def resolve_config(args: argparse.Namespace) -> cfglib.Config:
             if models[role].get("init_from") is None:  # its own weights: the preset replaces any path
                 presets += [f"model.{role}.preset={args.model_preset}", f"model.{role}.path=null"]
         data = cfglib.apply_overrides(data, presets + list(args.overrides))
-    # this command is the search whatever strategy the training config runs with, so the config is checked as
-    # `plan.strategy=auto` would be (an off-policy budget, say, needs it); the file's own plan is not read
-    data = cfglib.apply_overrides(data, ["plan.strategy=auto", "plan.file=null"])
+    if searching:
+        data = cfglib.apply_overrides(data, ["plan.strategy=auto", "plan.file=null"])
     return cfglib.from_dict(data)
 
 
@@ -415,7 +416,7 @@ def _main(argv: Sequence[str]) -> int:
     from jaxrlhf.run.assembly import Machine, setup
 
     try:
-        cfg = resolve_config(args)
+        cfg = resolve_config(args, searching=True)
         # the algorithm's roles, graph and workload, declared: the planner needs no runtime and no JAX
         run_setup = setup(cfg, machine=Machine.described(cfg, args.devices), runtime=False)
         if args.inter_node_gbps is not None:
