@@ -130,9 +130,7 @@ def _layout_for(kind: str, cfg: ModelConfig, n: int, batch_size: int | None, max
 def tensor_cap(devices_per_host: int | None, hardware: "HardwareProfile | None") -> int | None:
     """The generic presets' widest tensor parallelism: one host's devices, or on a TPU slice, whose chips share
     its torus whatever their host, the hardware's (`HardwareProfile.max_tensor`: two hosts' chips)."""
-    if hardware is not None and hardware.torus_dims:
-        return max(hardware.max_tensor, devices_per_host or 0)
-    return devices_per_host
+    return hardware.max_tensor if hardware is not None and hardware.torus_dims else devices_per_host
 
 
 def call_rows(kind: str, batch_size: int | None, minibatch_size: int | None) -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxrlhf import config as cfglib
 
@@ -279,7 +279,8 @@ def search_plan(cfg: cfglib.Config, algorithm, models: Mapping[str, Any], num_de
         raise NoPlanFits(f"{e}; {hint}", e.largest_call) from None
 
 
-def continuous_engine_hint(cfg: cfglib.Config, wl, graph, error, searched) -> str | None:
+def continuous_engine_hint(cfg: cfglib.Config, wl: Any, graph: Any, error: Any,
+                           searched: Callable[[Any], Any]) -> str | None:
     """Where no plan fits because the static engine's generate call holds every row's KV cache at once (the
     largest call of the plan closest to fitting), the same search with `generation.engine=continuous`, whose
     pool of rows decoding at once is the planner's to size (`planner.knobs`): the setting to name and the plan
