@@ -106,12 +106,29 @@ def load_cases(path: str) -> list[dict]:
     return cases
 
 
+def _field_or_none(case: dict, dotted: str) -> Any:
+    value: Any = case
+    for key in dotted.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _field(case: dict, dotted: str) -> Any:
     value: Any = case
     for key in dotted.split("."):
         if not isinstance(value, dict) or value.get(key) is None:
             raise CaseError(f"case {case.get('name', '?')!r}: missing field {dotted!r}")
         value = value[key]
+    return value
+
+
+def _number(case: dict, dotted: str, whole: bool = False) -> float:
+    """A field that must be a number > 0 (a whole one where `whole`): one line naming it otherwise."""
+    value = _field(case, dotted)
+    kind = int if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise CaseError(f"case {case.get('name', '?')!r}: field {dotted!r} must be a "
+                        f"{'whole number' if whole else 'number'} > 0, got {value!r}")
     return value
 
 
@@ -133,18 +150,27 @@ def check_case(case: dict) -> None:
     for key in ("devices", "prompts_per_step", "samples_per_prompt", "optimizer_steps_per_step"):
         if not isinstance(case[key], int) or case[key] < 1:
             raise CaseError(f"case {name!r}: field {key!r} must be a whole number >= 1, got {case[key]!r}")
-    _field(case, "prompt_len.mean")
-    _field(case, "response_len.max")
+    prompt, cap = _number(case, "prompt_len.mean"), _number(case, "response_len.max", whole=True)
     if case["response_len"].get("mean") is None and ":" not in str(case.get("pair") or ""):
         raise CaseError(f"case {name!r}: field 'response_len.mean' is missing and the case has no pair to fit it on "
                         "(pair: KEY:colocated or KEY:split)")
+    for key in ("response_len.mean", "response_len.sigma"):
+        if _field_or_none(case, key) is not None:
+            _number(case, key)
+    positions = PRESETS.get(case["models"]["actor"]).max_position_embeddings
+    if int(prompt) + cap > positions:
+        raise CaseError(f"case {name!r}: field 'response_len.max': prompt_len.mean + response_len.max = "
+                        f"{int(prompt) + cap} tokens is past {case['models']['actor']}'s {positions} positions")
     kind = _field(case, "placement.kind")
     if kind not in ("colocated", "split"):
         raise CaseError(f"case {name!r}: field 'placement.kind' must be colocated or split, got {kind!r}")
-    if _field(case, "published.step_s") <= 0:
-        raise CaseError(f"case {name!r}: field 'published.step_s' must be > 0")
+    _number(case, "published.step_s")
     n = case["devices"]
     sides = [case["placement"].get("generation") or {}, case["placement"].get("training") or {}]
+    for side, spec in zip(("generation", "training"), sides):
+        for axis in ("devices", "tp", "pp", "cp", "ep"):
+            if isinstance(spec, dict) and spec.get(axis) is not None:
+                _number(case, f"placement.{side}.{axis}", whole=True)
     if kind == "split" and sum(_field(case, f"placement.{s}.devices") for s in ("generation", "training")) != n:
         raise CaseError(f"case {name!r}: field 'placement': generation and training devices must add up to "
                         f"devices={n}")

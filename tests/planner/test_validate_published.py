@@ -102,6 +102,12 @@ published: {step_s: 60.0}
     ({"placement.generation.tp": 3}, "tp x pp x cp x ep = 3 does not divide its 8 devices"),
     ({"response_len.mean": None}, "field 'response_len.mean' is missing and the case has no pair"),
     ({"placement.generation.cuda_graphs": "no"}, "field 'placement.generation.cuda_graphs' must be true or false"),
+    ({"published.step_s": "fast"}, "field 'published.step_s' must be a number > 0, got 'fast'"),
+    ({"prompt_len.mean": -1}, "field 'prompt_len.mean' must be a number > 0"),
+    ({"placement.training.tp": "two"}, "field 'placement.training.tp' must be a whole number > 0, got 'two'"),
+    ({"placement.generation.devices": "8"}, "field 'placement.generation.devices' must be a whole number > 0"),
+    ({"response_len.max": 10_000}, "field 'response_len.max': prompt_len.mean + response_len.max = 10128 tokens is "
+                                   "past llama3-8b's 8192 positions"),
 ])
 def test_a_bad_case_is_one_line_naming_the_case_and_the_field(script, tmp_path, capsys, changes, words):
     path = tmp_path / "cases.yaml"
