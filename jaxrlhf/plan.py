@@ -33,6 +33,7 @@ from jaxrlhf import config as cfglib
 from jaxrlhf.errors import run_cli
 from jaxrlhf.planner.budget import budget_line
 from jaxrlhf.planner.hardware import GB
+from jaxrlhf.planner.plan import seconds_text
 from jaxrlhf.planner.search import DEFAULT_EVALUATIONS, DEFAULT_ITERATIONS, SearchResult
 from jaxrlhf.planner.simulator import Timeline
 from jaxrlhf.run import planning
@@ -176,7 +177,7 @@ def question_hash(args: argparse.Namespace, cfg: cfglib.Config, devices: int, ha
 # ---- output ----------------------------------------------------------------------------------
 
 def _fmt_s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g} s"
+    return "-" if x is None else f"{seconds_text(x)} s"
 
 
 def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: SearchResult | None = None,
@@ -204,10 +205,10 @@ def report_text(res: SearchResult, devices: int, hardware: str, unstreamed: Sear
         if isinstance(p, str):
             lines.append(f"  {name:14s} n/a   ({p})")
         elif p.feasible:
-            lines.append(f"  {name:14s} {p.step_s:.3g} s  ({p.step_s / best.step_s:.2f}x searched)")
+            lines.append(f"  {name:14s} {seconds_text(p.step_s)} s  ({p.step_s / best.step_s:.2f}x searched)")
         else:
             lines.append(f"  {name:14s} infeasible ({p.reason})")
-    lines.append(f"  {'searched':14s} {best.step_s:.3g} s")
+    lines.append(f"  {'searched':14s} {seconds_text(best.step_s)} s")
     lines.append(async_line(res) if unstreamed is None else streamed_line(res, unstreamed))
     if budget_line(res):
         lines.append(budget_line(res))
@@ -254,7 +255,7 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
 
             group = plan.groups[placement.group]
             t = {layout: call_cost(call, cfg, group, layout, wl_of[layout], hw).seconds for layout in (lay, whole)}
-            verdict = f"fits; estimated {t[whole]:.3g} s there against {t[lay]:.3g} s with the context axis"
+            verdict = f"fits; estimated {seconds_text(t[whole])} s there against {seconds_text(t[lay])} s with the context axis"
         lines.append(f"  {name}: its {wl.seq_len}-token sequences over {lay.context} devices (context "
                      f"{lay.context}) need {need[lay] / GiB:.1f} GiB per device; whole on one device "
                      f"({whole}) they need {need[whole] / GiB:.1f} GiB of {hw.usable_memory / GiB:.1f} usable: "
@@ -290,7 +291,7 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
         cost = call_cost(call, cfg, group, lay, call_wl, hw)
         comm = cost.parts.get("expert_comm", 0.0)
         head = (f"  {name}: {cfg.num_experts} experts over {lay.expert} devices ({cfg.num_experts // lay.expert} "
-                f"each): {cost.seconds:.3g} s, of which the expert axis' token gathers and scatters {comm:.3g} s, "
+                f"each): {seconds_text(cost.seconds)} s, of which the expert axis' token gathers and scatters {seconds_text(comm)} s, "
                 f"{need[lay] / GiB:.1f} GiB per device alone; ")
         if layout_misfit(other, cfg, wl.call_batch(call.kind), kind=call.kind):
             lines.append(head + f"{other} cannot run this call")
@@ -299,7 +300,7 @@ def expert_lines(res: SearchResult, run_setup: Any) -> list[str]:
                          f"{hw.usable_memory / GiB:.1f} usable: does not fit")
         else:
             t = call_cost(call, cfg, group, other, call_wl, hw).seconds
-            lines.append(head + f"without the expert axis ({other}) {t:.3g} s and {need[other] / GiB:.1f} GiB")
+            lines.append(head + f"without the expert axis ({other}) {seconds_text(t)} s and {need[other] / GiB:.1f} GiB")
     return ["", "expert parallelism:", *lines] if lines else []
 
 
@@ -312,9 +313,9 @@ def async_line(res: SearchResult) -> str:
         return "asynchronous: only plans with the generator ahead of the trainer fit"
     # the search writes the eta it chose on the plan when the budget left it a choice; else it is 1
     ahead = f" (generator ahead, eta = {res.best.plan.staleness or 1})" if res.best.plan.offpolicy else " (on-policy)"
-    return (f"asynchronous vs synchronous: best plan {res.best.step_s:.3g} s/step"
+    return (f"asynchronous vs synchronous: best plan {seconds_text(res.best.step_s)} s/step"
             f"{ahead}, best on-policy plan "
-            f"{res.best_sync.step_s:.3g} s/step: predicted gain {res.async_gain:.2f}x")
+            f"{seconds_text(res.best_sync.step_s)} s/step: predicted gain {res.async_gain:.2f}x")
 
 
 def streamed_line(res: SearchResult, unstreamed: SearchResult) -> str:
@@ -322,8 +323,8 @@ def streamed_line(res: SearchResult, unstreamed: SearchResult) -> str:
     plan of the same run without a stream and without a staleness budget."""
     how = "the generator ahead, decoding during training" if res.best.plan.offpolicy else \
         "the stream refilled ahead, decoding between updates"
-    return (f"partial rollouts vs synchronous: best streamed plan {res.best.step_s:.3g} s/step ({how}), "
-            f"best synchronous plan {unstreamed.best.step_s:.3g} s/step: predicted gain "
+    return (f"partial rollouts vs synchronous: best streamed plan {seconds_text(res.best.step_s)} s/step ({how}), "
+            f"best synchronous plan {seconds_text(unstreamed.best.step_s)} s/step: predicted gain "
             f"{unstreamed.best.step_s / res.best.step_s:.2f}x")
 
 
@@ -446,7 +447,7 @@ def _main(argv: Sequence[str]) -> int:
     os.makedirs(out, exist_ok=True)
     res.best.plan.save(os.path.join(out, "plan.yaml"))
     draw_timeline(res.best.timeline, os.path.join(out, "timeline.png"),
-                  title=f"searched plan: {res.best.step_s:.3g} s/step on {devices} x {hw.name}")
+                  title=f"searched plan: {seconds_text(res.best.step_s)} s/step on {devices} x {hw.name}")
     answer = report_json(res, cfg.algorithm.name, unstreamed) | {"out": out}
     text = (f"algorithm: {cfg.algorithm.name}; calls: {', '.join(graph.names)}\n"
             f"{report_text(res, devices, hw.name, unstreamed, run_setup)}\n")

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jaxrlhf.plan import main as plan_main  # noqa: E402
+from jaxrlhf.planner.plan import seconds_text  # noqa: E402
 
 QUESTIONS: dict[str, list[str]] = {
     # the three questions that said "no plan fits" before the search chose the memory knobs
@@ -102,8 +103,8 @@ def main() -> None:
                "presets": presets, "sync_step_s": answer.get("sync_step_s"), "gain": gain,
                "evaluations": answer.get("evaluations"), "plan": answer["searched"]["plan"], "search_s": took}
         rows.append(row)
-        cell = lambda v: f"{v:10.3g}" if v else f"{'n/a':>10}"  # noqa: E731
-        print(f"{name:40s} {step:9.3g} " + " ".join(cell(presets[p]) for p in PRESETS)
+        cell = lambda v: f"{seconds_text(v):>10}" if v else f"{'n/a':>10}"  # noqa: E731
+        print(f"{name:40s} {seconds_text(step):>9} " + " ".join(cell(presets[p]) for p in PRESETS)
               + f" {cell(row['sync_step_s'])[1:]} {gain or 1:6.2f} {row['evaluations'] or 0:6d} {took:9.1f}",
               flush=True)
     if args.json:

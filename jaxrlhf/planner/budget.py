@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from jaxrlhf.planner.plan import PlanError
+from jaxrlhf.planner.plan import PlanError, seconds_text
 from jaxrlhf.planner.workload import Workload
 
 BUDGET_SPLITS = (2, 4, 8)  # candidate budgets: an update's drawn tokens over these (about that many micro-batches)
@@ -86,7 +86,7 @@ def budget_line(res) -> str | None:
     if not getattr(res, "token_budgets", ()):
         return None
     name = lambda b: "none" if b is None else f"{b}"  # noqa: E731
-    tried = ", ".join(f"{name(b)}: {'does not fit' if s is None else f'{s:.3g} s'}" for b, s in res.token_budgets)
+    tried = ", ".join(f"{name(b)}: {'does not fit' if s is None else f'{seconds_text(s)} s'}" for b, s in res.token_budgets)
     chosen = res.best.plan.token_budget
     what = f"{chosen} tokens per micro-batch" if chosen else "none (one micro-batch per update)"
     return f"token budget (algorithm.max_tokens_per_micro_batch unset): {what}, the fastest that fits of {tried}"

@@ -137,7 +137,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
     here as in `python -m jaxrlhf.plan`. The plan is validated once, before the memory model reads it.
     Needs only model dimensions, so realistic configs can be planned without weights or devices.
     """
-    from jaxrlhf.planner.plan import ExecutionPlan, PlanError
+    from jaxrlhf.planner.plan import ExecutionPlan, PlanError, seconds_text
     from jaxrlhf.planner.plan import validate as validate_plan
     from jaxrlhf.planner.presets import build_plan
 
@@ -151,7 +151,7 @@ def plan_for(cfg: cfglib.Config, algorithm, model_configs: Mapping[str, Any], nu
         result = search_plan(cfg, algorithm, models, num_devices, hw, cache_dir=plan_cache_dir(cfg))
         how = (f"the search kept in {result.kept_in} ({result.evaluations} plans, {result.seconds:.1f} s when it ran)"
                if result.kept_in else f"searched {result.evaluations} plans in {result.seconds:.1f} s")
-        print(f"plan.strategy=auto: {how} (estimated step {result.best.step_s:.3g} s on {num_devices} x {hw.name})"
+        print(f"plan.strategy=auto: {how} (estimated step {seconds_text(result.best.step_s)} s on {num_devices} x {hw.name})"
               + (" (the wall-clock safety net stopped it)" if result.budget_hit else ""), flush=True)
         plan = result.best.plan
     else:
@@ -286,7 +286,7 @@ def continuous_engine_hint(cfg: cfglib.Config, wl: Any, graph: Any, error: Any,
     pool of rows decoding at once is the planner's to size (`planner.knobs`): the setting to name and the plan
     it gives, or None (not that case, or nothing fits that way either). The engine stays the config's: the run
     executes the engine its config names, so the planner names the key rather than pricing what would not run."""
-    from jaxrlhf.planner.plan import PlanError
+    from jaxrlhf.planner.plan import PlanError, seconds_text
     from jaxrlhf.planner.workload import AUTO
 
     if wl.gen_engine != "static" or wl.multi_turn or error.largest_call not in graph.names \
@@ -302,7 +302,7 @@ def continuous_engine_hint(cfg: cfglib.Config, wl: Any, graph: Any, error: Any,
     plan = res.best.plan
     return (f"generation is what overflows: the static engine holds every row's KV cache at once, and with "
             f"generation.engine=continuous (a pool of {plan.gen_slots} rows decoding at once, the planner's choice) "
-            f"a plan fits at {res.best.step_s:.3g} s/step: set generation.engine=continuous")
+            f"a plan fits at {seconds_text(res.best.step_s)} s/step: set generation.engine=continuous")
 
 
 def plan_cache_dir(cfg: cfglib.Config) -> str | None:

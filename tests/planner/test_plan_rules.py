@@ -33,3 +33,10 @@ def test_layout_misfit_messages():
     assert groups.layout_misfit(Layout(tensor=2, fsdp=4), cfg, 8) is None
     assert "tensor=4 does not divide num_kv_heads=2" in groups.layout_misfit(Layout(tensor=4), cfg)
     assert "batch size 6 is not divisible by data*fsdp = 4" in groups.layout_misfit(Layout(fsdp=4), cfg, 6)
+
+
+@pytest.mark.parametrize("seconds, text", [(4010.26, "4,010"), (12345.6, "12,346"), (999.4, "999"), (101.4, "101"),
+                                           (5.92, "5.92"), (0.0388, "0.0388")])
+def test_times_print_as_a_reader_takes_them(seconds, text):
+    # a step of 4,010 s printed as "4.01e+03 s" in the step table and the static engine's hint
+    assert groups.seconds_text(seconds) == text
