@@ -380,7 +380,25 @@ class ExecutionPlan:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)))
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        idle = self.idle_devices()
+        if idle:
+            spans = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in idle)
+            count = sum(b - a + 1 for a, b in idle)
+            lines.append(f"devices {spans} idle ({count} of {self.num_devices}): no call of this plan runs there")
         return "\n".join(lines)
+
+    def idle_devices(self) -> list[tuple[int, int]]:
+        """The spans of devices (first, last) that no call's group covers: a device count the calls' rows
+        cannot split over (1,000 devices, batches of powers of two) leaves some unused, which the plan says."""
+        used = sorted((g.start, g.stop) for g in (self.groups.get(p.group) for p in self.calls.values()) if g)
+        spans, at = [], 0
+        for start, stop in used:
+            if start > at:
+                spans.append((at, start - 1))
+            at = max(at, stop)
+        if at < self.num_devices:
+            spans.append((at, self.num_devices - 1))
+        return spans
 
 
 # ---- device groups and hosts ----------------------------------------------------------

@@ -40,3 +40,16 @@ def test_layout_misfit_messages():
 def test_times_print_as_a_reader_takes_them(seconds, text):
     # a step of 4,010 s printed as "4.01e+03 s" in the step table and the static engine's hint
     assert groups.seconds_text(seconds) == text
+
+
+def test_a_plan_says_which_devices_it_leaves_idle():
+    # 1,000 H100 for batches of powers of two: the searched plan ran on devices 0-511 and its table said
+    # "searched on 1000 devices" with no word of the other 488
+    lay = Layout(data=8)
+    plan = groups.ExecutionPlan("searched", 12, {"a": DeviceGroup("a", 0, 8), "b": DeviceGroup("b", 9, 1)},
+                                {"actor.generate": groups.Placement("a", lay), "actor.train": groups.Placement("b", Layout())})
+    assert plan.idle_devices() == [(8, 8), (10, 11)]
+    assert "devices 8, 10-11 idle (3 of 12): no call of this plan runs there" in plan.table()
+    everywhere = groups.ExecutionPlan("searched", 8, {"a": DeviceGroup("a", 0, 8)},
+                                      {"actor.generate": groups.Placement("a", lay)})
+    assert everywhere.idle_devices() == [] and "idle" not in everywhere.table()
