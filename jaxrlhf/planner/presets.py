@@ -39,6 +39,7 @@ from jaxrlhf.registry import Registry
 
 if TYPE_CHECKING:
     from jaxrlhf.planner.hardware import HardwareProfile
+    from jaxrlhf.planner.memory import MemoryReport
     from jaxrlhf.planner.workload import Workload
 
 Builder = Callable[..., ExecutionPlan]
@@ -400,13 +401,15 @@ def heuristic(n, models, graph, *, batch_size=None, devices_per_host=None, workl
     plan = make()
     if workload is None or hardware is None:
         return plan
+    closest: tuple[float, str, str] | None = None
     while True:
         mem = plan_fit(plan, graph, models, workload, hardware)[1]
         if mem.feasible:
             return _tuned(make, [(rung, r, len(ladders[r])) for r in graph.roles], graph, models, workload, hardware)
+        closest = _closer(closest, mem, {r: ladders[r][rung[r]] for r in graph.roles})
         climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
         if not climbable:
-            raise PlanError(f"heuristic: does not fit even with the most memory-saving layouts ({mem.reason})")
+            raise PlanError(f"heuristic: does not fit even with the most memory-saving layouts; {_closest_text(closest)}")
 
         def held(r: str) -> float:
             lay = ladders[r][rung[r]]
@@ -441,6 +444,22 @@ def _verl_ladder(cfg: ModelConfig, head: str, n: int, dph: int, batches: list[in
                    if c <= min(dph, n) and n % c == 0 and seq_len % c == 0 and cfg.hidden_size % (n // c) == 0]
     ladder = [lay for lay in ladder if all(layout_misfit(lay, cfg, b, seq_len=seq_len) is None for b in batches)]
     return sorted(ladder, key=lambda lay: (-params_per_device(cfg, head, lay), -lay.batch_ways))
+
+
+def _closer(closest: tuple[float, str, str] | None, mem: "MemoryReport", layouts: Mapping[str, Layout]
+            ) -> tuple[float, str, str]:
+    """The rung of a preset's climb nearest to fitting so far (its overflow, layouts and reason): the last rung
+    saves the most parameters but may hold the most activations (64 pipeline stages of one data shard), so
+    a preset that fits nowhere reports the closest, not the last."""
+    over = mem.max_peak - mem.capacity
+    if closest is not None and closest[0] <= over:
+        return closest
+    return over, ", ".join(f"{r} {lay}" for r, lay in layouts.items()), mem.reason or ""
+
+
+def _closest_text(closest: tuple[float, str, str]) -> str:
+    over, layouts, reason = closest
+    return f"the closest ({layouts}) is {over / 2**30:.1f} GiB over ({reason})"
 
 
 def _footprint(graph: CallGraph, role: str, cfg: ModelConfig, layout: Layout, workload: "Workload") -> float:
@@ -510,10 +529,12 @@ def verl(n, models, graph, *, batch_size=None, devices_per_host=None, workload=N
         return params_per_device(models[r], head, lay) + (
             optimizer_per_device(models[r], head, lay, workload, r) if graph.train_call(r) else 0.0)
 
+    closest: tuple[float, str, str] | None = None
     while not (mem := plan_fit(make(), graph, models, workload, hardware)[1]).feasible:
+        closest = _closer(closest, mem, {r: ladders[r][rung[r]] for r in graph.roles})
         climbable = [r for r in graph.roles if rung[r] + 1 < len(ladders[r])]
         if not climbable:
-            raise PlanError(f"verl: does not fit even with the most memory-saving layouts ({mem.reason})")
+            raise PlanError(f"verl: does not fit even with the most memory-saving layouts; {_closest_text(closest)}")
         rung[max(climbable, key=resident)] += 1
     return _tuned(make, [*((rung, r, len(ladders[r])) for r in graph.roles),
                          *((tp, c, len(rollouts[c])) for c in rollouts)], graph, models, workload, hardware)

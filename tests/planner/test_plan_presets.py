@@ -241,3 +241,27 @@ def test_verl_is_a_tuned_hybrid_engine_that_fits(size, n):
     if plan_memory(untuned, PPO_GRAPH, models, wl, hw).feasible:
         assert estimate_plan(plan, PPO_GRAPH, models, wl, hw).step_s <= \
             estimate_plan(untuned, PPO_GRAPH, models, wl, hw).step_s
+
+
+@pytest.mark.parametrize("strategy", ["heuristic", "verl"])
+def test_an_expert_preset_that_fits_nowhere_reports_its_closest_rung(strategy):
+    """Climbing a preset's ladder saves parameters but may add activations (Qwen3-32B on 512 v5e: the
+    heuristic's 64 pipeline stages held 924 GiB of one data shard's hidden states, its first rung 36 GiB),
+    so the error reports the rung nearest to fitting, not the last one it tried."""
+    import types
+
+    from jaxrlhf.planner import presets
+    from jaxrlhf.planner.hardware import get_profile
+    from jaxrlhf.planner.workload import Workload
+
+    hw, models = get_profile("h100"), {r: preset("llama2-70b") for r in ROLES}
+    wl = Workload.from_tokens(2**17, 128, 128, micro_batch="auto")
+    with pytest.raises(PlanError, match=r"the closest \((actor|critic|ref|reward) d\S+(, (actor|critic|ref|reward) d\S+){3}\) "
+                                        r"is [\d.]+ GiB over \(out of memory on device"):
+        build_plan(strategy, 8, models, PPO_GRAPH, batch_size=wl.batch_size, devices_per_host=8,
+                   workload=wl, hardware=hw)
+    closest = None
+    for over, name in [(30, "first"), (10, "second"), (50, "last")]:
+        report = types.SimpleNamespace(max_peak=(80 + over) * 2**30, capacity=80 * 2**30, reason=f"{name} rung")
+        closest = presets._closer(closest, report, {"actor": Layout(data=8)})
+    assert presets._closest_text(closest) == "the closest (actor d8f1t1) is 10.0 GiB over (second rung)"
