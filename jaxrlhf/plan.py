@@ -414,10 +414,14 @@ def _main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     import dataclasses
 
+    from jaxrlhf.planner.search import NoPlanFits
     from jaxrlhf.run.assembly import Machine, setup
 
+    default_devices = None
     try:
         cfg = resolve_config(args, searching=True)
+        if args.devices is None and cfg.run.devices is None:  # the count nobody gave: say so where nothing fits
+            default_devices = Machine.described(cfg).devices
         # the algorithm's roles, graph and workload, declared: the planner needs no runtime and no JAX
         run_setup = setup(cfg, machine=Machine.described(cfg, args.devices), runtime=False)
         if args.inter_node_gbps is not None:
@@ -442,7 +446,10 @@ def _main(argv: Sequence[str]) -> int:
             unstreamed = sync_setup.search(time_budget_s=args.time_budget, iterations=args.iterations,
                                            evaluations=args.evaluations)
     except ValueError as e:  # ConfigError and PlanError are ValueErrors: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        default = (f"; this question assumed {default_devices} devices, the default where neither --devices nor "
+                   "run.devices gives a count: pass --devices with your cluster's"
+                   if isinstance(e, NoPlanFits) and default_devices else "")
+        print(f"error: {e}{default}", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
     res.best.plan.save(os.path.join(out, "plan.yaml"))

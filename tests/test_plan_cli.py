@@ -200,6 +200,12 @@ def test_a_model_too_big_for_the_devices_is_refused_with_what_it_needs(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("error: no plan fits on 8 x h100") and "use at least 16 devices" in err
     assert len(err.splitlines()) == 1
+    # nobody gave the 8 (a GPU config such as configs/qwen3-30b-a3b-gsm8k-grpo.yaml, written for two nodes, gives
+    # no count either): the error says the count was the default, and a count given is not called one
+    assert err.rstrip().endswith("this question assumed 8 devices, the default where neither --devices nor "
+                                 "run.devices gives a count: pass --devices with your cluster's")
+    assert main(["--model-preset", "llama2-70b", "--gen-len", "896", "--devices", "8", "--out", str(tmp_path)]) == 2
+    assert "the default" not in capsys.readouterr().err
 
 
 def test_a_staleness_budget_prints_the_predicted_async_gain(tmp_path, capsys):

@@ -866,7 +866,7 @@ def search(models: Mapping[str, ModelConfig], wl: Workload, hw: HardwareProfile,
         return kept
     if _cannot_fit(models, graph, wl, hw, num_devices):
         need = state_bytes(models, graph, wl)
-        raise PlanError(
+        raise NoPlanFits(
             f"no plan fits on {num_devices} x {hw.name}: the trained models and the largest state that can wait "
             "in host memory alone take "
             f"{need / 2**30:.0f} GiB and the devices hold {num_devices * hw.usable_memory / 2**30:.0f} GiB usable; "
