@@ -181,30 +181,37 @@ def test_kv_recompute_decodes_as_a_full_forward_of_the_new_weights():
 
 
 class _LateFuture(concurrent.futures.Future):
-    """A reward future whose first look after its scores are in still says "not done": scores seen a pass
-    late, as a process busy elsewhere sees them."""
+    """A reward future whose first `late_looks` looks after its scores are in still say "not done": scores
+    seen passes late, as a process busy elsewhere sees them."""
 
-    looked = False
+    late_looks = 1
 
     def done(self) -> bool:
-        if super().done() and not self.looked:
-            self.looked = True
+        if super().done() and self.late_looks:
+            self.late_looks -= 1
             return False
         return super().done()
 
 
 @pytest.mark.slow
-def test_scores_seen_a_pass_late_never_stop_the_stream(tmp_path, monkeypatch):
+@pytest.mark.parametrize("looks", [1, 3])
+def test_scores_seen_a_pass_late_never_stop_the_stream(tmp_path, monkeypatch, looks):
     """Dynamic sampling with reward workers, every score seen one look late: scores that come in after a
     pass checked its batch leave nothing decoding and nothing scoring while the batch is in fact
     complete, or short of a prompt its step may still admit; the stream looks again instead of stopping
-    with "nothing left to decode" (it did, here at step 1, and in a 2-process run in 2 of 3 runs)."""
+    with "nothing left to decode" (it did, here at step 1, and in a 2-process run in 2 of 3 runs).
+    Three looks late, the last group's scores come in between the pass's two checks of the batch (complete?
+    then another prompt wanted?): the first found it short, the second decided it complete and wanted none,
+    and the stream stopped (at step 1, "admitted 3 of up to 8 prompts for 2, 3 done, 3 decided, 2
+    informative"; once in a loaded CI run of the 2-process DAPO test, where another process's workers
+    finished between the checks)."""
     from jaxrlhf.rewards.pool import RewardPool
 
     submit = RewardPool.submit
 
     def late_submit(self, *args, **kwargs):
         late = _LateFuture()
+        late.late_looks = looks
         submit(self, *args, **kwargs).add_done_callback(lambda f: late.set_result(f.result()))
         return late
 

@@ -214,6 +214,19 @@ class StreamingGenerator:
         decided = len(drawn.informative) == drawn.admitted
         return decided and (sum(drawn.informative.values()) >= self.prompts or drawn.admitted == self.pool_prompts)
 
+    def _progress(self, drawn: _Drawn | None) -> str:
+        """Where the stream stands, for an error that should not happen: what the step admitted, finished and
+        decided, and what the stream holds (a multi-process DAPO run with reward workers stopped once, in a
+        loaded CI run, with its batch incomplete and nothing in flight; this says how the next one does)."""
+        stream = (f"{self.spec.groups - self.free} of {self.spec.groups} group slots in flight, "
+                  f"{len(self.in_stream)} groups in the stream's index, weights version {self.version}, "
+                  f"next step to draw {self.next_step}")
+        if drawn is None:
+            return f"the step not drawn; {stream}"
+        kept = sum(drawn.informative.values())
+        return (f"admitted {drawn.admitted} of up to {self.pool_prompts} prompts for {self.prompts}, {len(drawn.done)} "
+                f"done, {len(drawn.informative)} decided, {kept} informative; {stream}")
+
     def _group_parts(self, drawn: _Drawn, i: int) -> list[dict[str, float]] | None:
         """Prompt i's rows' rule components, or None while a worker still scores one."""
         rows = range(i * self.group, (i + 1) * self.group)
@@ -362,15 +375,21 @@ class StreamingGenerator:
             if self._decode_chunk():
                 continue
             # Nothing in flight. Scores that came in since this pass looked may have decided groups: the
-            # batch is then complete, or its step wants another prompt (admitted on the next pass).
-            if drawn is not None and self.dynamic and (self._complete(drawn) or self._wanted(drawn) > 0):
-                continue
+            # batch is then complete, or its step wants another prompt (admitted on the next pass). Each of
+            # the two checks decides what scores are in by then, so a group decided by the second (another
+            # process's workers finishing between them) can complete a batch the first found short: any
+            # group decided here sends the loop round again, to look at the batch as it now stands.
+            if drawn is not None and self.dynamic:
+                decided = len(drawn.informative)
+                if self._complete(drawn) or self._wanted(drawn) > 0 or len(drawn.informative) != decided:
+                    continue
             scoring = [] if drawn is None else [f for f, _ in drawn.scores.values() if not f.done()]
             # A group whose scores came in after it was last classified (unscored then) is decided on the
             # next pass: no reason to stop either. Both flags are read alike on every process.
             undecided = drawn is not None and any(i not in drawn.informative for i in drawn.done)
             if not (self.dynamic and any_process_at("stream/scoring", bool(scoring) or undecided)):
-                raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete")
+                raise RuntimeError(f"step {step}: nothing left to decode, but its batch is not complete "
+                                   f"({self._progress(drawn)})")
             t1 = time.perf_counter()  # dynamic sampling: the next admissions wait for these scores
             concurrent.futures.wait(scoring, return_when=concurrent.futures.FIRST_COMPLETED)
             drawn.blocked_s += time.perf_counter() - t1
