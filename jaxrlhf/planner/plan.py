@@ -152,13 +152,13 @@ class Execution:
         return self.remat.get(role, "none")
 
 
-@functools.lru_cache(maxsize=4096)
 def seconds_text(seconds: float) -> str:
     """A time as a reader takes it: three significant digits, and whole seconds with thousands separators from
     1,000 s on (4,010, not 4.01e+03)."""
     return f"{seconds:,.0f}" if abs(seconds) >= 1000 else f"{seconds:.3g}"
 
 
+@functools.lru_cache(maxsize=4096)
 def home_call_of(calls: tuple[str, ...], role: str) -> str:
     """Of the call names `calls`, the one holding `role`'s parameters: its train call if it has one,
     else its first call."""
