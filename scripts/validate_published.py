@@ -157,10 +157,11 @@ def check_case(case: dict) -> None:
     for key in ("response_len.mean", "response_len.sigma"):
         if _field_or_none(case, key) is not None:
             _number(case, key)
-    positions = PRESETS.get(case["models"]["actor"]).max_position_embeddings
+    actor = _field(case, "models.actor")
+    positions = PRESETS.get(actor).max_position_embeddings
     if int(prompt) + cap > positions:
         raise CaseError(f"case {name!r}: field 'response_len.max': prompt_len.mean + response_len.max = "
-                        f"{int(prompt) + cap} tokens is past {case['models']['actor']}'s {positions} positions")
+                        f"{int(prompt) + cap} tokens is past {actor}'s {positions} positions")
     kind = _field(case, "placement.kind")
     if kind not in ("colocated", "split"):
         raise CaseError(f"case {name!r}: field 'placement.kind' must be colocated or split, got {kind!r}")

@@ -102,6 +102,7 @@ published: {step_s: 60.0}
     ({"placement.generation.tp": 3}, "tp x pp x cp x ep = 3 does not divide its 8 devices"),
     ({"response_len.mean": None}, "field 'response_len.mean' is missing and the case has no pair"),
     ({"placement.generation.cuda_graphs": "no"}, "field 'placement.generation.cuda_graphs' must be true or false"),
+    ({"models.actor": None}, "case 'toy': missing field 'models.actor'"),
     ({"published.step_s": "fast"}, "field 'published.step_s' must be a number > 0, got 'fast'"),
     ({"prompt_len.mean": -1}, "field 'prompt_len.mean' must be a number > 0"),
     ({"placement.training.tp": "two"}, "field 'placement.training.tp' must be a whole number > 0, got 'two'"),
