@@ -244,8 +244,8 @@ def context_lines(res: SearchResult, run_setup: Any) -> list[str]:
         cfg = run_setup.models[call.role]
         whole = Layout(lay.data * lay.context, lay.fsdp, lay.tensor, lay.stage)
         # the whole-sequence layout packs its own batch: more shards than a packing shared with other calls has
-        wl_of = {lay: chosen_workload(res, wl, call), whole: dataclasses.replace(chosen_workload(res, wl, call),
-                                                                                 packing=None)}
+        own = chosen_workload(res, wl, call)
+        wl_of = {lay: own, whole: dataclasses.replace(own, packing=None)}
         need = {layout: sum(working_set(call, cfg, layout, wl_of[layout]).values())
                 + params_per_device(cfg, call.head, layout) for layout in (lay, whole)}
         if need[whole] > hw.usable_memory:
@@ -420,10 +420,10 @@ def _main(argv: Sequence[str]) -> int:
     default_devices = None
     try:
         cfg = resolve_config(args, searching=True)
-        if args.devices is None and cfg.run.devices is None:  # the count nobody gave: say so where nothing fits
-            default_devices = Machine.described(cfg).devices
         # the algorithm's roles, graph and workload, declared: the planner needs no runtime and no JAX
         run_setup = setup(cfg, machine=Machine.described(cfg, args.devices), runtime=False)
+        if args.devices is None and cfg.run.devices is None:  # the count nobody gave: say so where nothing fits
+            default_devices = run_setup.machine.devices
         if args.inter_node_gbps is not None:
             hw = run_setup.hardware.with_inter_host_bandwidth(_bandwidth_gbps(args.inter_node_gbps) * GB / 8)
             run_setup = dataclasses.replace(run_setup, hardware=hw)
